@@ -1,0 +1,55 @@
+"""HybridAttnBackend: one backend for prefill-like modes, another for decode (DESIGN 3.5)."""
+
+from __future__ import annotations
+
+from plait.attention.base import AttentionBackend
+from plait.forward_batch import ForwardBatch, ForwardMode
+
+
+def select_half(mode: ForwardMode, speculative_attention_mode: str) -> str:
+    """'prefill' or 'decode': the one rule for which half serves a forward mode."""
+    if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+        return "decode"
+    if mode == ForwardMode.TARGET_VERIFY:
+        return "decode" if speculative_attention_mode == "decode" else "prefill"
+    return "prefill"
+
+
+class HybridAttnBackend(AttentionBackend):
+    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend,
+                 speculative_attention_mode: str = "prefill") -> None:
+        super().__init__(prefill.req_to_token_pool, prefill.kv_pool)
+        if speculative_attention_mode not in ("prefill", "decode"):
+            raise ValueError(
+                f"speculative_attention_mode must be 'prefill' or 'decode', got {speculative_attention_mode!r}"
+            )
+        self.prefill_backend = prefill
+        self.decode_backend = decode
+        self.speculative_attention_mode = speculative_attention_mode
+        self.name = f"hybrid(prefill={prefill.name},decode={decode.name})"
+
+    def _select(self, fb: ForwardBatch) -> AttentionBackend:
+        half = select_half(fb.forward_mode, self.speculative_attention_mode)
+        return self.decode_backend if half == "decode" else self.prefill_backend
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        self._select(fb).init_forward_metadata_out_graph(fb, in_capture)
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        self._select(fb).init_forward_metadata_in_graph(fb)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        # Graphs capture decode-like modes, which the decode half serves.
+        self.decode_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.decode_backend.get_cuda_graph_seq_len_fill_value()
+
+    def forward(self, q, k, v, layer, fb, save_kv_cache=True):
+        return self._select(fb).forward(q, k, v, layer, fb, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        return self.decode_backend.forward_decode(q, k, v, layer, fb, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
+        return self.prefill_backend.forward_extend(q, k, v, layer, fb, save_kv_cache)

@@ -1,0 +1,72 @@
+"""Attention backend registry: name -> factory returning ``(effective_name, backend)``.
+
+A leaf answers the kernel it actually built, so an alias or a host-dependent choice is named by
+what it built (DESIGN 3.5). ``create_attention_backend`` builds the serving backend for a
+(prefill, decode) pair: one backend when both halves agree, else a HybridAttnBackend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from plait.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
+
+BackendFactory = Callable[["ReqToTokenPool", "MHATokenToKVPool"], tuple[str, AttentionBackend]]
+
+_REGISTRY: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    def wrap(factory: BackendFactory) -> BackendFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def registered_backends() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+@register_backend("torch_native")
+def _torch_native(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> tuple[str, AttentionBackend]:
+    from plait.attention.torch_native import TorchNativeAttnBackend
+
+    return "torch_native", TorchNativeAttnBackend(req_to_token_pool, kv_pool)
+
+
+@register_backend("triton")
+def _triton(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> tuple[str, AttentionBackend]:
+    if kv_pool.k_buffer[0].device.type != "cuda":
+        raise RuntimeError(
+            "attention backend 'triton' needs a CUDA device; on the CPU use --attention-backend torch_native"
+        )
+    from plait.attention.triton_backend import TritonAttnBackend
+
+    return "triton", TritonAttnBackend(req_to_token_pool, kv_pool)
+
+
+def build_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> AttentionBackend:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; registered: {registered_backends()}")
+    effective, backend = _REGISTRY[name](req_to_token_pool, kv_pool)
+    backend.name = effective
+    return backend
+
+
+def create_attention_backend(
+    pair: tuple[str, str], req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,
+    speculative_attention_mode: str = "prefill",
+) -> AttentionBackend:
+    prefill_name, decode_name = pair
+    prefill = build_backend(prefill_name, req_to_token_pool, kv_pool)
+    if decode_name == prefill_name:
+        return prefill
+    from plait.attention.hybrid import HybridAttnBackend
+
+    decode = build_backend(decode_name, req_to_token_pool, kv_pool)
+    return HybridAttnBackend(prefill, decode, speculative_attention_mode)

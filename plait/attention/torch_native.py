@@ -1,0 +1,90 @@
+"""Reference attention backend in plain PyTorch: exact, slow, runs anywhere.
+
+It gathers each request's K/V from the paged cache through ``req_to_token`` and computes attention
+in float32. It is the correctness reference for the Triton kernels and the CPU backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
+from plait.forward_batch import ForwardBatch
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+            scaling: float, logit_cap: float) -> torch.Tensor:
+    """q [n, Hq, D], k/v [m, Hkv, D], allowed [n, m] bool or None -> [n, Hq, D] in q's dtype."""
+    group = q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [Hq, n, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, m, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scaling
+    if logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    name = "torch_native"
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        # Everything this backend needs is on the batch (host lists included); nothing to plan.
+        return None
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        return None
+
+    def _kv_of(self, layer: AttentionLayer, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.req_to_token_pool.req_to_token[row, :length].long()
+        return (self.kv_pool.get_key_buffer(layer.layer_id)[slots],
+                self.kv_pool.get_value_buffer(layer.layer_id)[slots])
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+        if save_kv_cache:
+            self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        mask = custom_mask_of(fb)
+        rows = fb.req_pool_indices.tolist()
+        out = torch.empty_like(q)
+        start, mask_start = 0, 0
+        for i, (ext, pre) in enumerate(zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, strict=True)):
+            # Prefix from the cache, new tokens from k/v (correct with save_kv_cache=False too).
+            pk, pv = self._kv_of(layer, rows[i], pre)
+            keys = torch.cat([pk.to(k.dtype), k[start : start + ext]])
+            vals = torch.cat([pv.to(v.dtype), v[start : start + ext]])
+            if mask is not None:
+                allowed = mask[mask_start : mask_start + ext * (pre + ext)].view(ext, pre + ext).bool()
+                mask_start += ext * (pre + ext)
+            else:
+                qpos = torch.arange(ext, device=q.device).unsqueeze(1) + pre
+                allowed = torch.arange(pre + ext, device=q.device).unsqueeze(0) <= qpos
+            out[start : start + ext] = _attend(q[start : start + ext], keys, vals, allowed,
+                                               layer.scaling, layer.logit_cap)
+            start += ext
+        return out.view(-1, hq * d)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+        if save_kv_cache:
+            self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        # One padded gather for the whole batch: rows shorter than the longest are masked.
+        max_len = max(fb.seq_lens_cpu)
+        slots = self.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()  # [bs, L]
+        keys = self.kv_pool.get_key_buffer(layer.layer_id)[slots]  # [bs, L, Hkv, D]
+        vals = self.kv_pool.get_value_buffer(layer.layer_id)[slots]
+        valid = torch.arange(max_len, device=q.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)  # [bs, L]
+        group = hq // hkv
+        qf = q.float().view(-1, hkv, group, d)
+        scores = torch.einsum("bhgd,blhd->bhgl", qf, keys.float()) * layer.scaling
+        if layer.logit_cap > 0:
+            scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgl,blhd->bhgd", torch.softmax(scores, dim=-1), vals.float())
+        return out.reshape(-1, hq * d).to(q.dtype)

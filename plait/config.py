@@ -1,0 +1,128 @@
+"""Engine configuration: frozen dataclasses validated at construction.
+
+Every field has one meaning and one validator; an invalid value raises ``ValueError`` naming the
+field, the limit and what to change. Nothing mutates a config after construction: derive a new one
+with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+ATTENTION_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
+DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. ``model`` is a Hugging Face checkpoint directory."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    # Attention: one base field plus optional per-phase overrides (DESIGN 3.5). Decision code reads
+    # ``attention_backends()``, never ``attention_backend`` directly.
+    attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    # Memory
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    max_running_requests: int = 256
+    context_length: int | None = None
+    disable_radix_cache: bool = False
+    # Scheduling
+    # Prefill tokens per step (decode tokens of running requests come on top); longer prompts are
+    # split into chunks of at most this many tokens.
+    chunked_prefill_size: int = 8192
+    schedule_conservativeness: float = 1.0
+    # GPU fast path (issue 3); accepted on the CPU and ignored there.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    disable_overlap_schedule: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "model must be a checkpoint directory path, got an empty value")
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(
+            self.load_format in LOAD_FORMATS,
+            f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            value = getattr(self, name)
+            _check(
+                value is None or value in ATTENTION_BACKENDS,
+                f"{name} must be one of {ATTENTION_BACKENDS} (or unset), got {value!r}",
+            )
+        _check(
+            0.0 < self.mem_fraction_static < 1.0,
+            f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
+        )
+        _check(
+            self.max_total_tokens is None or self.max_total_tokens >= 16,
+            f"max_total_tokens must be >= 16 (or unset to size from memory), got {self.max_total_tokens}",
+        )
+        _check(
+            self.max_running_requests >= 1,
+            f"max_running_requests must be >= 1, got {self.max_running_requests}",
+        )
+        _check(
+            self.context_length is None or self.context_length >= 2,
+            f"context_length must be >= 2 (or unset to use the model's), got {self.context_length}",
+        )
+        _check(
+            self.chunked_prefill_size >= 1,
+            f"chunked_prefill_size must be >= 1 token, got {self.chunked_prefill_size}",
+        )
+        _check(
+            self.schedule_conservativeness > 0,
+            f"schedule_conservativeness must be > 0, got {self.schedule_conservativeness}",
+        )
+        _check(
+            self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+            f"cuda_graph_max_bs must be >= 1 (or unset for the default), got {self.cuda_graph_max_bs}",
+        )
+
+    def attention_backends(self) -> tuple[str, str]:
+        """The (prefill, decode) backend pair: each the phase-specific flag or else the base field.
+
+        An unset base resolves by device: ``triton`` on CUDA, ``torch_native`` elsewhere.
+        """
+        base = self.attention_backend or ("triton" if self.resolved_device() == "cuda" else "torch_native")
+        return (self.prefill_attention_backend or base, self.decode_attention_backend or base)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown keys with the list of known ones."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {unknown}; known options: {sorted(cls.field_names())}"
+            )
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,166 @@
+"""Engine: the offline API. Tokenizes and validates in the caller's thread, then drives the
+scheduler in-process until the requests it was given finish.
+
+    with plait.Engine(model="/path/to/checkpoint") as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        print(out.text)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from plait.config import EngineConfig
+from plait.engine.outputs import RequestOutput, StreamChunk
+from plait.executor.model_runner import ModelRunner
+from plait.models.loader import load_model_config
+from plait.sampling import SamplingParams
+from plait.scheduler.detokenizer import IncrementalDetokenizer
+from plait.scheduler.req import Req
+from plait.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+ParamsLike = SamplingParams | Mapping[str, Any] | None
+
+
+def to_sampling_params(params: ParamsLike) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    return SamplingParams.from_dict(params)
+
+
+class Engine:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        if model is None:
+            from plait.testing import demo_model_path
+
+            model = str(demo_model_path())
+            logger.info("no model given: using the built-in demo model at %s (random weights)", model)
+        self.config = EngineConfig.from_kwargs(model=model, **options)
+        device = self.config.resolved_device()
+        self.model_config = load_model_config(model, self.config.dtype, device, self.config.context_length)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model)
+        self.runner = ModelRunner(self.config, self.model_config)
+        self.scheduler = Scheduler(self.config, self.runner)
+        self._seed_rng = random.Random(self.config.seed)
+        self._closed = False
+
+    # --- requests ---------------------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("prompt must not be empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"input_ids must be in [0, {vocab}) (the vocabulary size); got {bad[:5]}")
+        return ids
+
+    def make_request(self, prompt: Prompt, params: ParamsLike = None, rid: str | None = None) -> Req:
+        """Tokenize and validate; raises ValueError naming the field and the limit. Nothing is
+        scheduled here, so a bad request affects no other."""
+        sp = to_sampling_params(params)
+        sp.validate_against(self.model_config.vocab_size)
+        ids = self._tokenize(prompt)
+        limit = self.scheduler.max_request_tokens
+        if len(ids) + sp.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt tokens ({len(ids)}) + max_new_tokens ({sp.max_new_tokens}) = "
+                f"{len(ids) + sp.max_new_tokens} exceeds the limit of {limit} tokens "
+                f"(context length {self.runner.max_context_len}, KV pool {self.runner.max_total_tokens})"
+            )
+        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, sp.stop, sp.skip_special_tokens)
+        return Req(rid=rid or uuid.uuid4().hex, origin_input_ids=ids, sampling_params=sp, seed=seed,
+                   detokenizer=detok)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsLike | Sequence[ParamsLike] = None,
+                 ) -> RequestOutput | list[RequestOutput]:
+        """One prompt (text or token ids) -> one RequestOutput; a list of prompts -> a list."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int))
+        prompt_list: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, Mapping)):
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
+        else:
+            params_list = [sampling_params] * len(prompt_list)  # type: ignore[list-item]
+        reqs = [self.make_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
+        for req in reqs:
+            self.scheduler.add_request(req)
+        while any(not r.finished for r in reqs):
+            self.scheduler.step()
+        outputs = [self._output(r) for r in reqs]
+        return outputs[0] if single else outputs
+
+    def generate_stream(self, prompt: Prompt, sampling_params: ParamsLike = None) -> Iterator[StreamChunk]:
+        """Yield text deltas as they are produced; the last chunk carries the finish reason."""
+        req = self.make_request(prompt, sampling_params)
+        self.scheduler.add_request(req)
+        sent_tokens = 0
+        while True:
+            if not req.finished:
+                self.scheduler.step()
+            delta = req.detokenizer.take_delta(req.finished)
+            new_ids = req.output_ids[sent_tokens:]
+            sent_tokens = len(req.output_ids)
+            if delta or new_ids or req.finished:
+                yield StreamChunk(req.rid, delta, new_ids,
+                                  req.finish_reason.value if req.finish_reason else None,
+                                  self._meta(req) if req.finished else {})
+            if req.finished:
+                return
+
+    def abort(self, rid: str) -> bool:
+        return self.scheduler.abort(rid)
+
+    # --- results ----------------------------------------------------------------------------------
+    def _meta(self, req: Req) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_message": req.finish_message,
+            "num_retractions": req.num_retractions,
+        }
+        if req.sampling_params.logprobs:
+            meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids, strict=False))
+            if req.sampling_params.top_logprobs:
+                meta["output_top_logprobs"] = req.output_top_logprobs
+        return meta
+
+    def _output(self, req: Req) -> RequestOutput:
+        return RequestOutput(rid=req.rid, text=req.detokenizer.final_text(), token_ids=list(req.output_ids),
+                             finish_reason=req.finish_reason.value if req.finish_reason else None,
+                             meta_info=self._meta(req))
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for req in list(self.scheduler.waiting) + self.scheduler.prefilling + self.scheduler.running:
+            self.scheduler.abort(req.rid)
+        self.scheduler.step()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,110 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; runs one ForwardBatch.
+
+Forward paths plan attention metadata only when the batch says it needs it (DESIGN 3.1): a batch a
+pre-planner marked (graph replay preparation, multi-step draft planning) is not planned again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from plait.attention.base import AttentionBackend
+from plait.attention.registry import create_attention_backend
+from plait.config import EngineConfig
+from plait.distributed.parallel_state import SINGLE, TPGroup
+from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
+from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from plait.models.llama import LogitsOutput
+from plait.models.loader import ModelConfig, load_model
+from plait.sampling import SampleOutput, Sampler
+
+logger = logging.getLogger(__name__)
+
+# On the CPU there is no device-memory query worth trusting: size the KV cache from this budget.
+CPU_KV_BUDGET_BYTES = 256 << 20
+
+
+def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_size: int = 1) -> int:
+    """KV slots from the memory budget: after the weights are loaded, ``mem_fraction_static`` of the
+    device memory (minus what is already used) goes to the KV cache; ``max_total_tokens`` caps it."""
+    per_token = MHATokenToKVPool.bytes_per_token(mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(tp_size),
+                                                 mc.head_dim)
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        budget = total * config.mem_fraction_static - used
+    else:
+        budget = CPU_KV_BUDGET_BYTES
+    tokens = int(budget // per_token)
+    if config.max_total_tokens is not None:
+        tokens = min(tokens, config.max_total_tokens) if device == "cuda" else config.max_total_tokens
+    if tokens < 16:
+        raise RuntimeError(
+            f"not enough memory for the KV cache ({tokens} tokens of {per_token} bytes fit); raise "
+            f"mem_fraction_static (now {config.mem_fraction_static}), use a smaller model or dtype"
+        )
+    return tokens
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, mc: ModelConfig, tp: TPGroup = SINGLE) -> None:
+        self.config = config
+        self.model_config = mc
+        self.device = config.resolved_device()
+        self.tp = tp
+        if self.device == "cuda":
+            torch.cuda.set_device(tp.rank if tp.size > 1 else torch.cuda.current_device())
+        self.model = load_model(mc, self.device, config.load_format, tp, config.seed)
+        self.max_total_tokens = kv_capacity_tokens(config, mc, self.device, tp.size)
+        self.max_context_len = mc.context_length
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
+        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, mc.dtype, mc.num_layers,
+                                        mc.num_kv_heads_per_rank(tp.size), mc.head_dim, self.device)
+        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
+        self.attn_backend: AttentionBackend = create_attention_backend(
+            config.attention_backends(), self.req_to_token_pool, self.kv_pool)
+        self.sampler = Sampler()
+        logger.info(
+            "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
+            self.max_total_tokens,
+            self.max_total_tokens * MHATokenToKVPool.bytes_per_token(
+                mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(tp.size), mc.head_dim) / 2**30,
+            mc.dtype, self.attn_backend.name, self.max_context_len)
+
+    # --- forward paths --------------------------------------------------------------------------
+    def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
+        """Public entry. ``skip_attn_backend_init`` is deprecated: it maps onto the batch's plan
+        marker (True marks the batch planned) and warns once per process."""
+        apply_deprecated_skip_attn_backend_init(fb, skip_attn_backend_init)
+        if fb.forward_mode.is_idle():
+            return self.forward_idle(fb)
+        if fb.forward_mode.is_decode():
+            return self.forward_decode(fb)
+        return self.forward_extend(fb)
+
+    def _run_model(self, fb: ForwardBatch) -> LogitsOutput:
+        fb.attn_backend = self.attn_backend
+        if fb.needs_forward_metadata_init():
+            self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    def forward_decode(self, fb: ForwardBatch) -> LogitsOutput:
+        return self._run_model(fb)
+
+    def forward_extend(self, fb: ForwardBatch) -> LogitsOutput:
+        return self._run_model(fb)
+
+    def forward_idle(self, fb: ForwardBatch) -> LogitsOutput:
+        # No tokens: the model still runs (collectives of TP/DP ranks must match), on empty input.
+        return self._run_model(fb)
+
+    def sample(self, logits: LogitsOutput, fb: ForwardBatch) -> SampleOutput:
+        assert fb.sampling_info is not None, "the scheduler attaches sampling_info to sampled batches"
+        return self.sampler(logits.next_token_logits, fb.sampling_info)
+
+    def info(self) -> dict[str, Any]:
+        return {"max_total_tokens": self.max_total_tokens, "attention_backend": self.attn_backend.name,
+                "dtype": str(self.model_config.dtype), "device": self.device}

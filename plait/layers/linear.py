@@ -1,0 +1,109 @@
+"""Linear layers shaped for tensor parallelism (Megatron style).
+
+ColumnParallelLinear splits the output dimension across ranks, RowParallelLinear the input
+dimension (its partial sums are all-reduced). Fused projections (qkv, gate_up) load each
+checkpoint shard into its slice through ``weight_loader(param, loaded, shard_id)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.distributed.parallel_state import SINGLE, TPGroup
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor parallel size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TPGroup = SINGLE, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features_per_rank = _divide(out_features, tp.size, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(self.out_features_per_rank, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_up): shard ``i`` lands in slice ``i``."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 tp: TPGroup = SINGLE, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, tp, dtype)
+        self.output_sizes_per_rank = [_divide(s, tp.size, "merged output") for s in output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        assert isinstance(shard_id, int), "merged linear shards are numbered"
+        size = self.output_sizes_per_rank[shard_id]
+        offset = sum(self.output_sizes_per_rank[:shard_id])
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul. KV heads are replicated when tp_size > num_kv_heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TPGroup = SINGLE, dtype: torch.dtype | None = None) -> None:
+        self.num_heads = _divide(num_heads, tp.size, "attention heads")
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        if num_kv_heads >= tp.size:
+            _divide(num_kv_heads, tp.size, "KV heads")
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        self.head_dim = head_dim
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden_size, out, bias, tp, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp.rank
+        elif shard_id in ("k", "v"):
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp.rank // self.kv_replicas
+        else:
+            raise ValueError(f"qkv shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TPGroup = SINGLE, dtype: torch.dtype | None = None, reduce_results: bool = True) -> None:
+        super().__init__()
+        self.tp = tp
+        self.reduce_results = reduce_results
+        self.in_features_per_rank = _divide(in_features, tp.size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if param.dim() == 1:  # bias is added once, after the reduction
+            param.data.copy_(loaded)
+            return
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            out = self.tp.all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out

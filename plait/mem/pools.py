@@ -1,0 +1,115 @@
+"""Request-to-token map, the paged KV pool and its slot allocator (page size 1).
+
+Reserved entries: KV slot 0 and request row 0 are never handed out. Padded rows of a CUDA graph
+write their KV into slot 0 and read row 0, so they can never touch a live request's data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DUMMY_KV_SLOT = 0
+DUMMY_REQ_ROW = 0
+
+
+class ReqToTokenPool:
+    """``req_to_token[row, pos]`` is the KV slot holding position ``pos`` of the request in ``row``.
+
+    Owns: the int32 map [size + 1, max_context_len] on the device and the free-row list (host).
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
+        self._free_rows: list[int] = list(range(1, size + 1))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        if not 1 <= row <= self.size:
+            raise ValueError(f"request row {row} is not a pool row (1..{self.size})")
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start : start + slots.numel()] = slots.to(torch.int32)
+
+
+class MHATokenToKVPool:
+    """Per-layer K and V buffers ``[size + 1, num_kv_heads, head_dim]`` (slot 0 is the dummy)."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+    ) -> None:
+        self.size = size
+        self.dtype = dtype
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (size + 1, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V ([T, num_kv_heads, head_dim]) at slots ``loc`` ([T])."""
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV slots 1..size. Free slots live in a device tensor so allocation yields
+    ``out_cache_loc`` on the device without a copy; sizes are host-known (tensor lengths)."""
+
+    def __init__(self, size: int, device: torch.device | str) -> None:
+        self.size = size
+        self.device = torch.device(device)
+        self.clear()
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        # Frees are batched: concatenating on every free is the cost that matters at high bs.
+        self._pending: list[torch.Tensor] = []
+        self._pending_count = 0
+
+    def available_size(self) -> int:
+        return int(self._free.numel()) + self._pending_count
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > self._free.numel() and self._pending:
+            self._merge()
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices.numel() == 0:
+            return
+        self._pending.append(indices.to(device=self.device, dtype=torch.int64))
+        self._pending_count += int(indices.numel())
+
+    def _merge(self) -> None:
+        self._free = torch.cat([self._free, *self._pending])
+        self._pending = []
+        self._pending_count = 0

@@ -1,0 +1,190 @@
+"""Llama-family decoder: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (qkv bias).
+
+Qwen3 (per-head q/k RMSNorm) subclasses the attention in ``qwen3.py``. Weight names follow the
+Hugging Face checkpoints; q/k/v and gate/up land in fused projections through
+``packed_modules_mapping``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.distributed.parallel_state import SINGLE, TPGroup
+from plait.forward_batch import ForwardBatch
+from plait.layers.activation import SiluAndMul
+from plait.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from plait.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from plait.layers.logits import LogitsProcessor
+from plait.layers.norm import RMSNorm
+from plait.layers.radix_attention import RadixAttention
+from plait.layers.rotary import RotaryEmbedding, rope_settings
+
+
+@dataclass
+class LogitsOutput:
+    next_token_logits: torch.Tensor  # [num_sampled, vocab] float32
+    hidden_states: torch.Tensor | None = None  # final hidden states of the sampled rows (for drafts)
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=qkv_bias, tp=tp)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        bias=o_bias, tp=tp)
+        theta, scaling = rope_settings(cfg)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   scaling=self.head_dim**-0.5)
+
+    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before rotary (Qwen3 normalizes each head here)."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_transform(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous(), fb))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, tp: TPGroup, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, tp=tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: Any, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, layer_id, tp, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(cfg, tp, bias=bool(getattr(cfg, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, tp: TPGroup, layer_cls: type[LlamaDecoderLayer], qkv_bias: bool,
+                 o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            layer_cls(cfg, i, tp, qkv_bias, o_bias) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        qkv_bias, o_bias = self.attention_biases(cfg)
+        self.model = LlamaModel(cfg, tp, self.layer_cls, qkv_bias, o_bias)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size, tp)
+
+    @staticmethod
+    def attention_biases(cfg: Any) -> tuple[bool, bool]:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
+        hidden = self.model(input_ids, positions, fb)
+        logits = self.logits_processor(hidden, self.lm_head_weight, fb)
+        return LogitsOutput(next_token_logits=logits)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; returns the names of parameters loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the head
+            target, shard_id = name, None
+            for ckpt, (fused, sid) in self.packed_modules_mapping.items():
+                if f".{ckpt}." in name:
+                    target, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            param = params[target]
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor.to(param.dtype), shard_id)
+            loaded.add(target)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(cfg: Any) -> tuple[bool, bool]:
+        return True, False  # Qwen2: q/k/v carry a bias, o_proj does not

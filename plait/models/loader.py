@@ -1,0 +1,163 @@
+"""Read a Hugging Face checkpoint directory: config, dtype, and weights (safetensors, sharded or not,
+or random ``dummy`` weights built from config.json alone)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from plait.distributed.parallel_state import SINGLE, TPGroup
+from plait.models.llama import head_dim_of
+from plait.models.registry import MODEL_REGISTRY, supported_architectures
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    context_length: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        return max(1, self.num_kv_heads // tp_size)
+
+
+def _checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    raw = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    if isinstance(raw, torch.dtype):
+        return raw
+    return _DTYPES.get(str(raw).replace("torch.", ""), torch.float32)
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: str) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on a GPU, float32 on the CPU (half precision is slow and
+    inexact there)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    return _checkpoint_dtype(hf_config) if device == "cuda" else torch.float32
+
+
+def _eos_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for src in sources:
+        for i in [src] if isinstance(src, int) else (src or []):
+            if i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
+                      context_length: int | None = None) -> ModelConfig:
+    from transformers import AutoConfig
+
+    root = Path(path)
+    if not (root / "config.json").exists():
+        raise FileNotFoundError(
+            f"{path!r} is not a Hugging Face checkpoint directory (no config.json); pass --model PATH "
+            "to a local directory (plait never downloads weights)"
+        )
+    hf_config = AutoConfig.from_pretrained(root)
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else type(quant).__name__
+        raise ValueError(
+            f"quantized checkpoint ({method}) is not supported yet; plait loads unquantized "
+            f"float32/float16/bfloat16 checkpoints of {supported_architectures()}"
+        )
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in MODEL_REGISTRY), None)
+    if arch is None:
+        raise ValueError(f"architecture {archs} is not supported; supported: {supported_architectures()}")
+    max_ctx = int(hf_config.max_position_embeddings)
+    if context_length is not None and context_length > max_ctx:
+        raise ValueError(
+            f"context_length {context_length} exceeds the model's max_position_embeddings {max_ctx}"
+        )
+    return ModelConfig(
+        path=str(root), hf_config=hf_config, architecture=arch,
+        dtype=resolve_dtype(dtype, hf_config, device),
+        context_length=context_length or max_ctx,
+        vocab_size=int(hf_config.vocab_size),
+        num_layers=int(hf_config.num_hidden_layers),
+        num_heads=int(hf_config.num_attention_heads),
+        num_kv_heads=int(hf_config.num_key_value_heads),
+        head_dim=head_dim_of(hf_config),
+        hidden_size=int(hf_config.hidden_size),
+        eos_token_ids=_eos_ids(root, hf_config),
+    )
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}; use load_format='dummy' for random weights")
+    for name in files:
+        with safe_open(str(root / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield key, f.get_tensor(key)
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights of a realistic scale (so activations neither vanish nor explode)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+            continue
+        fan_in = p.shape[-1] if p.dim() > 1 else 1
+        scale = 1.0 if "embed_tokens" in name else fan_in**-0.5
+        cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-scale, scale, generator=gen)
+        p.data.copy_(cpu.to(p.dtype))
+
+
+def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGroup = SINGLE,
+               seed: int = 0) -> nn.Module:
+    cls = MODEL_REGISTRY[mc.architecture]
+    # Build in place on the device with the model dtype as default: weights are torch.empty (no init
+    # cost); the rotary cache asks for float32 explicitly and stays float32.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(mc.dtype)
+    try:
+        with torch.device(device):
+            model = cls(mc.hf_config, tp)
+    finally:
+        torch.set_default_dtype(previous)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        loaded = model.load_weights(iter_safetensors(mc.path))
+        missing = set(dict(model.named_parameters())) - loaded
+        if missing:
+            raise ValueError(f"checkpoint {mc.path!r} lacks weights for {sorted(missing)[:8]}")
+    model.eval()
+    return model
+

@@ -1,0 +1,32 @@
+"""Qwen3: the Llama decoder plus a per-head RMSNorm on q and k before rotary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait.distributed.parallel_state import TPGroup
+from plait.layers.norm import RMSNorm
+from plait.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, cfg: Any, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__(cfg, layer_id, tp, qkv_bias, o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = q.shape[0]
+        q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
+        k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
+        return q, k
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen3DecoderLayer

@@ -1,0 +1,23 @@
+"""Sampling: validated per-request parameters and the batched device sampler."""
+
+from plait.sampling.params import MAX_TOP_LOGPROBS, SamplingParams, seed_to_int64
+from plait.sampling.sampler import (
+    GREEDY_TEMPERATURE_EPS,
+    SampleOutput,
+    Sampler,
+    SamplingBatchInfo,
+    counter_uniforms,
+    gumbel_noise,
+)
+
+__all__ = [
+    "GREEDY_TEMPERATURE_EPS",
+    "MAX_TOP_LOGPROBS",
+    "SampleOutput",
+    "Sampler",
+    "SamplingBatchInfo",
+    "SamplingParams",
+    "counter_uniforms",
+    "gumbel_noise",
+    "seed_to_int64",
+]

@@ -1,0 +1,82 @@
+"""Incremental detokenization and stop-string detection.
+
+Text is produced by decoding a sliding window of tokens and emitting only what grew, so a
+multi-byte character split across tokens is emitted once it is complete (a trailing U+FFFD means
+"wait for more bytes"). Text that could be the start of a stop string is held back from streaming,
+so a client never receives characters that the final, trimmed text does not contain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as left context so the first output token decodes with correct spacing.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...],
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # decoded output text so far (complete characters only)
+        self.sent = 0  # characters of ``text`` already streamed
+        self.stopped_at: int | None = None  # index in ``text`` where a stop string begins
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> None:
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+
+    def find_stop(self) -> bool:
+        """True (and ``stopped_at`` set) when the text contains a stop string."""
+        if not self.stop or self.stopped_at is not None:
+            return self.stopped_at is not None
+        window_start = max(0, self.sent - max(len(s) for s in self.stop))
+        hits = [i for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
+        if hits:
+            self.stopped_at = min(hits)
+        return self.stopped_at is not None
+
+    def finish(self) -> None:
+        """Flush: decode incomplete trailing bytes too (with replacement characters)."""
+        if self.stopped_at is None and self._read_offset < len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            tail = self._decode(self._ids[self._prefix_offset :])
+            self.text += tail[len(prefix_text) :]
+            self._read_offset = len(self._ids)
+
+    def final_text(self) -> str:
+        return self.text if self.stopped_at is None else self.text[: self.stopped_at]
+
+    def take_delta(self, finished: bool) -> str:
+        """New text for a streaming client. While running, hold back a suffix that could begin a
+        stop string; when finished, everything up to the (trimmed) end."""
+        end = len(self.final_text())
+        if not finished and self.stop:
+            end = min(end, len(self.text) - self._stop_prefix_overlap())
+        if end <= self.sent:
+            return ""
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta
+
+    def _stop_prefix_overlap(self) -> int:
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

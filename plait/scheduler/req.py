@@ -1,0 +1,57 @@
+"""Req: one generation request and its progress through the scheduler."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from plait.sampling import SamplingParams
+from plait.scheduler.detokenizer import IncrementalDetokenizer
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # every request has one: its own, or drawn at creation (DESIGN: draws never depend on the batch)
+    detokenizer: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    # Memory: the request-pool row and how many positions of fill_ids have KV in req_to_token.
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    # Radix-cache prefix matched at admission: its length and the locked tree node.
+    prefix_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    finish_reason: FinishReason | None = None
+    finish_message: str | None = None
+    to_abort: bool = False
+    num_retractions: int = 0
+    # logprobs of each output token (and top-n), filled when sampling_params.logprobs
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stream_sent_tokens: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV this request needs: the prompt plus what it generated (after a
+        retraction the generated tokens are re-prefilled)."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def kv_slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
+        assert self.req_pool_idx is not None
+        return req_to_token[self.req_pool_idx, : self.kv_len].to(torch.int64)

@@ -1,0 +1,88 @@
+"""ScheduleBatch: the scheduler's choice for one step, and its conversion to a ForwardBatch.
+
+A step holds decode entries (one token each, at the request's next position) followed by extend
+entries (a chunk of fill tokens on top of the KV the request already has). With any extend entry the
+forward runs in EXTEND or MIXED mode, otherwise DECODE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.scheduler.req import Req
+
+
+@dataclass
+class BatchEntry:
+    req: Req
+    prefix_len: int  # positions with KV before this step
+    extend_len: int  # new tokens this step (1 for decode)
+    sample: bool  # whether this step samples a token for the request (False for a non-final chunk)
+    is_decode: bool
+
+    @property
+    def input_ids(self) -> list[int]:
+        if self.is_decode:
+            return [self.req.output_ids[-1]]
+        return self.req.fill_ids[self.prefix_len : self.prefix_len + self.extend_len]
+
+
+@dataclass
+class ScheduleBatch:
+    entries: list[BatchEntry]
+    out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, in entry order
+
+    @property
+    def forward_mode(self) -> ForwardMode:
+        has_extend = any(not e.is_decode for e in self.entries)
+        has_decode = any(e.is_decode for e in self.entries)
+        if not has_extend:
+            return ForwardMode.DECODE
+        return ForwardMode.MIXED if has_decode else ForwardMode.EXTEND
+
+    @property
+    def sampled(self) -> list[BatchEntry]:
+        return [e for e in self.entries if e.sample]
+
+    def to_forward_batch(self, device: torch.device | str) -> ForwardBatch:
+        mode = self.forward_mode
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for e in self.entries:
+            input_ids.extend(e.input_ids)
+            positions.extend(range(e.prefix_len, e.prefix_len + e.extend_len))
+            if e.sample:
+                logits_rows.append(len(input_ids) - 1)
+        seq_lens_cpu = [e.prefix_len + e.extend_len for e in self.entries]
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(self.entries),
+            input_ids=t(input_ids),
+            req_pool_indices=t([e.req.req_pool_idx for e in self.entries]),  # type: ignore[misc]
+            seq_lens=t(seq_lens_cpu),
+            out_cache_loc=self.out_cache_loc,
+            positions=t(positions),
+            seq_lens_cpu=seq_lens_cpu,
+            seq_lens_sum=sum(seq_lens_cpu),
+        )
+        if mode != ForwardMode.DECODE:
+            ext = [e.extend_len for e in self.entries]
+            pre = [e.prefix_len for e in self.entries]
+            starts = [0]
+            for n in ext[:-1]:
+                starts.append(starts[-1] + n)
+            fb.extend_num_tokens = len(input_ids)
+            fb.extend_seq_lens, fb.extend_prefix_lens = t(ext), t(pre)
+            fb.extend_start_loc = t(starts)
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = ext, pre
+            # Decode rows sample every step; chunks that do not finish a prefill sample nothing.
+            fb.logits_indices = t(logits_rows)
+        return fb

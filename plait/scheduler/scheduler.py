@@ -1,0 +1,313 @@
+"""The scheduler: continuous batching over the paged KV cache.
+
+Each ``step()`` builds one batch: a decode token for every running request, plus prefill chunks of
+admitted requests within the per-step token budget (``chunked_prefill_size``); runs it; and appends
+the sampled tokens. Admission matches the radix prefix cache and reserves KV for the expected decode
+of everything already running (``new_token_ratio``), so that retraction is rare. When the pool still
+cannot hold the next step, the request with the least progress is retracted: its KV goes to the
+prefix cache (evictable) and it returns to the front of the queue; on re-admission it re-prefills its
+prompt and generated tokens and continues where it stopped.
+
+Ownership: the scheduler owns every Req's request-pool row and KV slots from admission to release;
+after release nothing of the request is held outside the radix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from plait.config import EngineConfig
+from plait.executor.model_runner import ModelRunner
+from plait.mem.radix_cache import RadixCache
+from plait.sampling import SamplingBatchInfo
+from plait.scheduler.req import FinishReason, Req
+from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RETRACT_DECODE_STEPS = 20
+
+
+@dataclass
+class SchedulerStats:
+    num_retractions: int = 0
+    num_aborts: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    forward_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.runner = runner
+        self.allocator = runner.allocator
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.tree_cache = RadixCache(runner.allocator, disable=config.disable_radix_cache, device=runner.device)
+        self.eos_token_ids = runner.model_config.eos_token_ids
+        self.vocab_size = runner.model_config.vocab_size
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []  # admitted, prefill not complete (chunked)
+        self.running: list[Req] = []  # decoding
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
+        self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO * config.schedule_conservativeness
+        self.stats = SchedulerStats()
+        # Optional observer of every sampled step: (requests, their float32 logits rows). Used by
+        # correctness tests and logit debugging; None costs nothing.
+        self.on_logits: Callable[[list[Req], torch.Tensor], None] | None = None
+
+    # --- requests in and out ----------------------------------------------------------------------
+    @property
+    def max_request_tokens(self) -> int:
+        """prompt + max_new_tokens must fit both the context and the whole KV pool."""
+        return min(self.runner.max_context_len, self.runner.max_total_tokens)
+
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._finish(req, FinishReason.ABORT, "aborted by the client")
+                return True
+        for req in self.prefilling + self.running:
+            if req.rid == rid:
+                req.to_abort = True
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one batch. Returns the requests with new output (tokens or a finish)."""
+        updated = self._process_aborts()
+        batch = self._schedule()
+        if batch is None:
+            return updated
+        updated += self._run(batch)
+        return updated
+
+    def _process_aborts(self) -> list[Req]:
+        aborted = [r for r in self.prefilling + self.running if r.to_abort]
+        for req in aborted:
+            (self.prefilling if req in self.prefilling else self.running).remove(req)
+            self._finish(req, FinishReason.ABORT, "aborted by the client")
+            self._release(req)
+        return aborted
+
+    def _available_tokens(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.runner.device)
+        if self.allocator.available_size() < n:
+            self.tree_cache.evict(n - self.allocator.available_size())
+        return self.allocator.alloc(n)
+
+    def _reserved_tokens(self) -> float:
+        """KV the admitted requests are expected to still need (prefill left + decode estimate)."""
+        total = 0.0
+        for r in self.running + self.prefilling:
+            left_new = r.sampling_params.max_new_tokens - len(r.output_ids)
+            total += (len(r.fill_ids) - r.kv_len) + left_new * self.new_token_ratio
+        return total
+
+    def _schedule(self) -> ScheduleBatch | None:
+        decode_slots = self._reserve_decode_slots()
+        entries = [BatchEntry(r, r.kv_len, 1, sample=True, is_decode=True) for r in self.running]
+        locs = [decode_slots] if decode_slots is not None else []
+        budget = self.config.chunked_prefill_size
+        self._admit()
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            remaining = len(req.fill_ids) - req.kv_len
+            n = min(remaining, budget)
+            slots = self._alloc(n)
+            if slots is None:
+                break  # admission reserved this; only eviction races can land here: retry next step
+            budget -= n
+            entries.append(BatchEntry(req, req.kv_len, n, sample=(n == remaining), is_decode=False))
+            locs.append(slots)
+        if not entries:
+            return None
+        out_cache_loc = torch.cat(locs) if len(locs) > 1 else locs[0]
+        return ScheduleBatch(entries, out_cache_loc)
+
+    def _reserve_decode_slots(self) -> torch.Tensor | None:
+        """One slot per running request, retracting the least-progressed requests until they fit."""
+        while self.running:
+            slots = self._alloc(len(self.running))
+            if slots is not None:
+                self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+                return slots
+            if len(self.running) == 1 and not self.prefilling:
+                raise RuntimeError("KV pool cannot hold a single request's next token; raise max_total_tokens")
+            self._retract_one()
+        return None
+
+    def _retract_one(self) -> None:
+        # Least progress first: fewest generated tokens, then the longest prompt (frees the most).
+        pool = self.prefilling if (len(self.running) <= 1 and self.prefilling) else self.running
+        victim = min(pool, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        pool.remove(victim)
+        self._release(victim)
+        victim.kv_len = 0
+        victim.prefix_len = 0
+        victim.num_retractions += 1
+        self.waiting.appendleft(victim)
+        self.stats.num_retractions += 1
+        total_decoded = sum(len(r.output_ids) for r in self.running)
+        total_max_new = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+        self.new_token_ratio = min(
+            1.0, (total_decoded + RETRACT_DECODE_STEPS * len(self.running)) / total_max_new)
+        logger.info("retracted request %s (%d generated tokens); new_token_ratio %.3f",
+                    victim.rid, len(victim.output_ids), self.new_token_ratio)
+
+    def _admit(self) -> None:
+        """Move waiting requests to ``prefilling`` while rows, budget and reserved KV allow."""
+        while self.waiting and self.num_running() < self.config.max_running_requests:
+            pending_prefill = sum(len(r.fill_ids) - r.kv_len for r in self.prefilling)
+            if pending_prefill >= self.config.chunked_prefill_size:
+                break  # this step's prefill budget is already spoken for
+            req = self.waiting[0]
+            fill = req.fill_ids
+            # Leave at least one token to compute: its logits give the next token.
+            match = self.tree_cache.match_prefix(fill[: len(fill) - 1])
+            prefix_len = int(match.kv_indices.numel())
+            left_new = req.sampling_params.max_new_tokens - len(req.output_ids)
+            cost = (len(fill) - prefix_len) + left_new * self.new_token_ratio
+            # Locking the matched prefix removes it from the evictable pool: count it as spent.
+            available = self._available_tokens() - prefix_len
+            if self.running or self.prefilling:
+                if self._reserved_tokens() + cost > available:
+                    break
+            elif len(fill) - prefix_len > available:
+                break
+            row = self.req_to_token_pool.alloc()
+            if row is None:
+                break
+            self.waiting.popleft()
+            self.tree_cache.inc_lock_ref(match.last_node)
+            req.req_pool_idx = row
+            req.last_node = match.last_node
+            req.prefix_len = prefix_len
+            req.kv_len = prefix_len
+            if prefix_len:
+                self.req_to_token_pool.write(row, 0, match.kv_indices)
+            if req.num_retractions == 0:
+                req.cached_tokens = min(prefix_len, len(req.origin_input_ids))
+                self.stats.cached_tokens += req.cached_tokens
+                self.stats.prompt_tokens += len(req.origin_input_ids)
+            self.prefilling.append(req)
+
+    def _run(self, batch: ScheduleBatch) -> list[Req]:
+        # Map the new tokens' slots before the forward: attention reads req_to_token for them.
+        offset = 0
+        for e in batch.entries:
+            assert e.req.req_pool_idx is not None
+            self.req_to_token_pool.write(e.req.req_pool_idx, e.prefix_len,
+                                         batch.out_cache_loc[offset : offset + e.extend_len])
+            offset += e.extend_len
+        fb = batch.to_forward_batch(self.runner.device)
+        sampled = batch.sampled
+        fb.sampling_info = SamplingBatchInfo.build(
+            [e.req.sampling_params for e in sampled],
+            seeds=[e.req.seed for e in sampled],
+            output_ids=[e.req.output_ids for e in sampled],
+            prompt_ids=[e.req.origin_input_ids for e in sampled],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.runner.device,
+        ) if sampled else None
+        logits = self.runner.forward(fb)
+        self.stats.forward_steps += 1
+        for e in batch.entries:
+            e.req.kv_len += e.extend_len
+        if not sampled:
+            return []
+        if self.on_logits is not None:
+            self.on_logits([e.req for e in sampled], logits.next_token_logits)
+        out = self.runner.sample(logits, fb)
+        next_ids = out.next_token_ids.tolist()  # the one host sync of the step
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_logprobs_ids.tolist() if out.top_logprobs_ids is not None else None
+        top_vals = out.top_logprobs_vals.tolist() if out.top_logprobs_vals is not None else None
+        updated: list[Req] = []
+        for i, e in enumerate(sampled):
+            req = e.req
+            if not e.is_decode:
+                self.prefilling.remove(req)
+                self.running.append(req)
+            self._append_token(req, next_ids[i])
+            if req.sampling_params.logprobs and logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
+                if top_ids is not None and top_vals is not None and req.sampling_params.top_logprobs:
+                    k = req.sampling_params.top_logprobs
+                    req.output_top_logprobs.append(list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)))
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+            updated.append(req)
+        return updated
+
+    def _append_token(self, req: Req, token: int) -> None:
+        req.output_ids.append(token)
+        self.stats.generation_tokens += 1
+        req.detokenizer.add_token(token)
+        sp = req.sampling_params
+        n = len(req.output_ids)
+        if n >= sp.min_new_tokens:
+            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+                self._finish(req, FinishReason.STOP, f"stop token {token}")
+                return
+            if req.detokenizer.find_stop():
+                self._finish(req, FinishReason.STOP, "stop string")
+                return
+        if n >= sp.max_new_tokens or len(req.fill_ids) >= self.runner.max_context_len:
+            self._finish(req, FinishReason.LENGTH, None)
+
+    def _finish(self, req: Req, reason: FinishReason, message: str | None) -> None:
+        req.finish_reason = reason
+        req.finish_message = message
+        req.detokenizer.finish()
+        if reason == FinishReason.ABORT:
+            self.stats.num_aborts += 1
+
+    def _release(self, req: Req) -> None:
+        """Hand the request's KV to the prefix cache (or free it) and return its pool row."""
+        if req.req_pool_idx is None:
+            return
+        slots = req.kv_slots(self.req_to_token_pool.req_to_token)
+        if self.tree_cache.enabled:
+            already = self.tree_cache.insert(req.fill_ids[: req.kv_len], slots)
+            # [0, prefix_len) belongs to the tree already (our locked match); [prefix_len, already)
+            # duplicates what another request cached meanwhile; the tree took the rest.
+            self.allocator.free(slots[req.prefix_len : already])
+            self.tree_cache.dec_lock_ref(req.last_node)
+        else:
+            self.allocator.free(slots)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.last_node = None
+
+    # --- introspection (tests, metrics) -----------------------------------------------------------
+    def kv_tokens_in_use(self) -> int:
+        """Slots neither free nor evictable: held by live requests (0 when idle)."""
+        return self.runner.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()

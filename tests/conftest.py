@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny checkpoints (written once per session) and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from plait.testing import make_tiny_model
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """arch -> checkpoint directory, each written once per test session."""
+    cache: dict[str, pathlib.Path] = {}
+
+    def get(arch: str) -> pathlib.Path:
+        if arch not in cache:
+            cache[arch] = make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=0)
+        return cache[arch]
+
+    return get
+
+
+@dataclass
+class Reference:
+    tokens: list[int]  # greedy continuation
+    logits: torch.Tensor  # [len(tokens), vocab] float32: logits that produced each token
+    min_margin: float  # smallest top-2 margin over the steps
+
+
+_HF_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def hf_model(path: pathlib.Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    key = str(path)
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _HF_MODELS[key]
+
+
+@torch.inference_mode()
+def hf_greedy(path: pathlib.Path, prompt_ids: list[int], n: int) -> Reference:
+    """transformers, one prompt at a time, no padding: greedy tokens and the logits of each step."""
+    model = hf_model(path)
+    ids = torch.tensor([prompt_ids])
+    out = model(ids, use_cache=True)
+    past = out.past_key_values
+    logits = out.logits[0, -1].float()
+    tokens: list[int] = []
+    steps: list[torch.Tensor] = []
+    margins: list[float] = []
+    for _ in range(n):
+        steps.append(logits)
+        top2 = torch.topk(logits, 2).values
+        margins.append(float(top2[0] - top2[1]))
+        tok = int(torch.argmax(logits))
+        tokens.append(tok)
+        out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[0, -1].float()
+    return Reference(tokens, torch.stack(steps), min(margins))
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    return hf_greedy

@@ -1,0 +1,36 @@
+"""Small helpers shared by tests (prompt sets, engine construction, leak checks)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import torch
+
+import plait
+
+
+# Eight prompts of different lengths (as token ids so they do not depend on the tokenizer).
+def prompt_ids(n: int = 8, vocab_hi: int = 400, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [3, 7, 12, 5, 20, 9, 31, 16, 4, 11, 25, 6, 14, 8, 19, 10][:n]
+    return [torch.randint(4, vocab_hi, (n_,), generator=gen).tolist() for n_ in lengths]
+
+
+def make_engine(path: pathlib.Path, **options: Any) -> plait.Engine:
+    options.setdefault("max_total_tokens", 8192)
+    options.setdefault("device", "cpu")
+    return plait.Engine(model=str(path), **options)
+
+
+def assert_no_leaks(engine: plait.Engine) -> None:
+    """After every request finished: no KV slot held outside the prefix cache, no pool row in use."""
+    sched = engine.scheduler
+    assert not sched.has_work()
+    assert sched.kv_tokens_in_use() == 0, "KV slots leaked"
+    assert sched.tree_cache.protected_size() == 0, "prefix-cache nodes still locked"
+    pool = engine.runner.req_to_token_pool
+    assert pool.available_size() == pool.size, "request-pool rows leaked"
+
+
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": 32}
