@@ -172,7 +172,8 @@ class LlamaForCausalLM(nn.Module):
             loader = getattr(owner, "weight_loader", None)
             if loader is None:
                 if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
                 param.data.copy_(tensor)
             else:
                 loader(param, tensor.to(param.dtype), shard_id)

@@ -1,0 +1,3 @@
+from plait.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""Command line: ``plait generate | serve | bench``.
+
+Engine flags mirror EngineConfig fields (``--max-total-tokens`` -> ``max_total_tokens``); sampling
+flags mirror SamplingParams fields. Without ``--model`` the built-in demo model is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from plait.config import EngineConfig
+from plait.sampling import SamplingParams
+
+logger = logging.getLogger("plait")
+
+
+def _flag_type(tp: Any) -> Any:
+    """argparse type for a dataclass field annotation (``int | None`` -> int, ``bool`` -> flag)."""
+    if isinstance(tp, str):
+        tp = eval(tp, {"typing": typing, "Literal": typing.Literal})  # annotations are strings (PEP 563)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _flag_type(args[0])
+    if origin is typing.Literal:
+        return str
+    if origin is tuple:
+        return "list"
+    return tp
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = _flag_type(f.type)
+        if tp is bool:
+            group.add_argument(flag, action="store_true", default=None, help=f"{cls.__name__}.{f.name}")
+        elif tp == "list":
+            group.add_argument(flag, nargs="+", default=None, help=f"{cls.__name__}.{f.name}")
+        else:
+            group.add_argument(flag, type=tp, default=None, help=f"{cls.__name__}.{f.name}")
+
+
+def collect(args: argparse.Namespace, cls: type, skip: Sequence[str] = ()) -> dict[str, Any]:
+    """The dataclass fields the user set on the command line."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        value = getattr(args, f.name, None)
+        if value is not None:
+            out[f.name] = value
+    return out
+
+
+def _engine_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: demo model)")
+    # EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
+    add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP)
+    parser.add_argument("--random-seed", type=int, default=None, help="EngineConfig.seed (dummy weights, "
+                        "seeds of unseeded requests)")
+
+
+ENGINE_SKIP = ("model", "seed")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = collect(args, EngineConfig, skip=ENGINE_SKIP)
+    if args.random_seed is not None:
+        options["seed"] = args.random_seed
+    return options
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from plait.engine import Engine
+
+    options = engine_options(args)
+    params = collect(args, SamplingParams)
+    if args.model is None:
+        print("plait: no --model given; using the built-in demo model (tiny, random weights)", file=sys.stderr)
+    with Engine(model=args.model, **options) as engine:
+        if args.stream:
+            for chunk in engine.generate_stream(args.prompt, params):
+                print(chunk.delta_text, end="", flush=True)
+            print()
+            return 0
+        out = engine.generate(args.prompt, params)
+        if args.json:
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                              "meta_info": out.meta_info}))
+        else:
+            print(out.text)
+            print(f"[{out.finish_reason}; {out.meta_info['prompt_tokens']} prompt tokens, "
+                  f"{out.meta_info['completion_tokens']} generated]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description="plait: a compact LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    _engine_parser(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", action="store_true", help="print the whole output as JSON")
+    add_dataclass_flags(gen, SamplingParams)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = getattr(args, "log_level", None) or "warning"
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"plait: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""Incremental detokenization: multi-byte characters, stop strings held back while streaming."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from plait.scheduler.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+
+
+def _stream(tokenizer, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:", add_special_tokens=False), stop)
+    deltas = []
+    for i in ids:
+        detok.add_token(i)
+        if detok.find_stop():
+            break
+        deltas.append(detok.take_delta(finished=False))
+    detok.finish()
+    deltas.append(detok.take_delta(finished=True))
+    return deltas, detok
+
+
+def test_multibyte_characters_split_across_tokens_stream_intact(tokenizer):
+    text = " héllo 你好世界 🙂🚀 naïve café"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # some characters span several byte tokens
+    deltas, detok = _stream(tokenizer, text)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert detok.final_text() == text
+
+
+def test_stop_string_is_trimmed_and_never_streamed(tokenizer):
+    deltas, detok = _stream(tokenizer, " The quick brown fox jumps", stop=("fox",))
+    assert detok.final_text() == " The quick brown "
+    assert "".join(deltas) == " The quick brown "
+
+
+def test_partial_stop_string_is_held_back_then_released(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], ("brown cow",))
+    for i in tokenizer.encode(" The quick brown", add_special_tokens=False):
+        detok.add_token(i)
+    assert not detok.find_stop()
+    assert detok.take_delta(finished=False) == " The quick "  # "brown" may start the stop string
+    for i in tokenizer.encode(" fox", add_special_tokens=False):
+        detok.add_token(i)
+    assert not detok.find_stop()
+    assert detok.take_delta(finished=False) == "brown fox"
+
+
+def test_incomplete_trailing_bytes_are_flushed_at_finish(tokenizer):
+    # A character the tokenizer splits into several byte tokens (rare CJK / emoji).
+    char = next(c for c in "龘🦙鑫🧬" if len(tokenizer.encode(c, add_special_tokens=False)) > 1)
+    ids = tokenizer.encode(char, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], ())
+    detok.add_token(ids[0])
+    assert detok.text == ""  # incomplete: held back
+    detok.finish()
+    assert detok.final_text().endswith("\ufffd")
