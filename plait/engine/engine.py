@@ -106,6 +106,7 @@ class Engine:
             self.scheduler.add_request(req)
         while any(not r.finished for r in reqs):
             self.scheduler.step()
+        self.scheduler.flush()
         outputs = [self._output(r) for r in reqs]
         return outputs[0] if single else outputs
 
@@ -125,6 +126,7 @@ class Engine:
                                   req.finish_reason.value if req.finish_reason else None,
                                   self._meta(req) if req.finished else {})
             if req.finished:
+                self.scheduler.flush()
                 return
 
     def abort(self, rid: str) -> bool:

@@ -40,13 +40,22 @@ class Req:
     # logprobs of each output token (and top-n), filled when sampling_params.logprobs
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    stream_sent_tokens: int = 0
+    # Overlap scheduling: tokens sampled on the device whose values the host has not read yet, and
+    # where the newest one lives (the in-flight batch's next_token_ids, row index). A decode step
+    # scheduled meanwhile takes its input token from there, on the device.
+    pending: int = 0
+    future_token: tuple[torch.Tensor, int] | None = None
 
     @property
     def fill_ids(self) -> list[int]:
         """Tokens whose KV this request needs: the prompt plus what it generated (after a
         retraction the generated tokens are re-prefilled)."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated, including those still on the device."""
+        return len(self.output_ids) + self.pending
 
     @property
     def finished(self) -> bool:

@@ -25,8 +25,10 @@ class BatchEntry:
 
     @property
     def input_ids(self) -> list[int]:
+        """Host token ids; a decode whose input is still on the device gets a placeholder 0 that
+        ``to_forward_batch`` overwrites from ``req.future_token``."""
         if self.is_decode:
-            return [self.req.output_ids[-1]]
+            return [0] if self.req.future_token is not None else [self.req.output_ids[-1]]
         return self.req.fill_ids[self.prefix_len : self.prefix_len + self.extend_len]
 
 
@@ -52,7 +54,14 @@ class ScheduleBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
+        future_rows: list[int] = []
+        future_src: list[int] = []
+        future_tensor: torch.Tensor | None = None
         for e in self.entries:
+            if e.is_decode and e.req.future_token is not None:
+                future_tensor, idx = e.req.future_token
+                future_rows.append(len(input_ids))
+                future_src.append(idx)
             input_ids.extend(e.input_ids)
             positions.extend(range(e.prefix_len, e.prefix_len + e.extend_len))
             if e.sample:
@@ -62,10 +71,14 @@ class ScheduleBatch:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
+        ids = t(input_ids)
+        if future_tensor is not None:
+            # Inputs sampled by the in-flight batch: gathered on the device, no host sync.
+            ids[t(future_rows)] = future_tensor[t(future_src)]
         fb = ForwardBatch(
             forward_mode=mode,
             batch_size=len(self.entries),
-            input_ids=t(input_ids),
+            input_ids=ids,
             req_pool_indices=t([e.req.req_pool_idx for e in self.entries]),  # type: ignore[misc]
             seq_lens=t(seq_lens_cpu),
             out_cache_loc=self.out_cache_loc,

@@ -24,7 +24,7 @@ import torch
 from plait.config import EngineConfig
 from plait.executor.model_runner import ModelRunner
 from plait.mem.radix_cache import RadixCache
-from plait.sampling import SamplingBatchInfo
+from plait.sampling import SampleOutput, SamplingBatchInfo
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
 
@@ -46,6 +46,44 @@ class SchedulerStats:
     forward_steps: int = 0
 
 
+@dataclass
+class HostCopy:
+    """Sampled ids (and logprobs) copied to the host asynchronously: started right after the
+    sampler, so reading them later waits for that batch only, not for a batch launched after it."""
+
+    tensors: list[torch.Tensor | None]
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, out: SampleOutput) -> HostCopy:
+        raw = [out.next_token_ids, out.logprobs, out.top_logprobs_ids, out.top_logprobs_vals]
+        if not out.next_token_ids.is_cuda:
+            return cls(raw, None)
+        host = []
+        for t in raw:
+            if t is None:
+                host.append(None)
+                continue
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buf.copy_(t, non_blocking=True)
+            host.append(buf)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    def wait(self) -> tuple[list, list | None, list | None, list | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        ids, lp, top_ids, top_vals = (t.tolist() if t is not None else None for t in self.tensors)
+        return ids, lp, top_ids, top_vals  # type: ignore[return-value]
+
+
+@dataclass
+class InFlight:
+    sampled: list[BatchEntry]
+    results: HostCopy | None  # None when the batch sampled nothing (non-final prefill chunks)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         self.config = config
@@ -61,6 +99,10 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
         self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO * config.schedule_conservativeness
         self.stats = SchedulerStats()
+        self.overlap = not config.disable_overlap_schedule
+        self._in_flight: InFlight | None = None
+        self._draining: list[Req] = []  # finished, waiting for an in-flight batch before release
+        self._updated: list[Req] = []
         # Optional observer of every sampled step: (requests, their float32 logits rows). Used by
         # correctness tests and logit debugging; None costs nothing.
         self.on_logits: Callable[[list[Req], torch.Tensor], None] | None = None
@@ -87,28 +129,61 @@ class Scheduler:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self._in_flight or self._draining)
 
     def num_running(self) -> int:
         return len(self.prefilling) + len(self.running)
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one batch. Returns the requests with new output (tokens or a finish)."""
-        updated = self._process_aborts()
+        """Schedule and launch one batch, then process results. Returns the requests with new output
+        (tokens or a finish).
+
+        With overlap scheduling the results processed are those of the batch launched by the
+        previous step: the host reads them while the device runs the batch just launched.
+        """
+        self._updated = self._process_aborts()
         batch = self._schedule()
-        if batch is None:
-            return updated
-        updated += self._run(batch)
+        launched = self._launch(batch) if batch is not None else None
+        if self.overlap:
+            self._drain()
+            self._in_flight = launched
+        elif launched is not None:
+            self._process(launched)
+        updated, self._updated = self._updated, []
         return updated
 
+    def flush(self) -> list[Req]:
+        """Process the in-flight batch and release requests that were waiting for it (used when a
+        caller stops stepping, so nothing stays held)."""
+        self._drain()
+        updated, self._updated = self._updated, []
+        return updated
+
+    def _drain(self) -> None:
+        """Process the in-flight batch now (the host needs its results before going on)."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._process(in_flight)
+
     def _process_aborts(self) -> list[Req]:
-        aborted = [r for r in self.prefilling + self.running if r.to_abort]
+        aborted = [r for r in self.prefilling + self.running if r.to_abort and not r.finished]
         for req in aborted:
-            (self.prefilling if req in self.prefilling else self.running).remove(req)
             self._finish(req, FinishReason.ABORT, "aborted by the client")
-            self._release(req)
+            self._retire(req)
         return aborted
+
+    def _retire(self, req: Req) -> None:
+        """A finished request leaves the batch lists; its memory is released once no in-flight
+        batch still writes into it."""
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req.pending == 0:
+            self._release(req)
+        else:
+            self._draining.append(req)
 
     def _available_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
@@ -124,13 +199,29 @@ class Scheduler:
         """KV the admitted requests are expected to still need (prefill left + decode estimate)."""
         total = 0.0
         for r in self.running + self.prefilling:
-            left_new = r.sampling_params.max_new_tokens - len(r.output_ids)
-            total += (len(r.fill_ids) - r.kv_len) + left_new * self.new_token_ratio
+            left_new = r.sampling_params.max_new_tokens - r.num_generated
+            total += max(0, len(r.fill_ids) - r.kv_len) + left_new * self.new_token_ratio
         return total
 
+    def _schedulable_decodes(self) -> list[Req]:
+        """Running requests that need another token (ones whose last token is still on the device
+        may be done already; those that surely are, by length, are left out)."""
+        limit = self.runner.max_context_len
+        return [r for r in self.running
+                if r.num_generated < r.sampling_params.max_new_tokens
+                and len(r.origin_input_ids) + r.num_generated < limit]
+
+    def _needs_host_state(self) -> bool:
+        """Penalties read every generated token on the host: such a batch waits for the in-flight
+        one instead of overlapping (outputs stay identical with overlap on or off)."""
+        return any(r.pending and r.sampling_params.has_penalties for r in self.running)
+
     def _schedule(self) -> ScheduleBatch | None:
-        decode_slots = self._reserve_decode_slots()
-        entries = [BatchEntry(r, r.kv_len, 1, sample=True, is_decode=True) for r in self.running]
+        if self._in_flight is not None and self._needs_host_state():
+            self._drain()
+        decodes = self._reserve_decode_slots()
+        decode_slots = self._alloc(len(decodes)) if decodes else None
+        entries = [BatchEntry(r, r.kv_len, 1, sample=True, is_decode=True) for r in decodes]
         locs = [decode_slots] if decode_slots is not None else []
         budget = self.config.chunked_prefill_size
         self._admit()
@@ -150,17 +241,22 @@ class Scheduler:
         out_cache_loc = torch.cat(locs) if len(locs) > 1 else locs[0]
         return ScheduleBatch(entries, out_cache_loc)
 
-    def _reserve_decode_slots(self) -> torch.Tensor | None:
-        """One slot per running request, retracting the least-progressed requests until they fit."""
-        while self.running:
-            slots = self._alloc(len(self.running))
-            if slots is not None:
+    def _reserve_decode_slots(self) -> list[Req]:
+        """The requests to decode this step, with room for one slot each: evict the prefix cache,
+        wait for the in-flight batch, and finally retract the least-progressed requests."""
+        while True:
+            decodes = self._schedulable_decodes()
+            if not decodes:
+                return []
+            if self.allocator.available_size() + self.tree_cache.evictable_size() >= len(decodes):
                 self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-                return slots
+                return decodes
+            if self._in_flight is not None:
+                self._drain()  # may finish requests; retraction needs host-complete state anyway
+                continue
             if len(self.running) == 1 and not self.prefilling:
                 raise RuntimeError("KV pool cannot hold a single request's next token; raise max_total_tokens")
             self._retract_one()
-        return None
 
     def _retract_one(self) -> None:
         # Least progress first: fewest generated tokens, then the longest prompt (frees the most).
@@ -217,44 +313,63 @@ class Scheduler:
                 self.stats.prompt_tokens += len(req.origin_input_ids)
             self.prefilling.append(req)
 
-    def _run(self, batch: ScheduleBatch) -> list[Req]:
-        # Map the new tokens' slots before the forward: attention reads req_to_token for them.
+    def _launch(self, batch: ScheduleBatch) -> InFlight:
+        """Write the slot map, run the forward and the sampler; no host sync on the results."""
         offset = 0
         for e in batch.entries:
+            # Attention reads req_to_token for the new tokens too: map them before the forward.
             assert e.req.req_pool_idx is not None
             self.req_to_token_pool.write(e.req.req_pool_idx, e.prefix_len,
                                          batch.out_cache_loc[offset : offset + e.extend_len])
             offset += e.extend_len
         fb = batch.to_forward_batch(self.runner.device)
         sampled = batch.sampled
-        fb.sampling_info = SamplingBatchInfo.build(
-            [e.req.sampling_params for e in sampled],
-            seeds=[e.req.seed for e in sampled],
-            output_ids=[e.req.output_ids for e in sampled],
-            prompt_ids=[e.req.origin_input_ids for e in sampled],
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            device=self.runner.device,
-        ) if sampled else None
+        if sampled:
+            fb.sampling_info = SamplingBatchInfo.build(
+                [e.req.sampling_params for e in sampled],
+                seeds=[e.req.seed for e in sampled],
+                # Tokens still on the device count for the step index (placeholders: no penalty row
+                # has pending tokens, see _needs_host_state).
+                output_ids=[e.req.output_ids + [0] * e.req.pending for e in sampled],
+                prompt_ids=[e.req.origin_input_ids for e in sampled],
+                eos_token_ids=self.eos_token_ids,
+                vocab_size=self.vocab_size,
+                device=self.runner.device,
+            )
         logits = self.runner.forward(fb)
         self.stats.forward_steps += 1
         for e in batch.entries:
             e.req.kv_len += e.extend_len
         if not sampled:
-            return []
+            return InFlight(sampled, None)
         if self.on_logits is not None:
             self.on_logits([e.req for e in sampled], logits.next_token_logits)
         out = self.runner.sample(logits, fb)
-        next_ids = out.next_token_ids.tolist()  # the one host sync of the step
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_logprobs_ids.tolist() if out.top_logprobs_ids is not None else None
-        top_vals = out.top_logprobs_vals.tolist() if out.top_logprobs_vals is not None else None
-        updated: list[Req] = []
         for i, e in enumerate(sampled):
             req = e.req
             if not e.is_decode:
                 self.prefilling.remove(req)
                 self.running.append(req)
+            req.pending += 1
+            req.future_token = (out.next_token_ids, i)
+        return InFlight(sampled, HostCopy.start(out))
+
+    def _process(self, done: InFlight) -> None:
+        """Read a launched batch's samples on the host: append tokens, check stops, release."""
+        if done.results is None:
+            return
+        next_ids, logprobs, top_ids, top_vals = done.results.wait()
+        for i, e in enumerate(done.sampled):
+            req = e.req
+            req.pending -= 1
+            if req.future_token is not None and req.pending == 0:
+                req.future_token = None
+            if req.finished:
+                # Finished while this batch was in flight (stop token, abort): drop the extra token.
+                if req.pending == 0 and req in self._draining:
+                    self._draining.remove(req)
+                    self._release(req)
+                continue
             self._append_token(req, next_ids[i])
             if req.sampling_params.logprobs and logprobs is not None:
                 req.output_logprobs.append(logprobs[i])
@@ -262,10 +377,8 @@ class Scheduler:
                     k = req.sampling_params.top_logprobs
                     req.output_top_logprobs.append(list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)))
             if req.finished:
-                self.running.remove(req)
-                self._release(req)
-            updated.append(req)
-        return updated
+                self._retire(req)
+            self._updated.append(req)
 
     def _append_token(self, req: Req, token: int) -> None:
         req.output_ids.append(token)
@@ -295,11 +408,14 @@ class Scheduler:
         if req.req_pool_idx is None:
             return
         slots = req.kv_slots(self.req_to_token_pool.req_to_token)
+        # A token computed after the request finished (overlap) has KV but no place in fill_ids.
+        cached = min(req.kv_len, len(req.fill_ids))
         if self.tree_cache.enabled:
-            already = self.tree_cache.insert(req.fill_ids[: req.kv_len], slots)
+            already = self.tree_cache.insert(req.fill_ids[:cached], slots[:cached])
             # [0, prefix_len) belongs to the tree already (our locked match); [prefix_len, already)
             # duplicates what another request cached meanwhile; the tree took the rest.
             self.allocator.free(slots[req.prefix_len : already])
+            self.allocator.free(slots[cached:])
             self.tree_cache.dec_lock_ref(req.last_node)
         else:
             self.allocator.free(slots)
