@@ -116,6 +116,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the whole output as JSON")
     add_dataclass_flags(gen, SamplingParams)
     gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="benchmarks (DESIGN 7 workloads)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from plait.bench.cli import add_bench_parsers
+
+    add_bench_parsers(bench_sub)
+
+    # `plait serve` and `plait bench serve` live in plait.server; their flags come from a module
+    # that imports only argparse, so `plait generate` does not need the server extra.
+    from plait.server.flags import add_bench_serve_flags, add_server_flags
+
+    def run_serve(args: argparse.Namespace) -> int:
+        from plait.server.launch import cmd_serve
+
+        return cmd_serve(args, engine_options(args))
+
+    def run_bench_serve(args: argparse.Namespace) -> int:
+        from plait.server.bench import cmd_bench_serve
+
+        return cmd_bench_serve(args, engine_options(args))
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_parser(serve)
+    add_server_flags(serve)
+    # A server logs its startup, readiness and shutdown (and the demo-model notice) by default.
+    serve.set_defaults(func=run_serve, log_level="info")
+    bserve = bench_sub.add_parser(
+        "serve", help="serving: load-test an OpenAI-compatible server (Poisson arrivals or fixed concurrency); "
+        "without --base-url it starts `plait serve` with the engine flags given here")
+    _engine_parser(bserve)
+    add_bench_serve_flags(bserve)
+    bserve.set_defaults(func=run_bench_serve)
     return parser
 
 

@@ -9,6 +9,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in the interpreter on CPU tensors. Set before any module that
+# defines a @triton.jit kernel is imported (the decorator reads it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from plait.testing.triton_interpreter import patch_interpreter_for_numpy
+
+        patch_interpreter_for_numpy()
+    except ImportError:  # triton not installed: the Triton tests skip themselves
+        pass
+
 from plait.testing import make_tiny_model
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

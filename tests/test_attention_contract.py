@@ -115,7 +115,8 @@ def test_registry_leaf_stamps_its_effective_name():
     assert "torch_native" in registered_backends() and "triton" in registered_backends()
 
 
-def test_triton_backend_on_cpu_fails_fast_with_the_fix():
+def test_triton_backend_on_cpu_fails_fast_with_the_fix(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pool = ReqToTokenPool(2, 8, "cpu")
     kv = MHATokenToKVPool(8, torch.float32, 1, 1, 8, "cpu")
     with pytest.raises(RuntimeError, match="torch_native"):

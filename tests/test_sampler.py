@@ -385,6 +385,15 @@ def test_top_p_keeps_tied_values_together() -> None:
     assert torch.isfinite(masked).tolist() == [True, False, False, False]
 
 
+def test_rows_without_top_p_keep_the_whole_vocabulary_in_a_top_p_batch() -> None:
+    # float32 prefix sums over a large vocabulary must not trim the tail of a top_p == 1 row.
+    logits = torch.randn(2, 150_000, generator=torch.Generator().manual_seed(12)) * 4
+    info = make_info([SamplingParams(), SamplingParams(top_p=0.5)], 150_000)
+    warped = Sampler.warp(logits, info)
+    assert bool(torch.isfinite(warped[0]).all())
+    assert not bool(torch.isfinite(warped[1]).all())
+
+
 def test_top_p_with_top_k_is_the_same_from_a_top_k_prefix_or_a_full_sort() -> None:
     logits = _coarse_logits(0, 200, salt=3)[None]
     p = SamplingParams(top_k=30, top_p=0.6, temperature=0.9)
@@ -602,3 +611,18 @@ def test_cuda_sampler_draws_the_same_tokens_as_cpu() -> None:
         assert torch.equal(cpu_out.next_token_ids, gpu_out.next_token_ids.cpu())
         assert gpu_out.logprobs is not None and cpu_out.logprobs is not None
         assert torch.allclose(cpu_out.logprobs, gpu_out.logprobs.cpu(), atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_build_and_sample_never_synchronise() -> None:
+    vocab = 32_000
+    logits = torch.randn(120, vocab, device="cuda")
+    _mixed_batch(vocab, "cuda")  # warm-up: first-use initialisation may synchronise
+    Sampler()(logits, _mixed_batch(vocab, "cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(logits, _mixed_batch(vocab, "cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.next_token_ids.shape == (120,)

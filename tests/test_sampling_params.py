@@ -61,9 +61,7 @@ def test_defaults_are_valid_and_sample_with_temperature_one() -> None:
     assert not p.is_greedy and not p.has_penalties
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "fragment"), BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES]
-)
+@pytest.mark.parametrize(("field", "value", "fragment"), BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])
 def test_invalid_value_is_rejected_naming_field_and_limit(field: str, value: object, fragment: str) -> None:
     with pytest.raises(ValueError) as excinfo:
         SamplingParams(**{field: value})

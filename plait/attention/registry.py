@@ -7,6 +7,7 @@ what it built (DESIGN 3.5). ``create_attention_backend`` builds the serving back
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,8 @@ from plait.attention.base import AttentionBackend
 if TYPE_CHECKING:
     from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
-BackendFactory = Callable[["ReqToTokenPool", "MHATokenToKVPool"], tuple[str, AttentionBackend]]
+# (req_to_token_pool, kv_pool, query heads per rank) -> (effective kernel name, backend)
+BackendFactory = Callable[["ReqToTokenPool", "MHATokenToKVPool", int], tuple[str, AttentionBackend]]
 
 _REGISTRY: dict[str, BackendFactory] = {}
 
@@ -33,40 +35,47 @@ def registered_backends() -> tuple[str, ...]:
 
 
 @register_backend("torch_native")
-def _torch_native(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> tuple[str, AttentionBackend]:
+def _torch_native(
+    req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int
+) -> tuple[str, AttentionBackend]:
     from plait.attention.torch_native import TorchNativeAttnBackend
 
     return "torch_native", TorchNativeAttnBackend(req_to_token_pool, kv_pool)
 
 
 @register_backend("triton")
-def _triton(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> tuple[str, AttentionBackend]:
-    if kv_pool.k_buffer[0].device.type != "cuda":
+def _triton(
+    req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int
+) -> tuple[str, AttentionBackend]:
+    # The Triton interpreter (TRITON_INTERPRET=1) runs the same kernels on CPU tensors, for tests.
+    if kv_pool.k_buffer[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "attention backend 'triton' needs a CUDA device; on the CPU use --attention-backend torch_native"
         )
     from plait.attention.triton_backend import TritonAttnBackend
 
-    return "triton", TritonAttnBackend(req_to_token_pool, kv_pool)
+    return "triton", TritonAttnBackend(req_to_token_pool, kv_pool, num_q_heads)
 
 
-def build_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> AttentionBackend:
+def build_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,
+                  num_q_heads: int | None = None) -> AttentionBackend:
+    """``num_q_heads``: query heads per rank (default: as many as KV heads)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; registered: {registered_backends()}")
-    effective, backend = _REGISTRY[name](req_to_token_pool, kv_pool)
+    effective, backend = _REGISTRY[name](req_to_token_pool, kv_pool, num_q_heads or kv_pool.num_kv_heads)
     backend.name = effective
     return backend
 
 
 def create_attention_backend(
-    pair: tuple[str, str], req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,
+    pair: tuple[str, str], req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int,
     speculative_attention_mode: str = "prefill",
 ) -> AttentionBackend:
     prefill_name, decode_name = pair
-    prefill = build_backend(prefill_name, req_to_token_pool, kv_pool)
+    prefill = build_backend(prefill_name, req_to_token_pool, kv_pool, num_q_heads)
     if decode_name == prefill_name:
         return prefill
     from plait.attention.hybrid import HybridAttnBackend
 
-    decode = build_backend(decode_name, req_to_token_pool, kv_pool)
+    decode = build_backend(decode_name, req_to_token_pool, kv_pool, num_q_heads)
     return HybridAttnBackend(prefill, decode, speculative_attention_mode)

@@ -9,32 +9,22 @@ scheduler in-process until the requests it was given finish.
 from __future__ import annotations
 
 import logging
-import random
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from plait.config import EngineConfig
+from plait.engine.frontend import Frontend, ParamsLike, Prompt, RequestLimits, to_sampling_params
 from plait.engine.outputs import RequestOutput, StreamChunk
 from plait.executor.model_runner import ModelRunner
 from plait.models.loader import load_model_config
-from plait.sampling import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
 from plait.scheduler.req import Req
 from plait.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
-ParamsLike = SamplingParams | Mapping[str, Any] | None
-
-
-def to_sampling_params(params: ParamsLike) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    return SamplingParams.from_dict(params)
+__all__ = ["Engine", "ParamsLike", "Prompt", "to_sampling_params"]
 
 
 class Engine:
@@ -52,42 +42,25 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model)
         self.runner = ModelRunner(self.config, self.model_config)
         self.scheduler = Scheduler(self.config, self.runner)
-        self._seed_rng = random.Random(self.config.seed)
+        # Tokenization and validation are shared with the HTTP server (plait.engine.frontend).
+        self.frontend = Frontend(self.tokenizer, RequestLimits(self.model_config.vocab_size,
+                                                               self.runner.max_context_len,
+                                                               self.runner.max_total_tokens),
+                                 seed=self.config.seed)
         self._closed = False
 
     # --- requests ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise ValueError("prompt must not be empty (0 tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"input_ids must be in [0, {vocab}) (the vocabulary size); got {bad[:5]}")
-        return ids
+        return self.frontend.tokenize(prompt)
 
     def make_request(self, prompt: Prompt, params: ParamsLike = None, rid: str | None = None) -> Req:
         """Tokenize and validate; raises ValueError naming the field and the limit. Nothing is
         scheduled here, so a bad request affects no other."""
-        sp = to_sampling_params(params)
-        sp.validate_against(self.model_config.vocab_size)
-        ids = self._tokenize(prompt)
-        limit = self.scheduler.max_request_tokens
-        if len(ids) + sp.max_new_tokens > limit:
-            raise ValueError(
-                f"prompt tokens ({len(ids)}) + max_new_tokens ({sp.max_new_tokens}) = "
-                f"{len(ids) + sp.max_new_tokens} exceeds the limit of {limit} tokens "
-                f"(context length {self.runner.max_context_len}, KV pool {self.runner.max_total_tokens})"
-            )
-        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, sp.stop, sp.skip_special_tokens)
-        return Req(rid=rid or uuid.uuid4().hex, origin_input_ids=ids, sampling_params=sp, seed=seed,
-                   detokenizer=detok)
+        prepared = self.frontend.prepare(prompt, params)
+        sp = prepared.sampling_params
+        detok = IncrementalDetokenizer(self.tokenizer, prepared.input_ids, sp.stop, sp.skip_special_tokens)
+        return Req(rid=rid or uuid.uuid4().hex, origin_input_ids=prepared.input_ids, sampling_params=sp,
+                   seed=prepared.seed, detokenizer=detok)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsLike | Sequence[ParamsLike] = None,
                  ) -> RequestOutput | list[RequestOutput]:

@@ -15,6 +15,7 @@ from plait.attention.base import AttentionBackend
 from plait.attention.registry import create_attention_backend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
+from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from plait.models.llama import LogitsOutput
@@ -65,8 +66,12 @@ class ModelRunner:
                                         mc.num_kv_heads_per_rank(tp.size), mc.head_dim, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         self.attn_backend: AttentionBackend = create_attention_backend(
-            config.attention_backends(), self.req_to_token_pool, self.kv_pool)
+            config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // tp.size)
         self.sampler = Sampler()
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device == "cuda" and not config.disable_cuda_graph:
+            max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
+            self.graph_runner = CudaGraphRunner(self, max_bs)
         logger.info(
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
             self.max_total_tokens,
@@ -92,6 +97,9 @@ class ModelRunner:
         return self.model(fb.input_ids, fb.positions, fb)
 
     def forward_decode(self, fb: ForwardBatch) -> LogitsOutput:
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            fb.attn_backend = self.attn_backend
+            return self.graph_runner.replay(fb)
         return self._run_model(fb)
 
     def forward_extend(self, fb: ForwardBatch) -> LogitsOutput:

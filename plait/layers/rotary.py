@@ -59,7 +59,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq*D], k [T, Hkv*D] rotated at ``positions`` [T]."""
+        """q [T, Hq*D], k [T, Hkv*D] rotated at ``positions`` [T]. On CUDA in place, by one kernel."""
+        if q.is_cuda:
+            from plait.layers.triton_ops import rotary_
+
+            return rotary_(positions, q, k, self.cos_sin_cache, self.head_dim)
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

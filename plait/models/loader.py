@@ -127,16 +127,17 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights of a realistic scale (so activations neither vanish nor explode)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of a realistic scale (so activations neither vanish nor explode), drawn on the
+    parameters' own device (an 8B model initialises in seconds on a GPU)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
             continue
         fan_in = p.shape[-1] if p.dim() > 1 else 1
         scale = 1.0 if "embed_tokens" in name else fan_in**-0.5
-        cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-scale, scale, generator=gen)
-        p.data.copy_(cpu.to(p.dtype))
+        p.data.uniform_(-scale, scale, generator=gen)
 
 
 def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGroup = SINGLE,

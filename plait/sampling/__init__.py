@@ -6,8 +6,10 @@ from plait.sampling.sampler import (
     SampleOutput,
     Sampler,
     SamplingBatchInfo,
+    add_gumbel_noise_,
     counter_uniforms,
     gumbel_noise,
+    row_key_host,
 )
 
 __all__ = [
@@ -17,7 +19,9 @@ __all__ = [
     "Sampler",
     "SamplingBatchInfo",
     "SamplingParams",
+    "add_gumbel_noise_",
     "counter_uniforms",
     "gumbel_noise",
+    "row_key_host",
     "seed_to_int64",
 ]

@@ -17,6 +17,19 @@ from torch import Tensor
 TokenIds = Sequence[int] | np.ndarray | Tensor
 
 
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """Host-to-device copy that does not block on the GPU queue.
+
+    A plain `.to("cuda")` from pageable memory synchronises the stream, which would stall the host
+    behind the forward running on the GPU (batch building overlaps it). Pinned memory allows an
+    asynchronous copy; the caching host allocator keeps the buffer alive until the copy is done.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _flat_token_index(rows_of_parts: Sequence[Sequence[TokenIds] | None], vocab_size: int) -> tuple[Tensor, Tensor]:
     """(row, token id) pairs on the host; row i holds the tokens of all its parts (e.g. prompt and
     output, without concatenating them), None rows hold none.
@@ -47,7 +60,7 @@ def build_seen_mask(
     """bool [bs, V]: True where the row's tokens (prompt + output, for repetition) contain the id."""
     rows, ids = _flat_token_index(rows_of_parts, vocab_size)
     mask = torch.zeros(len(rows_of_parts), vocab_size, dtype=torch.bool, device=device)
-    mask[rows.to(device), ids.to(device)] = True
+    mask.index_put_((to_device(rows, device), to_device(ids, device)), mask.new_ones(()))
     return mask
 
 
@@ -58,7 +71,7 @@ def build_token_counts(
     rows, ids = _flat_token_index(rows_of_parts, vocab_size)
     counts = torch.zeros(len(rows_of_parts), vocab_size, dtype=torch.float32, device=device)
     ones = torch.ones(rows.numel(), dtype=torch.float32, device=device)
-    counts.index_put_((rows.to(device), ids.to(device)), ones, accumulate=True)
+    counts.index_put_((to_device(rows, device), to_device(ids, device)), ones, accumulate=True)
     return counts
 
 

@@ -34,6 +34,7 @@ from plait.sampling.penalties import (
     apply_repetition_penalty,
     build_seen_mask,
     build_token_counts,
+    to_device,
 )
 
 # Temperatures this small turn logits into +-inf after scaling (softmax NaNs in top_p); sampling at
@@ -308,9 +309,9 @@ class SamplingBatchInfo:
 
         # Two copies (one float, one int) instead of one per field.
         floats = torch.tensor([temps, top_ps, min_ps, reps, freqs, press], dtype=torch.float32)
-        floats = floats.reshape(6, bs).to(device)
+        floats = to_device(floats.reshape(6, bs), device)
         ints = torch.tensor([top_ks, seeds64, steps, keys, [int(g) for g in greedy]], dtype=torch.int64)
-        ints = ints.reshape(5, bs).to(device)
+        ints = to_device(ints.reshape(5, bs), device)
 
         sampling_top_ks = [k for k, g in zip(top_ks, greedy, strict=True) if not g]
         need_top_p = any(p < 1.0 for p in top_ps)
@@ -363,7 +364,7 @@ class SamplingBatchInfo:
                     rows.append(i)
                     ids.append(tid)
         if rows:
-            pairs = torch.tensor([rows, ids], dtype=torch.int64).to(device)
+            pairs = to_device(torch.tensor([rows, ids], dtype=torch.int64), device)
             info.min_tokens_rows, info.min_tokens_ids = pairs[0], pairs[1]
         return info
 
@@ -457,8 +458,8 @@ class Sampler:
             )
         if info.min_tokens_rows is not None:
             assert info.min_tokens_ids is not None
-            neg_inf = torch.tensor(-math.inf, dtype=x.dtype, device=x.device)
-            x = x.index_put((info.min_tokens_rows, info.min_tokens_ids), neg_inf)
+            # new_full is a device fill; torch.tensor(..., device=cuda) would be a synchronous copy.
+            x = x.index_put((info.min_tokens_rows, info.min_tokens_ids), x.new_full((), -math.inf))
         return x
 
     @staticmethod

@@ -250,7 +250,7 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _save_tokenizer(path: pathlib.Path, uses_bos: bool) -> dict[str, int]:
+def save_tokenizer(path: pathlib.Path, uses_bos: bool) -> dict[str, int]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return special ids."""
     from transformers import PreTrainedTokenizerFast
 
@@ -347,7 +347,7 @@ def make_tiny_model(
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
-    special_ids = _save_tokenizer(out, preset.uses_bos)
+    special_ids = save_tokenizer(out, preset.uses_bos)
     tokenizer_len = len(Tokenizer.from_str(_tokenizer_json()).get_vocab(with_added_tokens=True))
 
     config_cls = getattr(transformers, preset.config_class)

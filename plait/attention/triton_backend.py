@@ -1,0 +1,179 @@
+"""Triton attention backend: split-KV flash decoding and prefix-aware extend over the paged cache.
+
+Planning follows the three-method contract (DESIGN 3.2):
+  out_graph: host-side and per-step device prep that a replay must redo before the graph runs:
+             choose the buffers, the per-request KV split count (a device tensor), extend offsets.
+  in_graph:  static-shape device work: ``kv_indptr = cumsum(seq_lens)`` and the gather of
+             ``kv_indices`` from ``req_to_token`` (a Triton kernel), into max-size buffers.
+Once ``init_cuda_graph_state`` ran, every decode batch that fits uses the static buffers, eager or
+replayed, so a replay only copies ``req_pool_indices``/``seq_lens`` and recomputes the split count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
+from plait.attention.triton.kernels import (
+    build_kv_indices,
+    decode_attention_fwd,
+    extend_attention_fwd,
+    get_num_kv_splits,
+    store_kv,
+)
+from plait.forward_batch import ForwardBatch
+from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
+
+MAX_KV_SPLITS = 16
+
+
+@dataclass
+class DecodeBuffers:
+    """Decode metadata. Owned by the backend; in graph mode these are the static buffers."""
+
+    kv_indptr: torch.Tensor  # int32 [>= bs + 1]
+    kv_indices: torch.Tensor  # int32 [>= sum(seq_lens)]
+    num_kv_splits: torch.Tensor  # int32 [>= bs]
+    attn_logits: torch.Tensor  # fp32 [>= bs, Hq, MAX_KV_SPLITS, D] workspace
+    attn_lse: torch.Tensor  # fp32 [>= bs, Hq, MAX_KV_SPLITS]
+
+
+@dataclass
+class ExtendMetadata:
+    qo_indptr: torch.Tensor  # int32 [bs + 1] over the new tokens
+    kv_indptr: torch.Tensor  # int32 [bs + 1] over cached prefixes
+    kv_indices: torch.Tensor  # int32 [sum(prefix lens)]
+    max_len_extend: int
+    custom_mask: torch.Tensor | None
+    mask_indptr: torch.Tensor | None
+
+
+def _indptr(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
+    out[1:] = torch.cumsum(lengths, 0)
+    return out
+
+
+class TritonAttnBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int) -> None:
+        super().__init__(req_to_token_pool, kv_pool)
+        self.num_q_heads = num_q_heads
+        self.head_dim = kv_pool.head_dim
+        self.device = kv_pool.k_buffer[0].device
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = 8  # interpreter runs (tests): any positive value
+        self.graph_buffers: DecodeBuffers | None = None
+        self.graph_max_bs = 0
+        # Data pointers of the graph runner's static req_pool_indices / seq_lens, recorded at capture:
+        # in_graph checks it reads those (a replay cannot feed it anything else).
+        self._capture_input_ptrs: tuple[int, int] | None = None
+        self.decode_md: tuple[DecodeBuffers, int] | None = None
+        self.extend_md: ExtendMetadata | None = None
+
+    # --- graph state ------------------------------------------------------------------------------
+    def _decode_buffers(self, bs: int, kv_tokens: int) -> DecodeBuffers:
+        f32 = dict(dtype=torch.float32, device=self.device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return DecodeBuffers(
+            kv_indptr=torch.zeros(bs + 1, **i32),
+            kv_indices=torch.zeros(max(1, kv_tokens), **i32),
+            num_kv_splits=torch.ones(bs, **i32),
+            attn_logits=torch.empty(bs, self.num_q_heads, MAX_KV_SPLITS, self.head_dim, **f32),
+            attn_lse=torch.empty(bs, self.num_q_heads, MAX_KV_SPLITS, **f32),
+        )
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        max_context = self.req_to_token_pool.max_context_len
+        self.graph_buffers = self._decode_buffers(max_bs, max_bs * max_context)
+        self.graph_max_bs = max_bs
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # --- planning ---------------------------------------------------------------------------------
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
+            bs = fb.batch_size
+            if self.graph_buffers is not None and bs <= self.graph_max_bs:
+                bufs = self.graph_buffers
+            else:
+                bufs = self._decode_buffers(bs, fb.seq_lens_sum)
+            # Capture planning arms the check in in_graph; any other planning disarms it.
+            self._capture_input_ptrs = (
+                (fb.req_pool_indices.data_ptr(), fb.seq_lens.data_ptr()) if in_capture else None)
+            num_kv_heads = self.kv_pool.num_kv_heads
+            get_num_kv_splits(fb.seq_lens, bufs.num_kv_splits, MAX_KV_SPLITS, self.num_sms, num_kv_heads)
+            self.decode_md = (bufs, bs)
+            return
+        assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        mask = custom_mask_of(fb)
+        mask_indptr = None
+        if mask is not None:
+            sizes = [e * (e + p) for e, p in zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, strict=True)]
+            mask_indptr = _indptr(torch.tensor(sizes, dtype=torch.int64, device=self.device))
+        self.extend_md = ExtendMetadata(
+            qo_indptr=_indptr(fb.extend_seq_lens),
+            kv_indptr=_indptr(fb.extend_prefix_lens),
+            kv_indices=torch.empty(max(1, sum(fb.extend_prefix_lens_cpu)), dtype=torch.int32, device=self.device),
+            max_len_extend=max(fb.extend_seq_lens_cpu),
+            custom_mask=mask,
+            mask_indptr=mask_indptr,
+        )
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
+            assert self.decode_md is not None, "out_graph plans before in_graph"
+            bufs, bs = self.decode_md
+            if self._capture_input_ptrs is not None:
+                ptrs = (fb.req_pool_indices.data_ptr(), fb.seq_lens.data_ptr())
+                if ptrs != self._capture_input_ptrs:
+                    raise RuntimeError("init_forward_metadata_in_graph must read the graph runner's static buffers "
+                                       "(req_pool_indices / seq_lens), not a per-step tensor")
+            bufs.kv_indptr[1 : bs + 1] = torch.cumsum(fb.seq_lens, 0)
+            build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                             bufs.kv_indptr, bufs.kv_indices)
+            return
+        md = self.extend_md
+        assert md is not None and fb.extend_prefix_lens is not None
+        build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
+                         md.kv_indptr, md.kv_indices)
+
+    # --- compute ----------------------------------------------------------------------------------
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                       fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        k_buf = self.kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = self.kv_pool.get_value_buffer(layer.layer_id)
+        if save_kv_cache:
+            store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, hkv, d), v.view(-1, hkv, d))
+        assert self.decode_md is not None
+        bufs, bs = self.decode_md
+        q3 = q.view(-1, hq, d)
+        o = torch.empty_like(q3)
+        decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: bs + 1], bufs.kv_indices, bufs.attn_logits,
+                             bufs.attn_lse, bufs.num_kv_splits[:bs], MAX_KV_SPLITS, layer.scaling, layer.logit_cap)
+        return o.view(-1, hq * d)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                       fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        k_buf = self.kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = self.kv_pool.get_value_buffer(layer.layer_id)
+        k3, v3 = k.view(-1, hkv, d), v.view(-1, hkv, d)
+        if save_kv_cache:
+            store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3)
+        md = self.extend_md
+        assert md is not None
+        q3 = q.view(-1, hq, d)
+        o = torch.empty_like(q3)
+        extend_attention_fwd(q3, k3.contiguous(), v3.contiguous(), o, k_buf, v_buf, md.qo_indptr, md.kv_indptr,
+                             md.kv_indices, md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
+                             is_causal=md.custom_mask is None, logit_cap=layer.logit_cap)
+        return o.view(-1, hq * d)

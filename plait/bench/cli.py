@@ -1,0 +1,151 @@
+"""``plait bench latency | offline``: run a named workload on plait and its peer, write the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import traceback
+from typing import Any
+
+from plait.bench import peer_hf
+from plait.bench.hardware import bf16_matmul_rate, hbm_bandwidth
+from plait.bench.results import write_result
+from plait.bench.shapes import SHAPES, param_counts, write_shape_dir
+from plait.bench.workloads import (
+    Limits,
+    decode_step_bytes,
+    overlap_step_vs_replay,
+    plait_decode_bs1,
+    plait_prefill,
+    plait_throughput,
+    prefill_flops,
+    random_prompts,
+    throughput_floor_seconds,
+)
+
+
+def measure_limits() -> Limits:
+    bw = hbm_bandwidth()
+    lim = Limits(copy_bw=bw["copy_bytes_per_s"], read_bw=bw["read_bytes_per_s"], matmul_rate=bf16_matmul_rate())
+    print(f"measured: copy {lim.copy_bw / 1e12:.2f} TB/s, read {lim.read_bw / 1e12:.2f} TB/s, "
+          f"bf16 matmul {lim.matmul_rate / 1e12:.0f} TFLOP/s")
+    return lim
+
+
+def _limits_detail(lim: Limits) -> dict[str, float]:
+    return {"copy_bandwidth_tb_s": lim.copy_bw / 1e12, "read_bandwidth_tb_s": lim.read_bw / 1e12,
+            "bf16_matmul_tflop_s": lim.matmul_rate / 1e12}
+
+
+def _peer(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # the peer failing must not lose plait's figures
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    lim = measure_limits()
+    root = tempfile.mkdtemp(prefix="plait-shapes-")
+    for shape in args.shape:
+        shape_dir = str(write_shape_dir(root, shape))
+        vocab = SHAPES[shape]["vocab_size"]
+        prompt = random_prompts(1, 128, vocab, seed=0)[0]
+        new = args.output_len
+        peers: dict[str, Any] = {}
+        if not args.no_peer:
+            peers["generate"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=False)
+            if not args.no_compile_peer:
+                peers["static_compile"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=True)
+        graph = plait_decode_bs1(shape, shape_dir, prompt, new)
+        eager = plait_decode_bs1(shape, shape_dir, prompt, new, disable_cuda_graph=True)
+        contexts = [128 + new // 2]  # mean context over the decode
+        bytes_step = decode_step_bytes(shape, contexts)
+        floor = lim.copy_bw / bytes_step
+        fastest = max((p.get("tok_s", 0.0) for p in peers.values()), default=0.0) or None
+        peer_name = "transformers " + ("static cache + torch.compile(reduce-overhead)" if fastest and fastest ==
+                                       peers.get("static_compile", {}).get("tok_s") else "generate")
+        write_result(
+            args.out, "decode-bs1", shape, "decode_tok_s", graph["tok_s"], peer_name if fastest else None, fastest,
+            floor, {"dtype": "bfloat16", "load_format": "dummy", "input_len": 128, "output_len": new,
+                    "cuda_graph": True, "overlap_schedule": True},
+            ms_per_step=graph["ms_per_step"], eager=eager, graph=graph,
+            graph_speedup_over_eager=graph["tok_s"] / eager["tok_s"], peers=peers,
+            floor_definition="copy HBM bandwidth / (bf16 matmul weights + KV cache read at the mean context) "
+                             "per step",
+            floor_read_bandwidth_tok_s=lim.read_bw / bytes_step, bytes_per_step=bytes_step,
+            kv_capacity_tokens=graph["kv_capacity_tokens"], **_limits_detail(lim))
+        if args.prefill and shape == "llama-3.1-8b":
+            pre = plait_prefill(shape, shape_dir, 8, 2048, vocab)
+            flops = prefill_flops(shape, [2048] * 8)
+            mfu = flops / pre["seconds"] / lim.matmul_rate
+            write_result(args.out, "prefill-8x2048", shape, "prefill_tok_s", pre["tokens_per_s"], None, None,
+                         pre["tokens_per_s"] / mfu if mfu else None,
+                         {"dtype": "bfloat16", "prompts": 8, "prompt_len": 2048, "chunked_prefill_size": 16384},
+                         mfu=mfu, flops=flops, seconds=pre["seconds"],
+                         floor_definition="FLOPs / measured bf16 matmul rate (MFU = fraction_of_floor)",
+                         **_limits_detail(lim))
+    return 0
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    lim = measure_limits()
+    root = tempfile.mkdtemp(prefix="plait-shapes-")
+    if args.workload == "offline-throughput":
+        shape = args.shape or "llama-3.2-1b"
+        vocab = SHAPES[shape]["vocab_size"]
+        prompts = random_prompts(args.num_requests, 512, vocab, seed=0)
+        out_lens = [128] * args.num_requests
+        params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 128}] * args.num_requests
+    else:  # nano-vllm: its own benchmark's recipe (random.seed(0), randint lengths, temperature 0.6)
+        shape = args.shape or "qwen3-0.6b"
+        vocab = SHAPES[shape]["vocab_size"]
+        rng = random.Random(0)
+        prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(args.num_requests)]
+        out_lens = [rng.randint(100, 1024) for _ in range(args.num_requests)]
+        params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": n, "seed": i}
+                  for i, n in enumerate(out_lens)]
+    shape_dir = str(write_shape_dir(root, shape))
+    peer: dict[str, Any] = {}
+    if args.peer:
+        peer = _peer(peer_hf.generate_batch_throughput, shape, prompts,
+                     out_lens[0] if len(set(out_lens)) == 1 else out_lens)
+    options = {"max_running_requests": args.num_requests}
+    result = plait_throughput(shape_dir, prompts, params, **options)
+    floor_s = throughput_floor_seconds(shape, [len(p) for p in prompts], out_lens, lim)
+    floor = sum(out_lens) / floor_s
+    details: dict[str, Any] = {}
+    if args.workload == "offline-throughput" and args.overlap_check:
+        details["overlap"] = overlap_step_vs_replay(shape_dir, 256, vocab)
+    flops = prefill_flops(shape, [len(p) for p in prompts])
+    write_result(
+        args.out, args.workload, shape, "output_tok_s", result["output_tok_s"],
+        "transformers generate_batch" if peer.get("output_tok_s") else None, peer.get("output_tok_s"), floor,
+        {"dtype": "bfloat16", "load_format": "dummy", **options, "requests": args.num_requests},
+        detail=result, peer_detail=peer, floor_seconds=floor_s,
+        floor_definition="sum over steps of max(FLOPs / bf16 matmul rate, bytes / copy bandwidth): prefill "
+                         "compute-bound, then one decode step per position over the running requests",
+        mfu_prefill_flops_only=flops / result["seconds"] / lim.matmul_rate,
+        matmul_params=param_counts(shape)["matmul"], **details, **_limits_detail(lim))
+    return 0
+
+
+def add_bench_parsers(bench_sub: Any) -> None:
+    lat = bench_sub.add_parser("latency", help="decode-bs1 (and prefill MFU) against transformers")
+    lat.add_argument("--shape", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"], choices=sorted(SHAPES))
+    lat.add_argument("--output-len", type=int, default=256)
+    lat.add_argument("--no-peer", action="store_true")
+    lat.add_argument("--no-compile-peer", action="store_true")
+    lat.add_argument("--prefill", action="store_true", help="also 8 x 2048 prefill MFU on llama-3.1-8b")
+    lat.add_argument("--out", default="benchmarks/results")
+    lat.set_defaults(func=cmd_latency)
+    off = bench_sub.add_parser("offline", help="offline-throughput / nano-vllm against transformers")
+    off.add_argument("--workload", choices=["offline-throughput", "nano-vllm"], default="offline-throughput")
+    off.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    off.add_argument("--num-requests", type=int, default=256)
+    off.add_argument("--peer", action="store_true", help="run transformers generate_batch in the same run")
+    off.add_argument("--overlap-check", action="store_true", help="bs=256 step time vs graph replay")
+    off.add_argument("--out", default="benchmarks/results")
+    off.set_defaults(func=cmd_offline)

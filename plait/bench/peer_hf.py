@@ -1,0 +1,80 @@
+"""The peer: Hugging Face transformers on the same shape (random weights), timed like plait."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import torch
+
+from plait.bench.shapes import SHAPES
+
+
+def hf_model(shape: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_dict = {k: v for k, v in SHAPES[shape].items() if k not in ("architectures",)}
+    cfg = AutoConfig.for_model(**cfg_dict)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def free(*objs: Any) -> None:
+    del objs
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def _timed_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    torch.cuda.synchronize()
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return time.perf_counter() - t0
+
+
+def decode_bs1(shape: str, prompt: list[int], new_tokens: int, compiled: bool) -> dict[str, float]:
+    """Decode tokens/s at bs=1: (new_tokens - 1) / (t(new_tokens) - t(1)), prefill excluded.
+    ``compiled``: static cache + torch.compile(mode="reduce-overhead"), transformers' fastest form."""
+    model = hf_model(shape)
+    ids = torch.tensor([prompt], device="cuda")
+    kwargs: dict[str, Any] = {}
+    if compiled:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        kwargs["cache_implementation"] = "static"
+    t_compile = time.perf_counter()
+    for _ in range(2):  # warm-up (compilation for the compiled form)
+        _timed_generate(model, ids, 16, **kwargs)
+    warmup_s = time.perf_counter() - t_compile
+    t_one = min(_timed_generate(model, ids, 1, **kwargs) for _ in range(2))
+    t_all = _timed_generate(model, ids, new_tokens, **kwargs)
+    free(model)
+    return {"tok_s": (new_tokens - 1) / (t_all - t_one), "prefill_s": t_one, "total_s": t_all, "warmup_s": warmup_s}
+
+
+def generate_batch_throughput(shape: str, prompts: list[list[int]], new_tokens: list[int] | int
+                              ) -> dict[str, Any]:
+    """transformers' continuous batching (``generate_batch``): output tokens/s over all requests."""
+    from transformers import GenerationConfig
+
+    model = hf_model(shape, attn_implementation="sdpa_paged")
+    max_new = new_tokens if isinstance(new_tokens, int) else max(new_tokens)
+    gen_cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    config = {"attn_implementation": "sdpa_paged", "max_new_tokens": max_new, "do_sample": False,
+              "eos_token_id": None, "note": "per-request lengths not supported: every request runs max_new_tokens"
+              if not isinstance(new_tokens, int) else None}
+    model.generate_batch(inputs=prompts[:4], generation_config=GenerationConfig(max_new_tokens=8, do_sample=False,
+                         eos_token_id=None, pad_token_id=0), progress_bar=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=gen_cfg, progress_bar=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    free(model)
+    return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, "config": config}

@@ -1,0 +1,56 @@
+"""One JSON object per workload and shape (DESIGN 7), written under benchmarks/results/."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import subprocess
+from typing import Any
+
+import torch
+
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"torch": torch.__version__}
+    for name in ("triton", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric: str, plait_value: float,
+                 peer_name: str | None, peer_value: float | None, floor: float | None,
+                 config: dict[str, Any], **details: Any) -> pathlib.Path:
+    date = datetime.date.today().isoformat()
+    dev = device_name()
+    record = {
+        "workload": workload, "shape": shape, "device": dev, "commit": _commit(), "date": date,
+        "versions": _versions(), "metric": metric, "plait": plait_value, "peer_name": peer_name,
+        "peer": peer_value,
+        "ratio_vs_peer": (plait_value / peer_value) if peer_value else None,
+        "floor": floor, "fraction_of_floor": (plait_value / floor) if floor else None,
+        "config": config, **details,
+    }
+    path = pathlib.Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    safe_dev = dev.replace(" ", "-").replace("/", "-")
+    file = path / f"{date}-{workload}-{shape}-{safe_dev}.json"
+    file.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(json.dumps({k: record[k] for k in ("workload", "shape", "metric", "plait", "peer", "ratio_vs_peer",
+                                             "floor", "fraction_of_floor")}))
+    return file

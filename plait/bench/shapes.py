@@ -1,0 +1,79 @@
+"""Model shapes of the named benchmarks, written as checkpoint directories holding only config.json
+and a tokenizer: plait loads them with ``load_format="dummy"`` (random weights on the device)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "rope_parameters": _LLAMA3_ROPE, "bos_token_id": 128000,
+        "eos_token_id": 128001, "dtype": "bfloat16", "hidden_act": "silu",
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "rope_parameters": {**_LLAMA3_ROPE, "factor": 8.0},
+        "bos_token_id": 128000, "eos_token_id": 128001, "dtype": "bfloat16", "hidden_act": "silu",
+    },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "bos_token_id": None, "eos_token_id": 151645, "dtype": "bfloat16", "hidden_act": "silu",
+        "attention_bias": False,
+    },
+}
+
+
+def write_shape_dir(root: str | pathlib.Path, shape: str) -> pathlib.Path:
+    """config.json of the shape plus the tiny test tokenizer (prompts are given as token ids)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
+    from plait.testing.tiny_model import save_tokenizer
+
+    path = pathlib.Path(root) / shape
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
+    save_tokenizer(path, uses_bos=False)
+    return path
+
+
+def param_counts(shape: str) -> dict[str, int]:
+    """Parameter counts: ``matmul`` is every weight a forward multiplies by (the LM head included,
+    tied or not; the input embedding is a gather and excluded)."""
+    c = SHAPES[shape]
+    h, i, n_layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    attn = h * (q + 2 * kv) + q * h
+    mlp = 3 * h * i
+    norms = 2 * h + (2 * hd if c["model_type"] == "qwen3" else 0)
+    per_layer = attn + mlp + norms
+    embed = c["vocab_size"] * h
+    head = c["vocab_size"] * h
+    return {"embedding": embed, "lm_head": head, "layers": per_layer * n_layers,
+            "matmul": per_layer * n_layers + head + h,
+            "total": per_layer * n_layers + embed + (0 if c["tie_word_embeddings"] else head) + h}
+
+
+def kv_bytes_per_token(shape: str, dtype_bytes: int = 2) -> int:
+    c = SHAPES[shape]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes
+
+
+def attention_flops(shape: str, query_len: int, context_len: int) -> float:
+    """QK^T and PV for ``query_len`` queries, the j-th seeing ``context_len - query_len + j + 1`` keys."""
+    c = SHAPES[shape]
+    keys = query_len * (context_len - query_len) + query_len * (query_len + 1) / 2
+    return 4.0 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * keys

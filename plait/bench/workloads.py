@@ -1,0 +1,156 @@
+"""The named workloads of DESIGN 7 for plait, with their floors.
+
+decode-bs1          one request, 128 in / 256 out, greedy: decode tokens/s (prefill excluded)
+offline-throughput  256 requests, 512 in / 128 out, ignore_eos: output tokens/s
+nano-vllm           256 requests, in and out uniform in [100, 1024], seed 0, ignore_eos
+prefill             8 x 2048-token prompts: prefill tokens/s and MFU
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from plait.bench.shapes import attention_flops, kv_bytes_per_token, param_counts
+
+
+@dataclass(frozen=True)
+class Limits:
+    copy_bw: float  # bytes/s, read + write
+    read_bw: float  # bytes/s, read only
+    matmul_rate: float  # bf16 FLOP/s
+
+
+def make_engine(shape_dir: str, **options: Any):
+    from plait import Engine
+
+    options.setdefault("load_format", "dummy")
+    options.setdefault("dtype", "bfloat16")
+    options.setdefault("context_length", 4096)
+    return Engine(model=shape_dir, **options)
+
+
+def release(engine: Any) -> None:
+    engine.shutdown()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def random_prompts(n: int, length: int | list[int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [length] * n if isinstance(length, int) else length
+    return [[rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in lengths]
+
+
+def timed(fn: Any) -> tuple[Any, float]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+# --- floors -------------------------------------------------------------------------------------
+def decode_step_bytes(shape: str, contexts: list[int]) -> float:
+    """Bytes one decode step must read: every matmul weight (bf16) plus the KV cache of the batch."""
+    return 2 * param_counts(shape)["matmul"] + kv_bytes_per_token(shape) * sum(contexts)
+
+
+def decode_step_flops(shape: str, contexts: list[int]) -> float:
+    return 2 * param_counts(shape)["matmul"] * len(contexts) + sum(attention_flops(shape, 1, c) for c in contexts)
+
+
+def prefill_flops(shape: str, prompt_lens: list[int]) -> float:
+    """2 x layer parameters x tokens + causal attention + the LM head on each prompt's last token."""
+    p = param_counts(shape)
+    return sum(2 * p["layers"] * n + 2 * p["lm_head"] + attention_flops(shape, n, n) for n in prompt_lens)
+
+
+def throughput_floor_seconds(shape: str, prompt_lens: list[int], output_lens: list[int], lim: Limits) -> float:
+    """Sum over steps of max(FLOPs / matmul rate, bytes / copy bandwidth): all prefill compute-bound,
+    then one decode step per output position over the requests still running."""
+    seconds = prefill_flops(shape, prompt_lens) / lim.matmul_rate
+    for step in range(1, max(output_lens)):
+        contexts = [p + step for p, o in zip(prompt_lens, output_lens, strict=True) if o > step]
+        seconds += max(decode_step_flops(shape, contexts) / lim.matmul_rate,
+                       decode_step_bytes(shape, contexts) / lim.copy_bw)
+    return seconds
+
+
+# --- workloads ----------------------------------------------------------------------------------
+def plait_decode_bs1(shape: str, shape_dir: str, prompt: list[int], new_tokens: int, **options: Any
+                     ) -> dict[str, Any]:
+    engine = make_engine(shape_dir, disable_radix_cache=True, max_running_requests=8, **options)
+    params = {"temperature": 0.0, "ignore_eos": True}
+    engine.generate(prompt, {**params, "max_new_tokens": 32})  # warm-up
+    t_one = min(timed(lambda: engine.generate(prompt, {**params, "max_new_tokens": 1}))[1] for _ in range(3))
+    _, t_all = timed(lambda: engine.generate(prompt, {**params, "max_new_tokens": new_tokens}))
+    info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "attention_backend": engine.runner.attn_backend.name,
+            "cuda_graph": engine.runner.graph_runner is not None}
+    release(engine)
+    tok_s = (new_tokens - 1) / (t_all - t_one)
+    return {"tok_s": tok_s, "ms_per_step": 1e3 / tok_s, "prefill_s": t_one, "total_s": t_all, **info}
+
+
+def plait_prefill(shape: str, shape_dir: str, n: int, length: int, vocab: int) -> dict[str, Any]:
+    engine = make_engine(shape_dir, disable_radix_cache=True, chunked_prefill_size=n * length, max_running_requests=n)
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 1}
+    engine.generate(random_prompts(n, length, vocab, seed=1), params)  # warm-up
+    prompts = random_prompts(n, length, vocab, seed=2)
+    _, seconds = timed(lambda: engine.generate(prompts, params))
+    release(engine)
+    return {"tokens_per_s": n * length / seconds, "seconds": seconds}
+
+
+def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict[str, Any]], **options: Any
+                     ) -> dict[str, Any]:
+    engine = make_engine(shape_dir, **options)
+    engine.generate(prompts[:8], [{**p, "max_new_tokens": 8} for p in params[:8]])  # warm-up
+    engine.scheduler.tree_cache.reset()
+    outs, seconds = timed(lambda: engine.generate(prompts, params))
+    generated = sum(len(o.token_ids) for o in outs)
+    stats = engine.scheduler.stats
+    info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "retractions": stats.num_retractions,
+            "forward_steps": stats.forward_steps, "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use()}
+    release(engine)
+    return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info}
+
+
+def overlap_step_vs_replay(shape_dir: str, bs: int, vocab: int) -> dict[str, Any]:
+    """Steady decode at ``bs``: the scheduler's step time against the CUDA graph replay alone."""
+    engine = make_engine(shape_dir, max_running_requests=bs, cuda_graph_max_bs=bs)
+    sched = engine.scheduler
+    prompts = random_prompts(bs, 128, vocab, seed=5)
+    for p in prompts:
+        sched.add_request(engine.make_request(p, {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 200}))
+    while len(sched.running) < bs or sched.prefilling or sched.waiting:
+        sched.step()
+    for _ in range(5):
+        sched.step()
+    torch.cuda.synchronize()
+    steps = 50
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
+    graph = engine.runner.graph_runner.graphs[engine.runner.graph_runner.bucket(bs)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay_s = start.elapsed_time(end) / 1e3 / steps
+    for req in list(sched.running):
+        sched.abort(req.rid)
+    while sched.has_work():
+        sched.step()
+    release(engine)
+    return {"step_ms": step_s * 1e3, "replay_ms": replay_s * 1e3, "step_over_replay": step_s / replay_s, "bs": bs}

@@ -1,0 +1,122 @@
+"""The front end shared by the offline Engine and the HTTP server: tokenize and validate a request.
+
+Everything here runs before a request reaches the scheduler, in the caller's process (the Engine's
+thread, or the HTTP server process), so a bad request is rejected alone and nothing is scheduled for
+it. The checks need only the tokenizer and a few numbers of the running engine (``RequestLimits``);
+the HTTP server gets those from the scheduler process once it has sized its KV pool.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plait.sampling.params import SamplingParams
+
+Prompt = str | Sequence[int]
+ParamsLike = SamplingParams | Mapping[str, Any] | None
+
+
+def to_sampling_params(params: ParamsLike) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    return SamplingParams.from_dict(params)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the vocabulary and the token capacity of the engine."""
+
+    vocab_size: int
+    max_context_len: int
+    max_total_tokens: int  # KV pool size in tokens
+
+    @property
+    def max_request_tokens(self) -> int:
+        """prompt + max_new_tokens must fit both the context and the whole KV pool."""
+        return min(self.max_context_len, self.max_total_tokens)
+
+
+class ContextLengthError(ValueError):
+    """prompt + max_new_tokens is over the limit. The message is the Engine's wording (naming
+    max_new_tokens); ``openai_message`` is the wording OpenAI clients know."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, limits: RequestLimits) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.limit = limits.max_request_tokens
+        total = prompt_tokens + max_new_tokens
+        super().__init__(
+            f"prompt tokens ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+            f"limit of {self.limit} tokens (context length {limits.max_context_len}, "
+            f"KV pool {limits.max_total_tokens})"
+        )
+
+    def openai_message(self, prompt_noun: str = "prompt") -> str:
+        total = self.prompt_tokens + self.max_new_tokens
+        return (
+            f"This model's maximum context length is {self.limit} tokens. However, you requested {total} "
+            f"tokens ({self.prompt_tokens} in the {prompt_noun}, {self.max_new_tokens} in the completion). "
+            f"Please reduce the length of the {prompt_noun} or completion."
+        )
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready for the scheduler (in this process or over ZMQ)."""
+
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+
+
+class Frontend:
+    """Tokenization and validation; raises ``ValueError`` naming the field and the limit."""
+
+    def __init__(self, tokenizer: Any, limits: RequestLimits, seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        # Seeds of unseeded requests come from one engine-seeded stream, so a run is reproducible
+        # from EngineConfig.seed while the sampler never touches a global generator.
+        self._seed_rng = random.Random(seed)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = [int(i) for i in prompt]
+        self.check_input_ids(ids)
+        return ids
+
+    def check_input_ids(self, ids: Sequence[int]) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty (0 tokens)")
+        vocab = self.limits.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"input_ids must be in [0, {vocab}) (the vocabulary size); got {bad[:5]}")
+
+    def sampling_params(self, params: ParamsLike) -> SamplingParams:
+        sp = to_sampling_params(params)
+        sp.validate_against(self.limits.vocab_size)
+        return sp
+
+    def check_length(self, num_prompt_tokens: int, sp: SamplingParams) -> None:
+        if num_prompt_tokens + sp.max_new_tokens > self.limits.max_request_tokens:
+            raise ContextLengthError(num_prompt_tokens, sp.max_new_tokens, self.limits)
+
+    def draw_seed(self, sp: SamplingParams) -> int:
+        return sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+
+    def prepare(self, prompt: Prompt, params: ParamsLike = None) -> PreparedRequest:
+        """Validate parameters, tokenize, check the length and pick the seed, in that order."""
+        sp = self.sampling_params(params)
+        ids = self.tokenize(prompt)
+        self.check_length(len(ids), sp)
+        return PreparedRequest(ids, sp, self.draw_seed(sp))

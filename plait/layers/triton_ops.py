@@ -1,0 +1,112 @@
+"""Fused elementwise kernels for the GPU path: residual-add + RMSNorm, SiLU-and-mul, rotary.
+
+Each reads its inputs once and writes once (the unfused torch versions make several passes over
+the activations). The torch implementations in norm.py / activation.py / rotary.py are the
+reference and the CPU path; ``use_triton(x)`` decides per call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """On CUDA tensors always; on the CPU only under the Triton interpreter (tests)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("PLAIT_TRITON_OPS") == "1"
+
+
+@triton.jit
+def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, n_cols, eps,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Sum in the activation dtype (as the unfused x + residual does), then normalise in fp32.
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(RES_OUT + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Y + row * stride_y + cols, w * normed, mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as RMSNorm.forward: norm(x) or (norm(x + residual), x + residual)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n_rows, n_cols = x2.shape
+    y = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else y
+    r2 = residual.reshape(-1, n_cols) if residual is not None else x2
+    if n_rows:
+        _rmsnorm_kernel[(n_rows,)](x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), n_cols, eps,
+                                   HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+                                   num_warps=8 if n_cols >= 4096 else 4)
+    if residual is None:
+        return y.view(shape)
+    return y.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(Y + row * stride_y + cols, silu * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    block = 1024
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block)
+    return y.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads, n_k_heads,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(POS + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(COS_SIN + pos * stride_cs + d)
+    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
+    heads = tl.arange(0, BLOCK_H)
+    for which in tl.static_range(2):
+        if which == 0:
+            base = Q + t * stride_q
+            n_heads = n_q_heads
+        else:
+            base = K + t * stride_k
+            n_heads = n_k_heads
+        mask = heads[:, None] < n_heads
+        offs = heads[:, None] * (2 * HALF) + d[None, :]
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        x2 = tl.load(base + offs + HALF, mask=mask, other=0.0)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(base + offs, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+        tl.store(base + offs + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+            head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q [T, Hq*D] and k [T, Hkv*D] (each row contiguous); cos_sin_cache float32 [P, D]."""
+    t = q.shape[0]
+    n_q, n_k = q.shape[1] // head_dim, k.shape[1] // head_dim
+    if t:
+        _rotary_kernel[(t,)](q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
+                             n_q, n_k, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(max(n_q, n_k)))
+    return q, k

@@ -1,0 +1,341 @@
+"""The scheduler process: one per GPU rank (one on the CPU), driven over ZMQ by the HTTP server.
+
+Wire protocol (pickled dataclasses below, two one-way sockets, both bound by the HTTP process):
+
+    HTTP process --PUSH--> requests socket --PULL--> scheduler process
+        GenerateRequest (tokenized, validated), AbortRequest, ShutdownRequest
+    scheduler process --PUSH--> outputs socket --PULL--> HTTP process
+        Ready (once, after the model and KV pool exist: the limits the front end validates against)
+        UpdateBatch (after every loop iteration that changed something: per-request increments
+                     plus a SchedulerSnapshot for /metrics)
+        Fatal (the loop raised; the process exits right after)
+
+Detokenization and stop-string checks stay here, next to the scheduler: a stop string ends a
+request at the step that completes it, so the scheduler must see the text, and sending text deltas
+saves the HTTP process a second incremental decode of every request. The HTTP process only
+tokenizes, validates, and decodes single tokens for logprobs.
+
+The loop never blocks while there is work: it drains every queued message, runs one
+``Scheduler.step()``, and sends what changed. Idle, it waits on the requests socket (100 ms at a
+time, to notice a dead parent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from plait.config import EngineConfig
+from plait.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A test hook for the "internal error, server keeps serving" path: when this environment variable
+# holds a token id, a request whose prompt contains that id fails inside the scheduler process as a
+# real exception would (caught per request, reported as a 500). Unset in normal operation.
+FAULT_INJECT_ENV = "PLAIT_FAULT_INJECT_TOKEN"
+
+IDLE_POLL_MS = 100
+
+
+# --- messages -------------------------------------------------------------------------------------
+@dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+
+
+@dataclass
+class AbortRequest:
+    rids: list[str]
+
+
+@dataclass
+class ShutdownRequest:
+    pass
+
+
+@dataclass
+class Ready:
+    pid: int
+    vocab_size: int
+    max_context_len: int
+    max_total_tokens: int
+    max_running_requests: int
+    eos_token_ids: tuple[int, ...]
+    runner_info: dict[str, Any]  # device, dtype, attention backend, ...
+    device_name: str  # as torch names it: "cpu", "NVIDIA H200", ...
+
+
+@dataclass
+class RequestUpdate:
+    """What one request produced since its previous update."""
+
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_message: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # Set when the request failed instead of finishing: HTTP status (503 queue full, 500 internal).
+    error: str | None = None
+    error_status: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_slots_in_use: int = 0
+    max_total_tokens: int = 0
+    evictable_tokens: int = 0
+    num_retractions: int = 0
+    num_aborts: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    forward_steps: int = 0
+
+
+@dataclass
+class UpdateBatch:
+    updates: list[RequestUpdate]
+    stats: SchedulerSnapshot
+
+
+@dataclass
+class Fatal:
+    message: str
+
+
+# --- the loop -------------------------------------------------------------------------------------
+@dataclass
+class _Live:
+    req: Any  # plait.scheduler.req.Req
+    sent_tokens: int = 0
+
+
+class SchedulerProcess:
+    def __init__(self, config: EngineConfig, requests_addr: str, outputs_addr: str,
+                 max_queued_requests: int | None) -> None:
+        import zmq
+
+        self.config = config
+        self.max_queued_requests = max_queued_requests
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.connect(requests_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.connect(outputs_addr)
+        self.parent_pid = os.getppid()
+        self.live: dict[str, _Live] = {}
+        self.last_stats: SchedulerSnapshot | None = None
+        fault = os.environ.get(FAULT_INJECT_ENV)
+        self.fault_token = int(fault) if fault else None
+        self.running = True
+
+    def load(self) -> None:
+        from transformers import AutoTokenizer
+
+        from plait.executor.model_runner import ModelRunner
+        from plait.models.loader import load_model_config
+        from plait.scheduler.scheduler import Scheduler
+
+        config = self.config
+        mc = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.runner = ModelRunner(config, mc)
+        self.scheduler = Scheduler(config, self.runner)
+        self.push.send_pyobj(Ready(
+            pid=os.getpid(), vocab_size=mc.vocab_size, max_context_len=self.runner.max_context_len,
+            max_total_tokens=self.runner.max_total_tokens, max_running_requests=config.max_running_requests,
+            eos_token_ids=tuple(mc.eos_token_ids), runner_info=self.runner.info(),
+            device_name=_device_name(self.runner.device)))
+
+    def run(self) -> None:
+        import zmq
+
+        while self.running:
+            timeout = 0 if self.scheduler.has_work() else IDLE_POLL_MS
+            updates: list[RequestUpdate] = []
+            if self.pull.poll(timeout, zmq.POLLIN):
+                while True:
+                    try:
+                        msg = self.pull.recv_pyobj(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(msg, updates)
+            elif os.getppid() != self.parent_pid:
+                logger.error("the server process is gone; scheduler exiting")
+                return
+            if self.scheduler.has_work():
+                self.scheduler.step()
+            updates += self._collect()
+            stats = self._snapshot()
+            if updates or stats != self.last_stats:
+                self.push.send_pyobj(UpdateBatch(updates, stats))
+                self.last_stats = stats
+
+    def _handle(self, msg: object, updates: list[RequestUpdate]) -> None:
+        if isinstance(msg, GenerateRequest):
+            updates.extend(self._add(msg))
+        elif isinstance(msg, AbortRequest):
+            for rid in msg.rids:
+                # A waiting request finishes inside abort(); a running one at the next step. Either
+                # way _collect reports it.
+                self.scheduler.abort(rid)
+        elif isinstance(msg, ShutdownRequest):
+            self.running = False
+        else:
+            logger.error("unknown message %r", type(msg).__name__)
+
+    def _add(self, msg: GenerateRequest) -> list[RequestUpdate]:
+        from plait.scheduler.detokenizer import IncrementalDetokenizer
+        from plait.scheduler.req import Req
+
+        if self.max_queued_requests is not None and len(self.scheduler.waiting) >= self.max_queued_requests:
+            return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=503,
+                                  error=f"the request queue is full ({self.max_queued_requests} waiting "
+                                        "requests, --max-queued-requests); retry later")]
+        try:
+            if self.fault_token is not None and self.fault_token in msg.input_ids:
+                raise RuntimeError(f"injected fault ({FAULT_INJECT_ENV}={self.fault_token})")
+            sp = msg.sampling_params
+            detok = IncrementalDetokenizer(self.tokenizer, msg.input_ids, sp.stop, sp.skip_special_tokens)
+            req = Req(rid=msg.rid, origin_input_ids=msg.input_ids, sampling_params=sp, seed=msg.seed,
+                      detokenizer=detok)
+        except Exception as e:  # one bad request must not take the scheduler down
+            logger.exception("request %s failed before scheduling", msg.rid)
+            return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=500,
+                                  error=f"internal error: {type(e).__name__}: {e}")]
+        self.live[msg.rid] = _Live(req)
+        self.scheduler.add_request(req)
+        # An empty update acknowledges admission to the queue, so the server can commit to a 200
+        # (streaming headers) before the first token, knowing the request was not refused.
+        return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids))]
+
+    def _collect(self) -> list[RequestUpdate]:
+        # Scan every live request rather than only step()'s return value: a request aborted while
+        # waiting finishes inside abort(), and with overlap scheduling a step may deliver tokens
+        # one step later. Slicing from ``sent_tokens`` makes either case exact. O(live) per step.
+        out: list[RequestUpdate] = []
+        done: list[str] = []
+        for rid, live in self.live.items():
+            req = live.req
+            n = len(req.output_ids)
+            if n == live.sent_tokens and not req.finished:
+                continue
+            sp = req.sampling_params
+            start = live.sent_tokens
+            update = RequestUpdate(
+                rid=rid, token_ids=req.output_ids[start:n], text=req.detokenizer.take_delta(req.finished),
+                logprobs=req.output_logprobs[start:n] if sp.logprobs else None,
+                top_logprobs=req.output_top_logprobs[start:n] if sp.logprobs and sp.top_logprobs else None,
+                prompt_tokens=len(req.origin_input_ids), completion_tokens=n, cached_tokens=req.cached_tokens)
+            live.sent_tokens = n
+            if req.finished:
+                update.finish_reason = req.finish_reason.value
+                update.finish_message = req.finish_message
+                done.append(rid)
+            out.append(update)
+        for rid in done:
+            del self.live[rid]
+        return out
+
+    def _snapshot(self) -> SchedulerSnapshot:
+        s = self.scheduler
+        st = s.stats
+        return SchedulerSnapshot(
+            num_running=len(s.prefilling) + len(s.running), num_waiting=len(s.waiting),
+            kv_slots_in_use=s.kv_tokens_in_use(), max_total_tokens=self.runner.max_total_tokens,
+            evictable_tokens=s.tree_cache.evictable_size(), num_retractions=st.num_retractions,
+            num_aborts=st.num_aborts, prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
+            cached_tokens=st.cached_tokens, forward_steps=st.forward_steps)
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self.push.close()  # LINGER lets the last messages (final updates, Fatal) go out
+        self.ctx.term()
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return device
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this process when the server process dies (even by SIGKILL), so
+    no scheduler outlives its server. Elsewhere the idle loop's parent check covers it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="plait scheduler process (started by `plait serve`)")
+    parser.add_argument("--config-json", required=True, help="EngineConfig fields as a JSON object")
+    parser.add_argument("--requests-addr", required=True)
+    parser.add_argument("--outputs-addr", required=True)
+    parser.add_argument("--max-queued-requests", type=int, default=None)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    # SIGINT goes to the whole process group on Ctrl-C; the server decides when this process ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = EngineConfig.from_kwargs(**json.loads(args.config_json))
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s scheduler %(name)s %(levelname)s %(message)s")
+    proc = SchedulerProcess(config, args.requests_addr, args.outputs_addr, args.max_queued_requests)
+    code = 0
+    try:
+        t0 = time.perf_counter()
+        proc.load()
+        logger.info("scheduler ready in %.1f s (pid %d, KV pool %d tokens)", time.perf_counter() - t0,
+                    os.getpid(), proc.runner.max_total_tokens)
+        proc.run()
+    except Exception as e:
+        logger.error("scheduler failed:\n%s", traceback.format_exc())
+        proc.push.send_pyobj(Fatal(f"{type(e).__name__}: {e}"))
+        code = 1
+    finally:
+        proc.close()
+    return code
+
+
+def config_to_json(config: EngineConfig) -> str:
+    return json.dumps(asdict(config))
+
+
+if __name__ == "__main__":
+    # Re-import under the package name: the message classes must pickle as
+    # plait.scheduler.process.X, not __main__.X, for the server process to read them.
+    from plait.scheduler.process import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,223 @@
+"""Triton attention kernels vs. the fp32 torch references at production shapes (bf16, head dim 128,
+32 q / 8 kv heads, contexts up to 32k, batch up to 256). Needs a CUDA GPU (run on the H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+triton = pytest.importorskip("triton")
+
+from plait.attention.triton import kernels as K  # noqa: E402
+from plait.attention.triton import reference as R  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+# bf16 inputs/outputs and bf16 probabilities in the P.V product, against an fp32 reference on the same
+# bf16 inputs: outputs are O(0.1..1), so ~1 bf16 ulp of the output plus accumulated rounding.
+ATOL, RTOL = 1e-2, 2e-2
+MAX_KV_SPLITS = 16
+
+
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _layout(
+    lens: list[int], gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Random distinct slots per request, written into req_to_token at shuffled pool rows.
+    Returns req_to_token, req_pool_indices, kv_indptr (expected), kv_indices (expected), num_slots."""
+    bs = len(lens)
+    num_slots = sum(lens) + 64
+    perm = torch.randperm(num_slots, generator=gen, device="cpu").to(torch.int32)
+    rows = torch.randperm(bs + 16, generator=gen)[:bs]
+    req_to_token = torch.zeros(bs + 16, max(lens) + 1, dtype=torch.int32)
+    chunks, used = [], 0
+    for i, n in enumerate(lens):
+        req_to_token[rows[i], :n] = perm[used : used + n]
+        chunks.append(perm[used : used + n])
+        used += n
+    indptr = torch.zeros(bs + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens), 0)
+    return req_to_token.cuda(), rows.cuda(), indptr.cuda(), torch.cat(chunks).cuda(), num_slots
+
+
+def _decode_case(lens: list[int], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    req_to_token, rows, indptr_ref, indices_ref, num_slots = _layout(lens, gen)
+    bs = len(lens)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    k_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    v_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    q = torch.randn(bs, HQ, D, device="cuda", dtype=DTYPE)
+
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
+    kv_indptr[1:] = torch.cumsum(seq_lens, 0)
+    kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device="cuda")
+    K.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
+    assert torch.equal(kv_indices, indices_ref)
+
+    splits = torch.empty(bs, dtype=torch.int32, device="cuda")
+    K.get_num_kv_splits(seq_lens, splits, MAX_KV_SPLITS, _num_sms(), num_kv_heads=HKV)
+    logits = torch.empty(bs, HQ, MAX_KV_SPLITS, D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(bs, HQ, MAX_KV_SPLITS, dtype=torch.float32, device="cuda")
+    o = torch.empty(bs, HQ, D, dtype=DTYPE, device="cuda")
+    K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS, D**-0.5)
+    o_ref = torch.empty(bs, HQ, D, dtype=torch.float32, device="cuda")
+    R.decode_attention_fwd(q, k_buf, v_buf, o_ref, kv_indptr, kv_indices, None, None, None, 0, D**-0.5)
+    torch.testing.assert_close(o.float(), o_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_decode_bs256_mixed_lengths() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 2048, (256,), generator=gen).tolist()
+    _decode_case(lens, seed=1)
+
+
+def test_decode_long_context_32k() -> None:
+    _decode_case([32768, 20000, 1, 4097], seed=2)
+
+
+def test_decode_bs1_ctx384() -> None:
+    _decode_case([384], seed=3)
+
+
+def test_decode_cuda_graph_replay() -> None:
+    """build_kv_indices + get_num_kv_splits + decode captured once into static buffers, replayed with
+    other lengths and pool rows: no host sync, no dynamic allocation."""
+    gen = torch.Generator().manual_seed(4)
+    max_bs, max_ctx = 8, 4096
+    num_slots = max_bs * max_ctx
+    req_to_token = torch.randperm(num_slots, generator=gen).to(torch.int32).view(max_bs, max_ctx).cuda()
+    k_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    v_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    q = torch.randn(max_bs, HQ, D, device="cuda", dtype=DTYPE)
+    rows = torch.zeros(max_bs, dtype=torch.int64, device="cuda")
+    seq_lens = torch.ones(max_bs, dtype=torch.int32, device="cuda")
+    kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device="cuda")
+    kv_indices = torch.zeros(max_bs * max_ctx, dtype=torch.int32, device="cuda")
+    splits = torch.ones(max_bs, dtype=torch.int32, device="cuda")
+    logits = torch.empty(max_bs, HQ, MAX_KV_SPLITS, D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(max_bs, HQ, MAX_KV_SPLITS, dtype=torch.float32, device="cuda")
+    o = torch.empty(max_bs, HQ, D, dtype=DTYPE, device="cuda")
+
+    def step() -> None:
+        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
+        K.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
+        K.get_num_kv_splits(seq_lens, splits, MAX_KV_SPLITS, _num_sms(), num_kv_heads=HKV)
+        K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS, D**-0.5)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile and warm up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for trial in range(3):
+        lens = torch.randint(1, max_ctx, (max_bs,), generator=gen)
+        rows.copy_(torch.randperm(max_bs, generator=gen))
+        seq_lens.copy_(lens)
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref = torch.empty(max_bs, HQ, D, dtype=torch.float32, device="cuda")
+        R.decode_attention_fwd(q, k_buf, v_buf, o_ref, kv_indptr, kv_indices, None, None, None, 0, D**-0.5)
+        expect_indices = torch.cat([req_to_token[int(rows[i]), : int(lens[i])] for i in range(max_bs)])
+        assert torch.equal(kv_indices[: expect_indices.numel()], expect_indices), trial
+        torch.testing.assert_close(o.float(), o_ref, atol=ATOL, rtol=RTOL)
+
+
+def _extend_case(prefix_lens: list[int], ext_lens: list[int], seed: int, tree: bool = False) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(ext_lens)
+    _, _, kv_indptr, kv_indices, num_slots = _layout([max(p, 1) for p in prefix_lens], gen)
+    # _layout needs n >= 1 per request; rebuild the CSR for the real (possibly 0) prefix lengths.
+    starts = kv_indptr[:-1].cpu()
+    kv_indices = torch.cat([kv_indices[int(starts[i]) : int(starts[i]) + p] for i, p in enumerate(prefix_lens)])
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
+    kv_indptr[1:] = torch.cumsum(torch.tensor(prefix_lens, device="cuda"), 0)
+    k_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    v_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    t = sum(ext_lens)
+    qkv = torch.randn(t, HQ + 2 * HKV, D, device="cuda", dtype=DTYPE)  # fused projection output
+    q, k, v = qkv[:, :HQ], qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :]
+    qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
+    qo_indptr[1:] = torch.cumsum(torch.tensor(ext_lens, device="cuda"), 0)
+    custom_mask = mask_indptr = None
+    if tree:
+        blocks = []
+        for p, e in zip(prefix_lens, ext_lens, strict=True):
+            m = torch.zeros(e, p + e, dtype=torch.bool)
+            m[:, :p] = True
+            for j in range(e):
+                m[j, p + j] = True
+                if j:
+                    m[j, p : p + e] |= m[int(torch.randint(0, j, (1,), generator=gen)), p : p + e]
+            blocks.append(m.flatten())
+        custom_mask = torch.cat(blocks).cuda()
+        mask_indptr = torch.zeros(bs + 1, dtype=torch.int64, device="cuda")
+        mask_indptr[1:] = torch.cumsum(torch.tensor([b.numel() for b in blocks], device="cuda"), 0)
+    o = torch.empty(t, HQ, D, device="cuda", dtype=DTYPE)
+    o_ref = torch.empty(t, HQ, D, device="cuda", dtype=torch.float32)
+    args = (qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, max(ext_lens), D**-0.5)
+    K.extend_attention_fwd(q, k, v, o, k_buf, v_buf, *args)
+    R.extend_attention_fwd(q, k, v, o_ref, k_buf, v_buf, *args)
+    torch.testing.assert_close(o.float(), o_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_extend_8x2048_no_prefix() -> None:
+    _extend_case([0] * 8, [2048] * 8, seed=10)
+
+
+def test_extend_with_prefix_mixed() -> None:
+    _extend_case([3000, 0, 1000, 17, 8191], [2048, 1500, 511, 100, 1], seed=11)
+
+
+def test_extend_tree_mask_verify_shapes() -> None:
+    # Speculative verify: 32 requests, 8 draft tokens each, long prefixes, tree masks.
+    gen = torch.Generator().manual_seed(12)
+    prefix = torch.randint(1, 6000, (32,), generator=gen).tolist()
+    _extend_case(prefix, [8] * 32, seed=13, tree=True)
+
+
+def test_fp32_uses_full_precision() -> None:
+    # fp32 inputs must not be multiplied in TF32 on the GPU.
+    gen = torch.Generator().manual_seed(20)
+    lens = [700, 3]
+    _, _, kv_indptr, kv_indices, num_slots = _layout(lens, gen)
+    k_buf = torch.randn(num_slots, HKV, D, device="cuda")
+    v_buf = torch.randn(num_slots, HKV, D, device="cuda")
+    q = torch.randn(2, HQ, D, device="cuda")
+    splits = torch.tensor([4, 1], dtype=torch.int32, device="cuda")
+    logits = torch.empty(2, HQ, 4, D, device="cuda")
+    lse = torch.empty(2, HQ, 4, device="cuda")
+    o, o_ref = torch.empty(2, HQ, D, device="cuda"), torch.empty(2, HQ, D, device="cuda")
+    K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, 4, D**-0.5)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        R.decode_attention_fwd(q, k_buf, v_buf, o_ref, kv_indptr, kv_indices, None, None, None, 0, D**-0.5)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_store_kv_bf16() -> None:
+    gen = torch.Generator().manual_seed(30)
+    num_slots, t = 100_000, 4096
+    k_buf = torch.zeros(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    v_buf = torch.zeros_like(k_buf)
+    qkv = torch.randn(t, HQ + 2 * HKV, D, device="cuda", dtype=DTYPE)
+    k, v = qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :]
+    loc = torch.randperm(num_slots, generator=gen)[:t].cuda()
+    K.store_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
+    assert int(torch.count_nonzero(k_buf.abs().sum((1, 2)))) == t

@@ -1,0 +1,120 @@
+"""CudaGraphRunner logic on the CPU: buckets, padding into reserved rows/slots, the plan marker,
+and replay equal to eager. The graph is the EagerGraph stand-in (replay re-runs the recorded
+function over the static buffers) and attention is the Triton backend under the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from plait.executor.cuda_graph_runner import (  # noqa: E402
+    CudaGraphRunner,
+    EagerGraph,
+    capture_batch_sizes,
+)
+from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
+from tests.helpers import make_engine, prompt_ids  # noqa: E402
+
+GREEDY8 = {"temperature": 0.0, "max_new_tokens": 8}
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir("llama"), attention_backend="triton", max_total_tokens=1024)
+
+
+@pytest.fixture
+def graph_runner(engine):
+    runner = CudaGraphRunner(engine.runner, max_bs=4, graph_factory=EagerGraph)
+    engine.runner.graph_runner = runner
+    return runner
+
+
+class PlanCounter:
+    """Wraps the backend's out_graph to record the batch sizes it planned."""
+
+    def __init__(self, backend) -> None:
+        self.sizes: list[int] = []
+        self._inner = backend.init_forward_metadata_out_graph
+        backend.init_forward_metadata_out_graph = self
+
+    def __call__(self, fb, in_capture=False):
+        self.sizes.append(fb.batch_size)
+        return self._inner(fb, in_capture)
+
+
+def test_capture_batch_sizes_are_1_2_4_8_then_steps_of_8():
+    assert capture_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_batch_sizes(3) == [1, 2, 3]
+
+
+def test_buckets_round_up_to_the_next_captured_size(graph_runner):
+    assert [graph_runner.bucket(b) for b in (1, 2, 3, 4)] == [1, 2, 4, 4]
+
+
+def test_capture_marks_every_static_batch_planned(graph_runner):
+    assert sorted(graph_runner.capture_batches) == [1, 2, 4]
+    for bs, fb in graph_runner.capture_batches.items():
+        assert fb.forward_metadata_ready and fb.forward_metadata_planned_bs == bs
+        assert not fb.needs_forward_metadata_init()
+
+
+def test_can_run_decode_batches_up_to_max_bs_only(graph_runner):
+    def batch(mode, bs):
+        z = torch.zeros(bs, dtype=torch.long)
+        return ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=z, req_pool_indices=z, seq_lens=z,
+                            out_cache_loc=z, positions=z)
+
+    assert graph_runner.can_run(batch(ForwardMode.DECODE, 4))
+    assert not graph_runner.can_run(batch(ForwardMode.DECODE, 5))
+    assert not graph_runner.can_run(batch(ForwardMode.EXTEND, 2))
+
+
+def test_replay_greedy_tokens_equal_eager(engine, graph_runner, tiny_model_dir):
+    prompts = prompt_ids(3)
+    replays_before = sum(g.replays for g in graph_runner.graphs.values())
+    with_graph = [o.token_ids for o in engine.generate(prompts, GREEDY8)]
+    assert sum(g.replays for g in graph_runner.graphs.values()) > replays_before
+    eager = make_engine(tiny_model_dir("llama"), attention_backend="triton", max_total_tokens=1024)
+    assert [o.token_ids for o in eager.generate(prompts, GREEDY8)] == with_graph
+
+
+def test_replay_pads_into_the_dummy_row_slot_and_fill_value(engine, graph_runner):
+    engine.generate(prompt_ids(3), {"temperature": 0.0, "max_new_tokens": 3})
+    # The last decode step had 3 live rows in the 4 bucket: row 3 is padding.
+    assert graph_runner.req_pool_indices[3].item() == DUMMY_REQ_ROW
+    assert graph_runner.out_cache_loc[3].item() == DUMMY_KV_SLOT
+    assert graph_runner.seq_lens[3].item() == graph_runner.fill_value
+    assert DUMMY_REQ_ROW not in graph_runner.req_pool_indices[:3].tolist()
+
+
+def test_replay_plans_an_unplanned_batch_on_the_padded_view(engine, graph_runner):
+    counter = PlanCounter(engine.runner.attn_backend)
+    engine.generate(prompt_ids(3), {"temperature": 0.0, "max_new_tokens": 3})
+    # one extend plan (3 requests), then two decode replays planned at the padded size 4
+    assert counter.sizes == [3, 4, 4]
+
+
+def test_replay_does_not_plan_a_batch_its_pre_planner_marked(engine, graph_runner):
+    fb = graph_runner.capture_batches[2]
+    engine.runner.attn_backend.init_forward_metadata_out_graph(fb)  # a pre-planner (e.g. multi-step draft)
+    fb.mark_forward_metadata_ready()
+    counter = PlanCounter(engine.runner.attn_backend)
+    graph_runner.replay(fb)
+    assert counter.sizes == []
+
+
+def test_in_graph_rejects_per_step_tensors_after_capture_planning(engine, graph_runner):
+    backend = engine.runner.attn_backend
+    static = graph_runner.capture_batches[2]
+    backend.init_forward_metadata_out_graph(static, in_capture=True)
+    fresh = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=static.input_ids.clone(),
+                         req_pool_indices=static.req_pool_indices.clone(), seq_lens=static.seq_lens.clone(),
+                         out_cache_loc=static.out_cache_loc.clone(), positions=static.positions.clone(),
+                         seq_lens_cpu=[1, 1], seq_lens_sum=2)
+    with pytest.raises(RuntimeError, match="static buffers"):
+        backend.init_forward_metadata_in_graph(fresh)

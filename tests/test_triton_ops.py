@@ -1,0 +1,46 @@
+"""Fused GPU layer kernels against their torch references (Triton interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton_ops = pytest.importorskip("plait.layers.triton_ops")
+
+from plait.layers.activation import SiluAndMul  # noqa: E402
+from plait.layers.norm import RMSNorm  # noqa: E402
+from plait.layers.rotary import RotaryEmbedding  # noqa: E402
+
+
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_rmsnorm_matches_reference(hidden):
+    norm = RMSNorm(hidden, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(5, hidden)
+    torch.testing.assert_close(triton_ops.rmsnorm(x, norm.weight, 1e-5), norm.forward_native(x), atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_with_residual_returns_norm_and_sum():
+    norm = RMSNorm(128, eps=1e-6)
+    x, r = torch.randn(3, 128), torch.randn(3, 128)
+    y, s = triton_ops.rmsnorm(x, norm.weight, 1e-6, r)
+    y_ref, s_ref = norm.forward_native(x, r)
+    torch.testing.assert_close(s, s_ref)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_and_mul_matches_reference():
+    x = torch.randn(4, 2 * 1500)
+    torch.testing.assert_close(triton_ops.silu_and_mul(x), SiluAndMul().forward_native(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "hq", "hkv"), [(64, 4, 2), (128, 8, 1)])
+def test_rotary_matches_reference_on_strided_views(head_dim, hq, hkv):
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    qkv = torch.randn(6, (hq + 2 * hkv) * head_dim)
+    q, k, _ = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    pos = torch.tensor([0, 3, 7, 9, 30, 63])
+    q_ref, k_ref = rope.forward_native(pos, q.clone(), k.clone())
+    q_out, k_out = triton_ops.rotary_(pos, q, k, rope.cos_sin_cache, head_dim)
+    torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
