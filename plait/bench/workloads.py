@@ -39,7 +39,8 @@ def release(engine: Any) -> None:
     engine.shutdown()
     del engine
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def random_prompts(n: int, length: int | list[int], vocab: int, seed: int) -> list[list[int]]:
@@ -48,11 +49,16 @@ def random_prompts(n: int, length: int | list[int], vocab: int, seed: int) -> li
     return [[rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in lengths]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Any) -> tuple[Any, float]:
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    _sync()
     return out, time.perf_counter() - t0
 
 
