@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--out-dir", default=None, help="write one JSON per workload/shape here")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--max-kv-splits", type=int, default=16)
+    parser.add_argument("--max-kv-splits", type=int, default=32)
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs and split heuristics")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -44,9 +44,13 @@ def decode_bs1(shape: str, prompt: list[int], new_tokens: int, compiled: bool) -
     ids = torch.tensor([prompt], device="cuda")
     kwargs: dict[str, Any] = {}
     if compiled:
-        model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # transformers compiles the forward itself for a static cache (its CompileConfig:
+        # torch.compile(fullgraph=True, mode="reduce-overhead")); compiling model.forward by hand
+        # as well breaks its cudagraph bookkeeping.
+        from transformers import CompileConfig
+
         kwargs["cache_implementation"] = "static"
+        kwargs["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
     t_compile = time.perf_counter()
     for _ in range(2):  # warm-up (compilation for the compiled form)
         _timed_generate(model, ids, 16, **kwargs)

@@ -132,7 +132,10 @@ class Engine:
         self._closed = True
         for req in list(self.scheduler.waiting) + self.scheduler.prefilling + self.scheduler.running:
             self.scheduler.abort(req.rid)
-        self.scheduler.step()
+        while self.scheduler.has_work():
+            self.scheduler.step()
+        self.scheduler.close()
+        self.runner.close()
 
     def __enter__(self) -> Engine:
         return self

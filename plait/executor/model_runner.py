@@ -6,6 +6,7 @@ pre-planner marked (graph replay preparation, multi-step draft planning) is not 
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -112,6 +113,19 @@ class ModelRunner:
     def sample(self, logits: LogitsOutput, fb: ForwardBatch) -> SampleOutput:
         assert fb.sampling_info is not None, "the scheduler attaches sampling_info to sampled batches"
         return self.sampler(logits.next_token_logits, fb.sampling_info)
+
+    def close(self) -> None:
+        """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and
+        backends reference each other: the cycle is broken here, not left to the garbage collector)."""
+        self.graph_runner = None
+        self.attn_backend = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        self.kv_pool = None  # type: ignore[assignment]
+        self.req_to_token_pool = None  # type: ignore[assignment]
+        self.allocator = None  # type: ignore[assignment]
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
 
     def info(self) -> dict[str, Any]:
         return {"max_total_tokens": self.max_total_tokens, "attention_backend": self.attn_backend.name,

@@ -423,6 +423,12 @@ class Scheduler:
         req.req_pool_idx = None
         req.last_node = None
 
+    def close(self) -> None:
+        """Forget the pools and the prefix cache (the engine is shutting down and frees the device)."""
+        self.tree_cache = None  # type: ignore[assignment]
+        self.allocator = None  # type: ignore[assignment]
+        self.req_to_token_pool = None  # type: ignore[assignment]
+
     # --- introspection (tests, metrics) -----------------------------------------------------------
     def kv_tokens_in_use(self) -> int:
         """Slots neither free nor evictable: held by live requests (0 when idle)."""

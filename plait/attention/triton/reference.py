@@ -40,7 +40,7 @@ def get_num_kv_splits(
     max_kv_splits: int,
     num_sms: int,
     num_kv_heads: int = 1,
-    programs_per_sm: int = 2,  # == decode.DEFAULT_PROGRAMS_PER_SM (a test checks)
+    programs_per_sm: int = 4,  # == decode.DEFAULT_PROGRAMS_PER_SM (a test checks)
     min_split_len: int = 128,  # == decode.DEFAULT_MIN_SPLIT_LEN
 ) -> None:
     """Same heuristic as the kernel (see ``decode.get_num_kv_splits``)."""
