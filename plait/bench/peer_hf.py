@@ -66,10 +66,10 @@ def generate_batch_throughput(shape: str, prompts: list[list[int]], new_tokens: 
     """transformers' continuous batching (``generate_batch``): output tokens/s over all requests."""
     from transformers import GenerationConfig
 
-    model = hf_model(shape, attn_implementation="sdpa_paged")
+    model = hf_model(shape, attn_implementation="paged|sdpa")
     max_new = new_tokens if isinstance(new_tokens, int) else max(new_tokens)
     gen_cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    config = {"attn_implementation": "sdpa_paged", "max_new_tokens": max_new, "do_sample": False,
+    config = {"attn_implementation": "paged|sdpa", "max_new_tokens": max_new, "do_sample": False,
               "eos_token_id": None, "note": "per-request lengths not supported: every request runs max_new_tokens"
               if not isinstance(new_tokens, int) else None}
     model.generate_batch(inputs=prompts[:4], generation_config=GenerationConfig(max_new_tokens=8, do_sample=False,

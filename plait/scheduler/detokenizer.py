@@ -23,7 +23,8 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.text = ""  # decoded output text so far (complete characters only)
+        self._decoded = len(self._ids)  # ids up to here have been folded into ``_text``
+        self._text = ""  # decoded output text so far (complete characters only)
         self.sent = 0  # characters of ``text`` already streamed
         self.stopped_at: int | None = None  # index in ``text`` where a stop string begins
 
@@ -31,30 +32,40 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> None:
+        """O(1): decoding is deferred until text is asked for (stop strings, streaming, the end), so a
+        batch of requests nobody reads mid-flight costs no tokenizer calls per step."""
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.text += new_text[len(prefix_text) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+
+    @property
+    def text(self) -> str:
+        while self._decoded < len(self._ids):
+            self._decoded += 1
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            new_text = self._decode(self._ids[self._prefix_offset : self._decoded])
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                self._text += new_text[len(prefix_text) :]
+                self._prefix_offset = self._read_offset
+                self._read_offset = self._decoded
+        return self._text
 
     def find_stop(self) -> bool:
         """True (and ``stopped_at`` set) when the text contains a stop string."""
         if not self.stop or self.stopped_at is not None:
             return self.stopped_at is not None
         window_start = max(0, self.sent - max(len(s) for s in self.stop))
-        hits = [i for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
+        text = self.text
+        hits = [i for s in self.stop if (i := text.find(s, window_start)) >= 0]
         if hits:
             self.stopped_at = min(hits)
         return self.stopped_at is not None
 
     def finish(self) -> None:
         """Flush: decode incomplete trailing bytes too (with replacement characters)."""
+        text = self.text
         if self.stopped_at is None and self._read_offset < len(self._ids):
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             tail = self._decode(self._ids[self._prefix_offset :])
-            self.text += tail[len(prefix_text) :]
+            self._text = text + tail[len(prefix_text) :]
             self._read_offset = len(self._ids)
 
     def final_text(self) -> str:

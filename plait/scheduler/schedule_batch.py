@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.sampling.penalties import to_device
 from plait.scheduler.req import Req
 
 
@@ -36,6 +37,7 @@ class BatchEntry:
 class ScheduleBatch:
     entries: list[BatchEntry]
     out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, in entry order
+    token_rows: torch.Tensor | None = None  # [T] request-pool row of each new token (set by to_forward_batch)
 
     @property
     def forward_mode(self) -> ForwardMode:
@@ -50,9 +52,12 @@ class ScheduleBatch:
         return [e for e in self.entries if e.sample]
 
     def to_forward_batch(self, device: torch.device | str) -> ForwardBatch:
+        """Device tensors for the batch, from one packed host-to-device copy (pinned, non-blocking:
+        a pageable copy would wait for the batch still running on the GPU)."""
         mode = self.forward_mode
         input_ids: list[int] = []
         positions: list[int] = []
+        token_rows: list[int] = []
         logits_rows: list[int] = []
         future_rows: list[int] = []
         future_src: list[int] = []
@@ -64,38 +69,39 @@ class ScheduleBatch:
                 future_src.append(idx)
             input_ids.extend(e.input_ids)
             positions.extend(range(e.prefix_len, e.prefix_len + e.extend_len))
+            token_rows.extend([e.req.req_pool_idx] * e.extend_len)  # type: ignore[list-item]
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         seq_lens_cpu = [e.prefix_len + e.extend_len for e in self.entries]
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
-        ids = t(input_ids)
+        ext = [e.extend_len for e in self.entries]
+        pre = [e.prefix_len for e in self.entries]
+        starts = [0]
+        for n in ext[:-1]:
+            starts.append(starts[-1] + n)
+        parts = [input_ids, positions, token_rows, [e.req.req_pool_idx for e in self.entries], seq_lens_cpu,
+                 ext, pre, starts, logits_rows, future_rows, future_src]
+        flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
+        (ids, pos, rows, req_pool_indices, seq_lens, ext_t, pre_t, starts_t, logits_t, f_rows, f_src) = flat.split(
+            [len(part) for part in parts])
         if future_tensor is not None:
             # Inputs sampled by the in-flight batch: gathered on the device, no host sync.
-            ids[t(future_rows)] = future_tensor[t(future_src)]
+            ids[f_rows] = future_tensor[f_src]
         fb = ForwardBatch(
             forward_mode=mode,
             batch_size=len(self.entries),
             input_ids=ids,
-            req_pool_indices=t([e.req.req_pool_idx for e in self.entries]),  # type: ignore[misc]
-            seq_lens=t(seq_lens_cpu),
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
             out_cache_loc=self.out_cache_loc,
-            positions=t(positions),
+            positions=pos,
             seq_lens_cpu=seq_lens_cpu,
             seq_lens_sum=sum(seq_lens_cpu),
         )
+        self.token_rows = rows
         if mode != ForwardMode.DECODE:
-            ext = [e.extend_len for e in self.entries]
-            pre = [e.prefix_len for e in self.entries]
-            starts = [0]
-            for n in ext[:-1]:
-                starts.append(starts[-1] + n)
             fb.extend_num_tokens = len(input_ids)
-            fb.extend_seq_lens, fb.extend_prefix_lens = t(ext), t(pre)
-            fb.extend_start_loc = t(starts)
+            fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = ext_t, pre_t, starts_t
             fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = ext, pre
             # Decode rows sample every step; chunks that do not finish a prefill sample nothing.
-            fb.logits_indices = t(logits_rows)
+            fb.logits_indices = logits_t
         return fb

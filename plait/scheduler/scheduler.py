@@ -315,14 +315,11 @@ class Scheduler:
 
     def _launch(self, batch: ScheduleBatch) -> InFlight:
         """Write the slot map, run the forward and the sampler; no host sync on the results."""
-        offset = 0
-        for e in batch.entries:
-            # Attention reads req_to_token for the new tokens too: map them before the forward.
-            assert e.req.req_pool_idx is not None
-            self.req_to_token_pool.write(e.req.req_pool_idx, e.prefix_len,
-                                         batch.out_cache_loc[offset : offset + e.extend_len])
-            offset += e.extend_len
         fb = batch.to_forward_batch(self.runner.device)
+        # Attention reads req_to_token for the new tokens too: map them before the forward (one
+        # scatter for the whole batch).
+        assert batch.token_rows is not None
+        self.req_to_token_pool.req_to_token[batch.token_rows, fb.positions] = batch.out_cache_loc.to(torch.int32)
         sampled = batch.sampled
         if sampled:
             fb.sampling_info = SamplingBatchInfo.build(

@@ -1,0 +1,98 @@
+"""Where one decode step's time goes (H200): scheduler host phases vs the CUDA graph replay, and a
+per-kernel table of one eager decode step, for the llama-3.2-1b shape at bs=1 and bs=256.
+
+    PYTHONPATH=$PWD python benchmarks/profile_step.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+from plait.bench.shapes import SHAPES, write_shape_dir
+from plait.bench.workloads import make_engine, random_prompts, release
+
+SHAPE = "llama-3.2-1b"
+
+
+def host_phases(engine, bs: int, steps: int = 40) -> dict[str, float]:
+    sched = engine.scheduler
+    totals: dict[str, float] = defaultdict(float)
+    for name in ("_schedule", "_launch", "_process"):
+        original = getattr(sched, name)
+
+        def timed(*a, _orig=original, _name=name, **k):
+            t0 = time.perf_counter()
+            out = _orig(*a, **k)
+            totals[_name] += time.perf_counter() - t0
+            return out
+
+        setattr(sched, name, timed)
+    for p in random_prompts(bs, 128, SHAPES[SHAPE]["vocab_size"], seed=bs):
+        sched.add_request(engine.make_request(p, {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 400}))
+    while len(sched.running) < bs or sched.prefilling or sched.waiting:
+        sched.step()
+    for _ in range(5):
+        sched.step()
+    totals.clear()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - t0) / steps
+    gr = engine.runner.graph_runner
+    graph = gr.graphs[gr.bucket(bs)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    out = {"bs": bs, "step_ms": step * 1e3, "graph_replay_ms": start.elapsed_time(end) / steps}
+    out.update({f"host{k}_ms": v / steps * 1e3 for k, v in totals.items()})
+    for r in list(sched.running):
+        sched.abort(r.rid)
+    while sched.has_work():
+        sched.step()
+    return out
+
+
+def kernel_table(shape_dir: str) -> list[dict[str, float | str]]:
+    engine = make_engine(shape_dir, disable_cuda_graph=True, max_running_requests=8, disable_radix_cache=True)
+    prompt = random_prompts(1, 128, SHAPES[SHAPE]["vocab_size"], seed=0)[0]
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 24}
+    engine.generate(prompt, params)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompt, {**params, "max_new_tokens": 11})
+    release(engine)
+    rows = []
+    for evt in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]:
+        rows.append({"kernel": evt.key[:90], "calls_per_step": evt.count / 11,
+                     "us_per_step": evt.device_time_total / 11})
+    return rows
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    shape_dir = str(write_shape_dir(tempfile.mkdtemp(), SHAPE))
+    result = {"shape": SHAPE, "device": torch.cuda.get_device_name()}
+    for bs in (1, 256):
+        engine = make_engine(shape_dir, max_running_requests=max(bs, 8), disable_radix_cache=True)
+        result[f"bs{bs}"] = host_phases(engine, bs)
+        release(engine)
+        print(json.dumps(result[f"bs{bs}"]))
+    result["eager_decode_kernels_bs1"] = kernel_table(shape_dir)
+    for row in result["eager_decode_kernels_bs1"]:
+        print(row)
+    with open(f"{out_dir}/profile-step-{SHAPE}.json", "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
