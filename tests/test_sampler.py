@@ -626,3 +626,16 @@ def test_cuda_build_and_sample_never_synchronise() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.next_token_ids.shape == (120,)
+
+
+def test_vectorised_row_keys_equal_the_exact_python_hash():
+    import random
+
+    from plait.sampling.sampler import row_key_host, row_keys_host
+
+    rng = random.Random(0)
+    seeds = [rng.getrandbits(64) - (1 << 63) for _ in range(500)]
+    steps = [rng.randrange(0, 10_000) for _ in range(500)]
+    for stream in (0, 3):
+        exact = [row_key_host(a, b, stream) for a, b in zip(seeds, steps, strict=True)]
+        assert row_keys_host(seeds, steps, stream) == exact

@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -91,6 +92,22 @@ def row_key_host(seed: int, step: int, stream: int = 0) -> int:
     k = _mix64_host(seed ^ _SEED_SALT_U)
     k = _mix64_host(k + step * _GOLDEN_U)
     return _as_int64(_mix64_host(k + stream * _STREAM_SALT_U))
+
+
+def _mix64_np(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MUL1_U)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MUL2_U)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_keys_host(seeds: Sequence[int], steps: Sequence[int], stream: int = 0) -> list[int]:
+    """``row_key_host`` for many rows at once (numpy uint64 wraps modulo 2**64 like the exact form)."""
+    with np.errstate(over="ignore"):
+        s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)
+        k = _mix64_np(s ^ np.uint64(_SEED_SALT_U))
+        k = _mix64_np(k + np.array(steps, dtype=np.uint64) * np.uint64(_GOLDEN_U))
+        k = _mix64_np(k + np.uint64((stream * _STREAM_SALT_U) & _MASK64))
+    return k.view(np.int64).tolist()
 
 
 def _lsr(x: Tensor, shift: int) -> Tensor:
@@ -305,7 +322,7 @@ class SamplingBatchInfo:
         press = [p.presence_penalty for p in params]
         steps = [len(out) for out in output_ids]
         seeds64 = [seed_to_int64(s) for s in seeds]
-        keys = [row_key_host(s, step) for s, step in zip(seeds64, steps, strict=True)]
+        keys = row_keys_host(seeds64, steps)
 
         # Two copies (one float, one int) instead of one per field.
         floats = torch.tensor([temps, top_ps, min_ps, reps, freqs, press], dtype=torch.float32)

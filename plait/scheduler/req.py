@@ -53,6 +53,10 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def fill_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
     def num_generated(self) -> int:
         """Tokens generated, including those still on the device."""
         return len(self.output_ids) + self.pending

@@ -200,7 +200,7 @@ class Scheduler:
         total = 0.0
         for r in self.running + self.prefilling:
             left_new = r.sampling_params.max_new_tokens - r.num_generated
-            total += max(0, len(r.fill_ids) - r.kv_len) + left_new * self.new_token_ratio
+            total += max(0, r.fill_len - r.kv_len) + left_new * self.new_token_ratio
         return total
 
     def _schedulable_decodes(self) -> list[Req]:
@@ -228,7 +228,7 @@ class Scheduler:
         for req in self.prefilling:
             if budget <= 0:
                 break
-            remaining = len(req.fill_ids) - req.kv_len
+            remaining = req.fill_len - req.kv_len
             n = min(remaining, budget)
             slots = self._alloc(n)
             if slots is None:
@@ -279,7 +279,7 @@ class Scheduler:
     def _admit(self) -> None:
         """Move waiting requests to ``prefilling`` while rows, budget and reserved KV allow."""
         while self.waiting and self.num_running() < self.config.max_running_requests:
-            pending_prefill = sum(len(r.fill_ids) - r.kv_len for r in self.prefilling)
+            pending_prefill = sum(r.fill_len - r.kv_len for r in self.prefilling)
             if pending_prefill >= self.config.chunked_prefill_size:
                 break  # this step's prefill budget is already spoken for
             req = self.waiting[0]
@@ -390,7 +390,7 @@ class Scheduler:
             if req.detokenizer.find_stop():
                 self._finish(req, FinishReason.STOP, "stop string")
                 return
-        if n >= sp.max_new_tokens or len(req.fill_ids) >= self.runner.max_context_len:
+        if n >= sp.max_new_tokens or req.fill_len >= self.runner.max_context_len:
             self._finish(req, FinishReason.LENGTH, None)
 
     def _finish(self, req: Req, reason: FinishReason, message: str | None) -> None:
@@ -406,7 +406,7 @@ class Scheduler:
             return
         slots = req.kv_slots(self.req_to_token_pool.req_to_token)
         # A token computed after the request finished (overlap) has KV but no place in fill_ids.
-        cached = min(req.kv_len, len(req.fill_ids))
+        cached = min(req.kv_len, req.fill_len)
         if self.tree_cache.enabled:
             already = self.tree_cache.insert(req.fill_ids[:cached], slots[:cached])
             # [0, prefix_len) belongs to the tree already (our locked match); [prefix_len, already)
