@@ -14,6 +14,9 @@ from collections import defaultdict
 
 import torch
 
+# Run as a script: this folder is on sys.path.
+from profile_throughput import decode_kernels_bs1  # noqa: E402
+
 from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.bench.workloads import make_engine, random_prompts, release
 
@@ -63,21 +66,6 @@ def host_phases(engine, bs: int, steps: int = 40) -> dict[str, float]:
     return out
 
 
-def kernel_table(shape_dir: str) -> list[dict[str, float | str]]:
-    engine = make_engine(shape_dir, disable_cuda_graph=True, max_running_requests=8, disable_radix_cache=True)
-    prompt = random_prompts(1, 128, SHAPES[SHAPE]["vocab_size"], seed=0)[0]
-    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 24}
-    engine.generate(prompt, params)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompt, {**params, "max_new_tokens": 11})
-    release(engine)
-    rows = []
-    for evt in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]:
-        rows.append({"kernel": evt.key[:90], "calls_per_step": evt.count / 11,
-                     "us_per_step": evt.device_time_total / 11})
-    return rows
-
-
 def main() -> None:
     out_dir = sys.argv[1]
     shape_dir = str(write_shape_dir(tempfile.mkdtemp(), SHAPE))
@@ -87,7 +75,7 @@ def main() -> None:
         result[f"bs{bs}"] = host_phases(engine, bs)
         release(engine)
         print(json.dumps(result[f"bs{bs}"]))
-    result["eager_decode_kernels_bs1"] = kernel_table(shape_dir)
+    result["eager_decode_kernels_bs1"] = decode_kernels_bs1(SHAPE)
     for row in result["eager_decode_kernels_bs1"]:
         print(row)
     with open(f"{out_dir}/profile-step-{SHAPE}.json", "w") as f:
