@@ -11,7 +11,8 @@ from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
 HQ, HKV, D = 4, 2, 8
-LAYER = SimpleNamespace(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5, logit_cap=0.0)
+LAYER = SimpleNamespace(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5, logit_cap=0.0,
+                        sliding_window=None)
 
 
 def setup(prefix: int, ext: int, seed: int = 0):
@@ -98,3 +99,16 @@ def test_extend_without_saving_reads_new_kv_from_arguments():
     backend.kv_pool.k_buffer[0][slots[3:]] = 0.0  # the cache no longer holds the new tokens
     unsaved = backend.forward(q, k, v, LAYER, fb, save_kv_cache=False)
     torch.testing.assert_close(saved, unsaved)
+
+
+def test_sliding_window_hides_keys_older_than_the_window():
+    backend, fb, q, k, v, slots = setup(prefix=6, ext=4)
+    window = 3
+    lay = SimpleNamespace(**{**vars(LAYER), "sliding_window": window})
+    out = backend.forward(q, k, v, lay, fb)
+    keys = backend.kv_pool.k_buffer[0][slots]
+    vals = backend.kv_pool.v_buffer[0][slots]
+    qpos = torch.arange(4)[:, None] + 6
+    kpos = torch.arange(10)[None, :]
+    allowed = (kpos <= qpos) & (kpos > qpos - window)
+    torch.testing.assert_close(out, explicit(q, keys, vals, allowed), atol=1e-5, rtol=1e-5)

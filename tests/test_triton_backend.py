@@ -27,8 +27,9 @@ def make_backends(hq: int, hkv: int, d: int, seed: int = 0):
     return TorchNativeAttnBackend(pool, kv), TritonAttnBackend(pool, kv, hq), pool, g
 
 
-def layer(hq: int, hkv: int, d: int):
-    return SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5, logit_cap=0.0)
+def layer(hq: int, hkv: int, d: int, window: int | None = None):
+    return SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5, logit_cap=0.0,
+                           sliding_window=window)
 
 
 def extend_batch(pool, g, prefix: list[int], ext: list[int]) -> ForwardBatch:
@@ -99,3 +100,22 @@ def test_custom_mask_extend_matches_torch_native():
                                                                                                     generator=g)
     torch.testing.assert_close(run(triton_be, fb, q, k, v, layer(hq, hkv, d)),
                                run(native, fb, q, k, v, layer(hq, hkv, d)), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [4, 9])
+def test_sliding_window_extend_and_decode_match_torch_native(window):
+    hq, hkv, d = 8, 2, 64
+    native, _, pool, g = make_backends(hq, hkv, d, seed=3)
+    triton_be = TritonAttnBackend(native.req_to_token_pool, native.kv_pool, hq, sliding_window=window)
+    lay = layer(hq, hkv, d, window)
+    fb = extend_batch(pool, g, prefix=[0, 6, 20], ext=[13, 5, 7])
+    t = fb.num_tokens
+    q, k, v = torch.randn(t, hq * d, generator=g), torch.randn(t, hkv * d, generator=g), torch.randn(t, hkv * d,
+                                                                                                    generator=g)
+    torch.testing.assert_close(run(triton_be, fb, q, k, v, lay), run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+    dec = extend_batch(pool, g, prefix=[3, 15, 40], ext=[1, 1, 1])
+    dec.forward_mode = ForwardMode.DECODE
+    q, k, v = torch.randn(3, hq * d, generator=g), torch.randn(3, hkv * d, generator=g), torch.randn(3, hkv * d,
+                                                                                                    generator=g)
+    torch.testing.assert_close(run(triton_be, dec, q, k, v, lay), run(native, dec, q, k, v, lay), atol=1e-4,
+                               rtol=1e-4)

@@ -35,6 +35,7 @@ class AttentionLayer(Protocol):
     head_dim: int
     scaling: float
     logit_cap: float
+    sliding_window: int | None  # W: a query at position i sees keys at j > i - W; None = full
 
 
 class AttentionBackend(ABC):

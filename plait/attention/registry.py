@@ -16,8 +16,9 @@ from plait.attention.base import AttentionBackend
 if TYPE_CHECKING:
     from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
-# (req_to_token_pool, kv_pool, query heads per rank) -> (effective kernel name, backend)
-BackendFactory = Callable[["ReqToTokenPool", "MHATokenToKVPool", int], tuple[str, AttentionBackend]]
+# (req_to_token_pool, kv_pool, query heads per rank, the model's sliding window or None)
+#   -> (effective kernel name, backend)
+BackendFactory = Callable[["ReqToTokenPool", "MHATokenToKVPool", int, "int | None"], tuple[str, AttentionBackend]]
 
 _REGISTRY: dict[str, BackendFactory] = {}
 
@@ -36,7 +37,7 @@ def registered_backends() -> tuple[str, ...]:
 
 @register_backend("torch_native")
 def _torch_native(
-    req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int
+    req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int, sliding_window: int | None
 ) -> tuple[str, AttentionBackend]:
     from plait.attention.torch_native import TorchNativeAttnBackend
 
@@ -45,7 +46,7 @@ def _torch_native(
 
 @register_backend("triton")
 def _triton(
-    req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int
+    req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int, sliding_window: int | None
 ) -> tuple[str, AttentionBackend]:
     # The Triton interpreter (TRITON_INTERPRET=1) runs the same kernels on CPU tensors, for tests.
     if kv_pool.k_buffer[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -54,28 +55,30 @@ def _triton(
         )
     from plait.attention.triton_backend import TritonAttnBackend
 
-    return "triton", TritonAttnBackend(req_to_token_pool, kv_pool, num_q_heads)
+    return "triton", TritonAttnBackend(req_to_token_pool, kv_pool, num_q_heads, sliding_window)
 
 
 def build_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,
-                  num_q_heads: int | None = None) -> AttentionBackend:
-    """``num_q_heads``: query heads per rank (default: as many as KV heads)."""
+                  num_q_heads: int | None = None, *, sliding_window: int | None = None) -> AttentionBackend:
+    """``num_q_heads``: query heads per rank (default: as many as KV heads); ``sliding_window``: the
+    window of the model's windowed layers, if any."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; registered: {registered_backends()}")
-    effective, backend = _REGISTRY[name](req_to_token_pool, kv_pool, num_q_heads or kv_pool.num_kv_heads)
+    effective, backend = _REGISTRY[name](req_to_token_pool, kv_pool, num_q_heads or kv_pool.num_kv_heads,
+                                         sliding_window)
     backend.name = effective
     return backend
 
 
 def create_attention_backend(
     pair: tuple[str, str], req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int,
-    speculative_attention_mode: str = "prefill",
+    speculative_attention_mode: str = "prefill", *, sliding_window: int | None = None,
 ) -> AttentionBackend:
     prefill_name, decode_name = pair
-    prefill = build_backend(prefill_name, req_to_token_pool, kv_pool, num_q_heads)
+    prefill = build_backend(prefill_name, req_to_token_pool, kv_pool, num_q_heads, sliding_window=sliding_window)
     if decode_name == prefill_name:
         return prefill
     from plait.attention.hybrid import HybridAttnBackend
 
-    decode = build_backend(decode_name, req_to_token_pool, kv_pool, num_q_heads)
+    decode = build_backend(decode_name, req_to_token_pool, kv_pool, num_q_heads, sliding_window=sliding_window)
     return HybridAttnBackend(prefill, decode, speculative_attention_mode)

@@ -58,12 +58,15 @@ class TorchNativeAttnBackend(AttentionBackend):
             pk, pv = self._kv_of(layer, rows[i], pre)
             keys = torch.cat([pk.to(k.dtype), k[start : start + ext]])
             vals = torch.cat([pv.to(v.dtype), v[start : start + ext]])
+            qpos = torch.arange(ext, device=q.device).unsqueeze(1) + pre
             if mask is not None:
                 allowed = mask[mask_start : mask_start + ext * (pre + ext)].view(ext, pre + ext).bool()
                 mask_start += ext * (pre + ext)
             else:
-                qpos = torch.arange(ext, device=q.device).unsqueeze(1) + pre
                 allowed = torch.arange(pre + ext, device=q.device).unsqueeze(0) <= qpos
+            if layer.sliding_window:
+                kpos = torch.arange(pre + ext, device=q.device).unsqueeze(0)
+                allowed = allowed & (kpos > qpos - layer.sliding_window)
             out[start : start + ext] = _attend(q[start : start + ext], keys, vals, allowed,
                                                layer.scaling, layer.logit_cap)
             start += ext
@@ -79,7 +82,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         slots = self.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()  # [bs, L]
         keys = self.kv_pool.get_key_buffer(layer.layer_id)[slots]  # [bs, L, Hkv, D]
         vals = self.kv_pool.get_value_buffer(layer.layer_id)[slots]
-        valid = torch.arange(max_len, device=q.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)  # [bs, L]
+        pos = torch.arange(max_len, device=q.device).unsqueeze(0)
+        valid = pos < fb.seq_lens.unsqueeze(1)  # [bs, L]
+        if layer.sliding_window:  # the new token sits at seq_len - 1
+            valid = valid & (pos > fb.seq_lens.unsqueeze(1) - 1 - layer.sliding_window)
         group = hq // hkv
         qf = q.float().view(-1, hkv, group, d)
         scores = torch.einsum("bhgd,blhd->bhgl", qf, keys.float()) * layer.scaling

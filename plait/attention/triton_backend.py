@@ -59,9 +59,13 @@ def _indptr(lengths: torch.Tensor) -> torch.Tensor:
 class TritonAttnBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int,
+                 sliding_window: int | None = None) -> None:
         super().__init__(req_to_token_pool, kv_pool)
         self.num_q_heads = num_q_heads
+        # The model's window (layers with one read only the last W keys): decode plans a second set
+        # of indices covering just the window, so windowed layers read W keys, not the whole context.
+        self.sliding_window = sliding_window
         self.head_dim = kv_pool.head_dim
         self.device = kv_pool.k_buffer[0].device
         if self.device.type == "cuda":
@@ -69,11 +73,13 @@ class TritonAttnBackend(AttentionBackend):
         else:
             self.num_sms = 8  # interpreter runs (tests): any positive value
         self.graph_buffers: DecodeBuffers | None = None
+        self.graph_window_buffers: DecodeBuffers | None = None
         self.graph_max_bs = 0
         # Data pointers of the graph runner's static req_pool_indices / seq_lens, recorded at capture:
         # in_graph checks it reads those (a replay cannot feed it anything else).
         self._capture_input_ptrs: tuple[int, int] | None = None
         self.decode_md: tuple[DecodeBuffers, int] | None = None
+        self.window_md: DecodeBuffers | None = None  # same bs as decode_md
         self.extend_md: ExtendMetadata | None = None
 
     # --- graph state ------------------------------------------------------------------------------
@@ -91,6 +97,8 @@ class TritonAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         max_context = self.req_to_token_pool.max_context_len
         self.graph_buffers = self._decode_buffers(max_bs, max_bs * max_context)
+        if self.sliding_window:
+            self.graph_window_buffers = self._decode_buffers(max_bs, max_bs * min(self.sliding_window, max_context))
         self.graph_max_bs = max_bs
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -100,15 +108,20 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
             bs = fb.batch_size
-            if self.graph_buffers is not None and bs <= self.graph_max_bs:
-                bufs = self.graph_buffers
-            else:
-                bufs = self._decode_buffers(bs, fb.seq_lens_sum)
+            static = self.graph_buffers is not None and bs <= self.graph_max_bs
+            bufs = self.graph_buffers if static else self._decode_buffers(bs, fb.seq_lens_sum)
+            self.window_md = None
+            if self.sliding_window:
+                self.window_md = self.graph_window_buffers if static else self._decode_buffers(
+                    bs, bs * self.sliding_window)
             # Capture planning arms the check in in_graph; any other planning disarms it.
             self._capture_input_ptrs = (
                 (fb.req_pool_indices.data_ptr(), fb.seq_lens.data_ptr()) if in_capture else None)
             num_kv_heads = self.kv_pool.num_kv_heads
             get_num_kv_splits(fb.seq_lens, bufs.num_kv_splits, MAX_KV_SPLITS, self.num_sms, num_kv_heads)
+            if self.window_md is not None:
+                get_num_kv_splits(fb.seq_lens.clamp(max=self.sliding_window), self.window_md.num_kv_splits,
+                                  MAX_KV_SPLITS, self.num_sms, num_kv_heads)
             self.decode_md = (bufs, bs)
             return
         assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
@@ -139,6 +152,12 @@ class TritonAttnBackend(AttentionBackend):
             bufs.kv_indptr[1 : bs + 1] = torch.cumsum(fb.seq_lens, 0)
             build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              bufs.kv_indptr, bufs.kv_indices)
+            if self.window_md is not None:
+                win = self.window_md
+                lens = fb.seq_lens.clamp(max=self.sliding_window)
+                win.kv_indptr[1 : bs + 1] = torch.cumsum(lens, 0)
+                build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, lens, win.kv_indptr,
+                                 win.kv_indices, kv_start_idx=fb.seq_lens - lens)
             return
         md = self.extend_md
         assert md is not None and fb.extend_prefix_lens is not None
@@ -155,6 +174,10 @@ class TritonAttnBackend(AttentionBackend):
             store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, hkv, d), v.view(-1, hkv, d))
         assert self.decode_md is not None
         bufs, bs = self.decode_md
+        if layer.sliding_window:
+            assert self.window_md is not None and layer.sliding_window == self.sliding_window, (
+                "the backend was built for the model's sliding window")
+            bufs = self.window_md
         q3 = q.view(-1, hq, d)
         o = torch.empty_like(q3)
         decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: bs + 1], bufs.kv_indices, bufs.attn_logits,
@@ -175,5 +198,6 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty_like(q3)
         extend_attention_fwd(q3, k3.contiguous(), v3.contiguous(), o, k_buf, v_buf, md.qo_indptr, md.kv_indptr,
                              md.kv_indices, md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
-                             is_causal=md.custom_mask is None, logit_cap=layer.logit_cap)
+                             is_causal=md.custom_mask is None, logit_cap=layer.logit_cap,
+                             sliding_window=layer.sliding_window)
         return o.view(-1, hq * d)

@@ -18,6 +18,7 @@ from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
+from plait.layers.radix_attention import model_sliding_window
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model
@@ -67,7 +68,8 @@ class ModelRunner:
                                         mc.num_kv_heads_per_rank(tp.size), mc.head_dim, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         self.attn_backend: AttentionBackend = create_attention_backend(
-            config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // tp.size)
+            config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // tp.size,
+            sliding_window=model_sliding_window(self.model))
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         if self.device == "cuda" and not config.disable_cuda_graph:

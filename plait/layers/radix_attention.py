@@ -10,7 +10,7 @@ from plait.forward_batch import ForwardBatch
 
 class RadixAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scaling: float, logit_cap: float = 0.0) -> None:
+                 scaling: float, logit_cap: float = 0.0, sliding_window: int | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -18,7 +18,16 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.logit_cap = logit_cap
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         assert fb.attn_backend is not None, "the model runner sets fb.attn_backend before forward"
         return fb.attn_backend.forward(q, k, v, self, fb)
+
+
+def model_sliding_window(model: nn.Module) -> int | None:
+    """The window of the model's windowed attention layers (None when every layer is full)."""
+    windows = {m.sliding_window for m in model.modules() if isinstance(m, RadixAttention) and m.sliding_window}
+    if len(windows) > 1:
+        raise ValueError(f"layers with different sliding windows {sorted(windows)} are not supported")
+    return windows.pop() if windows else None

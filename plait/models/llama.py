@@ -31,6 +31,16 @@ class LogitsOutput:
     hidden_states: torch.Tensor | None = None  # final hidden states of the sampled rows (for drafts)
 
 
+def sliding_window_of(cfg: Any, layer_id: int) -> int | None:
+    """The layer's attention window: ``layer_types`` when the config has them (Qwen2/3: only
+    "sliding_attention" layers), else Mistral's model-wide ``sliding_window``."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_id] == "sliding_attention" else None
+    return window
+
+
 def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
@@ -50,7 +60,7 @@ class LlamaAttention(nn.Module):
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
         self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   scaling=self.head_dim**-0.5)
+                                   scaling=self.head_dim**-0.5, sliding_window=sliding_window_of(cfg, layer_id))
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook before rotary (Qwen3 normalizes each head here)."""

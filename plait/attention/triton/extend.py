@@ -139,6 +139,7 @@ def _extend_kernel(
     USE_CUSTOM_MASK: tl.constexpr,
     USE_LOGIT_CAP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,  # sliding window: key j visible to query i iff j > i - WINDOW (0 = off)
 ):
     # Tile rows: row r is new token (m_block * TOK + r // PACK) of query head (head0 + r % PACK).
     # PACK = 1: one head, BLOCK_M tokens. PACK = GROUP: the whole KV group shares each K/V tile.
@@ -181,8 +182,14 @@ def _extend_kernel(
         # ---- 1. cached prefix, gathered through kv_indices ----
         if USE_CUSTOM_MASK:
             pre_full = 0
+            pre_lo = 0
+        elif WINDOW > 0:
+            # Every tile is masked; tiles left of the first row's window are never read.
+            pre_full = 0
+            pre_lo = (tl.maximum(pre_len + m_block * TOK - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
         else:
             pre_full = (pre_len // BLOCK_N) * BLOCK_N
+            pre_lo = pre_full
         for start_n in range(0, pre_full, BLOCK_N):  # whole tiles, everything visible: no masks
             loc = tl.load(Kv_Indices + pre_start + start_n + offs_nb).to(tl.int64)
             acc, l_i, m_i = _attend_tile(
@@ -200,7 +207,7 @@ def _extend_kernel(
                 USE_LOGIT_CAP=USE_LOGIT_CAP,
                 INPUT_PRECISION=INPUT_PRECISION,
             )
-        for start_n in range(pre_full, pre_len, BLOCK_N):  # tail tile, or every tile under a custom mask
+        for start_n in range(pre_lo, pre_len, BLOCK_N):  # tail tile, or every tile under a mask or window
             offs_n = start_n + offs_nb
             mask_n = offs_n < pre_len
             loc = tl.load(Kv_Indices + pre_start + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -208,6 +215,8 @@ def _extend_kernel(
             if USE_CUSTOM_MASK:
                 cm = tl.load(mask_row + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0)
                 visible = visible & (cm != 0)
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > (pre_len + offs_m)[:, None] - WINDOW)
             acc, l_i, m_i = _attend_tile(
                 acc,
                 l_i,
@@ -238,6 +247,10 @@ def _extend_kernel(
         else:
             ext_full = (ext_len // BLOCK_N) * BLOCK_N
             ext_end = ext_len
+        ext_lo = ext_full
+        if WINDOW > 0:
+            ext_full = 0
+            ext_lo = (tl.maximum(m_block * TOK - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
         for start_n in range(0, ext_full, BLOCK_N):
             rows_k = (q_start + start_n + offs_nb).to(tl.int64)
             acc, l_i, m_i = _attend_tile(
@@ -255,7 +268,7 @@ def _extend_kernel(
                 USE_LOGIT_CAP=USE_LOGIT_CAP,
                 INPUT_PRECISION=INPUT_PRECISION,
             )
-        for start_n in range(ext_full, ext_end, BLOCK_N):
+        for start_n in range(ext_lo, ext_end, BLOCK_N):
             offs_n = start_n + offs_nb
             mask_n = offs_n < ext_len
             rows_k = (q_start + offs_n).to(tl.int64)
@@ -265,6 +278,8 @@ def _extend_kernel(
                 visible = visible & (cm != 0)
             elif IS_CAUSAL:
                 visible = visible & (offs_m[:, None] >= offs_n[None, :])
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > offs_m[:, None] - WINDOW)
             acc, l_i, m_i = _attend_tile(
                 acc,
                 l_i,
@@ -309,8 +324,12 @@ def extend_attention_fwd(
     logit_cap: float = 0.0,
     *,
     config: LaunchConfig | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Attention of new tokens over (cached prefix + new tokens), written into ``o_extend``.
+
+    ``sliding_window`` W (Mistral style): a query at position i sees keys at positions j > i - W, on
+    top of the causal rule or the custom mask.
 
     q_extend ``[T, Hq, D]``, k_extend/v_extend ``[T, Hkv, D/Dv]``, o_extend ``[T, Hq, Dv]``;
     qo_indptr ``[bs + 1]`` over the T new tokens; kv_indptr ``[bs + 1]``/kv_indices over each request's
@@ -388,6 +407,7 @@ def extend_attention_fwd(
         USE_CUSTOM_MASK=use_custom_mask,
         USE_LOGIT_CAP=logit_cap > 0,
         INPUT_PRECISION=dot_precision(q_extend.dtype),
+        WINDOW=sliding_window or 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
