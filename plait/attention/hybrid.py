@@ -15,6 +15,14 @@ def select_half(mode: ForwardMode, speculative_attention_mode: str) -> str:
     return "prefill"
 
 
+def serving_attention_backend(backend: AttentionBackend, fb: ForwardBatch) -> AttentionBackend:
+    """The backend that serves ``fb``: the selected half of a hybrid (same table as its dispatch),
+    else the backend itself. For code outside the backend that needs to know (e.g. capabilities)."""
+    if isinstance(backend, HybridAttnBackend):
+        return backend.selected(fb)
+    return backend
+
+
 class HybridAttnBackend(AttentionBackend):
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend,
                  speculative_attention_mode: str = "prefill") -> None:
@@ -28,15 +36,15 @@ class HybridAttnBackend(AttentionBackend):
         self.speculative_attention_mode = speculative_attention_mode
         self.name = f"hybrid(prefill={prefill.name},decode={decode.name})"
 
-    def _select(self, fb: ForwardBatch) -> AttentionBackend:
+    def selected(self, fb: ForwardBatch) -> AttentionBackend:
         half = select_half(fb.forward_mode, self.speculative_attention_mode)
         return self.decode_backend if half == "decode" else self.prefill_backend
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self._select(fb).init_forward_metadata_out_graph(fb, in_capture)
+        self.selected(fb).init_forward_metadata_out_graph(fb, in_capture)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
-        self._select(fb).init_forward_metadata_in_graph(fb)
+        self.selected(fb).init_forward_metadata_in_graph(fb)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         # Graphs capture decode-like modes, which the decode half serves.
@@ -46,7 +54,7 @@ class HybridAttnBackend(AttentionBackend):
         return self.decode_backend.get_cuda_graph_seq_len_fill_value()
 
     def forward(self, q, k, v, layer, fb, save_kv_cache=True):
-        return self._select(fb).forward(q, k, v, layer, fb, save_kv_cache)
+        return self.selected(fb).forward(q, k, v, layer, fb, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
         return self.decode_backend.forward_decode(q, k, v, layer, fb, save_kv_cache)

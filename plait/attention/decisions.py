@@ -1,0 +1,29 @@
+"""Where backend-dependent decisions live, and the check that they read the backend *pair*.
+
+SGLang shipped bugs where only ``--prefill-attention-backend`` or ``--decode-attention-backend`` was
+set and a decision read the base ``--attention-backend`` field instead (seed 004). Every module
+listed here decides something from the attention backend; it must read ``attention_backends()`` and
+the half it needs, never the base field. ``tests/test_backend_decisions.py`` walks these modules.
+"""
+
+from __future__ import annotations
+
+import ast
+
+# module -> the decision it makes (and the half it needs)
+DECISION_MODULES: dict[str, str] = {
+    "plait.executor.model_runner": "which backends to build: the (prefill, decode) pair",
+    "plait.executor.cuda_graph_runner": "graph buffers and padded-row fill value: decode half",
+    "plait.scheduler.scheduler": "prefix-cache chunking and KV write path: prefill half",
+    "plait.attention.registry": "building each half by name",
+    "plait.attention.hybrid": "which half serves a forward mode",
+    "plait.engine.engine": "backend pair logged at start",
+}
+
+BASE_FIELD = "attention_backend"
+
+
+def reads_of_base_field(source: str) -> list[int]:
+    """Line numbers where ``source`` reads an attribute named ``attention_backend`` (the base field)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr == BASE_FIELD and isinstance(node.ctx, ast.Load)]
