@@ -1,0 +1,333 @@
+"""``plait bench serve``: the `serving` workload of DESIGN 7, an async load generator for any
+OpenAI-compatible server.
+
+Requests are random token-id prompts sent to ``/v1/completions`` with ``stream``, ``ignore_eos`` and
+``return_token_ids`` (so every output token is counted and timed exactly, whatever its text).
+Arrivals are Poisson at ``--request-rate`` (or all at once), optionally capped at
+``--max-concurrency`` in flight; lengths are fixed or uniform in ``[range_ratio * len, len]``.
+
+Reported, per DESIGN 7: output tokens/s as the metric, plus request and token throughput, TTFT, ITL
+(time between consecutive tokens of one request) and end-to-end latency p50/p99, errors, and the KV
+slots still in use once the run is over (read from the server's /metrics: must be 0). There is no
+serving peer on the CPU, so ``peer`` is null there.
+
+Without ``--base-url`` a ``plait serve`` subprocess is started with the engine flags given, on a
+free port, and stopped (SIGTERM) at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import pathlib
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+WORKLOAD = "serving"
+METRIC = "output_tok_s"
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    output_len: int  # asked for
+    ok: bool = False
+    error: str | None = None
+    tokens: int = 0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    finish_reason: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default) without numpy."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def make_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                  seed: int) -> list[tuple[list[int], int]]:
+    if not 0.0 < range_ratio <= 1.0:
+        raise ValueError(f"range_ratio must be in (0, 1], got {range_ratio}")
+    rng = random.Random(seed)
+    # Keep clear of the lowest ids, where tokenizers put their special tokens.
+    lo, hi = min(16, vocab_size - 1), vocab_size - 1  # randint: both ends included
+    out = []
+    for _ in range(n):
+        plen = rng.randint(max(1, math.ceil(input_len * range_ratio)), input_len)
+        olen = rng.randint(max(1, math.ceil(output_len * range_ratio)), output_len)
+        out.append(([rng.randint(lo, hi) for _ in range(plen)], olen))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
+               timeout: float) -> RequestResult:
+    res = RequestResult(len(prompt), output_len)
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    start = time.perf_counter()
+    last: float | None = None
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                await r.aread()
+                res.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = obj["error"].get("message", "error event")
+                    return res
+                if not obj.get("choices"):
+                    continue
+                choice = obj["choices"][0]
+                k = len(choice.get("token_ids") or [])
+                now = time.perf_counter()
+                if k:
+                    if last is None:
+                        res.ttft = now - start
+                        res.itls += [0.0] * (k - 1)  # tokens delivered together
+                    else:
+                        res.itls += [(now - last) / k] * k
+                    last = now
+                    res.tokens += k
+                res.finish_reason = choice.get("finish_reason") or res.finish_reason
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.e2e = time.perf_counter() - start
+    if res.tokens != output_len or res.finish_reason != "length":
+        res.error = f"got {res.tokens} of {output_len} tokens, finish_reason {res.finish_reason!r}"
+    else:
+        res.ok = True
+    return res
+
+
+async def run_load(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,
+                   max_concurrency: int | None, seed: int, timeout: float) -> tuple[list[RequestResult], float]:
+    url = base_url.rstrip("/") + "/v1/completions"
+    rng = random.Random(seed + 1)
+    limit = max_concurrency or len(requests)
+    sem = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async def gated(prompt: list[int], olen: int) -> RequestResult:
+            async with sem:
+                return await _one(client, url, model, prompt, olen, timeout)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, olen in requests:
+            tasks.append(asyncio.create_task(gated(prompt, olen)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return list(results), duration
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    ms = 1000.0
+
+    def stats(values: list[float], name: str) -> dict[str, float | None]:
+        def scaled(v: float | None) -> float | None:
+            return None if v is None else v * ms
+        mean = sum(values) / len(values) if values else None
+        return {f"{name}_p50_ms": scaled(percentile(values, 50)), f"{name}_p99_ms": scaled(percentile(values, 99)),
+                f"{name}_mean_ms": scaled(mean)}
+
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "num_requests": len(results),
+        "completed": len(ok),
+        "errors": len(errors),
+        "error_examples": sorted(set(e for e in errors if e))[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        METRIC: out_tokens / duration,
+        "input_tok_s": in_tokens / duration,
+        "total_tok_s": (in_tokens + out_tokens) / duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        **stats([r.ttft for r in ok if r.ttft is not None], "ttft"),
+        **stats([x for r in ok for x in r.itls], "itl"),
+        **stats([r.e2e for r in ok if r.e2e is not None], "e2e"),
+    }
+
+
+def read_metrics(base_url: str) -> dict[str, float]:
+    text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def settled_metrics(base_url: str, timeout: float = 5.0) -> dict[str, float]:
+    """/metrics once the server reports nothing running (the last snapshot trails the last response)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(base_url)
+        if (m.get("plait:num_requests_running", 0) == 0 and m.get("plait:kv_slots_in_use", 0) == 0) \
+                or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+# --- a server of our own --------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_argv(model: str | None, engine_options: dict[str, Any], port: int) -> list[str]:
+    argv = [sys.executable, "-m", "plait", "serve", "--port", str(port)]
+    if model is not None:
+        argv += ["--model", model]
+    for key, value in engine_options.items():
+        flag = "--random-seed" if key == "seed" else "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list | tuple):
+            argv += [flag, *map(str, value)]
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"plait serve exited with code {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"plait serve not healthy after {timeout} s")
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _shape_name(info: dict[str, Any]) -> str:
+    model = pathlib.Path(info.get("model") or "model")
+    return "demo-tiny-llama" if model.name == "demo-model" else model.name
+
+
+def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+    proc: subprocess.Popen[bytes] | None = None
+    base_url = args.base_url
+    if base_url is None:
+        port = _free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        print(f"starting plait serve on {base_url}", file=sys.stderr)
+        proc = subprocess.Popen(_serve_argv(args.model, engine_options, port))
+    try:
+        if proc is not None:
+            _wait_healthy(base_url, proc)
+        info = httpx.get(base_url + "/server_info", timeout=30).json()
+        model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        vocab = min(info["scheduler"]["vocab_size"], info.get("tokenizer_vocab_size") or 1 << 62)
+        requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
+                                 args.seed)
+        results, duration = asyncio.run(run_load(base_url, model, requests, args.request_rate,
+                                                 args.max_concurrency, args.seed, args.request_timeout))
+        summary = summarize(results, duration)
+        after = settled_metrics(base_url)
+        summary["kv_slots_in_use_after"] = int(after.get("plait:kv_slots_in_use", -1))
+        summary["num_requests_running_after"] = int(after.get("plait:num_requests_running", -1))
+        summary["num_retractions"] = int(after.get("plait:num_retractions_total", 0))
+        path = write_result(args, info, summary)
+        print(json.dumps({k: summary[k] for k in ("completed", "errors", METRIC, "request_throughput",
+                                                   "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                                                   "e2e_p50_ms", "e2e_p99_ms", "kv_slots_in_use_after")}))
+        print(f"wrote {path}", file=sys.stderr)
+        ok = summary["errors"] == 0 and summary["kv_slots_in_use_after"] == 0
+        return 0 if ok else 1
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[str, Any]) -> pathlib.Path:
+    """One JSON object with the keys DESIGN 7 requires, plus the run's detail."""
+    date = datetime.date.today().isoformat()
+    sched = info.get("scheduler") or {}
+    device = sched.get("device_name") or (sched.get("runner_info") or {}).get("device") or "unknown"
+    shape = args.shape or _shape_name(info)
+    record = {
+        "workload": WORKLOAD,
+        "shape": shape,
+        "device": device,
+        "commit": _commit(),
+        "date": date,
+        "versions": info.get("versions"),
+        "metric": METRIC,
+        "plait": summary[METRIC],
+        "peer_name": None,
+        "peer": None,
+        "peer_note": "no serving peer is run: vLLM and SGLang servers need a GPU, and no CPU serving peer "
+                     "is installed",
+        "ratio_vs_peer": None,
+        "floor": None,
+        "fraction_of_floor": None,
+        "config": {
+            "engine": info.get("config"),
+            "server": info.get("server_args"),
+            "bench": {"num_prompts": args.num_prompts,
+                      "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+                      "max_concurrency": args.max_concurrency, "input_len": args.input_len,
+                      "output_len": args.output_len, "range_ratio": args.range_ratio, "seed": args.seed,
+                      "endpoint": "/v1/completions", "stream": True, "ignore_eos": True, "temperature": 0.0},
+        },
+        "floor_note": "no physical floor is defined for serving latency; see decode-bs1 and offline-throughput",
+        **summary,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    safe_device = re.sub(r"[^A-Za-z0-9_.-]+", "-", device)
+    path = out / f"{date}-{WORKLOAD}-{shape}-{safe_device}.json"
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return path

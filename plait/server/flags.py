@@ -1,0 +1,41 @@
+"""Command-line flags of ``plait serve`` and ``plait bench serve`` (argparse only: importing this
+must not need the server extra, since the CLI builds every subcommand's parser)."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=30000)
+    group.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the --model path)")
+    group.add_argument("--max-queued-requests", type=int, default=None,
+                       help="waiting requests beyond which new ones get a 503 (default: unlimited)")
+    group.add_argument("--max-payload-bytes", type=int, default=DEFAULT_MAX_PAYLOAD_BYTES,
+                       help="request bodies over this size get a 413")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+
+
+def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("bench serve")
+    group.add_argument("--base-url", default=None,
+                       help="server to load, e.g. http://127.0.0.1:30000 (default: start `plait serve` here)")
+    group.add_argument("--num-prompts", type=int, default=1000)
+    group.add_argument("--request-rate", type=float, default=float("inf"),
+                       help="Poisson arrival rate in requests/s (inf: all at once)")
+    group.add_argument("--max-concurrency", type=int, default=None,
+                       help="at most this many requests in flight (with --request-rate inf: fixed concurrency)")
+    group.add_argument("--input-len", type=int, default=128, help="prompt tokens (maximum when ranged)")
+    group.add_argument("--output-len", type=int, default=128, help="generated tokens (maximum when ranged)")
+    group.add_argument("--range-ratio", type=float, default=1.0,
+                       help="lengths uniform in [ratio * len, len]; 1.0 = fixed lengths")
+    group.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times")
+    group.add_argument("--shape", default=None, help="shape name for the result (default: from the model)")
+    group.add_argument("--out", default="benchmarks/results", help="directory for the result JSON")
+    group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")

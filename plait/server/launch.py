@@ -1,0 +1,115 @@
+"""``plait serve``: the HTTP process (uvicorn) plus one scheduler child, and a graceful shutdown.
+
+Process model::
+
+    plait serve (HTTP process: FastAPI on uvicorn, one asyncio loop)
+      ├─ tokenize + validate (plait.engine.frontend), build OpenAI responses, /metrics
+      └─ ZMQ over IPC ──► python -m plait.scheduler.process (one per GPU rank; one on the CPU)
+                           model, KV pool, Scheduler.step() loop, detokenization, stop strings
+
+SIGTERM (or the first Ctrl-C): uvicorn stops accepting connections; requests already in flight get
+``--shutdown-timeout`` seconds to finish; the rest are aborted and their responses complete with
+``finish_reason: "abort"``; then the scheduler process is stopped and the server exits 0 with no
+child left. A second Ctrl-C forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from plait.config import EngineConfig
+from plait.server.app import ServerArgs, build_app
+from plait.server.scheduler_client import SchedulerClient
+
+logger = logging.getLogger(__name__)
+
+# After SIGTERM, uvicorn itself gives up on connections this long after our own deadline.
+_UVICORN_GRACE_S = 10.0
+
+
+class PlaitServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, client: SchedulerClient, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.client = client
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's version re-raises the signal after shutdown, so the process would die by
+        # SIGTERM instead of exiting 0 after a clean drain. Same handlers, no re-raise.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and self._loop is not None:
+            logger.info("received %s: no new requests; in-flight ones get %.1f s", signal.Signals(sig).name,
+                        self.shutdown_timeout)
+            self._loop.call_soon_threadsafe(self._start_drain)
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.client.drain(self.shutdown_timeout))
+
+    def fail_startup(self, reason: str) -> None:
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def server_args_from(args: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                      max_queued_requests=args.max_queued_requests, max_payload_bytes=args.max_payload_bytes,
+                      shutdown_timeout=args.shutdown_timeout)
+
+
+def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
+    holder: dict[str, PlaitServer] = {}
+    app = build_app(config, sargs, on_startup_failure=lambda reason: holder["server"].fail_startup(reason))
+    uv_config = uvicorn.Config(app, host=sargs.host, port=sargs.port, log_config=None, access_log=False,
+                               lifespan="on", timeout_graceful_shutdown=sargs.shutdown_timeout + _UVICORN_GRACE_S)
+    server = PlaitServer(uv_config, app.state.client, sargs.shutdown_timeout)
+    holder["server"] = server
+    try:
+        server.run()
+    finally:
+        app.state.client.close()  # idempotent; covers exits that skipped the lifespan shutdown
+    if not server.started and server.exit_code == 0:
+        return 1  # could not bind the port (uvicorn logged why)
+    logger.info("server stopped")
+    return server.exit_code
+
+
+def cmd_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+    """Entry of ``plait serve`` (the CLI parses; engine flags arrive as EngineConfig options)."""
+    model = args.model
+    if model is None:
+        from plait.testing import demo_model_path
+
+        model = str(demo_model_path())
+        logger.info("no --model given: serving the built-in demo model at %s (tiny, random weights)", model)
+    config = EngineConfig.from_kwargs(model=model, **engine_options)
+    return run_server(config, server_args_from(args))

@@ -1,0 +1,304 @@
+"""The HTTP process's side of the scheduler process: spawn it, talk to it over ZMQ, watch it.
+
+One ``SchedulerClient`` per server. It owns the child process (started with ``python -m
+plait.scheduler.process``, so no multiprocessing helper processes exist besides it), two ZMQ sockets
+bound on IPC paths in a private temporary directory, and a table rid -> asyncio.Queue through which
+a background task hands each request's updates to the coroutine that serves it.
+
+Lifecycle: ``starting`` (child loading the model; /health 503, requests 503) -> ``ready`` ->
+``draining`` (SIGTERM: new requests 503, in-flight ones finish or are aborted) -> ``stopped``. If
+the child dies at any point the state becomes ``dead``: /health 503, every pending and new request
+fails with a 500. A watchdog polls the child every 50 ms, so that happens within a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from plait.config import EngineConfig
+from plait.engine.frontend import Frontend, PreparedRequest, RequestLimits
+from plait.scheduler.process import (
+    AbortRequest,
+    Fatal,
+    GenerateRequest,
+    Ready,
+    RequestUpdate,
+    ShutdownRequest,
+    UpdateBatch,
+    config_to_json,
+)
+from plait.server.errors import APIError
+from plait.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.05
+CHILD_EXIT_WAIT_S = 5.0
+
+
+class State(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    last_token: float | None = None
+
+
+class SchedulerClient:
+    def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_queued_requests: int | None,
+                 on_startup_failure: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.on_startup_failure = on_startup_failure
+        self.state = State.STARTING
+        self.dead_reason = ""
+        self.ready: Ready | None = None
+        self.frontend: Frontend | None = None
+        self.tokenizer: Any = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._tmpdir = tempfile.mkdtemp(prefix="plait-ipc-")
+        self._ctx = zmq.asyncio.Context()
+        self._sync_ctx = zmq.Context()
+        self._fatal: str | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the sockets and spawn the child; readiness is awaited in the background, so the
+        HTTP server is up (answering 503) while the model loads."""
+        requests_addr = f"ipc://{self._tmpdir}/requests"
+        outputs_addr = f"ipc://{self._tmpdir}/outputs"
+        self._push = self._sync_ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(requests_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(outputs_addr)
+        cmd = [sys.executable, "-m", "plait.scheduler.process", "--config-json", config_to_json(self.config),
+               "--requests-addr", requests_addr, "--outputs-addr", outputs_addr]
+        if self.max_queued_requests is not None:
+            cmd += ["--max-queued-requests", str(self.max_queued_requests)]
+        self.proc = subprocess.Popen(cmd)
+        logger.info("scheduler process started (pid %d)", self.proc.pid)
+        self._tasks.append(asyncio.create_task(self._startup()))
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer  # slow first import: keep it off the event loop
+
+        return AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+
+    async def _startup(self) -> None:
+        try:
+            await self._await_ready()
+        except Exception as e:  # e.g. the tokenizer cannot be loaded: fail fast, as a dead child would
+            logger.exception("startup failed")
+            self._startup_failed(f"{type(e).__name__}: {e}")
+
+    def _startup_failed(self, reason: str) -> None:
+        self.state = State.DEAD
+        self.dead_reason = f"the server failed to start ({reason})"
+        logger.error("%s", self.dead_reason)
+        if self.on_startup_failure is not None:
+            self.on_startup_failure(self.dead_reason)
+
+    async def _await_ready(self) -> None:
+        assert self.proc is not None
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(self._load_tokenizer))
+        while self.ready is None:
+            if await self._pull.poll(100):
+                msg = await self._pull.recv_pyobj()
+                if isinstance(msg, Ready):
+                    self.ready = msg
+                elif isinstance(msg, Fatal):
+                    self._fatal = msg.message
+            elif self.proc.poll() is not None:
+                tokenizer_task.cancel()
+                reason = self._fatal or f"exit code {self.proc.returncode}"
+                self._startup_failed(f"the scheduler process exited: {reason}")
+                return
+        self.tokenizer = await tokenizer_task
+        ready = self.ready
+        self.frontend = Frontend(self.tokenizer, RequestLimits(ready.vocab_size, ready.max_context_len,
+                                                               ready.max_total_tokens), seed=self.config.seed)
+        self._tasks.append(asyncio.create_task(self._recv_loop()))
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+        if self.state == State.STARTING:
+            self.state = State.READY
+            logger.info("ready: KV pool %d tokens, context %d, on %s", ready.max_total_tokens,
+                        ready.max_context_len, ready.device_name)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._pull.recv_pyobj()
+            if isinstance(msg, UpdateBatch):
+                self.metrics.snapshot = msg.stats
+                for upd in msg.updates:
+                    queue = self._queues.get(upd.rid)
+                    if queue is None:
+                        continue  # its client is gone and the abort already came back
+                    queue.put_nowait(upd)
+                    if upd.finished:
+                        del self._queues[upd.rid]
+            elif isinstance(msg, Fatal):
+                self._fatal = msg.message
+
+    async def _watchdog(self) -> None:
+        assert self.proc is not None
+        while self.proc.poll() is None:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        if self.state == State.STOPPED:
+            return
+        reason = f"; {self._fatal}" if self._fatal else ""
+        self.dead_reason = f"the scheduler process died (exit code {self.proc.returncode}{reason})"
+        logger.error("%s: failing %d in-flight requests", self.dead_reason, len(self._queues))
+        self.state = State.DEAD
+        self._fail_all(500, self.dead_reason)
+
+    def _fail_all(self, status: int, message: str) -> None:
+        for rid, queue in self._queues.items():
+            queue.put_nowait(RequestUpdate(rid, error=message, error_status=status))
+        self._queues.clear()
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: refuse new requests, give in-flight ones ``timeout`` seconds, abort the rest
+        (they finish with finish_reason "abort" and their responses complete normally)."""
+        if self.state in (State.READY, State.STARTING):
+            self.state = State.DRAINING
+        deadline = time.monotonic() + timeout
+        if self._queues:
+            logger.info("draining: %d requests in flight, waiting up to %.1f s", len(self._queues), timeout)
+        while self._queues and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._queues and self.state == State.DRAINING:
+            logger.info("shutdown timeout: aborting %d requests", len(self._queues))
+            self._send(AbortRequest(list(self._queues)))
+
+    async def shutdown(self) -> None:
+        """Stop the child (politely, then by force) and release the sockets."""
+        previous = self.state
+        self.state = State.STOPPED
+        if self._queues:
+            self._fail_all(503, "the server is shutting down")
+        if self.proc is not None and self.proc.poll() is None and previous != State.STARTING:
+            self._send(ShutdownRequest())
+            deadline = time.monotonic() + CHILD_EXIT_WAIT_S
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        for task in self._tasks:
+            task.cancel()
+        self.close()
+
+    def close(self) -> None:
+        """Synchronous last resort (also used on error paths): no child and no socket survives."""
+        self.state = State.STOPPED
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for sock_name in ("_push", "_pull"):
+            sock = getattr(self, sock_name, None)
+            if sock is not None:
+                sock.close(0)
+        self._ctx.term()
+        self._sync_ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # --- requests ---------------------------------------------------------------------------------
+    def check_accepting(self) -> None:
+        if self.state == State.READY:
+            return
+        if self.state == State.STARTING:
+            raise APIError(503, "the server is starting (loading the model); retry shortly", code="starting")
+        if self.state == State.DEAD:
+            raise APIError(500, self.dead_reason, code="scheduler_dead")
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def _send(self, msg: object) -> None:
+        # HWM 0 on an IPC PUSH socket: send never blocks and never drops.
+        self._push.send_pyobj(msg)
+
+    def abort(self, rids: Sequence[str]) -> None:
+        if rids and self.state not in (State.DEAD, State.STOPPED):
+            self._send(AbortRequest(list(rids)))
+
+    async def generate(self, requests: Sequence[PreparedRequest], stream: bool = True,
+                       ) -> AsyncIterator[tuple[int, RequestUpdate]]:
+        """Submit requests (the choices of one HTTP request) and yield (index, update) until all
+        finished. Leaving early (client disconnect, cancellation, an error) aborts the unfinished
+        ones at once, which frees their KV at the scheduler's next step."""
+        self.check_accepting()
+        queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        base = uuid.uuid4().hex
+        rids = [f"{base}-{i}" for i in range(len(requests))]
+        index = {rid: i for i, rid in enumerate(rids)}
+        now = time.perf_counter()
+        timings = [_Timing(now) for _ in rids]
+        pending = set(rids)
+        for rid in rids:
+            self._queues[rid] = queue
+        try:
+            for rid, req in zip(rids, requests, strict=True):
+                self._send(GenerateRequest(rid, req.input_ids, req.sampling_params, req.seed, stream))
+            while pending:
+                upd = await queue.get()
+                if upd.error is not None:
+                    pending.discard(upd.rid)
+                    if upd.error_status == 503:
+                        self.metrics.rejected.inc()
+                    raise APIError(upd.error_status or 500, upd.error,
+                                   code="queue_full" if upd.error_status == 503 else None)
+                i = index[upd.rid]
+                self._observe(timings[i], upd)
+                if upd.finished:
+                    pending.discard(upd.rid)
+                yield i, upd
+        finally:
+            # No await here: this runs during cancellation and generator close as well.
+            if pending:
+                self.abort(sorted(pending))
+
+    def _observe(self, t: _Timing, upd: RequestUpdate) -> None:
+        now = time.perf_counter()
+        k = len(upd.token_ids)
+        if k:
+            if t.last_token is None:
+                self.metrics.ttft.observe(now - t.arrival)
+                k -= 1
+            else:
+                gap = (now - t.last_token) / k
+                for _ in range(k):
+                    self.metrics.itl.observe(gap)
+            t.last_token = now
+        if upd.finished:
+            self.metrics.e2e.observe(now - t.arrival)
+
