@@ -18,26 +18,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """triton 3.6's interpreter turns scalar tensors into Python ints with ``int(ndarray_of_shape_1)``,
-    which NumPy >= 2.4 rejects (triton-lang/triton#9171), breaking every loop with a tensor bound.
-    Re-register ``__index__`` with an explicit element read. No-op on a GPU or once fixed upstream."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_plait_numpy_fix", False):
-        return
-
-    def patched(tensor: type, scope: object) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))  # type: ignore[attr-defined]
-
-    patched._plait_numpy_fix = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_for_numpy_2_4()
+    from plait.testing.triton_interpreter import patch_interpreter_for_numpy
+
+    patch_interpreter_for_numpy()
 
 from plait.attention.triton import kernels as K  # noqa: E402
 from plait.attention.triton import reference as R  # noqa: E402

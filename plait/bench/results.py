@@ -21,7 +21,7 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def _commit() -> str | None:
+def git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -39,7 +39,7 @@ def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric:
     date = datetime.date.today().isoformat()
     dev = device_name()
     record = {
-        "workload": workload, "shape": shape, "device": dev, "commit": _commit(), "date": date,
+        "workload": workload, "shape": shape, "device": dev, "commit": git_commit(), "date": date,
         "versions": _versions(), "metric": metric, "plait": plait_value, "peer_name": peer_name,
         "peer": peer_value,
         "ratio_vs_peer": (plait_value / peer_value) if peer_value else None,

@@ -35,6 +35,8 @@ from typing import Any
 
 import httpx
 
+from plait.bench.results import git_commit
+
 WORKLOAD = "serving"
 METRIC = "output_tok_s"
 
@@ -238,14 +240,6 @@ def _wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout: float =
     raise RuntimeError(f"plait serve not healthy after {timeout} s")
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _shape_name(info: dict[str, Any]) -> str:
     model = pathlib.Path(info.get("model") or "model")
     return "demo-tiny-llama" if model.name == "demo-model" else model.name
@@ -301,7 +295,7 @@ def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[s
         "workload": WORKLOAD,
         "shape": shape,
         "device": device,
-        "commit": _commit(),
+        "commit": git_commit(),
         "date": date,
         "versions": info.get("versions"),
         "metric": METRIC,
