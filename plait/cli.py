@@ -68,6 +68,9 @@ def _engine_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: demo model)")
     # EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
     add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP)
+    # SGLang's short forms of the parallelism flags.
+    parser.add_argument("--tp", dest="tp_size", type=int, default=None, help="alias of --tp-size")
+    parser.add_argument("--dp", dest="dp_size", type=int, default=None, help="alias of --dp-size")
     parser.add_argument("--random-seed", type=int, default=None, help="EngineConfig.seed (dummy weights, "
                         "seeds of unseeded requests)")
 

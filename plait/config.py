@@ -47,11 +47,35 @@ class EngineConfig:
     # split into chunks of at most this many tokens.
     chunked_prefill_size: int = 8192
     schedule_conservativeness: float = 1.0
+    # Parallelism (issue 7). tp_size ranks, one process each (rank 0 is the engine's process).
+    # dp_size with enable_dp_attention: each rank runs attention over its own requests (dp_size ==
+    # tp_size). nnodes/node_rank/dist_init_addr: ranks spread over several machines (node 0 hosts
+    # rank 0 and the store at dist_init_addr). dist_timeout: seconds a collective may wait before
+    # a dead or hung rank ends the engine with an error.
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 120.0
     # GPU fast path (issue 3); accepted on the CPU and ignored there.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     disable_overlap_schedule: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Speculative decoding (issue 5; SGLang's flag names). Unset numbers resolve per algorithm in
+    # plait.speculative.config.resolve_speculative, which also validates every combination.
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_attention_mode: str = "prefill"
+    speculative_draft_attention_backend: str | None = None
+    speculative_ngram_min_match_window_size: int = 2
+    speculative_ngram_max_match_window_size: int = 4
+    speculative_ngram_capacity: int = 100_000
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model must be a checkpoint directory path, got an empty value")
@@ -94,6 +118,28 @@ class EngineConfig:
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
             f"cuda_graph_max_bs must be >= 1 (or unset for the default), got {self.cuda_graph_max_bs}",
         )
+        _check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        _check(self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
+               f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): each node runs "
+               "tp_size / nnodes ranks")
+        _check(0 <= self.node_rank < self.nnodes, f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        _check(self.nnodes == 1 or bool(self.dist_init_addr),
+               "dist_init_addr (HOST:PORT of node 0) is required when nnodes > 1")
+        _check(self.dist_timeout > 0, f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
+        _check(self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}")
+        _check(not self.enable_dp_attention or self.tp_size > 1,
+               "enable_dp_attention needs several ranks (tp_size = dp_size >= 2)")
+        _check(not self.enable_dp_attention or self.dp_size == self.tp_size,
+               f"enable_dp_attention needs dp_size == tp_size (got dp_size {self.dp_size}, tp_size "
+               f"{self.tp_size})")
+        _check(self.dp_size == 1 or self.enable_dp_attention,
+               "dp_size > 1 is supported with enable_dp_attention only (plain data parallelism is not "
+               "implemented yet)")
+        from plait.speculative.config import resolve_speculative
+
+        # Fills the algorithm's defaults for unset speculative numbers (construction, not mutation).
+        for name, value in resolve_speculative(self).items():
+            object.__setattr__(self, name, value)
 
     def attention_backends(self) -> tuple[str, str]:
         """The (prefill, decode) backend pair: each the phase-specific flag or else the base field.

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
+
 if TYPE_CHECKING:
     from plait.attention.base import AttentionBackend
     from plait.sampling import SamplingBatchInfo
@@ -87,6 +89,20 @@ class ForwardBatch:
     # During graph replay the padded view runs in the captured mode; this is the runtime mode.
     actual_forward_mode: ForwardMode | None = None
 
+    # --- MLP sync under DP attention (DESIGN 3.4), filled by init_mlp_sync_metadata ---
+    # Per-rank token counts as the MLP sync uses them (scaled by the per-request width under
+    # speculative decoding), and the raw per-rank counts (request counts for decode and verify).
+    global_num_tokens_cpu: list[int] | None = None
+    global_num_tokens_gpu: torch.Tensor | None = None
+    global_num_tokens_for_logprob_cpu: list[int] | None = None
+    global_num_tokens_for_logprob_gpu: torch.Tensor | None = None
+    original_global_num_tokens_cpu: list[int] | None = None
+    can_run_dp_cuda_graph: bool = False
+    dp_padding_mode: DPPaddingMode | None = None  # chosen per step from the global counts
+    # Real sizes before pad_inputs_to_size; post_forward_mlp_sync_batch slices back to them.
+    unpadded_batch_size: int | None = None
+    unpadded_num_tokens: int | None = None
+
     # --- attention plan marker (DESIGN 3.1) ---
     forward_metadata_ready: bool = False
     forward_metadata_planned_bs: int | None = None
@@ -125,6 +141,124 @@ class ForwardBatch:
         self.forward_metadata_planned_bs = None
         self.forward_metadata_planned_num_tokens = None
         self.forward_metadata_replan_equivalent = False
+
+    # --- MLP sync (DESIGN 3.4, seed 002) -----------------------------------------------------------
+    def init_mlp_sync_metadata(self, batch: Any, device: torch.device | str) -> None:
+        """Fill the DP-attention MLP-sync counts from ``batch`` (a ScheduleBatch, or any object a
+        custom worker builds with ``global_num_tokens``, ``global_num_tokens_for_logprob`` and
+        ``can_run_dp_cuda_graph``). The one entry for this: ``ScheduleBatch.to_forward_batch`` calls
+        it, and so do workers that build a ForwardBatch themselves. No-op without global counts."""
+        if getattr(batch, "global_num_tokens", None) is None:
+            return
+        assert batch.global_num_tokens_for_logprob is not None, "global counts come in pairs"
+        if self.spec_info is not None:
+            tokens, for_logprob = spec_scale_global_num_tokens(
+                self.spec_info, batch.global_num_tokens, batch.global_num_tokens_for_logprob)
+        else:
+            tokens, for_logprob = list(batch.global_num_tokens), list(batch.global_num_tokens_for_logprob)
+        # Raw counts size the DP graph batch; scaled counts size the MLP-sync buffers.
+        self.original_global_num_tokens_cpu = list(batch.global_num_tokens)
+        self.global_num_tokens_cpu = tokens
+        self.global_num_tokens_gpu = torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)
+        self.global_num_tokens_for_logprob_cpu = for_logprob
+        self.global_num_tokens_for_logprob_gpu = torch.tensor(for_logprob, dtype=torch.int64).to(
+            device, non_blocking=True)
+        self.can_run_dp_cuda_graph = bool(batch.can_run_dp_cuda_graph)
+
+    def pad_inputs_to_size(self, num_tokens: int, bs: int) -> None:
+        """Pad to ``num_tokens`` tokens and ``bs`` requests (DP MAX_LEN, graph buckets). Padded rows
+        read request row 0 and write KV slot 0 (both reserved). A draft input whose hidden states
+        are not materialised yet (None) is padded without them."""
+        pad_t, pad_b = num_tokens - self.num_tokens, bs - self.batch_size
+        if pad_t < 0 or pad_b < 0:
+            raise ValueError(f"cannot pad {self.num_tokens} tokens / {self.batch_size} requests down to "
+                             f"{num_tokens} / {bs}")
+        if self.unpadded_batch_size is None:
+            self.unpadded_batch_size, self.unpadded_num_tokens = self.batch_size, self.num_tokens
+        self.input_ids = _pad_rows(self.input_ids, pad_t, 0)
+        self.positions = _pad_rows(self.positions, pad_t, 0)
+        self.out_cache_loc = _pad_rows(self.out_cache_loc, pad_t, DUMMY_KV_SLOT)
+        self.req_pool_indices = _pad_rows(self.req_pool_indices, pad_b, DUMMY_REQ_ROW)
+        self.seq_lens = _pad_rows(self.seq_lens, pad_b, 1)
+        self.seq_lens_cpu = list(self.seq_lens_cpu) + [1] * pad_b
+        self.seq_lens_sum += pad_b
+        self.batch_size = bs
+        hidden = getattr(self.spec_info, "hidden_states", None)
+        if hidden is not None:
+            self.spec_info.hidden_states = _pad_rows(hidden, num_tokens - hidden.shape[0], 0)
+
+    def post_forward_mlp_sync_batch(self, logits_output: Any) -> Any:
+        """Undo ``pad_inputs_to_size`` on the outputs: keep the rows of the real requests. A
+        target-verify batch has ``num_tokens_per_req`` rows per request (never a fixed draft width)."""
+        bs = self.unpadded_batch_size
+        if bs is None:
+            return logits_output
+        if self.forward_mode.is_target_verify():
+            rows = spec_num_tokens(self.spec_info, bs)
+        elif self.forward_mode.is_decode() or self.forward_mode.is_idle():
+            rows = bs
+        else:
+            rows = logits_output.next_token_logits.shape[0]
+        logits_output.next_token_logits = logits_output.next_token_logits[:rows]
+        if logits_output.hidden_states is not None:
+            logits_output.hidden_states = logits_output.hidden_states[:rows]
+        n = self.unpadded_num_tokens
+        self.input_ids, self.positions, self.out_cache_loc = (
+            self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n])
+        self.req_pool_indices, self.seq_lens = self.req_pool_indices[:bs], self.seq_lens[:bs]
+        self.seq_lens_cpu = self.seq_lens_cpu[:bs]
+        self.seq_lens_sum = sum(self.seq_lens_cpu)
+        self.batch_size = bs
+        self.unpadded_batch_size = self.unpadded_num_tokens = None
+        return logits_output
+
+
+class DPPaddingMode(enum.IntEnum):
+    """How the tokens of all DP ranks are laid out around the TP-sharded MLP (DESIGN 3.4)."""
+
+    MAX_LEN = enum.auto()  # every rank padded to the max: all-gather before, reduce-scatter after
+    SUM_LEN = enum.auto()  # a buffer of the summed length, rows at each rank's offset: all-reduce
+
+    @classmethod
+    def choose(cls, global_num_tokens: list[int], any_extend: bool) -> DPPaddingMode:
+        """SUM_LEN whenever a rank extends (prefill lengths vary too much to pad); otherwise MAX_LEN
+        when padding wastes at most half the buffer (``sum * 2 >= max * dp_size``)."""
+        if any_extend:
+            return cls.SUM_LEN
+        total, longest = sum(global_num_tokens), max(global_num_tokens, default=0)
+        return cls.MAX_LEN if total * 2 >= longest * len(global_num_tokens) else cls.SUM_LEN
+
+
+def spec_request_width(spec_info: Any) -> int:
+    """Tokens per request of a speculative batch, from ``spec_info.num_tokens_per_req`` (an int, or
+    a per-request list that must be uniform to scale other ranks' request counts)."""
+    width = spec_info.num_tokens_per_req
+    if isinstance(width, int):
+        return width
+    widths = set(width)
+    if len(widths) > 1:
+        raise ValueError(f"per-request widths {sorted(widths)} differ: the per-rank request counts cannot "
+                         "be scaled; report token counts in global_num_tokens and pass spec_info=None")
+    return widths.pop() if widths else 1
+
+
+def spec_num_tokens(spec_info: Any, bs: int) -> int:
+    """Tokens of the first ``bs`` requests of a speculative batch."""
+    width = spec_info.num_tokens_per_req
+    return bs * width if isinstance(width, int) else sum(width[:bs])
+
+
+def spec_scale_global_num_tokens(spec_info: Any, global_num_tokens: list[int],
+                                 global_num_tokens_for_logprob: list[int]) -> tuple[list[int], list[int]]:
+    """Per-rank request counts -> token counts, by the per-request width."""
+    w = spec_request_width(spec_info)
+    return [n * w for n in global_num_tokens], [n * w for n in global_num_tokens_for_logprob]
+
+
+def _pad_rows(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
+    if n <= 0:
+        return t
+    return torch.cat([t, t.new_full((n, *t.shape[1:]), value)])
 
 
 _warned_skip_attn_backend_init = False

@@ -149,3 +149,6 @@ def add_bench_parsers(bench_sub: Any) -> None:
     off.add_argument("--overlap-check", action="store_true", help="bs=256 step time vs graph replay")
     off.add_argument("--out", default="benchmarks/results")
     off.set_defaults(func=cmd_offline)
+    from plait.bench.spec import add_spec_parser
+
+    add_spec_parser(bench_sub)  # spec-overhead / spec-ngram-repeat / spec-ngram-miss

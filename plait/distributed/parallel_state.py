@@ -1,18 +1,27 @@
-"""Tensor-parallel group handle, passed to layers (never looked up from a global)."""
+"""Tensor-parallel group handle, passed to layers (never looked up from a global).
+
+A ``TPGroup`` wraps one torch.distributed backend object (``ProcessGroupGloo`` on the CPU,
+``ProcessGroupNCCL`` on CUDA) built from an explicit store by ``plait.distributed.launch``. The
+collectives are called on that object directly instead of through ``torch.distributed``'s default
+group: nothing here registers process-global state, so a process can hold several groups (or build
+and drop engines one after another, as the tests do) without ``init_process_group``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
-    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    group: Any = None  # a torch.distributed Backend (ProcessGroupGloo / ProcessGroupNCCL) when size > 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -20,18 +29,55 @@ class TPGroup:
         if self.size > 1 and self.group is None:
             raise ValueError("a TPGroup of size > 1 needs its torch.distributed process group")
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place: every rank ends with the reduction of ``x`` over the group."""
         if self.size == 1:
             return x
-        torch.distributed.all_reduce(x, group=self.group)
+        self.group.allreduce([x], op).wait()
         return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same shape everywhere), in rank order."""
+        if self.size == 1:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.group.allgather([parts], [x.contiguous()]).wait()
+        return parts
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self.all_gather(x), dim=-1)
+
+    def all_gather_first_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        return torch.cat(self.all_gather(x), dim=0)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0, timeout: timedelta | None = None) -> torch.Tensor:
+        """In place from ``src``. ``timeout`` overrides the group's collective timeout for this call
+        (the worker's wait for the next step may last as long as the engine sits idle)."""
+        if self.size == 1:
+            return x
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        if timeout is not None:
+            opts.timeout = timeout
+        self.group.broadcast([x], opts).wait()
+        return x
+
+    def min_across_ranks(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (e.g. KV capacities sized from each GPU's memory)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        if _is_nccl(self.group):
+            t = t.cuda()
+        return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
+
+
+def _is_nccl(group: Any) -> bool:
+    return type(group).__name__ == "ProcessGroupNCCL"
 
 
 SINGLE = TPGroup()

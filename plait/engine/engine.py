@@ -40,8 +40,20 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model)
-        self.runner = ModelRunner(self.config, self.model_config)
-        self.scheduler = Scheduler(self.config, self.runner)
+        if self.config.tp_size > 1:
+            # This process is rank 0 (it schedules and samples); the other ranks are spawned here.
+            from plait.distributed.launch import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(self.config, self.model_config)
+        else:
+            self.runner = ModelRunner(self.config, self.model_config)
+        if self.config.enable_dp_attention:
+            # Every rank schedules its own requests; this front end balances them over the ranks.
+            from plait.distributed.dp_attention import DPAttentionScheduler
+
+            self.scheduler = DPAttentionScheduler(self.config, self.runner)  # type: ignore[assignment]
+        else:
+            self.scheduler = Scheduler(self.config, self.runner)
         # Tokenization and validation are shared with the HTTP server (plait.engine.frontend).
         self.frontend = Frontend(self.tokenizer, RequestLimits(self.model_config.vocab_size,
                                                                self.runner.max_context_len,
@@ -114,6 +126,11 @@ class Engine:
             "finish_message": req.finish_message,
             "num_retractions": req.num_retractions,
         }
+        if self.config.speculative_algorithm is not None:
+            # Tokens gained per verify step (accepted drafts + the target's bonus token); 0.0 when
+            # the request never took a speculative step.
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_length"] = req.spec_accepted_tokens / req.spec_verify_ct if req.spec_verify_ct else 0.0
         if req.sampling_params.logprobs:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids, strict=False))
             if req.sampling_params.top_logprobs:
@@ -134,6 +151,8 @@ class Engine:
             self.scheduler.abort(req.rid)
         while self.scheduler.has_work():
             self.scheduler.step()
+        if self.scheduler.spec_worker is not None:
+            self.scheduler.spec_worker.log_stats()  # the engine's acceptance distribution
         self.scheduler.close()
         self.runner.close()
 

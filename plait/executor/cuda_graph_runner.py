@@ -153,15 +153,30 @@ class CudaGraphRunner:
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
 
     # --- replay -----------------------------------------------------------------------------------
+    @staticmethod
+    def max_dp_batch_size(fb: ForwardBatch) -> int:
+        """The DP graph batch size: the largest raw per-rank count (requests, for decode and verify
+        batches), so every rank replays the same bucket. can_run and replay both ask here."""
+        if fb.original_global_num_tokens_cpu is None:
+            raise RuntimeError("DP graph batch size needs original_global_num_tokens_cpu: call "
+                               "ForwardBatch.init_mlp_sync_metadata before the graph runner")
+        return max(fb.original_global_num_tokens_cpu)
+
+    def graph_batch_size(self, fb: ForwardBatch) -> int:
+        return self.max_dp_batch_size(fb) if fb.global_num_tokens_cpu is not None else fb.batch_size
+
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs and fb.spec_info is None
+        if fb.global_num_tokens_cpu is not None and not fb.can_run_dp_cuda_graph:
+            return False  # DP attention replays only in MAX_LEN steps
+        return (fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.graph_batch_size(fb) <= self.max_bs
+                and fb.spec_info is None)
 
     def bucket(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
         bs = fb.batch_size
-        padded = self.bucket(bs)
+        padded = self.bucket(self.graph_batch_size(fb))
         self.input_ids[:bs].copy_(fb.input_ids)
         self.positions[:bs].copy_(fb.positions)
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)

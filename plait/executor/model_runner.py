@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from plait.attention.base import AttentionBackend
+from plait.attention.plan_check import maybe_check_plans
 from plait.attention.registry import create_attention_backend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
@@ -59,17 +60,24 @@ class ModelRunner:
         self.device = config.resolved_device()
         self.tp = tp
         if self.device == "cuda":
-            torch.cuda.set_device(tp.rank if tp.size > 1 else torch.cuda.current_device())
-        self.model = load_model(mc, self.device, config.load_format, tp, config.seed)
-        self.max_total_tokens = kv_capacity_tokens(config, mc, self.device, tp.size)
+            # A node's ranks are consecutive: the local GPU is the rank modulo the node's GPU count.
+            torch.cuda.set_device(tp.rank % torch.cuda.device_count() if tp.size > 1 else torch.cuda.current_device())
+        # DP attention: attention (and its KV cache) is unsharded on each rank; only the MLP is split.
+        attn_tp = SINGLE if config.enable_dp_attention else tp
+        self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp)
+        # Rank 0 schedules KV slots for every rank: all ranks take the smallest capacity.
+        self.max_total_tokens = tp.min_across_ranks(kv_capacity_tokens(config, mc, self.device, attn_tp.size))
         self.max_context_len = mc.context_length
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, mc.dtype, mc.num_layers,
-                                        mc.num_kv_heads_per_rank(tp.size), mc.head_dim, self.device)
+                                        mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         self.attn_backend: AttentionBackend = create_attention_backend(
-            config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // tp.size,
-            sliding_window=model_sliding_window(self.model))
+            config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // attn_tp.size,
+            config.speculative_attention_mode, sliding_window=model_sliding_window(self.model))
+        # PLAIT_CHECK_PLANS=1 (debug; the speculative tests run with it): raise on a forward whose
+        # plan does not match its batch. Off, this returns the backend itself.
+        self.attn_backend = maybe_check_plans(self.attn_backend)
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         if self.device == "cuda" and not config.disable_cuda_graph:
@@ -79,7 +87,7 @@ class ModelRunner:
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
             self.max_total_tokens,
             self.max_total_tokens * MHATokenToKVPool.bytes_per_token(
-                mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(tp.size), mc.head_dim) / 2**30,
+                mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim) / 2**30,
             mc.dtype, self.attn_backend.name, self.max_context_len)
 
     # --- forward paths --------------------------------------------------------------------------

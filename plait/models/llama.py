@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import ForwardBatch
 from plait.layers.activation import SiluAndMul
@@ -88,9 +89,14 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: Any, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: Any, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool,
+                 attn_tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, layer_id, tp, qkv_bias, o_bias)
+        # DP attention: attention runs unsharded on each rank's own tokens (attn_tp of size 1) while
+        # the MLP is sharded over all ranks, so the tokens of every rank meet around it.
+        attn_tp = attn_tp or tp
+        self.dp_group = tp if attn_tp.size != tp.size else None
+        self.self_attn = self.attention_cls(cfg, layer_id, attn_tp, qkv_bias, o_bias)
         self.mlp = LlamaMLP(cfg, tp, bias=bool(getattr(cfg, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -104,16 +110,18 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, fb)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.dp_group is not None:
+            return dp_gathered_mlp(self.mlp, hidden, fb, self.dp_group), residual
         return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, tp: TPGroup, layer_cls: type[LlamaDecoderLayer], qkv_bias: bool,
-                 o_bias: bool) -> None:
+                 o_bias: bool, attn_tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, attn_tp or tp)
         self.layers = nn.ModuleList(
-            layer_cls(cfg, i, tp, qkv_bias, o_bias) for i in range(cfg.num_hidden_layers))
+            layer_cls(cfg, i, tp, qkv_bias, o_bias, attn_tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -136,15 +144,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup = SINGLE, attn_tp: TPGroup | None = None) -> None:
+        """``attn_tp``: the group of attention, embedding and LM head when it differs from the MLP's
+        ``tp`` (DP attention: size 1, each rank embeds, attends and samples its own requests)."""
         super().__init__()
         self.config = cfg
         self.tp = tp
+        head_tp = attn_tp or tp
         qkv_bias, o_bias = self.attention_biases(cfg)
-        self.model = LlamaModel(cfg, tp, self.layer_cls, qkv_bias, o_bias)
+        self.model = LlamaModel(cfg, tp, self.layer_cls, qkv_bias, o_bias, attn_tp)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        self.logits_processor = LogitsProcessor(cfg.vocab_size, tp)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, head_tp)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size, head_tp)
 
     @staticmethod
     def attention_biases(cfg: Any) -> tuple[bool, bool]:

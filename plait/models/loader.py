@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
+from plait.distributed.sharded_load import LazySlice
 from plait.models.llama import head_dim_of
 from plait.models.registry import MODEL_REGISTRY, supported_architectures
 
@@ -111,7 +112,10 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
     )
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every safetensors file. ``lazy`` (tensor parallelism) yields
+    ``LazySlice`` stand-ins that read only the slice a weight loader asks for, while the file is open
+    (consume each before advancing)."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.exists():
@@ -123,7 +127,7 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(str(root / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield key, f.get_tensor(key)
+                yield key, (LazySlice(f.get_slice(key)) if lazy else f.get_tensor(key))  # type: ignore[misc]
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
@@ -141,7 +145,7 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
 
 
 def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGroup = SINGLE,
-               seed: int = 0) -> nn.Module:
+               seed: int = 0, attn_tp: TPGroup | None = None) -> nn.Module:
     cls = MODEL_REGISTRY[mc.architecture]
     # Build in place on the device with the model dtype as default: weights are torch.empty (no init
     # cost); the rotary cache asks for float32 explicitly and stays float32.
@@ -149,13 +153,13 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     torch.set_default_dtype(mc.dtype)
     try:
         with torch.device(device):
-            model = cls(mc.hf_config, tp)
+            model = cls(mc.hf_config, tp, attn_tp=attn_tp)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
-        loaded = model.load_weights(iter_safetensors(mc.path))
+        loaded = model.load_weights(iter_safetensors(mc.path, lazy=tp.size > 1))
         missing = set(dict(model.named_parameters())) - loaded
         if missing:
             raise ValueError(f"checkpoint {mc.path!r} lacks weights for {sorted(missing)[:8]}")

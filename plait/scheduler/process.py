@@ -170,8 +170,19 @@ class SchedulerProcess:
         config = self.config
         mc = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        self.runner = ModelRunner(config, mc)
-        self.scheduler = Scheduler(config, self.runner)
+        if config.tp_size > 1:
+            # This process is rank 0; the other tensor-parallel ranks are spawned from here.
+            from plait.distributed.launch import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(config, mc)
+        else:
+            self.runner = ModelRunner(config, mc)
+        if config.enable_dp_attention:
+            from plait.distributed.dp_attention import DPAttentionScheduler
+
+            self.scheduler = DPAttentionScheduler(config, self.runner)  # type: ignore[assignment]
+        else:
+            self.scheduler = Scheduler(config, self.runner)
         self.push.send_pyobj(Ready(
             pid=os.getpid(), vocab_size=mc.vocab_size, max_context_len=self.runner.max_context_len,
             max_total_tokens=self.runner.max_total_tokens, max_running_requests=config.max_running_requests,

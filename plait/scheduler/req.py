@@ -45,6 +45,10 @@ class Req:
     # scheduled meanwhile takes its input token from there, on the device.
     pending: int = 0
     future_token: tuple[torch.Tensor, int] | None = None
+    # Speculative decoding: verify steps this request took part in, and the tokens they gained
+    # (accepted drafts + the bonus token); meta_info reports their ratio as spec_accept_length.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

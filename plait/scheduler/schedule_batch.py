@@ -38,6 +38,11 @@ class ScheduleBatch:
     entries: list[BatchEntry]
     out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, in entry order
     token_rows: torch.Tensor | None = None  # [T] request-pool row of each new token (set by to_forward_batch)
+    # DP attention (DESIGN 3.4): every rank's token count this step (request counts for decode),
+    # set after the ranks exchanged them; read by ForwardBatch.init_mlp_sync_metadata.
+    global_num_tokens: list[int] | None = None
+    global_num_tokens_for_logprob: list[int] | None = None
+    can_run_dp_cuda_graph: bool = False
 
     @property
     def forward_mode(self) -> ForwardMode:
@@ -98,6 +103,7 @@ class ScheduleBatch:
             seq_lens_sum=sum(seq_lens_cpu),
         )
         self.token_rows = rows
+        fb.init_mlp_sync_metadata(self, device)
         if mode != ForwardMode.DECODE:
             fb.extend_num_tokens = len(input_ids)
             fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = ext_t, pre_t, starts_t

@@ -106,6 +106,11 @@ class Scheduler:
         # Optional observer of every sampled step: (requests, their float32 logits rows). Used by
         # correctness tests and logit debugging; None costs nothing.
         self.on_logits: Callable[[list[Req], torch.Tensor], None] | None = None
+        # Speculative decoding (None when off): decodes running requests through draft + verify.
+        from plait.speculative.worker import create_spec_worker
+
+        self.spec_worker = create_spec_worker(config, runner)
+        self._spec_advanced: set[int] = set()  # id() of requests the speculative step advanced
 
     # --- requests in and out ----------------------------------------------------------------------
     @property
@@ -143,7 +148,13 @@ class Scheduler:
         previous step: the host reads them while the device runs the batch just launched.
         """
         self._updated = self._process_aborts()
+        if self.spec_worker is not None:
+            # Speculative steps run with overlap drained: drafting and acceptance need every
+            # request's tokens on the host. Requests it advanced skip this step's normal decode.
+            self._drain()
+            self._spec_advanced = self.spec_worker.decode_step(self)
         batch = self._schedule()
+        self._spec_advanced = set()
         launched = self._launch(batch) if batch is not None else None
         if self.overlap:
             self._drain()
@@ -208,7 +219,8 @@ class Scheduler:
         may be done already; those that surely are, by length, are left out)."""
         limit = self.runner.max_context_len
         return [r for r in self.running
-                if r.num_generated < r.sampling_params.max_new_tokens
+                if id(r) not in self._spec_advanced
+                and r.num_generated < r.sampling_params.max_new_tokens
                 and len(r.origin_input_ids) + r.num_generated < limit]
 
     def _needs_host_state(self) -> bool:
@@ -334,6 +346,8 @@ class Scheduler:
                 device=self.runner.device,
             )
         logits = self.runner.forward(fb)
+        if self.spec_worker is not None:
+            self.spec_worker.after_target_forward(fb)  # a draft model mirrors the target's KV
         self.stats.forward_steps += 1
         for e in batch.entries:
             e.req.kv_len += e.extend_len
@@ -397,6 +411,8 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_message = message
         req.detokenizer.finish()
+        if self.spec_worker is not None:
+            self.spec_worker.on_finish(req)
         if reason == FinishReason.ABORT:
             self.stats.num_aborts += 1
 
@@ -425,6 +441,8 @@ class Scheduler:
         self.tree_cache = None  # type: ignore[assignment]
         self.allocator = None  # type: ignore[assignment]
         self.req_to_token_pool = None  # type: ignore[assignment]
+        if self.spec_worker is not None:
+            self.spec_worker.close()  # a draft model and its KV pool live there
 
     # --- introspection (tests, metrics) -----------------------------------------------------------
     def kv_tokens_in_use(self) -> int:

@@ -1,0 +1,381 @@
+"""DP attention (``enable_dp_attention``, dp_size == tp_size): every rank schedules its own requests.
+
+Each rank has its own Scheduler, KV cache and sampler and runs attention (and the embedding and
+LM head, unsharded) over its own requests only; the MLP is sharded over all ranks, and its tokens
+are gathered and reduced around it (``plait.distributed.dp_mlp``). Rank 0, the engine's process,
+is also the front end: ``DPAttentionScheduler`` balances new requests over the ranks (shortest
+queue: fewest live requests) and keeps a stand-in Req for every request another rank serves.
+
+One engine step is one lockstep round on every rank:
+
+  1. rank 0 broadcasts a ``DPControl``: new requests (with their rank), aborts, or shut down
+  2. every rank runs ``Scheduler.step()``; its forward first all-gathers the per-rank token counts
+     (decode: requests, extend: new tokens), picks the padding mode and fills the batch's MLP-sync
+     metadata (``ForwardBatch.init_mlp_sync_metadata``). A rank that launched nothing runs an IDLE
+     batch, which joins the same collectives with zero rows, unless no rank has any work.
+  3. the ranks all-gather their progress (new tokens, finishes); rank 0 applies it to its stand-ins.
+
+Overlap scheduling is off under DP attention: every round ends with host-complete results, so a
+finished request is known on rank 0 in the round that finished it.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from plait.config import EngineConfig
+from plait.distributed.dp_mlp import dp_gathered_mlp
+from plait.distributed.parallel_state import TPGroup
+from plait.executor.model_runner import ModelRunner
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
+from plait.models.llama import LogitsOutput
+from plait.models.loader import ModelConfig
+from plait.sampling.params import SamplingParams
+from plait.scheduler.req import FinishReason, Req
+from plait.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+# --- objects over a gloo group ---------------------------------------------------------------------
+def broadcast_object(group: TPGroup, obj: Any = None, timeout: timedelta | None = None) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled). ``timeout`` bounds only the wait for the size."""
+    if group.rank == 0:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        group.broadcast(torch.tensor([data.numel()], dtype=torch.int64), timeout=timeout)
+        group.broadcast(data)
+        return obj
+    size = torch.empty(1, dtype=torch.int64)
+    group.broadcast(size, timeout=timeout)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.broadcast(data)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def all_gather_objects(group: TPGroup, obj: Any) -> list[Any]:
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [int(s.item()) for s in group.all_gather(torch.tensor([data.numel()], dtype=torch.int64))]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    return [pickle.loads(p[:n].numpy().tobytes()) for p, n in zip(group.all_gather(padded), sizes, strict=True)]
+
+
+# --- messages ---------------------------------------------------------------------------------------
+@dataclass
+class NewRequest:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+
+
+@dataclass
+class DPControl:
+    adds: list[tuple[int, NewRequest]] = field(default_factory=list)  # (rank, request)
+    aborts: list[str] = field(default_factory=list)
+    shutdown: bool = False
+
+
+@dataclass
+class Progress:
+    """What one request served by a rank > 0 produced in a round."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[Any]
+    cached_tokens: int
+    num_retractions: int
+    finish_reason: str | None = None
+    finish_message: str | None = None
+
+
+@dataclass
+class MLPSync:
+    """The per-step global counts, in the shape ``ForwardBatch.init_mlp_sync_metadata`` reads."""
+
+    global_num_tokens: list[int]
+    global_num_tokens_for_logprob: list[int]
+    can_run_dp_cuda_graph: bool
+
+
+# --- the runner of every rank -------------------------------------------------------------------------
+class DPAttentionRunner(ModelRunner):
+    """A rank's ModelRunner under DP attention: exchanges token counts before every forward."""
+
+    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: Any) -> None:
+        # Graphs are captured without MLP-sync metadata, which every DP-attention forward needs:
+        # until capture covers MAX_LEN steps (DESIGN 3.4), DP attention runs eagerly.
+        super().__init__(config.replace(disable_cuda_graph=True), mc, groups.tp)
+        self.groups = groups
+        self.forwarded = False  # this round launched a forward
+        self.padding_modes: Counter[str] = Counter()  # rounds per padding mode (tests, debugging)
+        self.idle_rounds = 0  # rounds this rank joined with an IDLE batch
+        # Recent rounds as every rank saw them: (tokens per rank, extends per rank, padding mode).
+        self.rounds: deque[tuple[tuple[int, ...], tuple[bool, ...], DPPaddingMode]] = deque(maxlen=4096)
+
+    def _sync(self, fb: ForwardBatch, own_tokens: int, extends: bool) -> None:
+        parts = self.groups.control.all_gather(torch.tensor([own_tokens, int(extends)], dtype=torch.int64))
+        counts = [int(p[0]) for p in parts]
+        extend_flags = tuple(bool(p[1]) for p in parts)
+        mode = DPPaddingMode.choose(counts, any(extend_flags))
+        if any(counts):
+            self.rounds.append((tuple(counts), extend_flags, mode))
+        fb.init_mlp_sync_metadata(MLPSync(counts, counts, mode == DPPaddingMode.MAX_LEN), self.device)
+        fb.dp_padding_mode = mode
+
+    def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
+        self.forwarded = True
+        self._sync(fb, fb.num_tokens, fb.forward_mode.is_extend())
+        assert fb.dp_padding_mode is not None
+        self.padding_modes[fb.dp_padding_mode.name] += 1
+        return super().forward(fb, skip_attn_backend_init)
+
+    def finish_round(self) -> None:
+        """After the scheduler's step: a rank that launched nothing joins with an IDLE batch."""
+        if self.forwarded:
+            self.forwarded = False
+            return
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        fb = ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
+                          seq_lens=empty, out_cache_loc=empty, positions=empty)
+        self._sync(fb, 0, False)
+        if not any(fb.global_num_tokens_cpu or []):
+            return  # no rank has work this round: nothing to join
+        self.idle_rounds += 1
+        self.forward_idle(fb)
+
+    @torch.inference_mode()
+    def forward_idle(self, fb: ForwardBatch) -> LogitsOutput:
+        # No attention work on this rank: only the MLP collectives of every layer, on zero rows.
+        hidden = torch.empty(0, self.model_config.hidden_size, dtype=self.model_config.dtype, device=self.device)
+        for layer in self.model.model.layers:
+            dp_gathered_mlp(layer.mlp, hidden, fb, self.tp)
+        return LogitsOutput(next_token_logits=torch.empty(0, self.model_config.vocab_size, device=self.device))
+
+
+class DPAttentionLeader(DPAttentionRunner):
+    """Rank 0's runner: also watches the spawned ranks and tells them to stop."""
+
+    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: Any, store: Any,
+                 procs: dict[int, Any]) -> None:
+        super().__init__(config, mc, groups)
+        self.store = store
+        self.procs = procs
+        self.failure: str | None = None
+
+    def check_ranks(self) -> None:
+        from plait.distributed.launch import TensorParallelError, dead_rank
+
+        if self.failure is not None:
+            raise TensorParallelError(f"the DP-attention engine failed earlier: {self.failure}")
+        dead = dead_rank(self.procs, self.store)
+        if dead is not None:
+            self.failure = dead
+            raise TensorParallelError(dead)
+
+    def fail(self, e: Exception) -> Exception:
+        from plait.distributed.launch import TensorParallelError, dead_rank
+
+        self.failure = dead_rank(self.procs, self.store) or (
+            f"a DP-attention collective failed (a rank died or exceeded dist_timeout="
+            f"{self.config.dist_timeout:g}s): {type(e).__name__}: {e}")
+        return TensorParallelError(self.failure)
+
+    def close(self) -> None:
+        from plait.distributed.launch import stop_processes
+
+        if self.failure is None and self.model is not None:
+            try:
+                broadcast_object(self.groups.control, DPControl(shutdown=True))
+            except Exception:  # noqa: BLE001 (a dead rank cannot be told; it is killed below)
+                logger.warning("could not tell the DP-attention ranks to shut down", exc_info=True)
+        stop_processes(self.procs, grace_s=10.0 if self.failure is None else 0.0)
+        super().close()
+
+
+# --- rank 0: front end and balancer ------------------------------------------------------------------
+class DPAttentionScheduler:
+    """The Engine's scheduler under DP attention: rank 0's own Scheduler plus the other ranks'."""
+
+    def __init__(self, config: EngineConfig, runner: DPAttentionLeader) -> None:
+        self.config = config
+        self.runner = runner
+        self.dp_size = config.dp_size
+        self.local = Scheduler(config.replace(disable_overlap_schedule=True), runner)
+        self.remote: dict[str, tuple[int, Req]] = {}  # rid -> (rank, stand-in Req)
+        self._adds: list[tuple[int, NewRequest]] = []
+        self._aborts: list[str] = []
+        self.assigned: Counter[int] = Counter()  # requests sent to each rank (tests, metrics)
+        self.spec_worker = None  # speculative decoding is rejected with tp_size > 1
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else of the Scheduler interface (introspection, hooks) is rank 0's scheduler's.
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    # --- the Scheduler interface the Engine uses ---------------------------------------------------
+    def loads(self) -> list[int]:
+        """Live requests per rank: the balancer's queue lengths."""
+        loads = [0] * self.dp_size
+        loads[0] = len(self.local.waiting) + self.local.num_running()
+        for rank, _ in self.remote.values():
+            loads[rank] += 1
+        return loads
+
+    def add_request(self, req: Req) -> None:
+        loads = self.loads()
+        rank = loads.index(min(loads))  # shortest queue; ties go to the lowest rank
+        self.assigned[rank] += 1
+        if rank == 0:
+            self.local.add_request(req)
+            return
+        self.remote[req.rid] = (rank, req)
+        self._adds.append((rank, NewRequest(req.rid, req.origin_input_ids, req.sampling_params, req.seed)))
+
+    def abort(self, rid: str) -> bool:
+        if self.local.abort(rid):
+            return True
+        if rid in self.remote:
+            if self.runner.failure is not None:  # its rank cannot be reached: finish it here
+                _, req = self.remote.pop(rid)
+                self._adds = [(rank, new) for rank, new in self._adds if new.rid != rid]
+                req.finish_reason, req.finish_message = FinishReason.ABORT, "aborted by the client"
+                req.detokenizer.finish()
+            else:
+                self._aborts.append(rid)
+            return True
+        return False
+
+    def has_work(self) -> bool:
+        return self.local.has_work() or bool(self.remote)  # every pending add is in self.remote too
+
+    @property
+    def waiting(self) -> list[Req]:
+        return list(self.local.waiting)
+
+    @property
+    def prefilling(self) -> list[Req]:
+        return list(self.local.prefilling)
+
+    @property
+    def running(self) -> list[Req]:
+        return list(self.local.running) + [req for _, req in self.remote.values()]
+
+    @property
+    def stats(self) -> Any:
+        return self.local.stats  # rank 0's scheduler only
+
+    @property
+    def tree_cache(self) -> Any:
+        return self.local.tree_cache  # rank 0's prefix cache only
+
+    def kv_tokens_in_use(self) -> int:
+        return self.local.kv_tokens_in_use()  # rank 0's KV pool only
+
+    def num_running(self) -> int:
+        return self.local.num_running() + len(self.remote)
+
+    def step(self) -> list[Req]:
+        if self.runner.failure is not None and self._only_aborts_left():
+            # No collective can run after a failure: wind the aborted requests down locally (the
+            # scheduler retires them without a forward). Anything else raises below.
+            return self.local.step()
+        self.runner.check_ranks()
+        control = self.runner.groups.control
+        msg = DPControl(self._adds, self._aborts)
+        self._adds, self._aborts = [], []
+        try:
+            broadcast_object(control, msg)
+            updated = self.local.step()
+            self.runner.finish_round()
+            reports = all_gather_objects(control, [])
+        except Exception as e:
+            raise self.runner.fail(e) from e
+        for report in reports[1:]:
+            for p in report:
+                updated.append(self._apply(p))
+        return updated
+
+    def _only_aborts_left(self) -> bool:
+        local = list(self.local.waiting) + self.local.prefilling + self.local.running
+        return not self.remote and all(r.to_abort or r.finished for r in local)
+
+    def flush(self) -> list[Req]:
+        return self.local.flush()
+
+    def close(self) -> None:
+        self.local.close()
+
+    def _apply(self, p: Progress) -> Req:
+        _, req = self.remote[p.rid]
+        for token in p.token_ids:
+            req.output_ids.append(token)
+            req.detokenizer.add_token(token)
+        req.output_logprobs += p.logprobs
+        req.output_top_logprobs += p.top_logprobs
+        req.cached_tokens, req.num_retractions = p.cached_tokens, p.num_retractions
+        if p.finish_reason is not None:
+            if p.finish_message == "stop string":
+                req.detokenizer.find_stop()
+            req.finish_reason = FinishReason(p.finish_reason)
+            req.finish_message = p.finish_message
+            req.detokenizer.finish()
+            del self.remote[p.rid]
+        return req
+
+
+# --- ranks > 0 ----------------------------------------------------------------------------------------
+def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
+    """Serve the requests rank 0 assigns to this rank, one lockstep round per engine step."""
+    from transformers import AutoTokenizer
+
+    from plait.distributed.step_sync import IDLE_WAIT
+    from plait.scheduler.detokenizer import IncrementalDetokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    scheduler = Scheduler(config.replace(disable_overlap_schedule=True), runner)
+    control = runner.groups.control
+    live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
+    while True:
+        msg: DPControl = broadcast_object(control, timeout=IDLE_WAIT)
+        if msg.shutdown:
+            return
+        for rank, new in msg.adds:
+            if rank != control.rank:
+                continue
+            sp = new.sampling_params
+            detok = IncrementalDetokenizer(tokenizer, new.input_ids, sp.stop, sp.skip_special_tokens)
+            req = Req(rid=new.rid, origin_input_ids=new.input_ids, sampling_params=sp, seed=new.seed,
+                      detokenizer=detok)
+            live[new.rid] = (req, 0)
+            scheduler.add_request(req)
+        for rid in msg.aborts:
+            scheduler.abort(rid)
+        scheduler.step()
+        runner.finish_round()
+        all_gather_objects(control, _progress(live))
+
+
+def _progress(live: dict[str, tuple[Req, int]]) -> list[Progress]:
+    out: list[Progress] = []
+    for rid, (req, sent) in list(live.items()):
+        n = len(req.output_ids)
+        if n == sent and not req.finished:
+            continue
+        out.append(Progress(rid, req.output_ids[sent:n], req.output_logprobs[sent:n],
+                            req.output_top_logprobs[sent:n], req.cached_tokens, req.num_retractions,
+                            req.finish_reason.value if req.finish_reason else None, req.finish_message))
+        if req.finished:
+            del live[rid]
+        else:
+            live[rid] = (req, n)
+    return out

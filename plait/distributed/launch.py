@@ -1,0 +1,387 @@
+"""Starting tensor-parallel ranks: one process per rank, joined by torch.distributed.
+
+``Engine(tp_size=N)`` (and ``plait generate --tp N``) runs rank 0 in the caller's process: it
+tokenizes, schedules and samples. ``start_tensor_parallel`` spawns the ranks of this node
+(torch.multiprocessing, spawn), builds the groups from one explicit ``TCPStore`` and returns rank 0's
+``TPLeaderRunner``. Every other rank runs ``worker_loop``: receive the step rank 0 broadcasts,
+mirror its request-pool writes, run the same forward on its weight shard, drop the logits.
+
+Groups (no ``init_process_group``, so nothing process-global is registered):
+  tp       gloo on the CPU, NCCL on CUDA: the model's collectives and the step payload
+  control  gloo: step headers and host lists (the same object as ``tp`` on the CPU)
+
+Failure: a rank that dies or hangs ends the engine with ``TensorParallelError`` instead of a hang.
+Rank 0 checks its spawned ranks before every step; collectives run under ``dist_timeout``; a worker
+whose startup fails leaves its traceback in the store, and rank 0 reports it. Workers exit when
+rank 0 goes away (parent-death signal, and their collectives fail).
+
+Multi-node and torchrun forms: see ``plait/distributed/README_SECTION.md`` and ``main`` below.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.config import EngineConfig
+from plait.distributed.parallel_state import TPGroup
+from plait.distributed.step_sync import (
+    RecordingReqToTokenPool,
+    StepKind,
+    apply_step_writes,
+    recv_step,
+    send_shutdown,
+    send_step,
+)
+from plait.executor.model_runner import ModelRunner
+from plait.forward_batch import ForwardBatch
+from plait.models.llama import LogitsOutput
+from plait.models.loader import ModelConfig, load_model_config
+
+logger = logging.getLogger(__name__)
+
+_ERROR_KEY = "plait/error/{rank}"
+_JOINED_KEY = "plait/joined/{rank}"
+JOIN_POLL_S = 0.05
+STARTUP_TIMEOUT_S = 600.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, hung past the collective timeout, or failed to start."""
+
+
+# --- validation ------------------------------------------------------------------------------------
+def validate_tp_size(mc: ModelConfig, tp_size: int, dp_attention: bool = False) -> None:
+    """Fail before anything is spawned when the model cannot be split ``tp_size`` ways (under DP
+    attention only the MLP is split: attention runs whole on every rank)."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if tp_size == 1:
+        return
+    problems = []
+    inter = getattr(mc.hf_config, "intermediate_size", None)
+    if dp_attention:
+        if inter is not None and inter % tp_size:
+            raise ValueError(f"tp_size {tp_size} does not divide the model's MLP intermediate size ({inter})")
+        return
+    if mc.num_heads % tp_size:
+        problems.append(f"attention heads ({mc.num_heads})")
+    if mc.num_kv_heads >= tp_size and mc.num_kv_heads % tp_size:
+        problems.append(f"KV heads ({mc.num_kv_heads})")
+    if mc.num_kv_heads < tp_size and tp_size % mc.num_kv_heads:
+        # Fewer KV heads than ranks: each is replicated on tp_size / num_kv_heads ranks.
+        problems.append(f"KV heads ({mc.num_kv_heads}), which must divide tp_size when fewer than the ranks,")
+    if inter is not None and inter % tp_size:
+        problems.append(f"MLP intermediate size ({inter})")
+    if problems:
+        raise ValueError(f"tp_size {tp_size} does not divide the model's {', '.join(problems)}; choose a "
+                         f"tp_size that divides {mc.num_heads} attention heads")
+
+
+# --- groups ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DistGroups:
+    tp: TPGroup  # model collectives and the device payload of each step
+    control: TPGroup  # gloo, host tensors: step headers (may be ``tp`` itself on the CPU)
+
+
+def build_groups(store: Any, rank: int, world: int, device: str, timeout: timedelta) -> DistGroups:
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("plait/gloo", store), rank, world, timeout)
+    control = TPGroup(rank, world, gloo)
+    if device != "cuda":
+        return DistGroups(control, control)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("plait/nccl", store), rank, world, opts)
+    return DistGroups(TPGroup(rank, world, nccl), control)
+
+
+def startup_timeout(config: EngineConfig) -> timedelta:
+    """Collectives while the ranks build their runners wait for the slowest model load, not for
+    ``dist_timeout``; ``set_collective_timeout`` tightens them once a rank is ready."""
+    return timedelta(seconds=max(config.dist_timeout, STARTUP_TIMEOUT_S))
+
+
+def set_collective_timeout(groups: DistGroups, timeout: timedelta) -> None:
+    for group in {id(g.group): g.group for g in (groups.tp, groups.control)}.values():
+        group.set_timeout(timeout)
+
+
+def _backend_name(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+# --- workers (ranks > 0) ---------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: the kernel kills a spawned rank when rank 0's process dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def worker_loop(runner: ModelRunner, groups: DistGroups) -> None:
+    """Run rank 0's steps until it says shut down."""
+    while True:
+        msg = recv_step(groups.control, groups.tp, runner.device)
+        if msg.kind == StepKind.SHUTDOWN:
+            return
+        assert msg.fb is not None
+        apply_step_writes(runner.req_to_token_pool, msg.fb, msg.writes)
+        runner.forward(msg.fb)  # logits are identical on every rank; only rank 0 samples
+
+
+def run_worker(rank: int, world: int, config: EngineConfig, store: Any, local_world: int) -> None:
+    device = config.resolved_device()
+    timeout = timedelta(seconds=config.dist_timeout)
+    try:
+        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Ranks of one node share its cores; oversubscribed OpenMP threads slow every op.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        store.set(_JOINED_KEY.format(rank=rank), "1")
+        groups = build_groups(store, rank, world, device, startup_timeout(config))
+        mc = load_model_config(config.model, config.dtype, device, config.context_length)
+        if config.enable_dp_attention:
+            from plait.distributed.dp_attention import DPAttentionRunner
+
+            runner: ModelRunner = DPAttentionRunner(config, mc, groups)
+        else:
+            runner = ModelRunner(config, mc, groups.tp)
+        set_collective_timeout(groups, timeout)
+    except BaseException:
+        store.set(_ERROR_KEY.format(rank=rank), traceback.format_exc())
+        raise
+    try:
+        if config.enable_dp_attention:
+            from plait.distributed.dp_attention import dp_worker_loop
+
+            dp_worker_loop(config, runner)  # type: ignore[arg-type]
+        else:
+            worker_loop(runner, groups)
+    finally:
+        runner.close()
+
+
+def _spawned_worker(rank: int, world: int, config: EngineConfig, host: str, port: int, local_world: int) -> None:
+    """Entry of a rank spawned by ``start_tensor_parallel`` (module level: spawn pickles it)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which shuts the ranks down
+    logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s tp{rank} %(name)s %(levelname)s "
+                        "%(message)s")
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=startup_timeout(config))
+    run_worker(rank, world, config, store, local_world)
+
+
+# --- rank 0 ----------------------------------------------------------------------------------------
+class TPLeaderRunner(ModelRunner):
+    """Rank 0's ModelRunner: broadcasts each step to the other ranks before running it."""
+
+    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: DistGroups, store: Any,
+                 procs: dict[int, Any]) -> None:
+        super().__init__(config, mc, groups.tp)
+        self.groups = groups
+        self.store = store
+        self.procs = procs  # rank -> process, for the ranks this process spawned
+        # Radix-cache prefixes are written into the map at admission: record them for the workers.
+        self.req_to_token_pool = RecordingReqToTokenPool.adopt(self.req_to_token_pool)
+        self.failure: str | None = None
+
+    def check_ranks(self) -> None:
+        if self.failure is not None:
+            raise TensorParallelError(f"the tensor-parallel engine failed earlier: {self.failure}")
+        dead = self._dead_rank()
+        if dead is not None:
+            self.failure = dead
+            raise TensorParallelError(dead)
+
+    def _dead_rank(self) -> str | None:
+        return dead_rank(self.procs, self.store)
+
+    def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
+        self.check_ranks()
+        assert isinstance(self.req_to_token_pool, RecordingReqToTokenPool)
+        try:
+            send_step(self.groups.control, self.groups.tp, fb, self.req_to_token_pool.take_pending())
+            return super().forward(fb, skip_attn_backend_init)
+        except TensorParallelError:
+            raise
+        except Exception as e:  # a collective failed: a peer died (closed socket) or timed out
+            time.sleep(JOIN_POLL_S)  # a peer whose socket just closed is usually reaped by now
+            dead = self._dead_rank()
+            self.failure = dead or (f"a tensor-parallel collective failed (a rank died or exceeded "
+                                    f"dist_timeout={self.config.dist_timeout:g}s): {type(e).__name__}: {e}")
+            raise TensorParallelError(self.failure) from e
+
+    def close(self) -> None:
+        if self.failure is None and self.model is not None:
+            try:
+                send_shutdown(self.groups.control)
+            except Exception:  # noqa: BLE001 (a dead rank cannot be told; it is killed below)
+                logger.warning("could not tell the tensor-parallel ranks to shut down", exc_info=True)
+        # A failed engine's ranks may be stuck in a collective: kill them without a grace period.
+        stop_processes(self.procs, grace_s=10.0 if self.failure is None else 0.0)
+        super().close()
+
+
+def dead_rank(procs: dict[int, Any], store: Any) -> str | None:
+    """A message naming the first spawned rank that is no longer alive (None: all alive)."""
+    for rank, proc in procs.items():
+        if not proc.is_alive():
+            detail = _worker_error(store, rank)
+            return f"tp rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}" + (
+                f":\n{detail}" if detail else "")
+    return None
+
+
+def _worker_error(store: Any, rank: int) -> str | None:
+    key = _ERROR_KEY.format(rank=rank)
+    try:
+        if store.check([key]):
+            return store.get(key).decode()
+    except Exception:  # noqa: BLE001 (the store lives in this process; best effort anyway)
+        return None
+    return None
+
+
+def stop_processes(procs: dict[int, Any], grace_s: float = 10.0) -> None:
+    deadline = time.monotonic() + grace_s
+    for proc in procs.values():
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs.values():
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def _launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _ranks_of_node(config: EngineConfig) -> range:
+    per_node = config.tp_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr must be HOST:PORT, got {addr!r}")
+    return host, int(port)
+
+
+def spawn_ranks(config: EngineConfig, ranks: range, host: str, port: int) -> dict[int, Any]:
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs: dict[int, Any] = {}
+    for rank in ranks:
+        if rank == 0:
+            continue
+        proc = ctx.Process(target=_spawned_worker, args=(rank, config.tp_size, config, host, port, len(ranks)),
+                           daemon=True, name=f"plait-tp{rank}")
+        proc.start()
+        procs[rank] = proc
+    return procs
+
+
+def _wait_joined(store: Any, procs: dict[int, Any], world: int, timeout_s: float) -> None:
+    """Wait for every rank to reach the store, failing fast when a spawned one dies on the way."""
+    pending = [r for r in range(1, world)]
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        pending = [r for r in pending if not store.check([_JOINED_KEY.format(rank=r)])]
+        for rank, proc in procs.items():
+            if not proc.is_alive() and rank in pending:
+                raise TensorParallelError(f"tp rank {rank} exited with code {proc.exitcode} during startup")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tp ranks {pending} did not join within {timeout_s:.0f} s")
+        time.sleep(JOIN_POLL_S)
+
+
+def start_tensor_parallel(config: EngineConfig, mc: ModelConfig) -> ModelRunner:
+    """Rank 0: validate, start the other ranks of this node, join the groups, build the runner
+    (``TPLeaderRunner``, or ``DPAttentionLeader`` under DP attention)."""
+    validate_tp_size(mc, config.tp_size, dp_attention=config.enable_dp_attention)
+    if config.speculative_algorithm is not None:
+        # The step broadcast carries no draft tree / custom mask yet: the other ranks would verify
+        # something else than rank 0.
+        raise ValueError("speculative decoding with tp_size > 1 is not supported yet; use tp_size 1")
+    device = config.resolved_device()
+    timeout = timedelta(seconds=config.dist_timeout)
+    world = config.tp_size
+    if _launched_by_torchrun():
+        store, _, _ = next(dist.rendezvous("env://", 0, world, timeout=startup_timeout(config)))
+        host, port, procs = "", 0, {}
+    else:
+        host, port = _split_addr(config.dist_init_addr) if config.dist_init_addr else ("127.0.0.1", 0)
+        store = dist.TCPStore(host, port, world, is_master=True, timeout=startup_timeout(config),
+                              wait_for_workers=False)
+        port = store.port
+        procs = spawn_ranks(config, _ranks_of_node(config), host, port)
+    try:
+        # Model loading on a busy node can be slow: joining gets a startup allowance of its own.
+        _wait_joined(store, procs, world, startup_timeout(config).total_seconds())
+        groups = build_groups(store, 0, world, device, startup_timeout(config))
+        if config.enable_dp_attention:
+            from plait.distributed.dp_attention import DPAttentionLeader
+
+            runner: ModelRunner = DPAttentionLeader(config, mc, groups, store, procs)
+        else:
+            runner = TPLeaderRunner(config, mc, groups, store, procs)
+        set_collective_timeout(groups, timeout)
+    except BaseException as e:
+        details = [d for r in procs if (d := _worker_error(store, r))]
+        stop_processes(procs, grace_s=0.0)
+        if details:
+            raise TensorParallelError("a tensor-parallel rank failed to start:\n" + "\n".join(details)) from e
+        raise
+    logger.info("tensor parallel: %d ranks (%s), %d spawned here", world, _backend_name(device), len(procs))
+    return runner
+
+
+# --- command line: the other nodes, and torchrun -----------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.distributed.launch``: run the ranks of one node that is not node 0, or (under
+    torchrun) one rank; rank 0 under torchrun runs ``plait generate`` with the remaining flags."""
+    from plait.cli import build_parser, engine_options
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    # The flags are `plait generate`'s; ranks other than 0 need no prompt.
+    gen_args = build_parser().parse_args(["generate", *args] if "--prompt" in args else
+                                         ["generate", "--prompt", "", *args])
+    options = engine_options(gen_args)
+    config = EngineConfig.from_kwargs(model=gen_args.model, **options)
+    logging.basicConfig(level=config.log_level.upper())
+    if _launched_by_torchrun():
+        rank = int(os.environ["RANK"])
+        if rank == 0:
+            return int(gen_args.func(gen_args))
+        store, _, _ = next(dist.rendezvous("env://", rank, config.tp_size, timeout=startup_timeout(config)))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if config.resolved_device() == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        run_worker(rank, config.tp_size, config, store, per_node)
+        return 0
+    if config.node_rank == 0:
+        raise SystemExit("node 0 runs the engine: use `plait generate` / `plait.Engine` with the same flags")
+    if not config.dist_init_addr:
+        raise SystemExit("--dist-init-addr HOST:PORT (node 0's address) is required on the other nodes")
+    host, port = _split_addr(config.dist_init_addr)
+    procs = spawn_ranks(config, _ranks_of_node(config), host, port)
+    for proc in procs.values():
+        proc.join()
+    return max((abs(p.exitcode or 0) for p in procs.values()), default=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

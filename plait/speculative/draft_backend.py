@@ -1,0 +1,73 @@
+"""Draft attention backends (DESIGN 3.5): a factory that names what it built.
+
+``DraftBackendFactory`` builds the draft model's backends over the draft KV pool (which shares
+``req_to_token`` with the target). Registry leaves answer their effective kernel name; the factory
+stamps it on what it returns and, for a multi-step container (``stamps_children=True``), on every
+per-step child, so code that asks "which kernel serves draft step 2" reads the truth. Wrappers (the
+PLAIT_CHECK_PLANS checker) copy the stamp of what they wrap.
+
+``MultiStepDraftBackend`` holds one child per draft step. All steps of a draft loop are planned
+before the loop runs (the sequence lengths of every step are known up front: step s attends to
+``prefix + s + 1`` positions), each step's batch is marked right after its plan (DESIGN 3.1), and
+the loop's forwards then run on those plans without planning again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plait.attention.base import AttentionBackend
+from plait.attention.plan_check import maybe_check_plans
+from plait.attention.registry import build_backend
+from plait.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
+
+
+class MultiStepDraftBackend:
+    """One backend per draft step; ``name`` is the effective kernel name of the steps."""
+
+    def __init__(self, children: list[AttentionBackend], name: str) -> None:
+        self.children = children
+        self.name = name
+
+    def plan_steps(self, batches: list[ForwardBatch]) -> None:
+        """Plan every step's batch on its own child and mark it (the multi-step pre-planning site)."""
+        if len(batches) > len(self.children):
+            raise ValueError(f"{len(batches)} draft steps but {len(self.children)} per-step backends")
+        for child, fb in zip(self.children, batches, strict=False):
+            fb.attn_backend = child
+            child.init_forward_metadata(fb)
+            fb.mark_forward_metadata_ready()
+
+
+class DraftBackendFactory:
+    def __init__(self, name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,
+                 num_q_heads: int, stamps_children: bool = True) -> None:
+        self.requested = name
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.num_q_heads = num_q_heads
+        self.stamps_children = stamps_children
+
+    def _create_backend(self) -> tuple[str, AttentionBackend]:
+        backend = build_backend(self.requested, self.req_to_token_pool, self.kv_pool, self.num_q_heads)
+        # build_backend stamped the leaf's effective name; the checker wrapper copies it.
+        return backend.name, maybe_check_plans(backend)
+
+    def create_extend_backend(self) -> AttentionBackend:
+        """Serves the draft's extends (mirrored prefills, draft-extend over accepted tokens)."""
+        return self._create_backend()[1]
+
+    def create_decode_backend(self, num_steps: int) -> MultiStepDraftBackend:
+        built = [self._create_backend() for _ in range(num_steps)]
+        name = built[0][0]
+        children = [b for _, b in built]
+        if self.stamps_children:
+            for (effective, _), child in zip(built, children, strict=True):
+                child.name = effective
+                inner = getattr(child, "inner", None)
+                if inner is not None:
+                    inner.name = effective
+        return MultiStepDraftBackend(children, name)

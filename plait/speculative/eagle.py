@@ -1,0 +1,272 @@
+"""EAGLE / EAGLE3: a draft head over the target's hidden states (chains, topk = 1).
+
+Hidden states: forward hooks on the target (no change to the model code) capture, for every token
+of every target forward, EAGLE's input (the final normed hidden state) or EAGLE3's (the
+residual-stream inputs of layers [2, L//2, L-3], concatenated).
+
+Draft KV, positions and the invariant: the head's position p reads (token p + 1, target hidden at p),
+so position p can be computed once token p + 1 exists. Per request row the worker keeps the target
+hidden of the newest position whose next token was not known yet (``pending``); the draft has KV
+for every position before it.
+  * plain target forwards (prefill chunks, normal decodes) are followed by a DRAFT_EXTEND over
+    [pending position, last new position) with the shifted tokens, and the last new position's
+    hidden becomes pending;
+  * drafting: step 0 runs at the pending position L - 1 with the root token (real inputs, written to
+    its real slot); step s >= 1 runs at L - 1 + s on the head's own previous output, into temporary
+    slots freed after the loop; all steps are planned up front by the multi-step draft backend and
+    each step's batch is marked;
+  * after verification a DRAFT_EXTEND recomputes positions L .. L + j - 1 from the target hiddens of
+    the accepted nodes (j accepted drafts), and the last accepted node's hidden becomes pending.
+A request with no pending hidden (e.g. right after a prefix-cache hit) decodes normally once.
+Drafts are argmaxes (one-hot), so sampled requests keep the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from plait.attention.base import AttentionBackend
+from plait.config import EngineConfig
+from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.mem.pools import MHATokenToKVPool
+from plait.models.eagle import Eagle3Head, EagleHead, eagle3_capture_layers, iter_checkpoint, load_head_config
+from plait.speculative.draft_backend import DraftBackendFactory
+from plait.speculative.tree import DraftTree
+from plait.speculative.worker import SpecWorker
+
+if TYPE_CHECKING:
+    from plait.executor.model_runner import ModelRunner
+    from plait.scheduler.req import Req
+    from plait.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EagleWorker(SpecWorker):
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        super().__init__(config, runner)
+        algo = config.speculative_algorithm
+        if self.topk != 1:
+            raise ValueError(f"--speculative-eagle-topk > 1 (a draft tree) is not available for {algo} yet: set "
+                             "--speculative-eagle-topk 1 (a chain), or use NGRAM for trees")
+        if runner.graph_runner is not None:
+            # Hidden states are captured by hooks, which a replayed graph does not run.
+            raise ValueError(f"--speculative-algorithm {algo} does not run with CUDA graphs yet: add "
+                             "--disable-cuda-graph")
+        path = config.speculative_draft_model_path
+        assert path is not None
+        try:
+            cfg = load_head_config(path)
+        except FileNotFoundError as e:
+            raise ValueError(f"--speculative-draft-model-path {path!r}: no config.json ({e})") from e
+        target = runner.model
+        tcfg = runner.model_config
+        self.is_eagle3 = algo == "EAGLE3"
+        self.head: EagleHead | Eagle3Head = Eagle3Head(cfg) if self.is_eagle3 else EagleHead(cfg)
+        self.head.load_weights(iter_checkpoint(path))
+        self.head.to(device=runner.device, dtype=tcfg.dtype).eval()
+        if self.is_eagle3:
+            self.head.d2t = self.head.d2t.to(torch.int64)
+        if cfg.hidden_size != tcfg.hidden_size:
+            raise ValueError(f"--speculative-draft-model-path: the head's hidden size {cfg.hidden_size} differs from "
+                             f"the target's {tcfg.hidden_size}")
+        self.embed = target.model.embed_tokens
+        if isinstance(self.head, Eagle3Head) and self.head.embed_tokens is not None:
+            self.embed = self.head.embed_tokens.to(runner.device)
+        num_heads = cfg.num_attention_heads
+        self.head_num_q_heads = num_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        self.kv_pool = MHATokenToKVPool(runner.max_total_tokens, tcfg.dtype, cfg.num_hidden_layers,
+                                        cfg.num_key_value_heads, head_dim, runner.device)
+        name = config.speculative_draft_attention_backend or config.attention_backends()[1]
+        factory = DraftBackendFactory(name, runner.req_to_token_pool, self.kv_pool, num_heads, stamps_children=True)
+        self.extend_backend: AttentionBackend = factory.create_extend_backend()
+        self.decode_backend = factory.create_decode_backend(self.num_steps)
+        # --- hidden-state capture on the target ---
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        if self.is_eagle3:
+            self.capture_layers = eagle3_capture_layers(tcfg.num_layers)
+            if min(self.capture_layers) < 0 or tcfg.num_layers < 3:
+                raise ValueError(f"EAGLE3 captures target layers {self.capture_layers}: the target needs >= 3 layers")
+            for li in sorted(set(self.capture_layers)):
+                self._hooks.append(target.model.layers[li].register_forward_pre_hook(self._pre_hook(li)))
+        else:
+            self._hooks.append(target.model.norm.register_forward_hook(self._norm_hook))
+        # row -> (position, target hidden at that position): see the module docstring.
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}
+
+    # --- capture ----------------------------------------------------------------------------------
+    def _pre_hook(self, layer_id: int):
+        def hook(_module: Any, args: tuple) -> None:
+            hidden, residual = args[1], args[2]
+            self._captured[layer_id] = hidden if residual is None else hidden + residual
+        return hook
+
+    def _norm_hook(self, _module: Any, _args: tuple, output: Any) -> None:
+        self._captured[-1] = output[0] if isinstance(output, tuple) else output
+
+    def _take_hidden(self) -> torch.Tensor:
+        if self.is_eagle3:
+            out = torch.cat([self._captured[li] for li in self.capture_layers], dim=-1)
+        else:
+            out = self._captured[-1]
+        self._captured = {}
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.head = None  # type: ignore[assignment]
+        self.kv_pool = None  # type: ignore[assignment]
+
+    def on_finish(self, req: Req) -> None:
+        super().on_finish(req)
+        if req.req_pool_idx is not None:
+            self.pending.pop(req.req_pool_idx, None)
+
+    # --- draft forwards ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _head(self, fb: ForwardBatch, backend: AttentionBackend, hidden_in: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target-vocab argmax ids, the head's hidden for the next step) for every row of fb."""
+        fb.attn_backend = backend
+        if fb.needs_forward_metadata_init():
+            backend.init_forward_metadata(fb)
+        embeds = self.embed(fb.input_ids)
+        if isinstance(self.head, Eagle3Head):
+            logits, hidden = self.head(embeds, hidden_in, fb.positions, fb)
+            return self.head.draft_to_target(logits.argmax(dim=-1)), hidden
+        hidden = self.head(embeds, hidden_in, fb.positions, fb)
+        target = self.runner.model
+        logits = target.logits_processor(hidden, target.lm_head_weight, fb)
+        return logits.argmax(dim=-1), hidden
+
+    def _draft_extend(self, rows: list[int], starts: list[int], lens: list[int], ids: torch.Tensor,
+                      hidden: torch.Tensor) -> None:
+        """DRAFT_EXTEND: request i computes positions [starts[i], starts[i] + lens[i]) from the
+        packed ``ids`` (token p + 1 for position p) and ``hidden`` (target hidden at p)."""
+        keep = [i for i, n in enumerate(lens) if n > 0]
+        if not keep:
+            return
+        device = self.runner.device
+        r2t = self.runner.req_to_token_pool.req_to_token
+        rows = [rows[i] for i in keep]
+        pre = [starts[i] for i in keep]
+        ext = [lens[i] for i in keep]
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(pre, ext, strict=True)]).to(device)
+        row_t = torch.tensor(rows, dtype=torch.int64, device=device)
+        token_rows = torch.repeat_interleave(row_t, torch.tensor(ext, device=device))
+        seq = [p + n for p, n in zip(pre, ext, strict=True)]
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DRAFT_EXTEND, batch_size=len(rows), input_ids=ids, req_pool_indices=row_t,
+            seq_lens=torch.tensor(seq, device=device), out_cache_loc=r2t[token_rows, pos].to(torch.int64),
+            positions=pos, seq_lens_cpu=seq, seq_lens_sum=sum(seq), extend_num_tokens=sum(ext),
+            extend_seq_lens=torch.tensor(ext, device=device), extend_prefix_lens=torch.tensor(pre, device=device),
+            extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))], device=device),
+            extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre)
+        self._head(fb, self.extend_backend, hidden)
+
+    def after_target_forward(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_idle():
+            return
+        hidden = self._take_hidden()  # [T, d]: every token of the forward
+        # Host copies of the layout (a small sync; speculative engines run with overlap drained).
+        rows = fb.req_pool_indices.tolist()
+        if fb.forward_mode.is_decode():
+            ext = [1] * len(rows)
+            pre = [s - 1 for s in fb.seq_lens_cpu]
+        else:
+            assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+            ext, pre = list(fb.extend_seq_lens_cpu), list(fb.extend_prefix_lens_cpu)
+        ids_parts, hid_parts, starts, lens = [], [], [], []
+        off = 0
+        for row, a, e in zip(rows, pre, ext, strict=True):
+            pend = self.pending.get(row)
+            use_pending = pend is not None and pend[0] == a - 1
+            start = a - 1 if use_pending else a
+            # positions [start, a + e - 1): tokens x[start + 1 .. a + e - 1] are this forward's inputs
+            ids_parts.append(fb.input_ids[off + (start + 1 - a) : off + e])
+            if use_pending:
+                assert pend is not None
+                hid_parts.append(pend[1][None])
+            hid_parts.append(hidden[off : off + e - 1])
+            starts.append(start)
+            lens.append(a + e - 1 - start)
+            self.pending[row] = (a + e - 1, hidden[off + e - 1].clone())
+            off += e
+        self._draft_extend(rows, starts, lens, torch.cat(ids_parts), torch.cat(hid_parts))
+
+    # --- verify with hidden capture ---------------------------------------------------------------
+    def verify(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
+        fb = self.build_verify_batch(reqs, trees, slots)
+        logits = self.runner.forward(fb).next_token_logits
+        self._verify_hidden = self._take_hidden()
+        sched.stats.forward_steps += 1
+        self.commit(sched, reqs, trees, slots, self.accept(reqs, trees, logits))
+
+    def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],
+                     old_kv_lens: list[int]) -> None:
+        device = self.runner.device
+        hidden = self._verify_hidden
+        rows, starts, lens, ids, hid_idx = [], [], [], [], []
+        off = 0
+        for req, tree, (path, _), L in zip(reqs, trees, results, old_kv_lens, strict=True):
+            j = len(path) - 1
+            rows.append(req.req_pool_idx)
+            starts.append(L)
+            lens.append(j)
+            ids.extend(tree.path_tokens(path[1:]))
+            hid_idx.extend(off + n for n in path[:-1])
+            self.pending[req.req_pool_idx] = (L + j, hidden[off + path[-1]].clone())
+            off += tree.width
+        if ids:
+            self._draft_extend(rows, starts, lens, torch.tensor(ids, dtype=torch.int64, device=device),
+                               hidden[torch.tensor(hid_idx, device=device)])
+        self._verify_hidden = None
+
+    # --- drafting ---------------------------------------------------------------------------------
+    def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        k = max(max_depths)
+        limit = self.runner.max_context_len
+        out: list[DraftTree | None] = [None] * len(reqs)
+        use = [i for i, r in enumerate(reqs)
+               if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
+        if not use:
+            return out
+        bs = len(use)
+        temp = sched._alloc(bs * (k - 1)) if k > 1 else torch.empty(0, dtype=torch.int64)
+        if temp is None:
+            return out
+        device = self.runner.device
+        r2t = self.runner.req_to_token_pool.req_to_token
+        prefix = [reqs[i].kv_len for i in use]  # L: the root sits at L, step 0 at L - 1
+        rows = torch.tensor([reqs[i].req_pool_idx for i in use], dtype=torch.int64, device=device)
+        pre_t = torch.tensor(prefix, dtype=torch.int64, device=device)
+        if k > 1:
+            temp = temp.view(bs, k - 1)
+            r2t[rows[:, None], pre_t[:, None] + torch.arange(k - 1, device=device)[None, :]] = temp.to(torch.int32)
+        step0_slots = r2t[rows, pre_t - 1].to(torch.int64)
+        tokens = torch.empty(k + 1, bs, dtype=torch.int64, device=device)
+        tokens[0] = torch.tensor([reqs[i].output_ids[-1] for i in use], dtype=torch.int64)
+        batches = []
+        for s in range(k):
+            seq = [p + s for p in prefix]
+            batches.append(ForwardBatch(
+                forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=tokens[s], req_pool_indices=rows,
+                seq_lens=pre_t + s, out_cache_loc=step0_slots if s == 0 else temp[:, s - 1].contiguous(),
+                positions=pre_t - 1 + s, seq_lens_cpu=seq, seq_lens_sum=sum(seq)))
+        self.decode_backend.plan_steps(batches)  # every step planned up front, each batch marked
+        hidden = torch.stack([self.pending[reqs[i].req_pool_idx][1] for i in use])
+        for s, fb in enumerate(batches):
+            tokens[s + 1], hidden = self._head(fb, self.decode_backend.children[s], hidden)
+        if k > 1:
+            sched.allocator.free(temp.flatten())
+        guesses = tokens[1:].t().tolist()
+        for j, i in enumerate(use):
+            out[i] = DraftTree.chain(reqs[i].output_ids[-1], guesses[j][: max_depths[i]])
+        return out

@@ -1,0 +1,122 @@
+"""NGRAM drafter: prompt lookup in the request's own tokens, then a bounded global n-gram cache.
+
+No draft model: at each tree node the drafter looks for earlier occurrences of the last n tokens
+(n from ``max_window`` down to ``min_window``) of the request's context extended by the path to that
+node, and proposes what followed them; when the request's own tokens have no match it asks the
+global cache, built from the prompts and outputs of finished requests. The cache holds at most
+``capacity`` n-gram keys and forgets the least recently used. It may propose nothing; the request
+then decodes normally.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from plait.speculative.tree import DraftTree
+
+
+class RequestIndex:
+    """n-gram -> end positions (exclusive) of its occurrences in one request's tokens; grows as the
+    request does (tokens are only ever appended)."""
+
+    def __init__(self, max_window: int) -> None:
+        self.max_window = max_window
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        if len(tokens) < len(self.tokens):
+            raise ValueError("a request's tokens only grow")
+        for end in range(len(self.tokens) + 1, len(tokens) + 1):
+            for n in range(1, min(self.max_window, end) + 1):
+                self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
+        self.tokens = list(tokens)
+
+    def followers(self, key: tuple[int, ...], limit: int) -> list[int]:
+        """Distinct tokens that followed ``key``, most recent occurrence first."""
+        out: list[int] = []
+        for end in reversed(self.ends.get(key, ())):
+            if end < len(self.tokens):
+                tok = self.tokens[end]
+                if tok not in out:
+                    out.append(tok)
+                    if len(out) == limit:
+                        break
+        return out
+
+
+class NgramCache:
+    """Global n-gram -> {next token: count}, bounded to ``capacity`` keys (LRU)."""
+
+    def __init__(self, min_window: int, max_window: int, capacity: int) -> None:
+        self.min_window, self.max_window, self.capacity = min_window, max_window, capacity
+        self.table: OrderedDict[tuple[int, ...], dict[int, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def insert(self, tokens: list[int]) -> None:
+        for end in range(1, len(tokens)):
+            nxt = tokens[end]
+            for n in range(self.min_window, min(self.max_window, end) + 1):
+                key = tuple(tokens[end - n : end])
+                counts = self.table.get(key)
+                if counts is None:
+                    counts = self.table[key] = {}
+                else:
+                    self.table.move_to_end(key)
+                counts[nxt] = counts.get(nxt, 0) + 1
+        while len(self.table) > self.capacity:
+            self.table.popitem(last=False)
+
+    def followers(self, key: tuple[int, ...], limit: int) -> list[int]:
+        counts = self.table.get(key)
+        if not counts:
+            return []
+        return [t for t, _ in sorted(counts.items(), key=lambda kv: -kv[1])[:limit]]
+
+
+class NgramDrafter:
+    def __init__(self, min_window: int, max_window: int, capacity: int) -> None:
+        self.min_window, self.max_window = min_window, max_window
+        self.cache = NgramCache(min_window, max_window, capacity)
+        self.indices: dict[str, RequestIndex] = {}
+
+    def forget(self, rid: str, tokens: list[int] | None = None) -> None:
+        """A request finished: drop its index and feed its tokens to the global cache."""
+        self.indices.pop(rid, None)
+        if tokens:
+            self.cache.insert(tokens)
+
+    def _candidates(self, index: RequestIndex, seq: list[int], limit: int) -> list[int]:
+        for n in range(min(self.max_window, len(seq)), self.min_window - 1, -1):
+            key = tuple(seq[-n:])
+            found = index.followers(key, limit) or self.cache.followers(key, limit)
+            if found:
+                return found
+        return []
+
+    def propose(self, rid: str, context: list[int], max_depth: int, max_nodes: int, topk: int) -> DraftTree | None:
+        """A tree of at most ``max_nodes`` nodes (root included) and ``max_depth`` levels below the
+        root, at most ``topk`` children per node, grown breadth first; None when nothing matches."""
+        index = self.indices.get(rid)
+        if index is None:
+            index = self.indices[rid] = RequestIndex(self.max_window)
+        index.extend(context)
+        tree_tokens, parents, paths = [context[-1]], [-1], [[]]
+        frontier = [0]
+        depth = 0
+        while frontier and depth < max_depth and len(tree_tokens) < max_nodes:
+            nxt = []
+            for node in frontier:
+                for tok in self._candidates(index, context + paths[node], topk):
+                    if len(tree_tokens) == max_nodes:
+                        break
+                    tree_tokens.append(tok)
+                    parents.append(node)
+                    paths.append(paths[node] + [tok])
+                    nxt.append(len(tree_tokens) - 1)
+            frontier, depth = nxt, depth + 1
+        if len(tree_tokens) == 1:
+            return None
+        return DraftTree(tree_tokens, parents)

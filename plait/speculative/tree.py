@@ -1,0 +1,78 @@
+"""Draft trees: node 0 is the root (the request's last accepted token, whose KV is not written yet);
+every other node is a guessed token whose parent comes earlier in the node order.
+
+A chain is the tree where node i's parent is i - 1. Verification runs every node in one
+TARGET_VERIFY forward: node i sits at position ``prefix_len + depth(i)`` and attends to the whole
+prefix and to its own ancestors (itself included), which is the custom mask built here in the layout
+``plait.attention.base.custom_mask_of`` reads: per request a row-major ``[w, prefix_len + w]`` bool
+block, blocks concatenated in request order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # node -> token id; tokens[0] is the root
+    parents: list[int]  # node -> parent node; parents[0] == -1
+    # Draft probability of each node's token under its parent's draft distribution, for sampled
+    # chains from a draft model (None: the draft is deterministic, i.e. one-hot).
+    draft_probs: torch.Tensor | None = None  # [w, V]: row i is the distribution node i was drawn from
+    _children: list[list[int]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents) or not self.tokens or self.parents[0] != -1:
+            raise ValueError("a draft tree needs a root (parent -1) and one parent per node")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: parents must come earlier in the node order")
+
+    @classmethod
+    def chain(cls, root: int, guesses: list[int]) -> DraftTree:
+        return cls([root, *guesses], [-1, *range(len(guesses))])
+
+    @property
+    def width(self) -> int:
+        """Tokens verified for this request (root included): its ``num_tokens_per_req``."""
+        return len(self.tokens)
+
+    def children(self, node: int) -> list[int]:
+        if self._children is None:
+            kids: list[list[int]] = [[] for _ in self.tokens]
+            for i, p in enumerate(self.parents[1:], start=1):
+                kids[p].append(i)
+            self._children = kids
+        return self._children[node]
+
+    def depths(self) -> list[int]:
+        d = [0] * len(self.tokens)
+        for i, p in enumerate(self.parents[1:], start=1):
+            d[i] = d[p] + 1
+        return d
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """bool [w, w]: row i is True at i and at every ancestor of i."""
+        w = self.width
+        m = torch.zeros(w, w, dtype=torch.bool)
+        for i in range(w):
+            m[i, i] = True
+            if i:
+                m[i] |= m[self.parents[i]]
+        return m
+
+    def path_tokens(self, path: list[int]) -> list[int]:
+        return [self.tokens[n] for n in path]
+
+
+def build_verify_mask(trees: list[DraftTree], prefix_lens: list[int], device: torch.device | str) -> torch.Tensor:
+    """The flattened custom mask of a TARGET_VERIFY batch (see the module docstring)."""
+    blocks = []
+    for tree, pre in zip(trees, prefix_lens, strict=True):
+        block = torch.ones(tree.width, pre + tree.width, dtype=torch.bool)
+        block[:, pre:] = tree.ancestor_mask()
+        blocks.append(block.flatten())
+    return torch.cat(blocks).to(device)

@@ -1,0 +1,291 @@
+"""The speculative step: draft trees for the running requests, verify them in one TARGET_VERIFY
+forward, accept, and fix up the KV bookkeeping.
+
+Flow per scheduler step (called before the scheduler builds its own batch, overlap drained):
+  1. eligible requests (greedy or plain temperature/top-k/top-p/min-p sampling; no penalties,
+     logprobs or pending min_new_tokens, which need the full sampler) get a draft tree from the
+     drafter; requests with no proposal are left to the scheduler's normal decode;
+  2. one KV slot per tree node, tree tokens at ``prefix_len + depth``, custom ancestor mask; the
+     forward runs through ``ModelRunner.forward`` (eager: the backend plans inside
+     ``forward_extend``, after the batch has its final shape, DESIGN 3.3);
+  3. acceptance per request (``plait.speculative.accept``);
+  4. the accepted nodes' slots are written into ``req_to_token`` at consecutive positions (tree order
+     is not path order, so entries are rewritten rather than KV moved); every other node's slot is
+     freed at once; the accepted tokens and the bonus token are appended with the scheduler's stop
+     checks (tokens after a stop are dropped, and their KV is freed when the request is released).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from plait.config import EngineConfig
+from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.sampling import GREEDY_TEMPERATURE_EPS, Sampler, SamplingBatchInfo, counter_uniforms
+from plait.sampling.penalties import to_device
+from plait.speculative.accept import greedy_accept, tree_accept_sampled
+from plait.speculative.tree import DraftTree, build_verify_mask
+
+if TYPE_CHECKING:
+    from plait.executor.model_runner import ModelRunner
+    from plait.scheduler.req import Req
+    from plait.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# Counter-RNG stream of the acceptance draws (stream 0 is the sampler's Gumbel noise).
+ACCEPT_STREAM = 1
+LOG_HISTOGRAM_EVERY = 256  # verify steps between acceptance-histogram log lines
+EMA_DECAY = 0.5  # weight of the past in the per-request acceptance average
+
+
+@dataclass
+class VerifyInput:
+    """``ForwardBatch.spec_info`` of a TARGET_VERIFY batch."""
+
+    trees: list[DraftTree]
+    custom_mask: torch.Tensor  # flattened bool, layout of plait.attention.base.custom_mask_of
+    # Tokens verified per request (root included). The executor reads widths from here, never from
+    # a global draft width: widths differ between requests and between steps.
+    num_tokens_per_req: list[int]
+
+
+@dataclass
+class SpecStats:
+    verify_steps: int = 0  # TARGET_VERIFY forwards
+    verified_requests: int = 0  # request-steps verified
+    # accepted draft tokens per request-step -> count (the step gained that many + 1 tokens)
+    accept_histogram: Counter[int] = field(default_factory=Counter)
+
+    def mean_accept_length(self) -> float:
+        n = sum(self.accept_histogram.values())
+        return sum((k + 1) * c for k, c in self.accept_histogram.items()) / n if n else 0.0
+
+
+class SpecWorker:
+    """Base: drafting is the subclass's ``propose``; verification and bookkeeping live here."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        assert config.speculative_num_steps and config.speculative_eagle_topk and config.speculative_num_draft_tokens
+        self.config = config
+        self.runner = runner
+        self.num_steps = config.speculative_num_steps
+        self.topk = config.speculative_eagle_topk
+        self.num_draft_tokens = config.speculative_num_draft_tokens
+        self.stats = SpecStats()
+        self.sampler = Sampler()
+        # Adaptive draft depth: per request, a moving average of accepted drafts per step. Depth is
+        # that average + 1 (at most num_steps), so a request whose guesses keep failing verifies
+        # short drafts, and one whose guesses land goes back to full depth.
+        self.accept_ema: dict[str, float] = {}
+
+    # --- hooks the scheduler calls ----------------------------------------------------------------
+    def on_finish(self, req: Req) -> None:
+        """A request finished (any reason). Subclasses call this too."""
+        self.accept_ema.pop(req.rid, None)
+
+    def after_target_forward(self, fb: ForwardBatch) -> None:
+        """The scheduler ran a plain (non-speculative) target forward."""
+
+    def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """The engine is shutting down: drop device memory (statistics stay readable)."""
+
+    # --- the step ---------------------------------------------------------------------------------
+    def _max_depth(self, sched: Scheduler, req: Req) -> int:
+        """How deep a tree may go for ``req`` now (0: do not speculate)."""
+        sp = req.sampling_params
+        if (req.pending or req.finished or req.to_abort or sp.has_penalties or sp.logprobs or sp.top_logprobs
+                or len(req.output_ids) < sp.min_new_tokens or req.kv_len != req.fill_len - 1):
+            return 0
+        left = sp.max_new_tokens - len(req.output_ids)  # the bonus token is one of them
+        room = sched.runner.max_context_len - 1 - req.fill_len  # node positions stay in the context
+        adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
+        return max(0, min(self.num_steps, adaptive, left - 1, room))
+
+    def decode_step(self, sched: Scheduler) -> set[int]:
+        """Speculate for the running requests; returns ``id()`` of the requests that advanced."""
+        cands = [r for r in sched.running]
+        depths = [self._max_depth(sched, r) for r in cands]
+        cands = [r for r, d in zip(cands, depths, strict=True) if d > 0]
+        depths = [d for d in depths if d > 0]
+        if not cands:
+            return set()
+        trees = self.propose(sched, cands, depths)
+        chosen = [(r, t) for r, t in zip(cands, trees, strict=True) if t is not None]
+        if not chosen:
+            return set()
+        need = sum(t.width for _, t in chosen)
+        # Leave room for the normal decode of everyone else; when short, skip speculation this step
+        # and let the scheduler's decode path evict or retract as it always does.
+        others = len(sched.running) - len(chosen)
+        if sched.allocator.available_size() + sched.tree_cache.evictable_size() < need + others:
+            return set()
+        slots = sched._alloc(need)
+        if slots is None:
+            return set()
+        reqs = [r for r, _ in chosen]
+        self.verify(sched, reqs, [t for _, t in chosen], slots)
+        return {id(r) for r in reqs}
+
+    def build_verify_batch(self, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> ForwardBatch:
+        device = self.runner.device
+        widths = [t.width for t in trees]
+        prefix = [r.kv_len for r in reqs]
+        ids: list[int] = []
+        pos: list[int] = []
+        for t, pre in zip(trees, prefix, strict=True):
+            ids.extend(t.tokens)
+            pos.extend(pre + d for d in t.depths())
+        seq_lens = [p + w for p, w in zip(prefix, widths, strict=True)]
+        starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+        rows = [r.req_pool_idx for r in reqs]
+        parts = [ids, pos, rows, seq_lens, widths, prefix, starts]
+        flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
+        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t = flat.split([len(p) for p in parts])
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs), input_ids=ids_t,
+            req_pool_indices=rows_t, seq_lens=seq_t, out_cache_loc=slots, positions=pos_t,
+            seq_lens_cpu=seq_lens, seq_lens_sum=sum(seq_lens),
+            extend_num_tokens=len(ids), extend_seq_lens=ext_t, extend_prefix_lens=pre_t,
+            extend_start_loc=starts_t, extend_seq_lens_cpu=widths, extend_prefix_lens_cpu=prefix,
+        )
+        # logits_indices stays None: every node's logits are needed.
+        fb.spec_info = VerifyInput(trees, build_verify_mask(trees, prefix, device), widths)
+        return fb
+
+    def verify(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
+        fb = self.build_verify_batch(reqs, trees, slots)
+        logits = self.runner.forward(fb).next_token_logits  # [sum(widths), V] float32
+        sched.stats.forward_steps += 1
+        results = self.accept(reqs, trees, logits)
+        self.commit(sched, reqs, trees, slots, results)
+
+    def accept(self, reqs: list[Req], trees: list[DraftTree], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+        widths = [t.width for t in trees]
+        argmax = logits.argmax(dim=-1).tolist()
+        # The sampler's rule for greedy rows, so a request gets the same treatment on both paths.
+        sampled = [i for i, r in enumerate(reqs) if not (r.sampling_params.is_greedy
+                                                         or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
+        probs_of: dict[int, np.ndarray] = {}
+        unif_of: dict[int, np.ndarray] = {}
+        if sampled:
+            starts = np.concatenate([[0], np.cumsum(widths)]).tolist()
+            row_idx: list[int] = []
+            params, seeds, outs, steps = [], [], [], []
+            for i in sampled:
+                depths = trees[i].depths()
+                row_idx.extend(range(starts[i], starts[i + 1]))
+                for d in depths:
+                    params.append(reqs[i].sampling_params)
+                    seeds.append(reqs[i].seed)
+                    # The step index of the token this node's distribution emits.
+                    outs.append([0] * (len(reqs[i].output_ids) + d))
+                    steps.append(len(reqs[i].output_ids) + d)
+            info = SamplingBatchInfo.build(params, seeds=seeds, output_ids=outs, prompt_ids=[[] for _ in params],
+                                           eos_token_ids=(), vocab_size=logits.shape[1], device=logits.device)
+            rows = torch.tensor(row_idx, device=logits.device)
+            probs = torch.softmax(Sampler.warp(logits[rows], info), dim=-1).double().cpu().numpy()
+            ncols = self.topk + 2
+            unif = counter_uniforms(info.seeds, info.steps, ncols, stream=ACCEPT_STREAM).cpu().numpy()
+            k = 0
+            for i in sampled:
+                probs_of[i], unif_of[i] = probs[k : k + widths[i]], unif[k : k + widths[i]]
+                k += widths[i]
+        results = []
+        start = 0
+        for i, tree in enumerate(trees):
+            if i in probs_of:
+                if tree.draft_probs is not None:
+                    results.append(tree_accept_sampled(tree, probs_of[i], unif_of[i],
+                                                       tree.draft_probs.double().cpu().numpy()))
+                else:
+                    results.append(tree_accept_sampled(tree, probs_of[i], unif_of[i]))
+            else:
+                results.append(greedy_accept(tree, argmax[start : start + tree.width]))
+            start += tree.width
+        return results
+
+    def commit(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
+               results: list[tuple[list[int], int]]) -> None:
+        r2t = sched.req_to_token_pool.req_to_token
+        keep = torch.zeros(slots.numel(), dtype=torch.bool)
+        old_kv_lens = [r.kv_len for r in reqs]
+        start = 0
+        for req, tree, (path, _) in zip(reqs, trees, results, strict=True):
+            idx = torch.tensor([start + n for n in path], dtype=torch.int64)
+            keep[idx] = True
+            # Accepted nodes go to consecutive positions after the prefix, in path order.
+            r2t[req.req_pool_idx, req.kv_len : req.kv_len + len(path)] = slots[idx.to(slots.device)].to(torch.int32)
+            req.kv_len += len(path)
+            start += tree.width
+        sched.allocator.free(slots[~keep.to(slots.device)])  # rejected nodes: freed at once
+        self.after_accept(reqs, trees, results, old_kv_lens)
+        for req, tree, (path, bonus) in zip(reqs, trees, results, strict=True):
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += len(path)  # accepted drafts + the bonus token
+            self.stats.accept_histogram[len(path) - 1] += 1
+            prev = self.accept_ema.get(req.rid, float(self.num_steps))
+            self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (len(path) - 1)
+            for tok in tree.path_tokens(path[1:]) + [bonus]:
+                sched._append_token(req, tok)
+                if req.finished:
+                    break  # tokens after a stop are dropped; _release frees their KV
+            if req.finished:
+                sched._retire(req)
+            sched._updated.append(req)
+        self.stats.verify_steps += 1
+        self.stats.verified_requests += len(reqs)
+        if self.stats.verify_steps % LOG_HISTOGRAM_EVERY == 0:
+            self.log_stats()
+
+    def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],
+                     old_kv_lens: list[int]) -> None:
+        """The accepted nodes are in place (req_to_token, kv_len); tokens not appended yet. A draft
+        model extends its KV over the accepted tokens here."""
+
+    def log_stats(self) -> None:
+        hist = dict(sorted(self.stats.accept_histogram.items()))
+        logger.info("speculative: %d verify steps, mean accept length %.2f, accepted-draft histogram %s",
+                    self.stats.verify_steps, self.stats.mean_accept_length(), hist)
+
+
+class NgramWorker(SpecWorker):
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        super().__init__(config, runner)
+        from plait.speculative.ngram import NgramDrafter
+
+        self.drafter = NgramDrafter(config.speculative_ngram_min_match_window_size,
+                                    config.speculative_ngram_max_match_window_size,
+                                    config.speculative_ngram_capacity)
+
+    def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        return [self.drafter.propose(r.rid, r.fill_ids, d, self.num_draft_tokens, self.topk)
+                for r, d in zip(reqs, max_depths, strict=True)]
+
+    def on_finish(self, req: Req) -> None:
+        super().on_finish(req)
+        self.drafter.forget(req.rid, req.fill_ids)
+
+
+def create_spec_worker(config: EngineConfig, runner: ModelRunner) -> SpecWorker | None:
+    algo = config.speculative_algorithm
+    if algo is None:
+        return None
+    if algo == "NGRAM":
+        return NgramWorker(config, runner)
+    if algo == "STANDALONE":
+        from plait.speculative.standalone import StandaloneWorker
+
+        return StandaloneWorker(config, runner)
+    from plait.speculative.eagle import EagleWorker
+
+    return EagleWorker(config, runner)

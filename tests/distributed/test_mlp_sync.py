@@ -1,0 +1,123 @@
+"""The MLP-sync contract of DP attention (DESIGN 3.4, seed 002), as unit behaviours on the CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from plait.executor.cuda_graph_runner import CudaGraphRunner
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
+from plait.models.llama import LogitsOutput
+
+
+@dataclass
+class SyncedBatch:
+    """What a scheduler (or a custom worker) hands to init_mlp_sync_metadata."""
+
+    global_num_tokens: list[int] | None
+    global_num_tokens_for_logprob: list[int] | None
+    can_run_dp_cuda_graph: bool = True
+
+
+@dataclass
+class DraftInput:
+    num_tokens_per_req: int | list[int]
+    hidden_states: torch.Tensor | None = None
+
+
+def _batch(mode: ForwardMode, bs: int, tokens_per_req: int = 1, spec_info=None) -> ForwardBatch:
+    t = bs * tokens_per_req
+    return ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=torch.arange(t),
+                        req_pool_indices=torch.arange(bs) + 1, seq_lens=torch.full((bs,), 5),
+                        out_cache_loc=torch.arange(t) + 10, positions=torch.arange(t), seq_lens_cpu=[5] * bs,
+                        seq_lens_sum=5 * bs, spec_info=spec_info)
+
+
+def test_init_mlp_sync_metadata_scales_speculative_request_width():
+    fb = _batch(ForwardMode.TARGET_VERIFY, 3, 4, spec_info=DraftInput(num_tokens_per_req=4))
+    fb.init_mlp_sync_metadata(SyncedBatch([3, 1], [3, 1], can_run_dp_cuda_graph=True), "cpu")
+    assert fb.original_global_num_tokens_cpu == [3, 1]  # raw: requests per rank
+    assert fb.global_num_tokens_cpu == [12, 4]  # what the MLP sync moves: tokens per rank
+    assert fb.global_num_tokens_for_logprob_cpu == [12, 4]
+    assert fb.global_num_tokens_gpu.tolist() == [12, 4]
+    assert fb.global_num_tokens_for_logprob_gpu.tolist() == [12, 4]
+    assert fb.can_run_dp_cuda_graph
+
+
+def test_init_mlp_sync_metadata_without_spec_keeps_counts_and_without_counts_does_nothing():
+    fb = _batch(ForwardMode.DECODE, 2)
+    fb.init_mlp_sync_metadata(SyncedBatch([2, 5], [2, 5], can_run_dp_cuda_graph=False), "cpu")
+    assert fb.global_num_tokens_cpu == fb.original_global_num_tokens_cpu == [2, 5]
+    assert not fb.can_run_dp_cuda_graph
+    plain = _batch(ForwardMode.DECODE, 2)
+    plain.init_mlp_sync_metadata(SyncedBatch(None, None), "cpu")
+    assert plain.global_num_tokens_cpu is None and plain.original_global_num_tokens_cpu is None
+
+
+def test_non_uniform_request_widths_cannot_scale_other_ranks_counts():
+    fb = _batch(ForwardMode.TARGET_VERIFY, 2, 3, spec_info=DraftInput(num_tokens_per_req=[2, 4]))
+    with pytest.raises(ValueError, match="differ"):
+        fb.init_mlp_sync_metadata(SyncedBatch([2, 2], [2, 2]), "cpu")
+
+
+def test_draft_input_without_hidden_states_can_be_padded():
+    fb = _batch(ForwardMode.DECODE, 2, spec_info=DraftInput(num_tokens_per_req=1, hidden_states=None))
+    fb.pad_inputs_to_size(num_tokens=4, bs=4)
+    assert fb.batch_size == 4 and fb.num_tokens == 4
+    assert fb.req_pool_indices.tolist() == [1, 2, 0, 0]  # padded rows read the reserved row 0
+    assert fb.out_cache_loc.tolist() == [10, 11, 0, 0]  # ... and write the reserved slot 0
+    assert fb.spec_info.hidden_states is None
+
+
+def test_draft_hidden_states_are_padded_when_present():
+    fb = _batch(ForwardMode.DECODE, 2, spec_info=DraftInput(1, hidden_states=torch.ones(2, 8)))
+    fb.pad_inputs_to_size(num_tokens=3, bs=3)
+    assert fb.spec_info.hidden_states.shape == (3, 8)
+    assert fb.spec_info.hidden_states[2].abs().sum() == 0
+
+
+def test_target_verify_unpad_keeps_num_tokens_per_req_rows_of_each_real_request():
+    fb = _batch(ForwardMode.TARGET_VERIFY, 2, 3, spec_info=DraftInput(num_tokens_per_req=3, hidden_states=None))
+    fb.pad_inputs_to_size(num_tokens=12, bs=4)
+    out = LogitsOutput(next_token_logits=torch.randn(12, 5), hidden_states=None)
+    out = fb.post_forward_mlp_sync_batch(out)
+    assert out.next_token_logits.shape == (6, 5)  # 2 requests x 3 tokens, not a fixed draft width
+    assert out.hidden_states is None
+    assert fb.batch_size == 2 and fb.num_tokens == 6
+
+
+def test_dp_cuda_graph_batch_size_uses_raw_request_counts():
+    fb = _batch(ForwardMode.TARGET_VERIFY, 3, 4, spec_info=DraftInput(num_tokens_per_req=4))
+    fb.init_mlp_sync_metadata(SyncedBatch([3, 7], [3, 7]), "cpu")
+    # Requests, not the scaled token counts (28): the graph's batch dimension counts requests.
+    assert CudaGraphRunner.max_dp_batch_size(fb) == 7
+    with pytest.raises(RuntimeError, match="original_global_num_tokens_cpu"):
+        CudaGraphRunner.max_dp_batch_size(_batch(ForwardMode.DECODE, 1))
+
+
+def test_graph_runner_can_run_and_replay_share_the_dp_batch_size():
+    # Only the sizing logic is under test: a runner with buckets and no captured graphs.
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)
+    runner.max_bs, runner.batch_sizes = 8, [1, 2, 4, 8]
+    fb = _batch(ForwardMode.DECODE, 2)
+    fb.init_mlp_sync_metadata(SyncedBatch([2, 5], [2, 5]), "cpu")
+    assert runner.graph_batch_size(fb) == 5  # every rank replays the bucket of the largest rank
+    assert runner.bucket(runner.graph_batch_size(fb)) == 8
+    assert runner.can_run(fb)
+    fb.original_global_num_tokens_cpu = [2, 9]  # another rank is past the largest graph
+    assert not runner.can_run(fb)
+    fb.original_global_num_tokens_cpu, fb.can_run_dp_cuda_graph = [2, 5], False  # a SUM_LEN step
+    assert not runner.can_run(fb)
+
+
+@pytest.mark.parametrize(("counts", "any_extend", "mode"), [
+    ([3, 100], True, DPPaddingMode.SUM_LEN),  # any extend: summed buffer
+    ([4, 4], False, DPPaddingMode.MAX_LEN),  # balanced decode: pad to the max
+    ([3, 4], False, DPPaddingMode.MAX_LEN),  # sum*2 = 14 >= max*dp = 8
+    ([1, 0, 0, 0], False, DPPaddingMode.SUM_LEN),  # sum*2 = 2 < max*dp = 4: padding would waste
+    ([2, 2, 0, 0], False, DPPaddingMode.MAX_LEN),  # 8 >= 8: the boundary counts as MAX_LEN
+])
+def test_padding_mode_per_step(counts, any_extend, mode):
+    assert DPPaddingMode.choose(counts, any_extend) == mode

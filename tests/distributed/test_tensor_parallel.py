@@ -1,0 +1,116 @@
+"""Tensor parallelism with real processes over gloo: rank 0 is the test's process, rank 1 a spawned one.
+
+Each tp_size=2 engine is compared, token for token under greedy decoding, with a tp_size=1 engine on
+the same fp32 checkpoint (reduction order differs, the argmax must not).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from plait.config import EngineConfig
+from plait.distributed.launch import TensorParallelError
+from plait.testing import TINY_ARCHS
+from tests.helpers import assert_no_leaks, make_engine, prompt_ids
+
+GREEDY16 = {"temperature": 0.0, "max_new_tokens": 16}
+PROMPTS = prompt_ids(8)
+
+
+def _greedy(engine, prompts=PROMPTS) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, GREEDY16)]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tp2_greedy_output_equals_tp1(arch, tiny_model_dir):
+    path = tiny_model_dir(arch)
+    # Small prefill chunks: long prompts prefill over several steps, mixed with decodes, so the
+    # other rank's attention reads prefixes written by earlier steps.
+    with make_engine(path, chunked_prefill_size=16) as single:
+        expected = _greedy(single)
+    with make_engine(path, chunked_prefill_size=16, tp_size=2, dist_timeout=60) as engine:
+        assert engine.runner.tp.size == 2
+        assert _greedy(engine) == expected
+        # The same prompts again: admission hands over radix-cached prefixes, whose request-pool rows
+        # the other rank must mirror for its attention to read the right KV.
+        again = engine.generate(PROMPTS, GREEDY16)
+        assert [o.token_ids for o in again] == expected
+        assert sum(o.meta_info["cached_tokens"] for o in again) > 0
+        assert_no_leaks(engine)
+
+
+def test_llama3_preset_has_fewer_kv_heads_than_ranks(tiny_model_dir):
+    """The llama3 case above covers KV-head replication: one KV head, two ranks."""
+    with make_engine(tiny_model_dir("llama3"), max_total_tokens=64) as single:
+        assert single.model_config.num_kv_heads < 2
+
+
+def test_rank_0_holds_its_shards_only(tiny_model_dir):
+    """llama3 preset: 2 query heads and 1 KV head of 128, MLP 512 wide, vocabulary 512."""
+    with make_engine(tiny_model_dir("llama3"), tp_size=2, dist_timeout=60, max_total_tokens=64) as engine:
+        layer = engine.runner.model.model.layers[0]
+        assert layer.self_attn.qkv_proj.weight.shape == ((1 + 2 * 1) * 128, 256)  # 1 q head + the replicated k, v
+        assert layer.mlp.gate_up_proj.weight.shape == (2 * 256, 256)
+        assert layer.mlp.down_proj.weight.shape == (256, 256)
+        assert engine.runner.model.model.embed_tokens.weight.shape == (256, 256)
+        assert engine.runner.kv_pool.num_kv_heads == 1
+
+
+def test_tp_size_not_dividing_heads_fails_at_start_without_spawning(tiny_model_dir):
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match=r"tp_size 3 does not divide the model's attention heads \(4\)"):
+        make_engine(tiny_model_dir("llama"), tp_size=3)
+    assert multiprocessing.active_children() == before
+
+
+@pytest.mark.parametrize("bad", [{"tp_size": 0}, {"tp_size": 3, "nnodes": 2}, {"tp_size": 2, "nnodes": 2},
+                                 {"dist_timeout": 0}])
+def test_config_rejects_bad_parallel_settings(bad):
+    with pytest.raises(ValueError):
+        EngineConfig(model="m", **bad)
+
+
+def test_workers_exit_cleanly_on_shutdown(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"), tp_size=2, dist_timeout=60)
+    procs = list(engine.runner.procs.values())
+    assert [p.is_alive() for p in procs] == [True]
+    engine.shutdown()
+    assert [p.exitcode for p in procs] == [0]
+
+
+def test_killed_rank_ends_the_engine_with_an_error(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"), tp_size=2, dist_timeout=10)
+    try:
+        assert _greedy(engine, PROMPTS[:2])  # healthy first
+        (proc,) = engine.runner.procs.values()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"tp rank 1 .* exited with code -9"):
+            _greedy(engine, PROMPTS[:2])
+        assert time.monotonic() - t0 < 10
+        # Once failed, the engine stays failed with the same message.
+        with pytest.raises(TensorParallelError, match="failed earlier"):
+            _greedy(engine, PROMPTS[:1])
+    finally:
+        engine.shutdown()
+
+
+def test_hung_rank_ends_the_engine_within_the_collective_timeout(tiny_model_dir):
+    """A rank that is alive but stuck (SIGSTOP) is only noticed by the collective timeout."""
+    engine = make_engine(tiny_model_dir("llama"), tp_size=2, dist_timeout=3)
+    (proc,) = engine.runner.procs.values()
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="dist_timeout=3"):
+            _greedy(engine, PROMPTS[:2])
+        assert time.monotonic() - t0 < 3 + 10
+    finally:
+        engine.shutdown()  # kills the stopped rank
+    assert not proc.is_alive()

@@ -1,0 +1,160 @@
+"""NGRAM speculative decoding is lossless: greedy output equals plait's non-speculative greedy
+output token for token (which tests/test_scheduler.py pins to transformers), for chains and trees, in
+batches of mixed lengths, with chunked prefill, prefix-cache hits and retraction; no KV slot is held
+after the requests finish."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import GREEDY, assert_no_leaks, make_engine, prompt_ids
+
+PROMPTS = prompt_ids(8)
+CHAIN = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1}
+TREE = {**CHAIN, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    engine = make_engine(model_path)
+    return [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+def _corrupt(tokens: list[int], every: int) -> list[int]:
+    """A near copy of ``tokens`` with every ``every``-th token changed: a misleading n-gram source."""
+    return [t if i % every else (t + 1) % 400 + 4 for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("flags", [CHAIN, TREE], ids=["chain", "tree"])
+def test_repeated_prompts_are_drafted_from_the_ngram_cache_and_outputs_are_unchanged(model_path, reference, flags):
+    engine = make_engine(model_path, **flags)
+    first = engine.generate(PROMPTS, GREEDY)
+    again = engine.generate(PROMPTS, GREEDY)  # radix-cache hits, n-gram cache full of the answers
+    assert [o.token_ids for o in first] == reference
+    assert [o.token_ids for o in again] == reference
+    assert all(o.meta_info["cached_tokens"] > 0 for o in again)
+    # The second pass guesses its own earlier outputs: most steps accept the whole draft.
+    assert all(o.meta_info["spec_accept_length"] > 2.5 for o in again)
+    stats = engine.scheduler.spec_worker.stats
+    assert stats.verify_steps > 0 and max(stats.accept_histogram) == 3
+    assert_no_leaks(engine)
+
+
+def test_tree_whose_first_branch_is_wrong_still_accepts_the_right_one(model_path, reference):
+    engine = make_engine(model_path, **TREE)
+    drafter = engine.scheduler.spec_worker.drafter
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        drafter.cache.insert(p + ref)
+        for _ in range(2):  # corrupted copies outnumber the truth: they become the first children
+            drafter.cache.insert(_corrupt(p + ref, 3))
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    stats = engine.scheduler.spec_worker.stats
+    assert sum(c for k, c in stats.accept_histogram.items() if k >= 2) > 0
+    assert_no_leaks(engine)
+
+
+def test_misleading_drafts_are_rejected_and_their_kv_freed(model_path, reference):
+    engine = make_engine(model_path, **CHAIN)
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        engine.scheduler.spec_worker.drafter.cache.insert(_corrupt(p + ref, 2))
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.spec_worker.stats.accept_histogram[0] > 0
+    assert_no_leaks(engine)
+
+
+def test_chunked_prefill_and_prefix_hits(model_path, reference):
+    engine = make_engine(model_path, chunked_prefill_size=4, **TREE)
+    engine.generate(PROMPTS[:4], GREEDY)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.spec_worker.stats.verify_steps > 0
+    assert_no_leaks(engine)
+
+
+def test_small_kv_pool_retracts_and_outputs_are_unchanged(model_path, reference):
+    engine = make_engine(model_path, max_total_tokens=200, disable_radix_cache=True, **CHAIN)
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        engine.scheduler.spec_worker.drafter.cache.insert(p + ref)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.stats.num_retractions > 0
+    assert engine.scheduler.spec_worker.stats.verify_steps > 0
+    assert_no_leaks(engine)
+
+
+def test_stop_tokens_and_max_new_tokens_inside_an_accepted_draft(model_path, reference):
+    engine = make_engine(model_path, **CHAIN)
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        engine.scheduler.spec_worker.drafter.cache.insert(p + ref)
+    stop = reference[0][10]
+    outs = engine.generate(PROMPTS[:2], [{**GREEDY, "stop_token_ids": [stop]}, {**GREEDY, "max_new_tokens": 9}])
+    assert outs[0].token_ids == reference[0][: reference[0].index(stop) + 1]
+    assert outs[1].token_ids == reference[1][:9]
+    assert_no_leaks(engine)
+
+
+def test_sampled_requests_are_reproducible_per_seed(model_path):
+    """Acceptance draws come from the counter RNG keyed by (seed, step): two engines in the same
+    state produce the same tokens. (Which tokens depends on the drafts, as with any rejection
+    sampler; the distribution does not: tests/spec/test_accept_distribution.py.)"""
+    params = {"temperature": 0.8, "top_k": 20, "max_new_tokens": 24, "seed": 7}
+    outs = []
+    for _ in range(2):
+        engine = make_engine(model_path, **CHAIN)
+        engine.generate(PROMPTS[:4], params)
+        outs.append([o.token_ids for o in engine.generate(PROMPTS[:4], params)])  # with n-gram hits
+        assert engine.scheduler.spec_worker.stats.verify_steps > 0
+        assert_no_leaks(engine)
+    assert outs[0] == outs[1]
+
+
+def test_requests_with_penalties_or_logprobs_decode_normally_beside_speculating_ones(model_path, reference):
+    engine = make_engine(model_path, **CHAIN)
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        engine.scheduler.spec_worker.drafter.cache.insert(p + ref)
+    params = [{**GREEDY, "logprobs": True}, {**GREEDY, "repetition_penalty": 1.0}, GREEDY, GREEDY]
+    outs = engine.generate(PROMPTS[:4], params)
+    assert [o.token_ids for o in outs] == reference[:4]
+    assert outs[0].meta_info["spec_verify_ct"] == 0 and len(outs[0].meta_info["output_token_logprobs"]) == 32
+    assert outs[2].meta_info["spec_verify_ct"] > 0
+    assert_no_leaks(engine)
+
+
+def test_the_engine_logs_its_acceptance_distribution(model_path, reference, caplog):
+    engine = make_engine(model_path, **CHAIN)
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        engine.scheduler.spec_worker.drafter.cache.insert(p + ref)
+    outs = engine.generate(PROMPTS[:2], GREEDY)
+    with caplog.at_level("INFO", logger="plait.speculative.worker"):
+        engine.shutdown()
+    assert "accepted-draft histogram {" in caplog.text
+    stats = engine.scheduler.spec_worker.stats
+    assert sum(stats.accept_histogram.values()) == sum(o.meta_info["spec_verify_ct"] for o in outs)
+
+
+def test_drafts_shorten_for_requests_whose_guesses_keep_failing(model_path, reference):
+    """Adaptive width: widths come from spec_info per request and step, never a global constant."""
+    engine = make_engine(model_path, **CHAIN)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(_corrupt(p + ref, 1))  # every guess wrong
+    widths: list[list[int]] = []
+    build = worker.build_verify_batch
+
+    def recording(reqs, trees, slots):
+        fb = build(reqs, trees, slots)
+        widths.append(list(fb.spec_info.num_tokens_per_req))
+        return fb
+
+    worker.build_verify_batch = recording
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert max(widths[0]) == 4 and max(widths[-1]) == 2  # full depth first, one guess at the end
+    assert_no_leaks(engine)

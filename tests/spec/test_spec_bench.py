@@ -1,0 +1,26 @@
+"""The speculative benchmark workloads run end to end on a tiny model on the CPU (numbers are
+meaningless here; the H200 run is the lead's). `plait bench spec` exposes them."""
+
+from __future__ import annotations
+
+from plait.bench.spec import spec_ngram_miss, spec_ngram_repeat, spec_overhead
+from plait.cli import build_parser
+
+CPU = {"dtype": "float32", "device": "cpu", "context_length": 256, "max_total_tokens": 4096}
+
+
+def test_spec_workloads_run_and_report_their_keys(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    rep = spec_ngram_repeat(path, 400, num_prompts=2, input_len=8, output_len=8, batch_sizes=(1, 2), **CPU)
+    assert set(rep) == {"bs1", "bs2"}
+    assert rep["bs1"]["accept_length"] > 1.5  # the second pass guesses its first pass's outputs
+    assert {"speedup", "speedup_over_accept_length", "plain_tok_s", "ngram_tok_s"} <= set(rep["bs2"])
+    miss = spec_ngram_miss(path, 400, num_prompts=2, input_len=8, output_len=6, **CPU)
+    assert miss["cost_over_plain"] > 0
+    over = spec_overhead(path, batch_sizes=(1, 2), context=16, iters=2, **CPU)
+    assert over["bs2"]["verify_ms"] > 0 and over["bs1"]["accept_bookkeeping_ms"] > 0
+
+
+def test_plait_bench_spec_is_a_subcommand():
+    args = build_parser().parse_args(["bench", "spec", "--workload", "spec-ngram-miss", "--shape", "llama-3.1-8b"])
+    assert args.workload == "spec-ngram-miss"

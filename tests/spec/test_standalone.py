@@ -1,0 +1,80 @@
+"""STANDALONE speculative decoding: a separate draft model with its own KV pool over the target's
+slot numbering. Greedy output equals non-speculative greedy output; with the target itself as the
+draft every guess is accepted, which holds only if the draft's KV is right at every position
+(mirrored prefill chunks, prefix-cache hits, re-prefill after retraction, draft-extend over accepted
+tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.attention.plan_check import PlanCheckingBackend
+from plait.testing import make_tiny_model
+from tests.helpers import GREEDY, assert_no_leaks, make_engine, prompt_ids
+
+PROMPTS = prompt_ids(8)
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A 1-layer draft with the target's tokenizer (different weights: many guesses are rejected)."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return [o.token_ids for o in make_engine(model_path).generate(PROMPTS, GREEDY)]
+
+
+def _standalone(draft, **kw):
+    return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(draft), **kw}
+
+
+def test_a_small_draft_keeps_greedy_output_exact(model_path, small_draft, reference):
+    engine = make_engine(model_path, **_standalone(small_draft))
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    hist = engine.scheduler.spec_worker.stats.accept_histogram
+    assert hist[0] > 0 and sum(hist.values()) > 0
+    assert all(o.meta_info["spec_verify_ct"] > 0 for o in outs)
+    assert_no_leaks(engine)
+
+
+def test_the_target_as_its_own_draft_accepts_everything_through_cache_hits_and_chunks(model_path, reference):
+    engine = make_engine(model_path, chunked_prefill_size=5, **_standalone(model_path, speculative_num_steps=2,
+                                                                             speculative_num_draft_tokens=3))
+    engine.generate(PROMPTS[:4], GREEDY)
+    outs = engine.generate(PROMPTS, GREEDY)  # half the prompts hit the prefix cache
+    assert [o.token_ids for o in outs] == reference
+    hist = engine.scheduler.spec_worker.stats.accept_histogram
+    assert set(hist) <= {1, 2} and hist[2] > 0  # only the token budget cuts a draft short
+    assert_no_leaks(engine)
+
+
+def test_retraction_re_prefills_the_draft_too(model_path, reference):
+    engine = make_engine(model_path, max_total_tokens=220, disable_radix_cache=True, **_standalone(model_path))
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.stats.num_retractions > 0
+    assert engine.scheduler.spec_worker.stats.accept_histogram[3] > 0
+    assert_no_leaks(engine)
+
+
+def test_per_step_draft_backends_carry_the_effective_name(model_path, small_draft):
+    engine = make_engine(model_path, **_standalone(small_draft, speculative_draft_attention_backend="torch_native"))
+    multi = engine.scheduler.spec_worker.decode_backend
+    assert multi.name == "torch_native" and len(multi.children) == 3
+    for child in multi.children:
+        assert child.name == "torch_native"
+        assert isinstance(child, PlanCheckingBackend) and child.inner.name == "torch_native"
+
+
+def test_draft_trees_are_refused_for_standalone_with_the_flag_to_change(model_path, small_draft):
+    with pytest.raises(ValueError, match="--speculative-eagle-topk"):
+        make_engine(model_path, **_standalone(small_draft, speculative_eagle_topk=2,
+                                              speculative_num_draft_tokens=5))
