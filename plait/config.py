@@ -48,7 +48,9 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     schedule_conservativeness: float = 1.0
     # Parallelism (issue 7). tp_size ranks, one process each (rank 0 is the engine's process).
-    # dp_size with enable_dp_attention: each rank runs attention over its own requests (dp_size ==
+    # dp_size alone: dp_size independent replicas (each tp_size ranks, its own KV cache and
+    # scheduler) behind a shortest-queue balancer (plait.distributed.data_parallel). dp_size with
+    # enable_dp_attention: each rank runs attention over its own requests (dp_size ==
     # tp_size). nnodes/node_rank/dist_init_addr: ranks spread over several machines (node 0 hosts
     # rank 0 and the store at dist_init_addr). dist_timeout: seconds a collective may wait before
     # a dead or hung rank ends the engine with an error.
@@ -132,9 +134,14 @@ class EngineConfig:
         _check(not self.enable_dp_attention or self.dp_size == self.tp_size,
                f"enable_dp_attention needs dp_size == tp_size (got dp_size {self.dp_size}, tp_size "
                f"{self.tp_size})")
-        _check(self.dp_size == 1 or self.enable_dp_attention,
-               "dp_size > 1 is supported with enable_dp_attention only (plain data parallelism is not "
-               "implemented yet)")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            # Plain data parallelism: dp_size independent replicas of tp_size ranks, on this machine.
+            _check(self.nnodes == 1 and not self.dist_init_addr,
+                   f"dp_size {self.dp_size} without enable_dp_attention runs its replicas on one machine: "
+                   "nnodes and dist_init_addr are not supported with it")
+            _check(self.speculative_algorithm is None,
+                   f"speculative decoding with dp_size {self.dp_size} (data parallel replicas) is not supported "
+                   "yet; use dp_size 1")
         from plait.speculative.config import resolve_speculative
 
         # Fills the algorithm's defaults for unset speculative numbers (construction, not mutation).

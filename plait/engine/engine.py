@@ -40,14 +40,24 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model)
-        if self.config.tp_size > 1:
+        from plait.distributed.data_parallel import is_plain_data_parallel
+
+        if is_plain_data_parallel(self.config):
+            # dp_size independent replicas (each with its own TP group when tp_size > 1).
+            from plait.distributed.data_parallel import DataParallelRunner, DataParallelScheduler
+
+            self.runner = DataParallelRunner(self.config, self.model_config)  # type: ignore[assignment]
+        elif self.config.tp_size > 1:
             # This process is rank 0 (it schedules and samples); the other ranks are spawned here.
             from plait.distributed.launch import start_tensor_parallel
 
             self.runner = start_tensor_parallel(self.config, self.model_config)
         else:
             self.runner = ModelRunner(self.config, self.model_config)
-        if self.config.enable_dp_attention:
+        if is_plain_data_parallel(self.config):
+            # A front-end balancer over the replicas' schedulers (shortest queue).
+            self.scheduler = DataParallelScheduler(self.config, self.runner)  # type: ignore[assignment,arg-type]
+        elif self.config.enable_dp_attention:
             # Every rank schedules its own requests; this front end balances them over the ranks.
             from plait.distributed.dp_attention import DPAttentionScheduler
 

@@ -170,14 +170,24 @@ class SchedulerProcess:
         config = self.config
         mc = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        if config.tp_size > 1:
+        from plait.distributed.data_parallel import is_plain_data_parallel
+
+        if is_plain_data_parallel(config):
+            # dp_size independent replicas (each with its own TP group when tp_size > 1).
+            from plait.distributed.data_parallel import DataParallelRunner, DataParallelScheduler
+
+            self.runner = DataParallelRunner(config, mc)  # type: ignore[assignment]
+        elif config.tp_size > 1:
             # This process is rank 0; the other tensor-parallel ranks are spawned from here.
             from plait.distributed.launch import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, mc)
         else:
             self.runner = ModelRunner(config, mc)
-        if config.enable_dp_attention:
+        if is_plain_data_parallel(config):
+            # A front-end balancer over the replicas' schedulers (shortest queue).
+            self.scheduler = DataParallelScheduler(config, self.runner)  # type: ignore[assignment,arg-type]
+        elif config.enable_dp_attention:
             from plait.distributed.dp_attention import DPAttentionScheduler
 
             self.scheduler = DPAttentionScheduler(config, self.runner)  # type: ignore[assignment]
@@ -285,7 +295,9 @@ class SchedulerProcess:
         st = s.stats
         return SchedulerSnapshot(
             num_running=len(s.prefilling) + len(s.running), num_waiting=len(s.waiting),
-            kv_slots_in_use=s.kv_tokens_in_use(), max_total_tokens=self.runner.max_total_tokens,
+            kv_slots_in_use=s.kv_tokens_in_use(),
+            # Data parallel: the sum of the replicas' pools (kv_tokens_in_use sums them too).
+            max_total_tokens=getattr(self.runner, "total_kv_tokens", self.runner.max_total_tokens),
             evictable_tokens=s.tree_cache.evictable_size(), num_retractions=st.num_retractions,
             num_aborts=st.num_aborts, prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
             cached_tokens=st.cached_tokens, forward_steps=st.forward_steps)
