@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from typing import Any
 
 from plait.config import EngineConfig
 from plait.sampling.params import SamplingParams
+from plait.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -106,17 +108,14 @@ class RequestUpdate:
 
 @dataclass(frozen=True)
 class SchedulerSnapshot:
+    """Gauges of the moment plus a copy of the scheduler's cumulative counters."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_slots_in_use: int = 0
     max_total_tokens: int = 0
     evictable_tokens: int = 0
-    num_retractions: int = 0
-    num_aborts: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_tokens: int = 0
-    forward_steps: int = 0
+    counters: SchedulerStats = field(default_factory=SchedulerStats)
 
 
 @dataclass
@@ -298,9 +297,7 @@ class SchedulerProcess:
             kv_slots_in_use=s.kv_tokens_in_use(),
             # Data parallel: the sum of the replicas' pools (kv_tokens_in_use sums them too).
             max_total_tokens=getattr(self.runner, "total_kv_tokens", self.runner.max_total_tokens),
-            evictable_tokens=s.tree_cache.evictable_size(), num_retractions=st.num_retractions,
-            num_aborts=st.num_aborts, prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
-            cached_tokens=st.cached_tokens, forward_steps=st.forward_steps)
+            evictable_tokens=s.tree_cache.evictable_size(), counters=dataclasses.replace(st))
 
     def close(self) -> None:
         self.pull.close(0)

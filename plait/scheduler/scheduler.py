@@ -27,6 +27,7 @@ from plait.mem.radix_cache import RadixCache
 from plait.sampling import SampleOutput, SamplingBatchInfo
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
+from plait.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +35,6 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 RETRACT_DECODE_STEPS = 20
-
-
-@dataclass
-class SchedulerStats:
-    num_retractions: int = 0
-    num_aborts: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_tokens: int = 0
-    forward_steps: int = 0
 
 
 @dataclass

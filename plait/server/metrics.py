@@ -49,13 +49,13 @@ class _SchedulerCollector(Collector):
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [
-            ("plait:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens),
-            ("plait:generation_tokens", "Tokens generated.", s.generation_tokens),
-            ("plait:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", s.cached_tokens),
+            ("plait:prompt_tokens", "Prompt tokens admitted.", s.counters.prompt_tokens),
+            ("plait:generation_tokens", "Tokens generated.", s.counters.generation_tokens),
+            ("plait:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", s.counters.cached_tokens),
             ("plait:num_retractions", "Requests retracted (KV freed, requeued) for lack of KV.",
-             s.num_retractions),
-            ("plait:num_aborted_requests", "Requests aborted (client disconnect, shutdown).", s.num_aborts),
-            ("plait:forward_steps", "Model forward steps.", s.forward_steps),
+             s.counters.num_retractions),
+            ("plait:num_aborted_requests", "Requests aborted (client disconnect, shutdown).", s.counters.num_aborts),
+            ("plait:forward_steps", "Model forward steps.", s.counters.forward_steps),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
