@@ -61,6 +61,9 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: float = 120.0
+    # First GPU of this engine (SGLang's --base-gpu-id): rank r uses GPU base_gpu_id + r; data-parallel
+    # replica i starts at base_gpu_id + i * tp_size.
+    base_gpu_id: int = 0
     # GPU fast path (issue 3); accepted on the CPU and ignored there.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
@@ -129,6 +132,7 @@ class EngineConfig:
                "dist_init_addr (HOST:PORT of node 0) is required when nnodes > 1")
         _check(self.dist_timeout > 0, f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
         _check(self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}")
+        _check(self.base_gpu_id >= 0, f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         _check(not self.enable_dp_attention or self.tp_size > 1,
                "enable_dp_attention needs several ranks (tp_size = dp_size >= 2)")
         _check(not self.enable_dp_attention or self.dp_size == self.tp_size,

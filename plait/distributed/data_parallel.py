@@ -15,12 +15,11 @@ One engine step steps every replica that has work, one after the other, in this 
 forwards are launched asynchronously (overlap scheduling), so the GPUs of different replicas still
 work at the same time; on the CPU the replicas take turns.
 
-Devices: on CUDA with ``tp_size == 1`` replica ``i`` runs on GPU ``i`` (every call into it runs under
-``torch.cuda.device(i)``). With ``tp_size > 1`` each replica starts its own TP group through
-``start_tensor_parallel`` (its own store on a free port, its own spawned ranks); on CUDA a rank's
-GPU is still its TP rank modulo the GPU count, so replicas would share GPUs ``0..tp_size-1``: that
-combination is rejected until ranks take a GPU offset (replica ``i`` -> GPUs
-``[i * tp_size, (i + 1) * tp_size)``).
+Devices: on CUDA replica ``i`` owns GPUs ``[base + i*tp, base + (i+1)*tp)`` (``base_gpu_id``): its
+rank 0 lives in this process and every call into it runs under that GPU's device context; its other
+ranks set their GPU to ``base_gpu_id + tp_rank``. With ``tp_size > 1`` each replica starts its own TP
+group through ``start_tensor_parallel`` (its own store on a free port, its own spawned ranks). The
+CUDA placement is written but has not run on several GPUs yet.
 """
 
 from __future__ import annotations
@@ -60,26 +59,23 @@ class DataParallelRunner:
         self.dp_size = config.dp_size
         self.device = config.resolved_device()
         self.model_config = mc
-        replica_config = config.replace(dp_size=1)
-        if config.tp_size > 1:
-            if "TORCHELASTIC_RUN_ID" in os.environ:
-                raise ValueError("dp_size > 1 without enable_dp_attention cannot run under torchrun: start "
-                                 "plait directly, it spawns every replica's ranks itself")
-            if self.device == "cuda":
-                raise ValueError(
-                    f"dp_size {config.dp_size} with tp_size {config.tp_size} (no DP attention) is not supported on "
-                    "CUDA yet: a rank's GPU is its TP rank modulo the GPU count, so the replicas' ranks would share "
-                    "GPUs. Use tp_size 1 (replica i on GPU i), or several engines with CUDA_VISIBLE_DEVICES")
-        if self.device == "cuda" and torch.cuda.device_count() < config.dp_size * config.tp_size:
-            raise ValueError(f"dp_size {config.dp_size} x tp_size {config.tp_size} needs "
-                             f"{config.dp_size * config.tp_size} GPUs, {torch.cuda.device_count()} visible")
-        # Replica i's GPU (CUDA, tp_size 1); None: no device context (CPU).
-        self.gpus: list[int | None] = [i if self.device == "cuda" else None for i in range(config.dp_size)]
+        if config.tp_size > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
+            raise ValueError("dp_size > 1 without enable_dp_attention cannot run under torchrun: start "
+                             "plait directly, it spawns every replica's ranks itself")
+        if self.device == "cuda" and torch.cuda.device_count() < config.base_gpu_id + config.dp_size * config.tp_size:
+            raise ValueError(f"dp_size {config.dp_size} x tp_size {config.tp_size} from base_gpu_id "
+                             f"{config.base_gpu_id} needs {config.base_gpu_id + config.dp_size * config.tp_size} "
+                             f"GPUs, {torch.cuda.device_count()} visible")
+        # Replica i owns GPUs [base + i*tp, base + (i+1)*tp): its ranks offset their TP rank by that base.
+        replica_configs = [config.replace(dp_size=1, base_gpu_id=config.base_gpu_id + i * config.tp_size)
+                           for i in range(config.dp_size)]
+        # The GPU of replica i's rank 0 (it lives in this process); None: no device context (CPU).
+        self.gpus: list[int | None] = [c.base_gpu_id if self.device == "cuda" else None for c in replica_configs]
         self.replicas: list[ModelRunner] = []
         try:
             for i in range(config.dp_size):
                 with self.on_replica(i):
-                    self.replicas.append(_start_replica(replica_config, mc))
+                    self.replicas.append(_start_replica(replica_configs[i], mc))
         except BaseException:
             self.close()
             raise

@@ -61,7 +61,8 @@ class ModelRunner:
         self.tp = tp
         if self.device == "cuda":
             # A node's ranks are consecutive: the local GPU is the rank modulo the node's GPU count.
-            torch.cuda.set_device(tp.rank % torch.cuda.device_count() if tp.size > 1 else torch.cuda.current_device())
+            # Rank r of this engine (or data-parallel replica) uses GPU base_gpu_id + r.
+            torch.cuda.set_device((config.base_gpu_id + tp.rank) % torch.cuda.device_count())
         # DP attention: attention (and its KV cache) is unsharded on each rank; only the MLP is split.
         attn_tp = SINGLE if config.enable_dp_attention else tp
         self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp)

@@ -151,9 +151,12 @@ def test_config_accepts_plain_dp_and_rejects_bad_values():
 
 
 def test_unsupported_layouts_are_rejected_before_anything_starts(monkeypatch):
-    cfg = EngineConfig(model="m", dp_size=2, tp_size=2)
+    import torch
+
+    cfg = EngineConfig(model="m", dp_size=2, tp_size=2, base_gpu_id=1)
     monkeypatch.setattr(EngineConfig, "resolved_device", lambda self: "cuda")
-    with pytest.raises(ValueError, match="not supported on CUDA yet"):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(ValueError, match="from base_gpu_id 1 needs 5 GPUs, 4 visible"):
         DataParallelRunner(cfg, None)  # type: ignore[arg-type]
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     with pytest.raises(ValueError, match="torchrun"):
