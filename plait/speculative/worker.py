@@ -18,6 +18,7 @@ Flow per scheduler step (called before the scheduler builds its own batch, overl
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -68,7 +69,7 @@ class SpecStats:
         return sum((k + 1) * c for k, c in self.accept_histogram.items()) / n if n else 0.0
 
 
-class SpecWorker:
+class SpecWorker(ABC):
     """Base: drafting is the subclass's ``propose``; verification and bookkeeping live here."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
@@ -90,13 +91,14 @@ class SpecWorker:
         """A request finished (any reason). Subclasses call this too."""
         self.accept_ema.pop(req.rid, None)
 
-    def after_target_forward(self, fb: ForwardBatch) -> None:
+    def after_target_forward(self, fb: ForwardBatch) -> None:  # noqa: B027 (optional hook)
         """The scheduler ran a plain (non-speculative) target forward."""
 
+    @abstractmethod
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        raise NotImplementedError
+        """One draft tree per request (None: it decodes normally this step), at most max_depths deep."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook)
         """The engine is shutting down: drop device memory (statistics stay readable)."""
 
     # --- the step ---------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ class SpecWorker:
         if self.stats.verify_steps % LOG_HISTOGRAM_EVERY == 0:
             self.log_stats()
 
-    def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],
+    def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],  # noqa: B027
                      old_kv_lens: list[int]) -> None:
         """The accepted nodes are in place (req_to_token, kv_len); tokens not appended yet. A draft
         model extends its KV over the accepted tokens here."""
