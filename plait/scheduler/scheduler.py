@@ -101,7 +101,6 @@ class Scheduler:
         from plait.speculative.worker import create_spec_worker
 
         self.spec_worker = create_spec_worker(config, runner)
-        self._spec_advanced: set[int] = set()  # id() of requests the speculative step advanced
 
     # --- requests in and out ----------------------------------------------------------------------
     @property
@@ -139,13 +138,13 @@ class Scheduler:
         previous step: the host reads them while the device runs the batch just launched.
         """
         self._updated = self._process_aborts()
+        advanced: set[int] = set()  # id() of requests the speculative step advanced
         if self.spec_worker is not None:
             # Speculative steps run with overlap drained: drafting and acceptance need every
             # request's tokens on the host. Requests it advanced skip this step's normal decode.
             self._drain()
-            self._spec_advanced = self.spec_worker.decode_step(self)
-        batch = self._schedule()
-        self._spec_advanced = set()
+            advanced = self.spec_worker.decode_step(self)
+        batch = self._schedule(advanced)
         launched = self._launch(batch) if batch is not None else None
         if self.overlap:
             self._drain()
@@ -205,12 +204,12 @@ class Scheduler:
             total += max(0, r.fill_len - r.kv_len) + left_new * self.new_token_ratio
         return total
 
-    def _schedulable_decodes(self) -> list[Req]:
+    def _schedulable_decodes(self, skip: set[int]) -> list[Req]:
         """Running requests that need another token (ones whose last token is still on the device
         may be done already; those that surely are, by length, are left out)."""
         limit = self.runner.max_context_len
         return [r for r in self.running
-                if id(r) not in self._spec_advanced
+                if id(r) not in skip
                 and r.num_generated < r.sampling_params.max_new_tokens
                 and len(r.origin_input_ids) + r.num_generated < limit]
 
@@ -219,10 +218,11 @@ class Scheduler:
         one instead of overlapping (outputs stay identical with overlap on or off)."""
         return any(r.pending and r.sampling_params.has_penalties for r in self.running)
 
-    def _schedule(self) -> ScheduleBatch | None:
+    def _schedule(self, skip: set[int] | None = None) -> ScheduleBatch | None:
+        """The next batch; requests whose id() is in ``skip`` (advanced this step already) do not decode."""
         if self._in_flight is not None and self._needs_host_state():
             self._drain()
-        decodes = self._reserve_decode_slots()
+        decodes = self._reserve_decode_slots(skip or set())
         decode_slots = self._alloc(len(decodes)) if decodes else None
         entries = [BatchEntry(r, r.kv_len, 1, sample=True, is_decode=True) for r in decodes]
         locs = [decode_slots] if decode_slots is not None else []
@@ -244,11 +244,11 @@ class Scheduler:
         out_cache_loc = torch.cat(locs) if len(locs) > 1 else locs[0]
         return ScheduleBatch(entries, out_cache_loc)
 
-    def _reserve_decode_slots(self) -> list[Req]:
+    def _reserve_decode_slots(self, skip: set[int]) -> list[Req]:
         """The requests to decode this step, with room for one slot each: evict the prefix cache,
         wait for the in-flight batch, and finally retract the least-progressed requests."""
         while True:
-            decodes = self._schedulable_decodes()
+            decodes = self._schedulable_decodes(skip)
             if not decodes:
                 return []
             if self.allocator.available_size() + self.tree_cache.evictable_size() >= len(decodes):
