@@ -18,12 +18,13 @@ import torch
 from profile_throughput import decode_kernels_bs1  # noqa: E402
 
 from plait.bench.shapes import SHAPES, write_shape_dir
-from plait.bench.workloads import make_engine, random_prompts, release
+from plait.bench.workloads import make_engine, release, steady_decode_timing
 
 SHAPE = "llama-3.2-1b"
 
 
 def host_phases(engine, bs: int, steps: int = 40) -> dict[str, float]:
+    """Steady decode at ``bs`` with the scheduler's host phases timed (wall time, per step)."""
     sched = engine.scheduler
     totals: dict[str, float] = defaultdict(float)
     for name in ("_schedule", "_launch", "_process"):
@@ -36,33 +37,10 @@ def host_phases(engine, bs: int, steps: int = 40) -> dict[str, float]:
             return out
 
         setattr(sched, name, timed)
-    for p in random_prompts(bs, 128, SHAPES[SHAPE]["vocab_size"], seed=bs):
-        sched.add_request(engine.make_request(p, {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 400}))
-    while len(sched.running) < bs or sched.prefilling or sched.waiting:
-        sched.step()
-    for _ in range(5):
-        sched.step()
-    totals.clear()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        sched.step()
-    torch.cuda.synchronize()
-    step = (time.perf_counter() - t0) / steps
-    gr = engine.runner.graph_runner
-    graph = gr.graphs[gr.bucket(bs)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    out = {"bs": bs, "step_ms": step * 1e3, "graph_replay_ms": start.elapsed_time(end) / steps}
-    out.update({f"host{k}_ms": v / steps * 1e3 for k, v in totals.items()})
-    for r in list(sched.running):
-        sched.abort(r.rid)
-    while sched.has_work():
-        sched.step()
+    timed_totals: dict[str, float] = {}
+    out = steady_decode_timing(engine, bs, SHAPES[SHAPE]["vocab_size"], steps=steps, seed=bs,
+                               on_steady=totals.clear, after_timed=lambda: timed_totals.update(totals))
+    out.update({f"host{k}_ms": v / steps * 1e3 for k, v in timed_totals.items()})
     return out
 
 

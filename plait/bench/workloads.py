@@ -130,24 +130,30 @@ def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict
     return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info}
 
 
-def overlap_step_vs_replay(shape_dir: str, bs: int, vocab: int) -> dict[str, Any]:
-    """Steady decode at ``bs``: the scheduler's step time against the CUDA graph replay alone."""
-    engine = make_engine(shape_dir, max_running_requests=bs, cuda_graph_max_bs=bs)
+def steady_decode_timing(engine: Any, bs: int, vocab: int, steps: int = 50, seed: int = 5,
+                         on_steady: Any = None, after_timed: Any = None) -> dict[str, float]:
+    """Fill the engine with ``bs`` decoding requests, then time ``steps`` scheduler steps and as many
+    replays of the bucket's CUDA graph alone. ``on_steady()`` runs once the batch is steady, just
+    before the timed steps, and ``after_timed()`` right after them (to bracket counters). The requests
+    are aborted afterwards."""
     sched = engine.scheduler
-    prompts = random_prompts(bs, 128, vocab, seed=5)
-    for p in prompts:
-        sched.add_request(engine.make_request(p, {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 200}))
+    for p in random_prompts(bs, 128, vocab, seed=seed):
+        sched.add_request(engine.make_request(p, {"temperature": 0.0, "ignore_eos": True,
+                                                  "max_new_tokens": steps + 150}))
     while len(sched.running) < bs or sched.prefilling or sched.waiting:
         sched.step()
     for _ in range(5):
         sched.step()
-    torch.cuda.synchronize()
-    steps = 50
+    if on_steady is not None:
+        on_steady()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         sched.step()
-    torch.cuda.synchronize()
+    _sync()
     step_s = (time.perf_counter() - t0) / steps
+    if after_timed is not None:
+        after_timed()
     graph = engine.runner.graph_runner.graphs[engine.runner.graph_runner.bucket(bs)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -160,5 +166,12 @@ def overlap_step_vs_replay(shape_dir: str, bs: int, vocab: int) -> dict[str, Any
         sched.abort(req.rid)
     while sched.has_work():
         sched.step()
-    release(engine)
     return {"step_ms": step_s * 1e3, "replay_ms": replay_s * 1e3, "step_over_replay": step_s / replay_s, "bs": bs}
+
+
+def overlap_step_vs_replay(shape_dir: str, bs: int, vocab: int) -> dict[str, Any]:
+    """Steady decode at ``bs``: the scheduler's step time against the CUDA graph replay alone."""
+    engine = make_engine(shape_dir, max_running_requests=bs, cuda_graph_max_bs=bs)
+    result = steady_decode_timing(engine, bs, vocab)
+    release(engine)
+    return result
