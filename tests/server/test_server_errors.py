@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.server.conftest import FAULT_TOKEN
+from tests.test_bad_input import BAD_PARAMS as CORE_BAD_PARAMS
 
 CONTEXT = 2048  # MAIN_ENGINE_FLAGS["context_length"]
 
@@ -68,26 +69,11 @@ def chat(server, model_name):
     return post
 
 
-# The core issue's bad sampling parameters (tests/test_bad_input.py), in OpenAI's field names.
-BAD_PARAMS = [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": -0.1}, "min_p"),
-    ({"min_p": 1.1}, "min_p"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"frequency_penalty": 3.0}, "frequency_penalty"),
-    ({"presence_penalty": -2.5}, "presence_penalty"),
-    ({"min_tokens": 40, "max_tokens": 10}, "min_tokens"),
-    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
-    ({"temprature": 0.5}, "temprature"),
-]
+# The core issue's bad sampling parameters (tests/test_bad_input.py), renamed to OpenAI's fields, so
+# a bad input added there is also checked over HTTP.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+BAD_PARAMS = [({OPENAI_NAMES.get(k, k): v for k, v in fields.items()}, OPENAI_NAMES.get(name, name))
+              for fields, name in CORE_BAD_PARAMS]
 
 
 @pytest.mark.parametrize(("fields", "param"), BAD_PARAMS, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_PARAMS)])
