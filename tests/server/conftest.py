@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import signal
 import socket
 import subprocess
@@ -20,6 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from plait.server.bench import read_metrics
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -134,13 +135,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics as name -> value."""
-        text = httpx.get(self.url + "/metrics", timeout=HTTP_TIMEOUT).text
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)$", line)
-            if m:
-                out[m.group(1)] = float(m.group(2))
-        return out
+        return read_metrics(self.url)
 
     def wait_idle(self, timeout: float = 2.0) -> dict[str, float]:
         """/metrics once nothing runs, waits or holds KV (the scheduler's last snapshot lands a moment
