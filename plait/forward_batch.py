@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
+from plait.transfer import ints_to_device
 
 if TYPE_CHECKING:
     from plait.attention.base import AttentionBackend
@@ -159,10 +160,9 @@ class ForwardBatch:
         # Raw counts size the DP graph batch; scaled counts size the MLP-sync buffers.
         self.original_global_num_tokens_cpu = list(batch.global_num_tokens)
         self.global_num_tokens_cpu = tokens
-        self.global_num_tokens_gpu = torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)
+        self.global_num_tokens_gpu, self.global_num_tokens_for_logprob_gpu = ints_to_device([tokens, for_logprob],
+                                                                                            device)
         self.global_num_tokens_for_logprob_cpu = for_logprob
-        self.global_num_tokens_for_logprob_gpu = torch.tensor(for_logprob, dtype=torch.int64).to(
-            device, non_blocking=True)
         self.can_run_dp_cuda_graph = bool(batch.can_run_dp_cuda_graph)
 
     def pad_inputs_to_size(self, num_tokens: int, bs: int) -> None:

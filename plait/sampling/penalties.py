@@ -13,21 +13,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from plait.transfer import to_device
+
 # One request's token ids: a list, a tuple, a 1-D array or a 1-D tensor.
 TokenIds = Sequence[int] | np.ndarray | Tensor
-
-
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """Host-to-device copy that does not block on the GPU queue.
-
-    A plain `.to("cuda")` from pageable memory synchronises the stream, which would stall the host
-    behind the forward running on the GPU (batch building overlaps it). Pinned memory allows an
-    asynchronous copy; the caching host allocator keeps the buffer alive until the copy is done.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _flat_token_index(rows_of_parts: Sequence[Sequence[TokenIds] | None], vocab_size: int) -> tuple[Tensor, Tensor]:

@@ -35,8 +35,8 @@ from plait.sampling.penalties import (
     apply_repetition_penalty,
     build_seen_mask,
     build_token_counts,
-    to_device,
 )
+from plait.transfer import to_device
 
 # Temperatures this small turn logits into +-inf after scaling (softmax NaNs in top_p); sampling at
 # them is argmax anyway, so such rows take the greedy path.

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from plait.forward_batch import ForwardBatch, ForwardMode
-from plait.sampling.penalties import to_device
 from plait.scheduler.req import Req
+from plait.transfer import ints_to_device
 
 
 @dataclass
@@ -85,9 +85,8 @@ class ScheduleBatch:
             starts.append(starts[-1] + n)
         parts = [input_ids, positions, token_rows, [e.req.req_pool_idx for e in self.entries], seq_lens_cpu,
                  ext, pre, starts, logits_rows, future_rows, future_src]
-        flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
-        (ids, pos, rows, req_pool_indices, seq_lens, ext_t, pre_t, starts_t, logits_t, f_rows, f_src) = flat.split(
-            [len(part) for part in parts])
+        (ids, pos, rows, req_pool_indices, seq_lens, ext_t, pre_t, starts_t, logits_t, f_rows, f_src) = (
+            ints_to_device(parts, device))
         if future_tensor is not None:
             # Inputs sampled by the in-flight batch: gathered on the device, no host sync.
             ids[f_rows] = future_tensor[f_src]

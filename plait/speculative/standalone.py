@@ -28,10 +28,10 @@ from plait.distributed.parallel_state import SINGLE
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool
 from plait.models.loader import load_model, load_model_config
-from plait.sampling.penalties import to_device
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
+from plait.transfer import ints_to_device
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
@@ -107,8 +107,7 @@ class StandaloneWorker(SpecWorker):
         starts = [sum(ext[:i]) for i in range(len(ext))]
         rows = [r.req_pool_idx for r in reqs]
         parts = [ids, pos, rows, seq, ext, old_kv_lens, starts]
-        flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
-        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t = flat.split([len(p) for p in parts])
+        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t = ints_to_device(parts, device)
         fb = ForwardBatch(
             forward_mode=ForwardMode.DRAFT_EXTEND, batch_size=len(reqs), input_ids=ids_t, req_pool_indices=rows_t,
             seq_lens=seq_t, out_cache_loc=torch.cat(locs).to(torch.int64), positions=pos_t, seq_lens_cpu=seq,

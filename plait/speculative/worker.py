@@ -29,9 +29,9 @@ import torch
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.sampling import GREEDY_TEMPERATURE_EPS, Sampler, SamplingBatchInfo, counter_uniforms
-from plait.sampling.penalties import to_device
 from plait.speculative.accept import greedy_accept, tree_accept_sampled
 from plait.speculative.tree import DraftTree, build_verify_mask
+from plait.transfer import ints_to_device
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
@@ -151,8 +151,7 @@ class SpecWorker(ABC):
         starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
         rows = [r.req_pool_idx for r in reqs]
         parts = [ids, pos, rows, seq_lens, widths, prefix, starts]
-        flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
-        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t = flat.split([len(p) for p in parts])
+        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t = ints_to_device(parts, device)
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs), input_ids=ids_t,
             req_pool_indices=rows_t, seq_lens=seq_t, out_cache_loc=slots, positions=pos_t,
