@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|...
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -17,6 +17,9 @@ for stage in "$@"; do
     profile) python benchmarks/profile_step.py "$OUT" 2>&1 | tail -25 ;;
     latency-1b-fast) python -m plait bench latency --shape llama-3.2-1b --no-compile-peer --out "$OUT" 2>&1 | tail -5 ;;
     latency-8b-fast) python -m plait bench latency --shape llama-3.1-8b --no-compile-peer --prefill --out "$OUT" 2>&1 | tail -8 ;;
+    fused) python benchmarks/fused_layers_bench.py "$OUT" 2>&1 | tail -40 ;;
+    profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
+    profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -44,3 +44,16 @@ def test_rotary_matches_reference_on_strided_views(head_dim, hq, hkv):
     q_out, k_out = triton_ops.rotary_(pos, q, k, rope.cos_sin_cache, head_dim)
     torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("bs", "vocab"), [(1, 10000), (3, 4096), (2, 17)])
+def test_argmax_matches_torch_argmax(bs, vocab):
+    x = torch.randn(bs, vocab)
+    assert torch.equal(triton_ops.argmax(x), torch.argmax(x, dim=-1))
+
+
+def test_argmax_takes_the_first_of_tied_maxima_across_blocks():
+    x = torch.zeros(2, 3 * triton_ops.ARGMAX_BLOCK)
+    x[0, [5000, 9000]] = 7.0  # two blocks, same value: the earlier block wins
+    x[1, [4097, 4098]] = 3.0  # inside one block: the earlier index wins
+    assert triton_ops.argmax(x).tolist() == [5000, 4097]

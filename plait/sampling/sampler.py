@@ -207,6 +207,16 @@ if triton is not None:
 _TRITON_BLOCK = 1024
 
 
+def greedy_ids(x: Tensor) -> Tensor:
+    """Row-wise argmax (first maximum on ties). On CUDA a two-pass Triton kernel: torch's
+    reduction reads a whole vocabulary row with one block, the slowest kernel of a bs=1 step."""
+    if x.is_cuda and triton is not None:
+        from plait.layers.triton_ops import argmax
+
+        return argmax(x)
+    return x.argmax(dim=-1)
+
+
 def add_gumbel_noise_(x: Tensor, keys: Tensor, use_triton: bool | None = None) -> Tensor:
     """x += gumbel_noise_from_keys(keys, V), in place on a float32 [bs, V] tensor.
 
@@ -436,13 +446,13 @@ class Sampler:
 
         if info.all_greedy:
             # Fast path: no temperature, filtering or noise at all.
-            next_ids = logits.argmax(dim=-1)
+            next_ids = greedy_ids(logits)
         else:
             # warp returns a fresh tensor, so the noise can be added in place.
             scores = add_gumbel_noise_(self.warp(logits, info), info.noise_keys, self.use_triton)
-            next_ids = scores.argmax(dim=-1)
+            next_ids = greedy_ids(scores)
             if info.any_greedy:
-                next_ids = torch.where(info.is_greedy, logits.argmax(dim=-1), next_ids)
+                next_ids = torch.where(info.is_greedy, greedy_ids(logits), next_ids)
 
         out = SampleOutput(next_token_ids=next_ids)
         if info.need_logprobs:
