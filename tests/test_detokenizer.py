@@ -64,3 +64,23 @@ def test_incomplete_trailing_bytes_are_flushed_at_finish(tokenizer):
     assert detok.text == ""  # incomplete: held back
     detok.finish()
     assert detok.final_text().endswith("\ufffd")
+
+
+@pytest.mark.parametrize("cut", [None, -1])  # the whole text; the text ending inside an emoji's bytes
+def test_deferred_tokens_read_at_once_give_the_same_text_as_reading_each(tokenizer, cut):
+    text = " héllo 你好世界 🙂🚀 naïve café and more words"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if cut is not None:
+        ids = tokenizer.encode(" a 🙂🚀", add_special_tokens=False)[:cut]
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    each, once = IncrementalDetokenizer(tokenizer, prompt, ()), IncrementalDetokenizer(tokenizer, prompt, ())
+    for i in ids:
+        each.add_token(i)
+        _ = each.text
+        once.add_token(i)
+    assert once.text == each.text
+    each.finish()
+    once.finish()
+    assert once.final_text() == each.final_text()
+    if cut is None:
+        assert once.final_text() == text

@@ -112,6 +112,24 @@ def test_batch_info_noise_keys_come_from_seed_and_generated_count() -> None:
     assert info.noise_keys.tolist() == [row_key_host(5, 3), row_key_host(-3, 0)]
 
 
+def test_with_steps_equals_a_fresh_build_at_those_steps() -> None:
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.0)]
+    moved = make_info(params, 10, seeds=[5, 9], output_ids=[[1], [2, 3]]).with_steps([4, 7])
+    fresh = make_info(params, 10, seeds=[5, 9], output_ids=[[0] * 4, [0] * 7])
+    assert moved.steps.tolist() == fresh.steps.tolist() == [4, 7]
+    assert moved.noise_keys.tolist() == fresh.noise_keys.tolist()
+    assert torch.equal(moved.top_ks, fresh.top_ks) and moved.all_greedy == fresh.all_greedy
+
+
+def test_with_steps_refuses_infos_that_read_output_tokens() -> None:
+    penalised = make_info([SamplingParams(repetition_penalty=1.2)], 10, output_ids=[[1]])
+    under_min = make_info([SamplingParams(min_new_tokens=3)], 10, output_ids=[[1]], eos=[2])
+    for info in (penalised, under_min):
+        assert not info.reusable_next_step
+        with pytest.raises(ValueError, match="reusable"):
+            info.with_steps([2])
+
+
 def test_uniforms_are_strictly_inside_unit_interval_and_uniform() -> None:
     u = counter_uniforms(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
     assert u.dtype == torch.float64

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import subprocess
 from typing import Any
@@ -22,6 +23,10 @@ def _versions() -> dict[str, str | None]:
 
 
 def git_commit() -> str | None:
+    """HEAD of the checkout; PLAIT_COMMIT when the run is from an exported tree without .git (the
+    device machine gets `git archive` output)."""
+    if os.environ.get("PLAIT_COMMIT"):
+        return os.environ["PLAIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -15,6 +15,7 @@ Order of operations, per row:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -279,6 +280,7 @@ class SamplingBatchInfo:
     min_tokens_ids: Tensor | None = None  # int64 [n]
     need_logprobs: bool = False
     top_logprobs_num: int = 0
+    seeds_host: tuple[int, ...] = ()  # int64-wrapped seeds, kept to re-key the draws (with_steps)
 
     @property
     def batch_size(self) -> int:
@@ -287,6 +289,23 @@ class SamplingBatchInfo:
     @property
     def has_penalties(self) -> bool:
         return self.seen_token_mask is not None or self.output_token_counts is not None
+
+    @property
+    def reusable_next_step(self) -> bool:
+        """Whether the same requests' next step may reuse this info with only the step index moved:
+        nothing here reads the output tokens (penalties) or the step count (min_new_tokens masks:
+        once no row is under its minimum, none will be)."""
+        return not self.has_penalties and self.min_tokens_rows is None
+
+    def with_steps(self, steps: Sequence[int]) -> SamplingBatchInfo:
+        """A copy for the same requests one step on: new ``steps`` and ``noise_keys`` (one small
+        host-to-device copy), every other tensor shared. Only when ``reusable_next_step``."""
+        if not self.reusable_next_step or len(steps) != self.batch_size:
+            raise ValueError("with_steps needs a reusable info (no penalties, no min_new_tokens mask) "
+                             f"and one step per row ({self.batch_size}), got {len(steps)}")
+        ints = to_device(torch.tensor([list(steps), row_keys_host(self.seeds_host, steps)], dtype=torch.int64),
+                         self.temperatures.device)
+        return dataclasses.replace(self, steps=ints[0], noise_keys=ints[1])
 
     @classmethod
     def build(
@@ -361,6 +380,7 @@ class SamplingBatchInfo:
             top_p_within_top_k=need_top_p and all(k < vocab_size for k in sampling_top_ks),
             need_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
             top_logprobs_num=max((p.top_logprobs for p in params), default=0),
+            seeds_host=tuple(seeds64),
         )
 
         if any(r != 1.0 for r in reps):

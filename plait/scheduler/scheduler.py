@@ -70,6 +70,12 @@ class HostCopy:
 
 
 @dataclass
+class _LastSampling:
+    reqs: list[Req]
+    info: SamplingBatchInfo
+
+
+@dataclass
 class InFlight:
     sampled: list[BatchEntry]
     results: HostCopy | None  # None when the batch sampled nothing (non-final prefill chunks)
@@ -94,6 +100,7 @@ class Scheduler:
         self._in_flight: InFlight | None = None
         self._draining: list[Req] = []  # finished, waiting for an in-flight batch before release
         self._updated: list[Req] = []
+        self._last_sampling: _LastSampling | None = None  # the previous step's sampled requests and info
         # Optional observer of every sampled step: (requests, their float32 logits rows). Used by
         # correctness tests and logit debugging; None costs nothing.
         self.on_logits: Callable[[list[Req], torch.Tensor], None] | None = None
@@ -324,7 +331,12 @@ class Scheduler:
         assert batch.token_rows is not None
         self.req_to_token_pool.req_to_token[batch.token_rows, fb.positions] = batch.out_cache_loc.to(torch.int32)
         sampled = batch.sampled
-        if sampled:
+        prev = self._last_sampling
+        if sampled and prev is not None and prev.info.reusable_next_step and len(prev.reqs) == len(sampled) and all(
+                a is e.req for a, e in zip(prev.reqs, sampled, strict=True)):
+            # Steady decode: the same requests sample again; only their step index moved.
+            fb.sampling_info = prev.info.with_steps([e.req.num_generated for e in sampled])
+        elif sampled:
             fb.sampling_info = SamplingBatchInfo.build(
                 [e.req.sampling_params for e in sampled],
                 seeds=[e.req.seed for e in sampled],
@@ -336,6 +348,8 @@ class Scheduler:
                 vocab_size=self.vocab_size,
                 device=self.runner.device,
             )
+        # Holding the Req objects keeps their id()s from being reused while they are compared.
+        self._last_sampling = _LastSampling([e.req for e in sampled], fb.sampling_info) if sampled else None
         logits = self.runner.forward(fb)
         if self.spec_worker is not None:
             self.spec_worker.after_target_forward(fb)  # a draft model mirrors the target's KV
