@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|backends-tests|backends
+# backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
+# and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
+# triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -18,6 +21,18 @@ for stage in "$@"; do
     latency-1b-fast) python -m plait bench latency --shape llama-3.2-1b --no-compile-peer --out "$OUT" 2>&1 | tail -5 ;;
     latency-8b-fast) python -m plait bench latency --shape llama-3.1-8b --no-compile-peer --prefill --out "$OUT" 2>&1 | tail -8 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
+    backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
+                      | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;
+    backends)
+      python benchmarks/attention_backends_bench.py --out-dir "$OUT" 2>&1 | grep '^#' | tail -8
+      for pair in "--attention-backend triton" "--attention-backend torch_flash" \
+                  "--prefill-attention-backend torch_flash --decode-attention-backend triton"; do
+        echo "--- $pair"
+        # shellcheck disable=SC2086  # $pair is several flags
+        python -m plait bench latency --shape llama-3.1-8b --prefill --prefill-only $pair --out "$OUT" 2>&1 | tail -2
+        # shellcheck disable=SC2086
+        python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

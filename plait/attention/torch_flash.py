@@ -327,7 +327,9 @@ class TorchFlashAttnBackend(AttentionBackend):
     def _run_varlen(self, seg: Segments, q, k, v, k_buf, v_buf, layer: AttentionLayer, out: torch.Tensor) -> None:
         assert self.varlen is not None
         qs = q if seg.q_src is None else q[seg.q_src]
-        o = self.varlen(qs, self._gather(seg, k, k_buf), self._gather(seg, v, v_buf), seg.cu_q, seg.cu_k,
+        # FlashAttention wants dense rows; k/v may be column slices of a fused qkv projection.
+        ks, vs = self._gather(seg, k, k_buf).contiguous(), self._gather(seg, v, v_buf).contiguous()
+        o = self.varlen(qs.contiguous(), ks, vs, seg.cu_q, seg.cu_k,
                         max(seg.ext), max(p + e for p, e in zip(seg.pre, seg.ext, strict=True)), layer.scaling,
                         layer.sliding_window)
         if seg.q_src is None:
