@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|...
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|backends-tests|backends|...
+# backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
+# and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
+# triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -21,6 +24,18 @@ for stage in "$@"; do
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
+    backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
+                      | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;
+    backends)
+      python benchmarks/attention_backends_bench.py --out-dir "$OUT" 2>&1 | grep '^#' | tail -8
+      for pair in "--attention-backend triton" "--attention-backend torch_flash" \
+                  "--prefill-attention-backend torch_flash --decode-attention-backend triton"; do
+        echo "--- $pair"
+        # shellcheck disable=SC2086  # $pair is several flags
+        python -m plait bench latency --shape llama-3.1-8b --prefill --prefill-only $pair --out "$OUT" 2>&1 | tail -2
+        # shellcheck disable=SC2086
+        python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from plait.config import EngineConfig
+from plait.config import ATTENTION_BACKENDS, EngineConfig
 from plait.sampling import SamplingParams
 
 logger = logging.getLogger("plait")
@@ -37,6 +37,12 @@ def _flag_type(tp: Any) -> Any:
     return tp
 
 
+# Flags with a closed set of values: argparse lists them in --help and rejects others before start-up.
+FLAG_CHOICES: dict[str, tuple[str, ...]] = {name: ATTENTION_BACKENDS for name in (
+    "attention_backend", "prefill_attention_backend", "decode_attention_backend",
+    "speculative_draft_attention_backend")}
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
@@ -49,7 +55,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequen
         elif tp == "list":
             group.add_argument(flag, nargs="+", default=None, help=f"{cls.__name__}.{f.name}")
         else:
-            group.add_argument(flag, type=tp, default=None, help=f"{cls.__name__}.{f.name}")
+            group.add_argument(flag, type=tp, default=None, choices=FLAG_CHOICES.get(f.name),
+                               help=f"{cls.__name__}.{f.name}")
 
 
 def collect(args: argparse.Namespace, cls: type, skip: Sequence[str] = ()) -> dict[str, Any]:

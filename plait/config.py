@@ -11,9 +11,20 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-ATTENTION_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_flash")
+# ``auto`` (and an unset --attention-backend): the measured-best (prefill, decode) pair per device.
+# CPU: torch_native (triton there is the interpreter, for tests; torch_flash needs CUDA).
+# CUDA: triton for both halves until the ``backends`` stage of benchmarks/run_h200.sh (JSON under
+# benchmarks/results/, table in README "Attention backends") shows a pair with torch_flash ahead end to
+# end; torch_flash's prefill kernel alone measured faster (issue 6), its decode is not graph-safe.
+AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+
+
+def auto_backends(device_type: str) -> tuple[str, str]:
+    """The ``auto`` (prefill, decode) pair for a device type ("cuda", "cpu", ...)."""
+    return AUTO_BACKENDS.get(device_type, AUTO_BACKENDS["cpu"])
 
 
 def _check(cond: bool, message: str) -> None:
@@ -155,10 +166,14 @@ class EngineConfig:
     def attention_backends(self) -> tuple[str, str]:
         """The (prefill, decode) backend pair: each the phase-specific flag or else the base field.
 
-        An unset base resolves by device: ``triton`` on CUDA, ``torch_native`` elsewhere.
+        ``auto`` or an unset base resolves per half from ``AUTO_BACKENDS`` for the device, so the
+        pair always names concrete backends.
         """
-        base = self.attention_backend or ("triton" if self.resolved_device() == "cuda" else "torch_native")
-        return (self.prefill_attention_backend or base, self.decode_attention_backend or base)
+        auto = auto_backends(self.resolved_device())
+        base = self.attention_backend or "auto"
+        prefill = self.prefill_attention_backend or base
+        decode = self.decode_attention_backend or base
+        return (auto[0] if prefill == "auto" else prefill, auto[1] if decode == "auto" else decode)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -12,51 +12,15 @@ pytest.importorskip("triton")
 
 from plait.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from plait.forward_batch import ForwardMode  # noqa: E402
+from tests.attn_cases import extend_batch, layer, make_pools, run  # noqa: E402
 
 HEADS = [(2, 2), (8, 2), (8, 1)]  # GQA ratios 1, 4, 8
 
 
 def make_backends(hq: int, hkv: int, d: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    pool = ReqToTokenPool(8, 96, "cpu")
-    kv = MHATokenToKVPool(400, torch.float32, 1, hkv, d, "cpu")
-    kv.k_buffer[0].copy_(torch.randn(kv.k_buffer[0].shape, generator=g))
-    kv.v_buffer[0].copy_(torch.randn(kv.v_buffer[0].shape, generator=g))
+    pool, kv, g = make_pools(hkv, d, seed)
     return TorchNativeAttnBackend(pool, kv), TritonAttnBackend(pool, kv, hq), pool, g
-
-
-def layer(hq: int, hkv: int, d: int, window: int | None = None):
-    return SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5, logit_cap=0.0,
-                           sliding_window=window)
-
-
-def extend_batch(pool, g, prefix: list[int], ext: list[int]) -> ForwardBatch:
-    rows = list(range(2, 2 + len(prefix)))
-    slots = torch.randperm(399, generator=g)[: sum(prefix) + sum(ext)] + 1  # never the dummy slot 0
-    new_slots = []
-    off = 0
-    for row, p, e in zip(rows, prefix, ext, strict=True):
-        pool.write(row, 0, slots[off : off + p + e])
-        new_slots.append(slots[off + p : off + p + e])
-        off += p + e
-    t = sum(ext)
-    starts = [sum(ext[:i]) for i in range(len(ext))]
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=len(rows), input_ids=torch.zeros(t, dtype=torch.long),
-        req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor([p + e for p, e in zip(prefix, ext, strict=True)]),
-        out_cache_loc=torch.cat(new_slots), positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext,
-                                                                                                      strict=True)]),
-        seq_lens_cpu=[p + e for p, e in zip(prefix, ext, strict=True)], seq_lens_sum=sum(prefix) + t,
-        extend_num_tokens=t, extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.tensor(prefix),
-        extend_start_loc=torch.tensor(starts), extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=prefix)
-
-
-def run(backend, fb, q, k, v, lay):
-    fb.reset_forward_metadata_marker()
-    backend.init_forward_metadata(fb)
-    return backend.forward(q.clone(), k.clone(), v.clone(), lay, fb)
 
 
 @pytest.mark.parametrize(("hq", "hkv"), HEADS, ids=["gqa1", "gqa4", "gqa8"])

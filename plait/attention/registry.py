@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from plait.attention.base import AttentionBackend
+from plait.config import auto_backends
 
 if TYPE_CHECKING:
     from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
@@ -56,6 +57,26 @@ def _triton(
     from plait.attention.triton_backend import TritonAttnBackend
 
     return "triton", TritonAttnBackend(req_to_token_pool, kv_pool, num_q_heads, sliding_window)
+
+
+@register_backend("torch_flash")
+def _torch_flash(
+    req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int, sliding_window: int | None
+) -> tuple[str, AttentionBackend]:
+    from plait.attention.torch_flash import TorchFlashAttnBackend, check_available
+
+    check_available(kv_pool.k_buffer[0].device)  # ValueError naming the backends that run here
+    return "torch_flash", TorchFlashAttnBackend(req_to_token_pool, kv_pool, sliding_window=sliding_window)
+
+
+@register_backend("auto")
+def _auto(
+    req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int, sliding_window: int | None
+) -> tuple[str, AttentionBackend]:
+    # A leaf builds one backend: the decode half of the device's auto pair (what a draft model, which
+    # defaults to the decode half, would get). Engine pairs resolve ``auto`` in attention_backends().
+    name = auto_backends(kv_pool.k_buffer[0].device.type)[1]
+    return _REGISTRY[name](req_to_token_pool, kv_pool, num_q_heads, sliding_window)
 
 
 def build_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,

@@ -23,6 +23,7 @@ from plait.bench.workloads import (
     random_prompts,
     throughput_floor_seconds,
 )
+from plait.config import ATTENTION_BACKENDS
 
 
 def measure_limits() -> Limits:
@@ -46,21 +47,57 @@ def _peer(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+BACKEND_FLAGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
+def add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine's three attention-backend flags, passed through to every plait engine of the run."""
+    for name in BACKEND_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), choices=ATTENTION_BACKENDS, default=None,
+                            help=f"EngineConfig.{name} for the plait engines of this run")
+
+
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The backend flags that were set, plus ``disable_cuda_graph`` when the decode half is torch_flash
+    (its decode is not graph-safe: plait.attention.torch_flash)."""
+    options = {name: getattr(args, name) for name in BACKEND_FLAGS if getattr(args, name, None)}
+    decode = options.get("decode_attention_backend") or options.get("attention_backend")
+    if decode == "torch_flash":
+        options["disable_cuda_graph"] = True
+    return options
+
+
+def backend_tag(options: dict[str, Any]) -> str | None:
+    """File-name tag of a run with explicit backends: ``attn-<prefill>-<decode>`` (one name when equal)."""
+    if not any(name in options for name in BACKEND_FLAGS):
+        return None
+    base = options.get("attention_backend") or "auto"
+    prefill = options.get("prefill_attention_backend") or base
+    decode = options.get("decode_attention_backend") or base
+    return "attn-" + (prefill if prefill == decode else f"{prefill}-{decode}")
+
+
 def cmd_latency(args: argparse.Namespace) -> int:
     lim = measure_limits()
     root = tempfile.mkdtemp(prefix="plait-shapes-")
+    backends = backend_options(args)
+    tag = backend_tag(backends)
     for shape in args.shape:
         shape_dir = str(write_shape_dir(root, shape))
         vocab = SHAPES[shape]["vocab_size"]
         prompt = random_prompts(1, 128, vocab, seed=0)[0]
         new = args.output_len
+        if args.prefill_only:
+            if args.prefill and shape == "llama-3.1-8b":
+                _prefill_mfu(args, shape, shape_dir, vocab, lim, backends, tag)
+            continue
         peers: dict[str, Any] = {}
         if not args.no_peer:
             peers["generate"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=False)
             if not args.no_compile_peer:
                 peers["static_compile"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=True)
-        graph = plait_decode_bs1(shape, shape_dir, prompt, new)
-        eager = plait_decode_bs1(shape, shape_dir, prompt, new, disable_cuda_graph=True)
+        graph = plait_decode_bs1(shape, shape_dir, prompt, new, **backends)
+        eager = plait_decode_bs1(shape, shape_dir, prompt, new, **{**backends, "disable_cuda_graph": True})
         contexts = [128 + new // 2]  # mean context over the decode
         bytes_step = decode_step_bytes(shape, contexts)
         floor = lim.copy_bw / bytes_step
@@ -70,7 +107,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         write_result(
             args.out, "decode-bs1", shape, "decode_tok_s", graph["tok_s"], peer_name if fastest else None, fastest,
             floor, {"dtype": "bfloat16", "load_format": "dummy", "input_len": 128, "output_len": new,
-                    "cuda_graph": True, "overlap_schedule": True},
+                    "cuda_graph": graph["cuda_graph"], "overlap_schedule": True, **backends}, tag=tag,
             ms_per_step=graph["ms_per_step"], eager=eager, graph=graph,
             graph_speedup_over_eager=graph["tok_s"] / eager["tok_s"], peers=peers,
             floor_definition="copy HBM bandwidth / (bf16 matmul weights + KV cache read at the mean context) "
@@ -78,16 +115,21 @@ def cmd_latency(args: argparse.Namespace) -> int:
             floor_read_bandwidth_tok_s=lim.read_bw / bytes_step, bytes_per_step=bytes_step,
             kv_capacity_tokens=graph["kv_capacity_tokens"], **_limits_detail(lim))
         if args.prefill and shape == "llama-3.1-8b":
-            pre = plait_prefill(shape, shape_dir, 8, 2048, vocab)
-            flops = prefill_flops(shape, [2048] * 8)
-            mfu = flops / pre["seconds"] / lim.matmul_rate
-            write_result(args.out, "prefill-8x2048", shape, "prefill_tok_s", pre["tokens_per_s"], None, None,
-                         pre["tokens_per_s"] / mfu if mfu else None,
-                         {"dtype": "bfloat16", "prompts": 8, "prompt_len": 2048, "chunked_prefill_size": 16384},
-                         mfu=mfu, flops=flops, seconds=pre["seconds"],
-                         floor_definition="FLOPs / measured bf16 matmul rate (MFU = fraction_of_floor)",
-                         **_limits_detail(lim))
+            _prefill_mfu(args, shape, shape_dir, vocab, lim, backends, tag)
     return 0
+
+
+def _prefill_mfu(args: argparse.Namespace, shape: str, shape_dir: str, vocab: int, lim: Limits,
+                 backends: dict[str, Any], tag: str | None) -> None:
+    pre = plait_prefill(shape, shape_dir, 8, 2048, vocab, **backends)
+    flops = prefill_flops(shape, [2048] * 8)
+    mfu = flops / pre["seconds"] / lim.matmul_rate
+    write_result(args.out, "prefill-8x2048", shape, "prefill_tok_s", pre["tokens_per_s"], None, None,
+                 pre["tokens_per_s"] / mfu if mfu else None,
+                 {"dtype": "bfloat16", "prompts": 8, "prompt_len": 2048, "chunked_prefill_size": 16384, **backends},
+                 tag=tag, mfu=mfu, flops=flops, seconds=pre["seconds"], attention_backend=pre["attention_backend"],
+                 floor_definition="FLOPs / measured bf16 matmul rate (MFU = fraction_of_floor)",
+                 **_limits_detail(lim))
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
@@ -112,7 +154,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     if args.peer:
         peer = _peer(peer_hf.generate_batch_throughput, shape, prompts,
                      out_lens[0] if len(set(out_lens)) == 1 else out_lens)
-    options = {"max_running_requests": args.num_requests}
+    options = {"max_running_requests": args.num_requests, **backend_options(args)}
     result = plait_throughput(shape_dir, prompts, params, **options)
     floor_s = throughput_floor_seconds(shape, [len(p) for p in prompts], out_lens, lim)
     floor = sum(out_lens) / floor_s
@@ -124,7 +166,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         args.out, args.workload, shape, "output_tok_s", result["output_tok_s"],
         "transformers generate_batch" if peer.get("output_tok_s") else None, peer.get("output_tok_s"), floor,
         {"dtype": "bfloat16", "load_format": "dummy", **options, "requests": args.num_requests},
-        detail=result, peer_detail=peer, floor_seconds=floor_s,
+        tag=backend_tag(options), detail=result, peer_detail=peer, floor_seconds=floor_s,
         floor_definition="sum over steps of max(FLOPs / bf16 matmul rate, bytes / copy bandwidth): prefill "
                          "compute-bound, then one decode step per position over the running requests",
         mfu_prefill_flops_only=flops / result["seconds"] / lim.matmul_rate,
@@ -139,7 +181,9 @@ def add_bench_parsers(bench_sub: Any) -> None:
     lat.add_argument("--no-peer", action="store_true")
     lat.add_argument("--no-compile-peer", action="store_true")
     lat.add_argument("--prefill", action="store_true", help="also 8 x 2048 prefill MFU on llama-3.1-8b")
+    lat.add_argument("--prefill-only", action="store_true", help="with --prefill: only the prefill MFU run")
     lat.add_argument("--out", default="benchmarks/results")
+    add_backend_flags(lat)
     lat.set_defaults(func=cmd_latency)
     off = bench_sub.add_parser("offline", help="offline-throughput / nano-vllm against transformers")
     off.add_argument("--workload", choices=["offline-throughput", "nano-vllm"], default="offline-throughput")
@@ -148,6 +192,7 @@ def add_bench_parsers(bench_sub: Any) -> None:
     off.add_argument("--peer", action="store_true", help="run transformers generate_batch in the same run")
     off.add_argument("--overlap-check", action="store_true", help="bs=256 step time vs graph replay")
     off.add_argument("--out", default="benchmarks/results")
+    add_backend_flags(off)
     off.set_defaults(func=cmd_offline)
     from plait.bench.spec import add_spec_parser
 

@@ -40,7 +40,9 @@ def device_name() -> str:
 
 def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric: str, plait_value: float,
                  peer_name: str | None, peer_value: float | None, floor: float | None,
-                 config: dict[str, Any], **details: Any) -> pathlib.Path:
+                 config: dict[str, Any], tag: str | None = None, **details: Any) -> pathlib.Path:
+    """``tag`` (e.g. the attention backends of a comparison run) is appended to the file name so runs
+    of one workload with different settings do not overwrite each other."""
     date = datetime.date.today().isoformat()
     dev = device_name()
     record = {
@@ -54,7 +56,8 @@ def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric:
     path = pathlib.Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     safe_dev = dev.replace(" ", "-").replace("/", "-")
-    file = path / f"{date}-{workload}-{shape}-{safe_dev}.json"
+    suffix = f"-{tag}" if tag else ""
+    file = path / f"{date}-{workload}-{shape}-{safe_dev}{suffix}.json"
     file.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps({k: record[k] for k in ("workload", "shape", "metric", "plait", "peer", "ratio_vs_peer",
                                              "floor", "fraction_of_floor")}))

@@ -104,14 +104,16 @@ def plait_decode_bs1(shape: str, shape_dir: str, prompt: list[int], new_tokens: 
     return {"tok_s": tok_s, "ms_per_step": 1e3 / tok_s, "prefill_s": t_one, "total_s": t_all, **info}
 
 
-def plait_prefill(shape: str, shape_dir: str, n: int, length: int, vocab: int) -> dict[str, Any]:
-    engine = make_engine(shape_dir, disable_radix_cache=True, chunked_prefill_size=n * length, max_running_requests=n)
+def plait_prefill(shape: str, shape_dir: str, n: int, length: int, vocab: int, **options: Any) -> dict[str, Any]:
+    engine = make_engine(shape_dir, disable_radix_cache=True, chunked_prefill_size=n * length, max_running_requests=n,
+                         **options)
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 1}
     engine.generate(random_prompts(n, length, vocab, seed=1), params)  # warm-up
     prompts = random_prompts(n, length, vocab, seed=2)
     _, seconds = timed(lambda: engine.generate(prompts, params))
+    backend = engine.runner.attn_backend.name
     release(engine)
-    return {"tokens_per_s": n * length / seconds, "seconds": seconds}
+    return {"tokens_per_s": n * length / seconds, "seconds": seconds, "attention_backend": backend}
 
 
 def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict[str, Any]], **options: Any
@@ -125,6 +127,7 @@ def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict
     generated = sum(len(o.token_ids) for o in outs)
     stats = engine.scheduler.stats
     info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "retractions": stats.num_retractions,
+            "attention_backend": engine.runner.attn_backend.name, "cuda_graph": engine.runner.graph_runner is not None,
             "forward_steps": stats.forward_steps, "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use()}
     release(engine)
     return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info}

@@ -1,0 +1,57 @@
+"""Shared attention-backend test cases: a paged KV cache with random contents, a layer description,
+extend batches over cached prefixes, and one planned forward through the backend contract."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
+
+
+def make_pools(hkv: int, d: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               max_context: int = 96, slots: int = 400) -> tuple[ReqToTokenPool, MHATokenToKVPool, torch.Generator]:
+    g = torch.Generator().manual_seed(seed)
+    pool = ReqToTokenPool(8, max_context, device)
+    kv = MHATokenToKVPool(slots, dtype, 1, hkv, d, device)
+    kv.k_buffer[0].copy_(torch.randn(kv.k_buffer[0].shape, generator=g))
+    kv.v_buffer[0].copy_(torch.randn(kv.v_buffer[0].shape, generator=g))
+    return pool, kv, g
+
+
+def layer(hq: int, hkv: int, d: int, window: int | None = None, logit_cap: float = 0.0):
+    return SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5,
+                           logit_cap=logit_cap, sliding_window=window)
+
+
+def extend_batch(pool: ReqToTokenPool, g: torch.Generator, prefix: list[int], ext: list[int],
+                 num_slots: int = 400) -> ForwardBatch:
+    """Requests in rows 2.. with random, scattered KV slots (never the dummy slot 0)."""
+    rows = list(range(2, 2 + len(prefix)))
+    slots = torch.randperm(num_slots - 1, generator=g)[: sum(prefix) + sum(ext)] + 1
+    dev = pool.req_to_token.device
+    new_slots = []
+    off = 0
+    for row, p, e in zip(rows, prefix, ext, strict=True):
+        pool.write(row, 0, slots[off : off + p + e].to(dev))
+        new_slots.append(slots[off + p : off + p + e])
+        off += p + e
+    t = sum(ext)
+    starts = [sum(ext[:i]) for i in range(len(ext))]
+    lens = [p + e for p, e in zip(prefix, ext, strict=True)]
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=len(rows), input_ids=torch.zeros(t, dtype=torch.long, device=dev),
+        req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(lens, device=dev),
+        out_cache_loc=torch.cat(new_slots).to(dev),
+        positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext, strict=True)]).to(dev),
+        seq_lens_cpu=lens, seq_lens_sum=sum(lens), extend_num_tokens=t, extend_seq_lens=torch.tensor(ext, device=dev),
+        extend_prefix_lens=torch.tensor(prefix, device=dev), extend_start_loc=torch.tensor(starts, device=dev),
+        extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=prefix)
+
+
+def run(backend, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay) -> torch.Tensor:
+    fb.reset_forward_metadata_marker()
+    backend.init_forward_metadata(fb)
+    return backend.forward(q.clone(), k.clone(), v.clone(), lay, fb)
