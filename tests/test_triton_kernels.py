@@ -181,6 +181,7 @@ def _run_decode(
     seed: int,
     dtype: torch.dtype = torch.float32,
     logit_cap: float = 0.0,
+    split_counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = _gen(seed)
     num_slots = sum(lens) + 37
@@ -196,7 +197,8 @@ def _run_decode(
     num_kv_splits = torch.tensor(splits, dtype=torch.int32, device=DEVICE)
     scale = d**-0.5
     K.decode_attention_fwd(
-        q, k_buf, v_buf, o, indptr, indices, attn_logits, attn_lse, num_kv_splits, max_splits, scale, logit_cap
+        q, k_buf, v_buf, o, indptr, indices, attn_logits, attn_lse, num_kv_splits, max_splits, scale, logit_cap,
+        split_counters=split_counters,
     )
     R.decode_attention_fwd(
         q, k_buf, v_buf, o_ref, indptr, indices, attn_logits, attn_lse, num_kv_splits, max_splits, scale, logit_cap
@@ -233,6 +235,23 @@ def test_decode_splits_from_heuristic() -> None:
     assert splits.tolist() == [4, 1, 3]
     o, o_ref = _run_decode(lens, 8, 2, 64, splits=splits.tolist(), max_splits=4, seed=12)
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+def test_decode_fused_split_merge_matches_reference_and_rezeroes_counters(heads: tuple[int, int]) -> None:
+    hq, hkv = heads
+    lens, splits = [0, 5, 50, 93, 64], [2, 3, 4, 4, 1]
+    counters = torch.zeros(len(lens) * hkv, dtype=torch.int32, device=DEVICE)
+    for seed in (16, 17):  # twice: the second launch relies on the first leaving the counters at zero
+        o, o_ref = _run_decode(lens, hq, hkv, 64, splits=splits, max_splits=4, seed=seed, split_counters=counters)
+        torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+        assert not counters.any()
+
+
+def test_decode_fused_split_merge_rejects_short_counters() -> None:
+    with pytest.raises(ValueError, match="split_counters"):
+        _run_decode([10, 20], 8, 2, 64, splits=[2, 2], max_splits=2, seed=18,
+                    split_counters=torch.zeros(3, dtype=torch.int32, device=DEVICE))
 
 
 def test_decode_logit_cap() -> None:

@@ -11,6 +11,7 @@ replayed, so a replay only copies ``req_pool_indices``/``seq_lens`` and recomput
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,9 @@ from plait.forward_batch import ForwardBatch
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
 MAX_KV_SPLITS = 32  # long contexts at bs=1 need many splits (measured: 32k ctx 61 -> 56 us)
+# Decode merges its KV splits inside the split kernel (one launch per layer instead of two);
+# PLAIT_TRITON_DECODE_TWO_STAGE=1 restores the separate merge kernel (A/B measurement, debugging).
+FUSED_SPLIT_MERGE = os.environ.get("PLAIT_TRITON_DECODE_TWO_STAGE") != "1"
 
 
 @dataclass
@@ -38,6 +42,9 @@ class DecodeBuffers:
     num_kv_splits: torch.Tensor  # int32 [>= bs]
     attn_logits: torch.Tensor  # fp32 [>= bs, Hq, MAX_KV_SPLITS, D] workspace
     attn_lse: torch.Tensor  # fp32 [>= bs, Hq, MAX_KV_SPLITS]
+    # int32 [>= bs * Hq], zero between kernels (the decode kernel re-zeroes what it counts): with it,
+    # the last split of each (request, kv head) merges the splits, and stage 2 is not launched.
+    split_counters: torch.Tensor | None
 
 
 @dataclass
@@ -92,6 +99,7 @@ class TritonAttnBackend(AttentionBackend):
             num_kv_splits=torch.ones(bs, **i32),
             attn_logits=torch.empty(bs, self.num_q_heads, MAX_KV_SPLITS, self.head_dim, **f32),
             attn_lse=torch.empty(bs, self.num_q_heads, MAX_KV_SPLITS, **f32),
+            split_counters=torch.zeros(bs * self.num_q_heads, **i32) if FUSED_SPLIT_MERGE else None,
         )
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -181,7 +189,8 @@ class TritonAttnBackend(AttentionBackend):
         q3 = q.view(-1, hq, d)
         o = torch.empty_like(q3)
         decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: bs + 1], bufs.kv_indices, bufs.attn_logits,
-                             bufs.attn_lse, bufs.num_kv_splits[:bs], MAX_KV_SPLITS, layer.scaling, layer.logit_cap)
+                             bufs.attn_lse, bufs.num_kv_splits[:bs], MAX_KV_SPLITS, layer.scaling, layer.logit_cap,
+                             split_counters=bufs.split_counters)
         return o.view(-1, hq * d)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,

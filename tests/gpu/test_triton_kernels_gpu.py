@@ -48,7 +48,7 @@ def _layout(
     return req_to_token.cuda(), rows.cuda(), indptr.cuda(), torch.cat(chunks).cuda(), num_slots
 
 
-def _decode_case(lens: list[int], seed: int) -> None:
+def _decode_case(lens: list[int], seed: int, fused: bool = False) -> None:
     gen = torch.Generator().manual_seed(seed)
     req_to_token, rows, indptr_ref, indices_ref, num_slots = _layout(lens, gen)
     bs = len(lens)
@@ -68,24 +68,63 @@ def _decode_case(lens: list[int], seed: int) -> None:
     logits = torch.empty(bs, HQ, MAX_KV_SPLITS, D, dtype=torch.float32, device="cuda")
     lse = torch.empty(bs, HQ, MAX_KV_SPLITS, dtype=torch.float32, device="cuda")
     o = torch.empty(bs, HQ, D, dtype=DTYPE, device="cuda")
-    K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS, D**-0.5)
+    counters = torch.zeros(bs * HKV, dtype=torch.int32, device="cuda") if fused else None
+    K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS, D**-0.5,
+                           split_counters=counters)
+    if fused:
+        assert counters is not None and not counters.any()
     o_ref = torch.empty(bs, HQ, D, dtype=torch.float32, device="cuda")
     R.decode_attention_fwd(q, k_buf, v_buf, o_ref, kv_indptr, kv_indices, None, None, None, 0, D**-0.5)
     torch.testing.assert_close(o.float(), o_ref, atol=ATOL, rtol=RTOL)
 
 
-def test_decode_bs256_mixed_lengths() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
+def test_decode_bs256_mixed_lengths(fused: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(1, 2048, (256,), generator=gen).tolist()
-    _decode_case(lens, seed=1)
+    _decode_case(lens, seed=1, fused=fused)
 
 
-def test_decode_long_context_32k() -> None:
-    _decode_case([32768, 20000, 1, 4097], seed=2)
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
+def test_decode_long_context_32k(fused: bool) -> None:
+    _decode_case([32768, 20000, 1, 4097], seed=2, fused=fused)
 
 
-def test_decode_bs1_ctx384() -> None:
-    _decode_case([384], seed=3)
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
+def test_decode_bs1_ctx384(fused: bool) -> None:
+    _decode_case([384], seed=3, fused=fused)
+
+
+def test_decode_fused_merge_is_bitwise_the_two_stage_result_over_many_launches() -> None:
+    """The in-kernel merge does stage 2's arithmetic in stage 2's order, so any difference is a
+    publication race (a partial read before it was written): 200 launches at bs 64, contexts up to
+    8k (many splits per request), each compared bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    bs = 64
+    lens = torch.randint(1, 8192, (bs,), generator=gen).tolist()
+    req_to_token, rows, _, _, num_slots = _layout(lens, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    k_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    v_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    q = torch.randn(bs, HQ, D, device="cuda", dtype=DTYPE)
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
+    kv_indptr[1:] = torch.cumsum(seq_lens, 0)
+    kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device="cuda")
+    K.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
+    splits = torch.full((bs,), MAX_KV_SPLITS, dtype=torch.int32, device="cuda")
+    logits = torch.empty(bs, HQ, MAX_KV_SPLITS, D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(bs, HQ, MAX_KV_SPLITS, dtype=torch.float32, device="cuda")
+    expect = torch.empty(bs, HQ, D, dtype=DTYPE, device="cuda")
+    K.decode_attention_fwd(q, k_buf, v_buf, expect, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS,
+                           D**-0.5)
+    counters = torch.zeros(bs * HKV, dtype=torch.int32, device="cuda")
+    outs = [torch.empty_like(expect) for _ in range(200)]
+    for o in outs:
+        K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS,
+                               D**-0.5, split_counters=counters)
+    torch.cuda.synchronize()
+    assert sum(not torch.equal(o, expect) for o in outs) == 0
+    assert not counters.any()
 
 
 def test_decode_cuda_graph_replay() -> None:
@@ -111,8 +150,10 @@ def test_decode_cuda_graph_replay() -> None:
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
         K.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
         K.get_num_kv_splits(seq_lens, splits, MAX_KV_SPLITS, _num_sms(), num_kv_heads=HKV)
-        K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS, D**-0.5)
+        K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS, D**-0.5,
+                               split_counters=counters)
 
+    counters = torch.zeros(max_bs * HKV, dtype=torch.int32, device="cuda")  # the engine's path: fused merge
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
