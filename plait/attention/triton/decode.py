@@ -163,7 +163,7 @@ def _decode_stage1_kernel(
             # its partial stores at GPU scope, the CTA synchronises, then one acq_rel atomic counts the
             # split; the program that sees count == active - 1 reads the partials through L2 (.cg).
             if GPU_FENCE:
-                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [offs_h],
+                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [offs_h],
                                           dtype=tl.int32, is_pure=False, pack=1)
             tl.debug_barrier()
             n_active = tl.minimum(n_splits, tl.cdiv(seq_len, split_len))
