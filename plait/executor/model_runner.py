@@ -92,7 +92,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         self.verify_graph_runner: VerifyGraphRunner | None = None
-        if self.device == "cuda" and not config.disable_cuda_graph:
+        # EAGLE heads read target hidden states through forward hooks, which a replayed graph does
+        # not run: those engines capture no target graphs (their draft loop is captured by the worker).
+        eagle = config.speculative_algorithm in ("EAGLE", "EAGLE3")
+        if self.device == "cuda" and not config.disable_cuda_graph and not eagle:
             max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
             self.graph_runner = CudaGraphRunner(self, max_bs)
             widths = verify_graph_widths(config)

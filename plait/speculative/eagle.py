@@ -34,6 +34,7 @@ from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool
 from plait.models.eagle import Eagle3Head, EagleHead, eagle3_capture_layers, iter_checkpoint, load_head_config
 from plait.speculative.draft_backend import DraftBackendFactory
+from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
 
@@ -52,10 +53,11 @@ class EagleWorker(SpecWorker):
         if self.topk != 1:
             raise ValueError(f"--speculative-eagle-topk > 1 (a draft tree) is not available for {algo} yet: set "
                              "--speculative-eagle-topk 1 (a chain), or use NGRAM for trees")
-        if runner.graph_runner is not None:
-            # Hidden states are captured by hooks, which a replayed graph does not run.
-            raise ValueError(f"--speculative-algorithm {algo} does not run with CUDA graphs yet: add "
-                             "--disable-cuda-graph")
+        if runner.graph_runner is not None or runner.verify_graph_runner is not None:
+            # Target hidden states are captured by hooks, which a replayed graph does not run (the
+            # model runner captures no target graphs for EAGLE engines; the draft loop has its own).
+            raise ValueError(f"--speculative-algorithm {algo} cannot read target hidden states from replayed "
+                             "target graphs: add --disable-cuda-graph")
         path = config.speculative_draft_model_path
         assert path is not None
         try:
@@ -98,6 +100,19 @@ class EagleWorker(SpecWorker):
             self._hooks.append(target.model.norm.register_forward_hook(self._norm_hook))
         # row -> (position, target hidden at that position): see the module docstring.
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}
+        self.hidden_in_dim = tcfg.hidden_size * (len(self.capture_layers) if self.is_eagle3 else 1)
+        self.draft_graphs: DraftLoopGraphRunner | None = None
+        max_bs = draft_graph_max_bs(config, runner.device)
+        if max_bs is not None:
+            self.draft_graphs = self.build_draft_graphs(max_bs)
+
+    def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
+        """Capture the chain draft loop per (steps, batch bucket): step 0 reads the pending target
+        hidden (through ``fc``), later steps the head's own output; tests pass an EagerGraph factory."""
+        extra = {} if graph_factory is None else {"graph_factory": graph_factory}
+        return DraftLoopGraphRunner(self.decode_backend, self._head, max_bs, self.num_steps, position_offset=-1,
+                                    device=self.runner.device, hidden_dim=self.hidden_in_dim,
+                                    hidden_dtype=self.runner.model_config.dtype, **extra)
 
     # --- capture ----------------------------------------------------------------------------------
     def _pre_hook(self, layer_id: int):
@@ -253,6 +268,23 @@ class EagleWorker(SpecWorker):
         step0_slots = r2t[rows, pre_t - 1].to(torch.int64)
         tokens = torch.empty(k + 1, bs, dtype=torch.int64, device=device)
         tokens[0] = torch.tensor([reqs[i].output_ids[-1] for i in use], dtype=torch.int64)
+        hidden = torch.stack([self.pending[reqs[i].req_pool_idx][1] for i in use])
+        if self.draft_graphs is not None and self.draft_graphs.can_run(bs, k):
+            slots = torch.cat([step0_slots[None], temp.t()]) if k > 1 else step0_slots[None]
+            tokens[1:] = self.draft_graphs.replay(tokens[0], rows, prefix, pre_t, slots, hidden)
+        else:
+            self._draft_eager(tokens, rows, prefix, pre_t, step0_slots, temp, hidden)
+        if k > 1:
+            sched.allocator.free(temp.flatten())
+        guesses = tokens[1:].t().tolist()
+        for j, i in enumerate(use):
+            out[i] = DraftTree.chain(reqs[i].output_ids[-1], guesses[j][: max_depths[i]])
+        return out
+
+    def _draft_eager(self, tokens: torch.Tensor, rows: torch.Tensor, prefix: list[int], pre_t: torch.Tensor,
+                     step0_slots: torch.Tensor, temp: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The chain loop without graphs: every step planned up front, each batch marked."""
+        k, bs = tokens.shape[0] - 1, tokens.shape[1]
         batches = []
         for s in range(k):
             seq = [p + s for p in prefix]
@@ -261,12 +293,5 @@ class EagleWorker(SpecWorker):
                 seq_lens=pre_t + s, out_cache_loc=step0_slots if s == 0 else temp[:, s - 1].contiguous(),
                 positions=pre_t - 1 + s, seq_lens_cpu=seq, seq_lens_sum=sum(seq)))
         self.decode_backend.plan_steps(batches)  # every step planned up front, each batch marked
-        hidden = torch.stack([self.pending[reqs[i].req_pool_idx][1] for i in use])
         for s, fb in enumerate(batches):
             tokens[s + 1], hidden = self._head(fb, self.decode_backend.children[s], hidden)
-        if k > 1:
-            sched.allocator.free(temp.flatten())
-        guesses = tokens[1:].t().tolist()
-        for j, i in enumerate(use):
-            out[i] = DraftTree.chain(reqs[i].output_ids[-1], guesses[j][: max_depths[i]])
-        return out
