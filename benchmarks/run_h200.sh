@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|spec-tests|spec
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -18,6 +18,17 @@ for stage in "$@"; do
     latency-1b-fast) python -m plait bench latency --shape llama-3.2-1b --no-compile-peer --out "$OUT" 2>&1 | tail -5 ;;
     latency-8b-fast) python -m plait bench latency --shape llama-3.1-8b --no-compile-peer --prefill --out "$OUT" 2>&1 | tail -8 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
+    # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
+    spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu-spec-tests.log" | tail -15 ;;
+    # spec-overhead (graph-replayed verify at bs 1/16/64 + EAGLE3 draft steps), then the n-gram pair
+    # shortened (16 prompts, 64 tokens) to stay within ~4 minutes of GPU time.
+    spec)
+      python -m plait bench spec --workload spec-overhead --shape llama-3.1-8b --out "$OUT" 2>&1 | tail -5
+      for w in spec-ngram-repeat spec-ngram-miss; do
+        python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
+          --out "$OUT" 2>&1 | tail -5
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
