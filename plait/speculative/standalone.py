@@ -26,10 +26,11 @@ from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE
 from plait.forward_batch import ForwardBatch, ForwardMode
-from plait.mem.pools import MHATokenToKVPool
+from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool
 from plait.models.loader import load_model, load_model_config
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
+from plait.speculative.draft_tree import expand_trees
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device
@@ -43,9 +44,6 @@ if TYPE_CHECKING:
 class StandaloneWorker(SpecWorker):
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
-        if self.topk != 1:
-            raise ValueError("--speculative-eagle-topk > 1 (a draft tree) is not available for STANDALONE yet: "
-                             "set --speculative-eagle-topk 1 (a chain), or use NGRAM for trees")
         path = config.speculative_draft_model_path
         assert path is not None
         try:
@@ -67,7 +65,7 @@ class StandaloneWorker(SpecWorker):
         self.decode_backend = factory.create_decode_backend(self.num_steps)
         self.draft_graphs: DraftLoopGraphRunner | None = None
         max_bs = draft_graph_max_bs(config, runner.device)
-        if max_bs is not None:
+        if max_bs is not None and self.topk == 1:  # the captured loop is the chain loop
             self.draft_graphs = self.build_draft_graphs(max_bs)
 
     def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
@@ -136,7 +134,35 @@ class StandaloneWorker(SpecWorker):
         self._forward(fb, self.extend_backend, logits=False)
 
     # --- drafting ---------------------------------------------------------------------------------
+    def _score_tree_nodes(self, reqs: list[Req], trees: list[DraftTree], frontier: list[list[int]]
+                          ) -> list[torch.Tensor]:
+        """Draft log-probabilities at the frontier nodes of partial trees: one extend over every node
+        (custom ancestor mask, node i at kv_len + depth(i)); KV goes to the reserved dummy slot, as
+        the tree is recomputed each step and the accepted path is re-extended after verification."""
+        slots = torch.full((sum(t.width for t in trees),), DUMMY_KV_SLOT, dtype=torch.int64,
+                           device=self.runner.device)
+        fb = self.build_verify_batch(reqs, trees, slots)
+        fb.forward_mode = ForwardMode.DRAFT_EXTEND
+        starts = [0]
+        for t in trees[:-1]:
+            starts.append(starts[-1] + t.width)
+        rows = [s + f for s, fr in zip(starts, frontier, strict=True) for f in fr]
+        fb.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.runner.device)
+        logits = self._forward(fb, self.extend_backend, logits=True)
+        assert logits is not None
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        return list(logprobs.split([len(fr) for fr in frontier]))
+
+    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]) -> list[torch.Tensor]:
+            return self._score_tree_nodes([reqs[i] for i in ids], trees, frontier)
+
+        roots = [r.output_ids[-1] for r in reqs]
+        return list(expand_trees(roots, max_depths, self.topk, self.num_draft_tokens, score))
+
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        if self.topk > 1:
+            return self._propose_trees(reqs, max_depths)
         # Every request runs the same number of draft steps (one batch per step); a request too
         # close to the end of its context for that many positions decodes normally instead.
         k = max(max_depths)
