@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE3: a draft head over the target's hidden states (chains, topk = 1).
+"""EAGLE / EAGLE3: a draft head over the target's hidden states (chains, and top-k trees when topk > 1).
 
 Hidden states: forward hooks on the target (no change to the model code) capture, for every token
 of every target forward, EAGLE's input (the final normed hidden state) or EAGLE3's (the
@@ -31,10 +31,11 @@ import torch
 from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch, ForwardMode
-from plait.mem.pools import MHATokenToKVPool
+from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool
 from plait.models.eagle import Eagle3Head, EagleHead, eagle3_capture_layers, iter_checkpoint, load_head_config
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
+from plait.speculative.draft_tree import expand_trees
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
 
@@ -50,9 +51,6 @@ class EagleWorker(SpecWorker):
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
         algo = config.speculative_algorithm
-        if self.topk != 1:
-            raise ValueError(f"--speculative-eagle-topk > 1 (a draft tree) is not available for {algo} yet: set "
-                             "--speculative-eagle-topk 1 (a chain), or use NGRAM for trees")
         if runner.graph_runner is not None or runner.verify_graph_runner is not None:
             # Target hidden states are captured by hooks, which a replayed graph does not run (the
             # model runner captures no target graphs for EAGLE engines; the draft loop has its own).
@@ -103,7 +101,7 @@ class EagleWorker(SpecWorker):
         self.hidden_in_dim = tcfg.hidden_size * (len(self.capture_layers) if self.is_eagle3 else 1)
         self.draft_graphs: DraftLoopGraphRunner | None = None
         max_bs = draft_graph_max_bs(config, runner.device)
-        if max_bs is not None:
+        if max_bs is not None and self.topk == 1:  # the captured loop is the chain loop
             self.draft_graphs = self.build_draft_graphs(max_bs)
 
     def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
@@ -245,7 +243,72 @@ class EagleWorker(SpecWorker):
         self._verify_hidden = None
 
     # --- drafting ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _head_logprobs(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities over the target vocabulary, the head's hidden) for every row of fb."""
+        fb.attn_backend = self.extend_backend
+        self.extend_backend.init_forward_metadata(fb)
+        embeds = self.embed(fb.input_ids)
+        if isinstance(self.head, Eagle3Head):
+            logits, hidden = self.head(embeds, hidden_in, fb.positions, fb)
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            # Draft id d is target id d + d2t[d]; target ids outside the draft vocabulary get -inf.
+            out = lp.new_full((lp.shape[0], self.runner.model_config.vocab_size), float("-inf"))
+            ids = torch.arange(lp.shape[1], device=lp.device)
+            out[:, self.head.draft_to_target(ids)] = lp
+            return out, hidden
+        hidden = self.head(embeds, hidden_in, fb.positions, fb)
+        target = self.runner.model
+        return torch.log_softmax(target.logits_processor(hidden, target.lm_head_weight, fb).float(), dim=-1), hidden
+
+    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        """Top-k trees: the partial tree is recomputed each step with the custom ancestor mask, the
+        root at the pending position kv_len - 1 (the draft has KV below it), node n at kv_len - 1 +
+        depth(n) reading its parent's head output; KV goes to the dummy slot (no tree state held)."""
+        from types import SimpleNamespace
+
+        device = self.runner.device
+        limit = self.runner.max_context_len
+        k = max(max_depths)
+        use = [i for i, r in enumerate(reqs)
+               if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
+        outputs: dict[int, list[torch.Tensor]] = {}  # request -> head output hidden per node
+
+        def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]) -> list[torch.Tensor]:
+            sub = [reqs[use[i]] for i in ids]
+            shifted = [SimpleNamespace(kv_len=r.kv_len - 1, req_pool_idx=r.req_pool_idx) for r in sub]
+            slots = torch.full((sum(t.width for t in trees),), DUMMY_KV_SLOT, dtype=torch.int64, device=device)
+            fb = self.build_verify_batch(shifted, trees, slots)
+            fb.forward_mode = ForwardMode.DRAFT_EXTEND
+            hidden_in = []
+            for i, r, t in zip(ids, sub, trees, strict=True):
+                root = self.pending[r.req_pool_idx][1][None]
+                if isinstance(self.head, Eagle3Head):  # the root's 3h capture through fc, as step 0 does
+                    with torch.inference_mode():
+                        root = self.head.fc(root)
+                hidden_in.append(root)
+                prev = outputs.get(i, [])
+                hidden_in.extend(prev[p][None] for p in t.parents[1:])
+            lp, hidden = self._head_logprobs(fb, torch.cat(hidden_in))
+            out, start = [], 0
+            for i, t, fr in zip(ids, trees, frontier, strict=True):
+                outputs[i] = list(hidden[start : start + t.width])
+                out.append(lp[[start + f for f in fr]].cpu())
+                start += t.width
+            return out
+
+        result: list[DraftTree | None] = [None] * len(reqs)
+        if not use:
+            return result
+        trees = expand_trees([reqs[i].output_ids[-1] for i in use], [max_depths[i] for i in use], self.topk,
+                             self.num_draft_tokens, score)
+        for i, tree in zip(use, trees, strict=True):
+            result[i] = tree
+        return result
+
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        if self.topk > 1:
+            return self._propose_trees(reqs, max_depths)
         k = max(max_depths)
         limit = self.runner.max_context_len
         out: list[DraftTree | None] = [None] * len(reqs)
