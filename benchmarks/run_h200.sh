@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|backends-tests|backends|...
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|
+#                               backends-tests|backends|spec-tests|spec|...
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
@@ -35,6 +36,17 @@ for stage in "$@"; do
         python -m plait bench latency --shape llama-3.1-8b --prefill --prefill-only $pair --out "$OUT" 2>&1 | tail -2
         # shellcheck disable=SC2086
         python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
+      done ;;
+    # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
+    spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu-spec-tests.log" | tail -15 ;;
+    # spec-overhead (graph-replayed verify at bs 1/16/64 + EAGLE3 draft steps), then the n-gram pair
+    # shortened (16 prompts, 64 tokens) to stay within ~4 minutes of GPU time.
+    spec)
+      python -m plait bench spec --workload spec-overhead --shape llama-3.1-8b --out "$OUT" 2>&1 | tail -5
+      for w in spec-ngram-repeat spec-ngram-miss; do
+        python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
+          --out "$OUT" 2>&1 | tail -5
       done ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -47,8 +47,12 @@ class HybridAttnBackend(AttentionBackend):
         self.selected(fb).init_forward_metadata_in_graph(fb)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        # Graphs capture decode-like modes, which the decode half serves.
+        # DECODE graphs are served by the decode half; multi-token graphs (max_num_tokens > max_bs:
+        # TARGET_VERIFY) by the half the verify rule selects, which needs graph state too.
         self.decode_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+        verify = self.decode_backend if self.speculative_attention_mode == "decode" else self.prefill_backend
+        if max_num_tokens > max_bs and verify is not self.decode_backend:
+            verify.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode_backend.get_cuda_graph_seq_len_fill_value()

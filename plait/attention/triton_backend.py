@@ -7,6 +7,9 @@ Planning follows the three-method contract (DESIGN 3.2):
              ``kv_indices`` from ``req_to_token`` (a Triton kernel), into max-size buffers.
 Once ``init_cuda_graph_state`` ran, every decode batch that fits uses the static buffers, eager or
 replayed, so a replay only copies ``req_pool_indices``/``seq_lens`` and recomputes the split count.
+TARGET_VERIFY batches that fit use static extend buffers the same way (verify graphs): out_graph
+writes the three indptrs into them, in_graph gathers the prefix indices; the custom tree mask is the
+batch's (the graph runner hands a view whose mask is its static mask buffer).
 """
 
 from __future__ import annotations
@@ -57,10 +60,30 @@ class ExtendMetadata:
     mask_indptr: torch.Tensor | None
 
 
+@dataclass
+class VerifyBuffers:
+    """Static extend metadata of TARGET_VERIFY graphs. ``kv_indices`` is the decode buffer: a decode
+    forward and a verify forward never overlap, and each rebuilds it before reading it."""
+
+    qo_indptr: torch.Tensor  # int32 [max_bs + 1]
+    kv_indptr: torch.Tensor  # int32 [max_bs + 1]
+    mask_indptr: torch.Tensor  # int32 [max_bs + 1]
+    kv_indices: torch.Tensor  # int32 [max_bs * max_context]
+
+
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
     out[1:] = torch.cumsum(lengths, 0)
     return out
+
+
+def _indptr_into(out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``_indptr`` written into the prefix of a static buffer (same storage at every replay)."""
+    bs = lengths.shape[0]
+    view = out[: bs + 1]
+    view[0] = 0
+    view[1:] = torch.cumsum(lengths, 0)
+    return view
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -81,9 +104,11 @@ class TritonAttnBackend(AttentionBackend):
             self.num_sms = 8  # interpreter runs (tests): any positive value
         self.graph_buffers: DecodeBuffers | None = None
         self.graph_window_buffers: DecodeBuffers | None = None
+        self.graph_verify_buffers: VerifyBuffers | None = None
         self.graph_max_bs = 0
-        # Data pointers of the graph runner's static req_pool_indices / seq_lens, recorded at capture:
-        # in_graph checks it reads those (a replay cannot feed it anything else).
+        # Data pointers of the graph runner's static req_pool_indices / seq_lens (decode) or
+        # extend_prefix_lens (verify), recorded at capture: in_graph checks it reads those (a replay
+        # cannot feed it anything else).
         self._capture_input_ptrs: tuple[int, int] | None = None
         self.decode_md: tuple[DecodeBuffers, int] | None = None
         self.window_md: DecodeBuffers | None = None  # same bs as decode_md
@@ -103,11 +128,27 @@ class TritonAttnBackend(AttentionBackend):
         )
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        max_context = self.req_to_token_pool.max_context_len
-        self.graph_buffers = self._decode_buffers(max_bs, max_bs * max_context)
-        if self.sliding_window:
-            self.graph_window_buffers = self._decode_buffers(max_bs, max_bs * min(self.sliding_window, max_context))
-        self.graph_max_bs = max_bs
+        """Static buffers for graphs of up to ``max_bs`` requests; ``max_num_tokens > max_bs`` means
+        multi-token (TARGET_VERIFY) graphs are captured too. Grow-only: buffers a captured graph
+        reads are never reallocated, so the decode and verify graph runners may both call this (the
+        first call must already carry the largest ``max_bs``)."""
+        if self.graph_buffers is not None and max_bs > self.graph_max_bs:
+            raise RuntimeError(f"init_cuda_graph_state: max_bs {max_bs} exceeds the {self.graph_max_bs} of the "
+                               "buffers captured graphs already read")
+        if self.graph_buffers is None:
+            max_context = self.req_to_token_pool.max_context_len
+            self.graph_buffers = self._decode_buffers(max_bs, max_bs * max_context)
+            if self.sliding_window:
+                self.graph_window_buffers = self._decode_buffers(max_bs,
+                                                                 max_bs * min(self.sliding_window, max_context))
+            self.graph_max_bs = max_bs
+        if max_num_tokens > max_bs and self.graph_verify_buffers is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            n = self.graph_max_bs + 1
+            self.graph_verify_buffers = VerifyBuffers(
+                qo_indptr=torch.zeros(n, **i32), kv_indptr=torch.zeros(n, **i32),
+                mask_indptr=torch.zeros(n, **i32),
+                kv_indices=self.graph_buffers.kv_indices)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -135,6 +176,11 @@ class TritonAttnBackend(AttentionBackend):
         assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         mask = custom_mask_of(fb)
+        static = self.graph_verify_buffers
+        if fb.forward_mode.is_target_verify() and static is not None and fb.batch_size <= self.graph_max_bs:
+            self._plan_verify_static(fb, static, mask, in_capture)
+            return
+        self._capture_input_ptrs = None
         mask_indptr = None
         if mask is not None:
             sizes = [e * (e + p) for e, p in zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, strict=True)]
@@ -148,15 +194,38 @@ class TritonAttnBackend(AttentionBackend):
             mask_indptr=mask_indptr,
         )
 
+    def _plan_verify_static(self, fb: ForwardBatch, static: VerifyBuffers, mask: torch.Tensor | None,
+                            in_capture: bool) -> None:
+        """A verify batch that fits the graph buffers plans into them, eager or replayed, so a graph
+        captured on them sees every later plan. Device ops only: no host sync."""
+        assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
+        assert fb.extend_seq_lens_cpu is not None
+        mask_indptr = None
+        if mask is not None:
+            # Request i's mask block is ext_i x (prefix_i + ext_i).
+            sizes = fb.extend_seq_lens.to(torch.int64) * (fb.extend_prefix_lens + fb.extend_seq_lens)
+            mask_indptr = _indptr_into(static.mask_indptr, sizes)
+        self._capture_input_ptrs = (
+            (fb.req_pool_indices.data_ptr(), fb.extend_prefix_lens.data_ptr()) if in_capture else None)
+        self.extend_md = ExtendMetadata(
+            qo_indptr=_indptr_into(static.qo_indptr, fb.extend_seq_lens),
+            kv_indptr=_indptr_into(static.kv_indptr, fb.extend_prefix_lens),
+            kv_indices=static.kv_indices,
+            max_len_extend=max(fb.extend_seq_lens_cpu),
+            custom_mask=mask,
+            mask_indptr=mask_indptr,
+        )
+
+    def _check_capture_inputs(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self._capture_input_ptrs is not None and (a.data_ptr(), b.data_ptr()) != self._capture_input_ptrs:
+            raise RuntimeError("init_forward_metadata_in_graph must read the graph runner's static buffers "
+                               "(req_pool_indices / seq_lens or extend_prefix_lens), not a per-step tensor")
+
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
             assert self.decode_md is not None, "out_graph plans before in_graph"
             bufs, bs = self.decode_md
-            if self._capture_input_ptrs is not None:
-                ptrs = (fb.req_pool_indices.data_ptr(), fb.seq_lens.data_ptr())
-                if ptrs != self._capture_input_ptrs:
-                    raise RuntimeError("init_forward_metadata_in_graph must read the graph runner's static buffers "
-                                       "(req_pool_indices / seq_lens), not a per-step tensor")
+            self._check_capture_inputs(fb.req_pool_indices, fb.seq_lens)
             bufs.kv_indptr[1 : bs + 1] = torch.cumsum(fb.seq_lens, 0)
             build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              bufs.kv_indptr, bufs.kv_indices)
@@ -169,6 +238,7 @@ class TritonAttnBackend(AttentionBackend):
             return
         md = self.extend_md
         assert md is not None and fb.extend_prefix_lens is not None
+        self._check_capture_inputs(fb.req_pool_indices, fb.extend_prefix_lens)
         build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
                          md.kv_indptr, md.kv_indices)
 

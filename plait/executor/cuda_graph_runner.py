@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class Graph(Protocol):
-    def capture(self, fn: Callable[[], LogitsOutput], pool: Any) -> LogitsOutput: ...
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any: ...
     def replay(self) -> None: ...
     def pool(self) -> Any: ...
 
@@ -45,7 +45,7 @@ class CudaGraph:
     def __init__(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
 
-    def capture(self, fn: Callable[[], LogitsOutput], pool: Any) -> LogitsOutput:
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
         with torch.cuda.graph(self.graph, pool=pool):
             return fn()
 
@@ -57,14 +57,15 @@ class CudaGraph:
 
 
 class EagerGraph:
-    """Stand-in for tests on the CPU: replay re-runs the recorded function into the same outputs."""
+    """Stand-in for tests on the CPU: replay re-runs the recorded function into the same outputs
+    (a LogitsOutput's logits, or a plain tensor such as the draft loop's tokens)."""
 
     def __init__(self) -> None:
-        self.fn: Callable[[], LogitsOutput] | None = None
-        self.out: LogitsOutput | None = None
+        self.fn: Callable[[], Any] | None = None
+        self.out: Any = None
         self.replays = 0
 
-    def capture(self, fn: Callable[[], LogitsOutput], pool: Any) -> LogitsOutput:
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
         self.fn = fn
         self.out = fn()
         return self.out
@@ -72,7 +73,11 @@ class EagerGraph:
     def replay(self) -> None:
         assert self.fn is not None and self.out is not None
         with torch.inference_mode():  # the recorded outputs are inference tensors
-            self.out.next_token_logits.copy_(self.fn().next_token_logits)
+            new = self.fn()
+            if isinstance(self.out, torch.Tensor):
+                self.out.copy_(new)
+            else:
+                self.out.next_token_logits.copy_(new.next_token_logits)
         self.replays += 1
 
     def pool(self) -> Any:

@@ -18,6 +18,7 @@ from plait.attention.registry import create_attention_backend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
+from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
 from plait.layers.radix_attention import model_sliding_window
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -53,6 +54,15 @@ def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_si
     return tokens
 
 
+def verify_graph_widths(config: EngineConfig) -> list[int]:
+    """TARGET_VERIFY widths to capture: every width a step may verify (2 .. num_draft_tokens, since
+    drafts are shortened adaptively). EAGLE heads read target hidden states through forward hooks,
+    which a replayed graph does not run, so those engines capture none (their worker refuses graphs)."""
+    if config.speculative_algorithm in (None, "EAGLE", "EAGLE3") or not config.speculative_num_draft_tokens:
+        return []
+    return list(range(2, config.speculative_num_draft_tokens + 1))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, mc: ModelConfig, tp: TPGroup = SINGLE) -> None:
         self.config = config
@@ -81,9 +91,16 @@ class ModelRunner:
         self.attn_backend = maybe_check_plans(self.attn_backend)
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
-        if self.device == "cuda" and not config.disable_cuda_graph:
+        self.verify_graph_runner: VerifyGraphRunner | None = None
+        # EAGLE heads read target hidden states through forward hooks, which a replayed graph does
+        # not run: those engines capture no target graphs (their draft loop is captured by the worker).
+        eagle = config.speculative_algorithm in ("EAGLE", "EAGLE3")
+        if self.device == "cuda" and not config.disable_cuda_graph and not eagle:
             max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
             self.graph_runner = CudaGraphRunner(self, max_bs)
+            widths = verify_graph_widths(config)
+            if widths:
+                self.verify_graph_runner = VerifyGraphRunner(self, max_bs, widths)
         logger.info(
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
             self.max_total_tokens,
@@ -115,6 +132,11 @@ class ModelRunner:
         return self._run_model(fb)
 
     def forward_extend(self, fb: ForwardBatch) -> LogitsOutput:
+        # TARGET_VERIFY of a uniform captured width replays its graph; the eager path plans inside
+        # _run_model, after the batch has its final shape (DESIGN 3.3).
+        if self.verify_graph_runner is not None and self.verify_graph_runner.can_run(fb):
+            fb.attn_backend = self.attn_backend
+            return self.verify_graph_runner.replay(fb)
         return self._run_model(fb)
 
     def forward_idle(self, fb: ForwardBatch) -> LogitsOutput:
@@ -129,6 +151,7 @@ class ModelRunner:
         """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and
         backends reference each other: the cycle is broken here, not left to the garbage collector)."""
         self.graph_runner = None
+        self.verify_graph_runner = None
         self.attn_backend = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
         self.kv_pool = None  # type: ignore[assignment]

@@ -41,6 +41,16 @@ class MultiStepDraftBackend:
             child.init_forward_metadata(fb)
             fb.mark_forward_metadata_ready()
 
+    def plan_steps_out_graph(self, batches: list[ForwardBatch], in_capture: bool = False) -> None:
+        """The graph half of ``plan_steps``: host-side planning of every step's (padded) batch on its
+        own child, each batch marked; the children's ``in_graph`` runs inside the captured loop."""
+        if len(batches) > len(self.children):
+            raise ValueError(f"{len(batches)} draft steps but {len(self.children)} per-step backends")
+        for child, fb in zip(self.children, batches, strict=False):
+            fb.attn_backend = child
+            child.init_forward_metadata_out_graph(fb, in_capture)
+            fb.mark_forward_metadata_ready()
+
 
 class DraftBackendFactory:
     def __init__(self, name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,

@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE3: a draft head over the target's hidden states (chains, topk = 1).
+"""EAGLE / EAGLE3: a draft head over the target's hidden states (chains, and top-k trees when topk > 1).
 
 Hidden states: forward hooks on the target (no change to the model code) capture, for every token
 of every target forward, EAGLE's input (the final normed hidden state) or EAGLE3's (the
@@ -31,9 +31,11 @@ import torch
 from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch, ForwardMode
-from plait.mem.pools import MHATokenToKVPool
+from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool
 from plait.models.eagle import Eagle3Head, EagleHead, eagle3_capture_layers, iter_checkpoint, load_head_config
 from plait.speculative.draft_backend import DraftBackendFactory
+from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
+from plait.speculative.draft_tree import expand_trees
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
 
@@ -49,13 +51,11 @@ class EagleWorker(SpecWorker):
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
         algo = config.speculative_algorithm
-        if self.topk != 1:
-            raise ValueError(f"--speculative-eagle-topk > 1 (a draft tree) is not available for {algo} yet: set "
-                             "--speculative-eagle-topk 1 (a chain), or use NGRAM for trees")
-        if runner.graph_runner is not None:
-            # Hidden states are captured by hooks, which a replayed graph does not run.
-            raise ValueError(f"--speculative-algorithm {algo} does not run with CUDA graphs yet: add "
-                             "--disable-cuda-graph")
+        if runner.graph_runner is not None or runner.verify_graph_runner is not None:
+            # Target hidden states are captured by hooks, which a replayed graph does not run (the
+            # model runner captures no target graphs for EAGLE engines; the draft loop has its own).
+            raise ValueError(f"--speculative-algorithm {algo} cannot read target hidden states from replayed "
+                             "target graphs: add --disable-cuda-graph")
         path = config.speculative_draft_model_path
         assert path is not None
         try:
@@ -98,6 +98,19 @@ class EagleWorker(SpecWorker):
             self._hooks.append(target.model.norm.register_forward_hook(self._norm_hook))
         # row -> (position, target hidden at that position): see the module docstring.
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}
+        self.hidden_in_dim = tcfg.hidden_size * (len(self.capture_layers) if self.is_eagle3 else 1)
+        self.draft_graphs: DraftLoopGraphRunner | None = None
+        max_bs = draft_graph_max_bs(config, runner.device)
+        if max_bs is not None and self.topk == 1:  # the captured loop is the chain loop
+            self.draft_graphs = self.build_draft_graphs(max_bs)
+
+    def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
+        """Capture the chain draft loop per (steps, batch bucket): step 0 reads the pending target
+        hidden (through ``fc``), later steps the head's own output; tests pass an EagerGraph factory."""
+        extra = {} if graph_factory is None else {"graph_factory": graph_factory}
+        return DraftLoopGraphRunner(self.decode_backend, self._head, max_bs, self.num_steps, position_offset=-1,
+                                    device=self.runner.device, hidden_dim=self.hidden_in_dim,
+                                    hidden_dtype=self.runner.model_config.dtype, **extra)
 
     # --- capture ----------------------------------------------------------------------------------
     def _pre_hook(self, layer_id: int):
@@ -230,7 +243,72 @@ class EagleWorker(SpecWorker):
         self._verify_hidden = None
 
     # --- drafting ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _head_logprobs(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities over the target vocabulary, the head's hidden) for every row of fb."""
+        fb.attn_backend = self.extend_backend
+        self.extend_backend.init_forward_metadata(fb)
+        embeds = self.embed(fb.input_ids)
+        if isinstance(self.head, Eagle3Head):
+            logits, hidden = self.head(embeds, hidden_in, fb.positions, fb)
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            # Draft id d is target id d + d2t[d]; target ids outside the draft vocabulary get -inf.
+            out = lp.new_full((lp.shape[0], self.runner.model_config.vocab_size), float("-inf"))
+            ids = torch.arange(lp.shape[1], device=lp.device)
+            out[:, self.head.draft_to_target(ids)] = lp
+            return out, hidden
+        hidden = self.head(embeds, hidden_in, fb.positions, fb)
+        target = self.runner.model
+        return torch.log_softmax(target.logits_processor(hidden, target.lm_head_weight, fb).float(), dim=-1), hidden
+
+    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        """Top-k trees: the partial tree is recomputed each step with the custom ancestor mask, the
+        root at the pending position kv_len - 1 (the draft has KV below it), node n at kv_len - 1 +
+        depth(n) reading its parent's head output; KV goes to the dummy slot (no tree state held)."""
+        from types import SimpleNamespace
+
+        device = self.runner.device
+        limit = self.runner.max_context_len
+        k = max(max_depths)
+        use = [i for i, r in enumerate(reqs)
+               if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
+        outputs: dict[int, list[torch.Tensor]] = {}  # request -> head output hidden per node
+
+        def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]) -> list[torch.Tensor]:
+            sub = [reqs[use[i]] for i in ids]
+            shifted = [SimpleNamespace(kv_len=r.kv_len - 1, req_pool_idx=r.req_pool_idx) for r in sub]
+            slots = torch.full((sum(t.width for t in trees),), DUMMY_KV_SLOT, dtype=torch.int64, device=device)
+            fb = self.build_verify_batch(shifted, trees, slots)
+            fb.forward_mode = ForwardMode.DRAFT_EXTEND
+            hidden_in = []
+            for i, r, t in zip(ids, sub, trees, strict=True):
+                root = self.pending[r.req_pool_idx][1][None]
+                if isinstance(self.head, Eagle3Head):  # the root's 3h capture through fc, as step 0 does
+                    with torch.inference_mode():
+                        root = self.head.fc(root)
+                hidden_in.append(root)
+                prev = outputs.get(i, [])
+                hidden_in.extend(prev[p][None] for p in t.parents[1:])
+            lp, hidden = self._head_logprobs(fb, torch.cat(hidden_in))
+            out, start = [], 0
+            for i, t, fr in zip(ids, trees, frontier, strict=True):
+                outputs[i] = list(hidden[start : start + t.width])
+                out.append(lp[[start + f for f in fr]].cpu())
+                start += t.width
+            return out
+
+        result: list[DraftTree | None] = [None] * len(reqs)
+        if not use:
+            return result
+        trees = expand_trees([reqs[i].output_ids[-1] for i in use], [max_depths[i] for i in use], self.topk,
+                             self.num_draft_tokens, score)
+        for i, tree in zip(use, trees, strict=True):
+            result[i] = tree
+        return result
+
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        if self.topk > 1:
+            return self._propose_trees(reqs, max_depths)
         k = max(max_depths)
         limit = self.runner.max_context_len
         out: list[DraftTree | None] = [None] * len(reqs)
@@ -253,6 +331,23 @@ class EagleWorker(SpecWorker):
         step0_slots = r2t[rows, pre_t - 1].to(torch.int64)
         tokens = torch.empty(k + 1, bs, dtype=torch.int64, device=device)
         tokens[0] = torch.tensor([reqs[i].output_ids[-1] for i in use], dtype=torch.int64)
+        hidden = torch.stack([self.pending[reqs[i].req_pool_idx][1] for i in use])
+        if self.draft_graphs is not None and self.draft_graphs.can_run(bs, k):
+            slots = torch.cat([step0_slots[None], temp.t()]) if k > 1 else step0_slots[None]
+            tokens[1:] = self.draft_graphs.replay(tokens[0], rows, prefix, pre_t, slots, hidden)
+        else:
+            self._draft_eager(tokens, rows, prefix, pre_t, step0_slots, temp, hidden)
+        if k > 1:
+            sched.allocator.free(temp.flatten())
+        guesses = tokens[1:].t().tolist()
+        for j, i in enumerate(use):
+            out[i] = DraftTree.chain(reqs[i].output_ids[-1], guesses[j][: max_depths[i]])
+        return out
+
+    def _draft_eager(self, tokens: torch.Tensor, rows: torch.Tensor, prefix: list[int], pre_t: torch.Tensor,
+                     step0_slots: torch.Tensor, temp: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The chain loop without graphs: every step planned up front, each batch marked."""
+        k, bs = tokens.shape[0] - 1, tokens.shape[1]
         batches = []
         for s in range(k):
             seq = [p + s for p in prefix]
@@ -261,12 +356,5 @@ class EagleWorker(SpecWorker):
                 seq_lens=pre_t + s, out_cache_loc=step0_slots if s == 0 else temp[:, s - 1].contiguous(),
                 positions=pre_t - 1 + s, seq_lens_cpu=seq, seq_lens_sum=sum(seq)))
         self.decode_backend.plan_steps(batches)  # every step planned up front, each batch marked
-        hidden = torch.stack([self.pending[reqs[i].req_pool_idx][1] for i in use])
         for s, fb in enumerate(batches):
             tokens[s + 1], hidden = self._head(fb, self.decode_backend.children[s], hidden)
-        if k > 1:
-            sched.allocator.free(temp.flatten())
-        guesses = tokens[1:].t().tolist()
-        for j, i in enumerate(use):
-            out[i] = DraftTree.chain(reqs[i].output_ids[-1], guesses[j][: max_depths[i]])
-        return out

@@ -18,7 +18,7 @@ target distribution is kept exactly.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,9 +26,11 @@ from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE
 from plait.forward_batch import ForwardBatch, ForwardMode
-from plait.mem.pools import MHATokenToKVPool
+from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool
 from plait.models.loader import load_model, load_model_config
 from plait.speculative.draft_backend import DraftBackendFactory
+from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
+from plait.speculative.draft_tree import expand_trees
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device
@@ -42,9 +44,6 @@ if TYPE_CHECKING:
 class StandaloneWorker(SpecWorker):
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
-        if self.topk != 1:
-            raise ValueError("--speculative-eagle-topk > 1 (a draft tree) is not available for STANDALONE yet: "
-                             "set --speculative-eagle-topk 1 (a chain), or use NGRAM for trees")
         path = config.speculative_draft_model_path
         assert path is not None
         try:
@@ -64,12 +63,30 @@ class StandaloneWorker(SpecWorker):
                                       stamps_children=True)
         self.extend_backend: AttentionBackend = factory.create_extend_backend()
         self.decode_backend = factory.create_decode_backend(self.num_steps)
+        self.draft_graphs: DraftLoopGraphRunner | None = None
+        max_bs = draft_graph_max_bs(config, runner.device)
+        if max_bs is not None and self.topk == 1:  # the captured loop is the chain loop
+            self.draft_graphs = self.build_draft_graphs(max_bs)
+
+    def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
+        """Capture the chain draft loop per (steps, batch bucket); tests pass an EagerGraph factory."""
+        extra = {} if graph_factory is None else {"graph_factory": graph_factory}
+        return DraftLoopGraphRunner(self.decode_backend, self._draft_step, max_bs, self.num_steps,
+                                    position_offset=0, device=self.runner.device, **extra)
+
+    def _draft_step(self, fb: ForwardBatch, backend: AttentionBackend, hidden: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, None]:
+        """One chain step: the draft's argmax, as device ops only (it runs inside the captured loop)."""
+        logits = self._forward(fb, backend, logits=True)
+        assert logits is not None
+        return logits.argmax(dim=-1), None
 
     def close(self) -> None:
         self.draft_model = None  # type: ignore[assignment]
         self.kv_pool = None  # type: ignore[assignment]
         self.extend_backend = None  # type: ignore[assignment]
         self.decode_backend = None  # type: ignore[assignment]
+        self.draft_graphs = None
 
     # --- draft forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -117,7 +134,35 @@ class StandaloneWorker(SpecWorker):
         self._forward(fb, self.extend_backend, logits=False)
 
     # --- drafting ---------------------------------------------------------------------------------
+    def _score_tree_nodes(self, reqs: list[Req], trees: list[DraftTree], frontier: list[list[int]]
+                          ) -> list[torch.Tensor]:
+        """Draft log-probabilities at the frontier nodes of partial trees: one extend over every node
+        (custom ancestor mask, node i at kv_len + depth(i)); KV goes to the reserved dummy slot, as
+        the tree is recomputed each step and the accepted path is re-extended after verification."""
+        slots = torch.full((sum(t.width for t in trees),), DUMMY_KV_SLOT, dtype=torch.int64,
+                           device=self.runner.device)
+        fb = self.build_verify_batch(reqs, trees, slots)
+        fb.forward_mode = ForwardMode.DRAFT_EXTEND
+        starts = [0]
+        for t in trees[:-1]:
+            starts.append(starts[-1] + t.width)
+        rows = [s + f for s, fr in zip(starts, frontier, strict=True) for f in fr]
+        fb.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.runner.device)
+        logits = self._forward(fb, self.extend_backend, logits=True)
+        assert logits is not None
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        return list(logprobs.split([len(fr) for fr in frontier]))
+
+    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]) -> list[torch.Tensor]:
+            return self._score_tree_nodes([reqs[i] for i in ids], trees, frontier)
+
+        roots = [r.output_ids[-1] for r in reqs]
+        return list(expand_trees(roots, max_depths, self.topk, self.num_draft_tokens, score))
+
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        if self.topk > 1:
+            return self._propose_trees(reqs, max_depths)
         # Every request runs the same number of draft steps (one batch per step); a request too
         # close to the end of its context for that many positions decodes normally instead.
         k = max(max_depths)
@@ -142,18 +187,19 @@ class StandaloneWorker(SpecWorker):
         r2t[rows[:, None], pre_t[:, None] + steps[None, :]] = temp.to(torch.int32)
         tokens = torch.empty(k + 1, bs, dtype=torch.int64, device=device)
         tokens[0] = torch.tensor([reqs[i].output_ids[-1] for i in use], dtype=torch.int64)
-        batches = []
-        for s in range(k):
-            seq = [p + s + 1 for p in prefix]
-            batches.append(ForwardBatch(
-                forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=tokens[s], req_pool_indices=rows,
-                seq_lens=pre_t + s + 1, out_cache_loc=temp[:, s].contiguous(), positions=pre_t + s,
-                seq_lens_cpu=seq, seq_lens_sum=sum(seq)))
-        self.decode_backend.plan_steps(batches)  # every step planned up front, each batch marked
-        for s, fb in enumerate(batches):
-            logits = self._forward(fb, self.decode_backend.children[s], logits=True)
-            assert logits is not None
-            tokens[s + 1] = logits.argmax(dim=-1)
+        if self.draft_graphs is not None and self.draft_graphs.can_run(bs, k):
+            tokens[1:] = self.draft_graphs.replay(tokens[0], rows, prefix, pre_t, temp.t(), None)
+        else:
+            batches = []
+            for s in range(k):
+                seq = [p + s + 1 for p in prefix]
+                batches.append(ForwardBatch(
+                    forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=tokens[s], req_pool_indices=rows,
+                    seq_lens=pre_t + s + 1, out_cache_loc=temp[:, s].contiguous(), positions=pre_t + s,
+                    seq_lens_cpu=seq, seq_lens_sum=sum(seq)))
+            self.decode_backend.plan_steps(batches)  # every step planned up front, each batch marked
+            for s, fb in enumerate(batches):
+                tokens[s + 1] = self._draft_step(fb, self.decode_backend.children[s], None)[0]
         sched.allocator.free(temp.flatten())
         guesses = tokens[1:].t().tolist()
         for j, i in enumerate(use):

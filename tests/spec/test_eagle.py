@@ -118,3 +118,14 @@ def test_drafts_equal_the_head_run_from_scratch_while_long_prefixes_are_accepted
     for context, chain in drafted:
         assert _chain_from_scratch(target, worker, context, len(chain)) == chain
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("fmt", ["EAGLE", "EAGLE3"])
+def test_top_k_trees_keep_greedy_output_exact(target, reference, tmp_path, fmt):
+    head = make_eagle_head(tmp_path / fmt, target, fmt)
+    engine = make_engine(target, speculative_algorithm=fmt, speculative_draft_model_path=str(head),
+                         speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.spec_worker.stats.verify_steps > 0
+    assert_no_leaks(engine)

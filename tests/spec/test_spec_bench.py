@@ -24,3 +24,20 @@ def test_spec_workloads_run_and_report_their_keys(tiny_model_dir):
 def test_plait_bench_spec_is_a_subcommand():
     args = build_parser().parse_args(["bench", "spec", "--workload", "spec-ngram-miss", "--shape", "llama-3.1-8b"])
     assert args.workload == "spec-ngram-miss"
+
+
+def test_eagle3_draft_step_reports_first_and_later_steps_against_the_floor(tmp_path):
+    import pytest
+
+    pytest.importorskip("triton")
+    from plait.bench.spec import eagle3_draft_step
+    from plait.executor.cuda_graph_runner import EagerGraph
+    from plait.testing import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "three", "llama", seed=0, num_hidden_layers=3)
+    r = eagle3_draft_step(str(target), context=8, topks=(1, 2), iters=1, read_bytes_per_s=1e12,
+                          graph_factory=EagerGraph, attention_backend="triton", **CPU)
+    assert r["topk2"]["rows"] == 2
+    for key in ("topk1", "topk2"):
+        assert r[key]["first_step_ms"] > 0
+        assert r[key]["first_step_floor_ms"] > r[key]["later_step_floor_ms"] > 0  # fc is read once

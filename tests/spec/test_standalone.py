@@ -74,7 +74,33 @@ def test_per_step_draft_backends_carry_the_effective_name(model_path, small_draf
         assert isinstance(child, PlanCheckingBackend) and child.inner.name == "torch_native"
 
 
-def test_draft_trees_are_refused_for_standalone_with_the_flag_to_change(model_path, small_draft):
-    with pytest.raises(ValueError, match="--speculative-eagle-topk"):
-        make_engine(model_path, **_standalone(small_draft, speculative_eagle_topk=2,
-                                              speculative_num_draft_tokens=5))
+def test_top_k_draft_trees_keep_greedy_output_exact(model_path, small_draft, reference):
+    engine = make_engine(model_path, **_standalone(small_draft, speculative_eagle_topk=2,
+                                                   speculative_num_draft_tokens=5))
+    worker = engine.scheduler.spec_worker
+    widths: list[int] = []
+    branching: list[bool] = []
+    real_propose = worker.propose
+
+    def propose(sched, reqs, depths):
+        trees = real_propose(sched, reqs, depths)
+        for t in trees:
+            widths.append(t.width)
+            branching.append(any(len(t.children(n)) > 1 for n in range(t.width)))
+        return trees
+
+    worker.propose = propose
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert max(widths) == 5 and any(branching)  # real trees, not chains
+    assert worker.draft_graphs is None
+    assert_no_leaks(engine)
+
+
+def test_the_target_as_its_own_tree_draft_accepts_full_depth(model_path, reference):
+    engine = make_engine(model_path, **_standalone(model_path, speculative_num_steps=3, speculative_eagle_topk=2,
+                                                   speculative_num_draft_tokens=6))
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.spec_worker.stats.accept_histogram[3] > 0
+    assert_no_leaks(engine)

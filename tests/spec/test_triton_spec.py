@@ -47,6 +47,16 @@ def test_standalone_chain_on_triton(one_layer, reference):
     assert_no_leaks(engine)
 
 
+def test_standalone_tree_on_triton(one_layer, reference):
+    engine = make_engine(one_layer, attention_backend="triton", speculative_algorithm="STANDALONE",
+                         speculative_draft_model_path=str(one_layer), speculative_num_steps=2,
+                         speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    outs = engine.generate(PROMPTS, SHORT)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.spec_worker.stats.accept_histogram[2] > 0
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("fmt", ["EAGLE", "EAGLE3"])
 def test_eagle_heads_on_triton(tmp_path_factory, fmt):
     from plait.testing.eagle_heads import make_eagle_head

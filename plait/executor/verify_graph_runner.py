@@ -1,0 +1,181 @@
+"""VerifyGraphRunner: TARGET_VERIFY forwards captured per draft width and batch-size bucket.
+
+A verify batch has ``W`` tokens per request (``spec_info.num_tokens_per_req``, root included). One
+graph is captured per (W, bucket) for W in ``widths``; a batch runs through a graph only when every
+request has the same captured width (the width is read from the batch, never a global constant),
+otherwise it runs eagerly.
+
+Static buffers (shared by every graph, prefixes read): tokens ``[max_bs * max_W]`` (ids, positions,
+KV write slots), requests ``[max_bs]`` (pool rows, seq lens, prefix lens, extend lens) and the custom
+tree mask, flat, sized for the longest context (request i's block is ``W x (prefix_i + W)``, DESIGN
+5). Capture goes through the three-method contract like the decode runner: ``out_graph`` on the
+static batch outside the capture, the batch marked planned (DESIGN 3.1), ``in_graph`` as the first
+recorded step.
+
+Replay is the verify pre-planning site (DESIGN 3.3): it copies the live batch into the buffers, pads
+to the bucket (padded requests read the reserved request row with prefix 0, write their W tokens
+into the reserved dummy KV slot, and see a W x W mask of ones), plans on the padded view and marks
+it, replays, and slices the logits back to the live ``bs * W`` rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes
+from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
+from plait.models.llama import LogitsOutput
+
+if TYPE_CHECKING:
+    from plait.executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StaticVerifyInfo:
+    """``spec_info`` of the static batches: the mask is the runner's static buffer."""
+
+    custom_mask: torch.Tensor
+    num_tokens_per_req: int
+
+
+def uniform_width(fb: ForwardBatch) -> int | None:
+    """The one per-request width of a verify batch, or None when requests differ."""
+    width = getattr(fb.spec_info, "num_tokens_per_req", None)
+    if isinstance(width, int):
+        return width
+    if not width:
+        return None
+    first = width[0]
+    return first if all(w == first for w in width) else None
+
+
+class VerifyGraphRunner:
+    def __init__(self, runner: ModelRunner, max_bs: int, widths: Sequence[int],
+                 graph_factory: Callable[[], Graph] = CudaGraph) -> None:
+        if not widths or min(widths) < 2:
+            raise ValueError(f"verify widths count the root and a guess, so each is >= 2: got {list(widths)}")
+        self.runner = runner
+        self.backend = runner.attn_backend
+        self.max_bs = max_bs
+        self.widths = sorted(set(widths))
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        max_w = self.widths[-1]
+        device = runner.device
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_bs * max_w, **i64)
+        self.positions = torch.zeros(max_bs * max_w, **i64)
+        self.out_cache_loc = torch.full((max_bs * max_w,), DUMMY_KV_SLOT, **i64)
+        self.req_pool_indices = torch.full((max_bs,), DUMMY_REQ_ROW, **i64)
+        self.seq_lens = torch.zeros(max_bs, **i64)
+        self.prefix_lens = torch.zeros(max_bs, **i64)
+        self.extend_lens = torch.zeros(max_bs, **i64)
+        # A request's block is W x (prefix + W) and prefix + W <= the context length.
+        self.custom_mask = torch.ones(max_bs * max_w * runner.max_context_len, dtype=torch.bool, device=device)
+        self.backend.init_cuda_graph_state(max_bs, max_bs * max_w)
+        self.graphs: dict[tuple[int, int], Graph] = {}
+        self.capture_batches: dict[tuple[int, int], ForwardBatch] = {}
+        self.outputs: dict[tuple[int, int], LogitsOutput] = {}
+        self._start_locs: dict[tuple[int, int], torch.Tensor] = {}
+        self.last_view: ForwardBatch | None = None  # the padded view of the latest replay (tests read it)
+        self._graph_factory = graph_factory
+        self.capture()
+
+    # --- static batches ---------------------------------------------------------------------------
+    def _static_batch(self, width: int, bs: int, seq_lens_cpu: list[int], prefix_cpu: list[int]) -> ForwardBatch:
+        n = bs * width
+        starts = self._start_locs.get((width, bs))
+        if starts is None:
+            starts = self._start_locs[(width, bs)] = torch.arange(bs, device=self.input_ids.device) * width
+        return ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=self.input_ids[:n],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:n], positions=self.positions[:n], seq_lens_cpu=seq_lens_cpu,
+            seq_lens_sum=sum(seq_lens_cpu), extend_num_tokens=n, extend_seq_lens=self.extend_lens[:bs],
+            extend_prefix_lens=self.prefix_lens[:bs],
+            extend_start_loc=starts,
+            extend_seq_lens_cpu=[width] * bs, extend_prefix_lens_cpu=prefix_cpu, attn_backend=self.backend,
+            spec_info=StaticVerifyInfo(self.custom_mask, width),
+        )
+
+    def capture(self) -> None:
+        pool = None
+        model = self.runner.model
+        for width in reversed(self.widths):
+            for bs in reversed(self.batch_sizes):
+                # Capture on padding-like rows: dummy request row, prefix 0, mask of ones.
+                self.extend_lens[:bs].fill_(width)
+                self.seq_lens[:bs].fill_(width)
+                fb = self._static_batch(width, bs, [width] * bs, [0] * bs)
+                self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+                fb.mark_forward_metadata_ready()
+                self.capture_batches[(width, bs)] = fb
+
+                def run(fb: ForwardBatch = fb) -> LogitsOutput:
+                    self.backend.init_forward_metadata_in_graph(fb)
+                    return model(fb.input_ids, fb.positions, fb)
+
+                for _ in range(2):  # warm up outside the capture
+                    run()
+                if self.input_ids.is_cuda:
+                    torch.cuda.synchronize()
+                graph = self._graph_factory()
+                self.outputs[(width, bs)] = graph.capture(run, pool)
+                pool = graph.pool()
+                self.graphs[(width, bs)] = graph
+        logger.info("captured TARGET_VERIFY graphs for widths %s x batch sizes %s", self.widths, self.batch_sizes)
+
+    # --- replay -----------------------------------------------------------------------------------
+    def can_run(self, fb: ForwardBatch) -> bool:
+        if not fb.forward_mode.is_target_verify() or fb.global_num_tokens_cpu is not None:
+            return False  # DP attention pads verify batches itself: eager
+        if fb.logits_indices is not None or not 0 < fb.batch_size <= self.max_bs:
+            return False
+        width = uniform_width(fb)
+        return width in self.widths and fb.num_tokens == width * fb.batch_size
+
+    def bucket(self, bs: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def replay(self, fb: ForwardBatch) -> LogitsOutput:
+        width = uniform_width(fb)
+        assert width is not None and fb.extend_prefix_lens is not None and fb.extend_prefix_lens_cpu is not None
+        bs = fb.batch_size
+        padded = self.bucket(bs)
+        n, n_pad = bs * width, padded * width
+        mask = fb.spec_info.custom_mask
+        m = mask.numel()
+        self.input_ids[:n].copy_(fb.input_ids)
+        self.positions[:n].copy_(fb.positions)
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        self.seq_lens[:bs].copy_(fb.seq_lens)
+        self.prefix_lens[:bs].copy_(fb.extend_prefix_lens)
+        self.extend_lens[:padded].fill_(width)
+        self.custom_mask[:m].copy_(mask)
+        if padded > bs:
+            self.input_ids[n:n_pad].zero_()
+            self.positions[n:n_pad].zero_()
+            self.out_cache_loc[n:n_pad].fill_(DUMMY_KV_SLOT)
+            self.req_pool_indices[bs:padded].fill_(DUMMY_REQ_ROW)
+            self.seq_lens[bs:padded].fill_(width)
+            self.prefix_lens[bs:padded].zero_()
+            self.custom_mask[m : m + (padded - bs) * width * width].fill_(True)
+        pad = padded - bs
+        view = self._static_batch(width, padded, list(fb.seq_lens_cpu) + [width] * pad,
+                                  list(fb.extend_prefix_lens_cpu) + [0] * pad)
+        view.actual_forward_mode = fb.forward_mode
+        if fb.needs_forward_metadata_init():
+            self.backend.init_forward_metadata_out_graph(view)
+            view.mark_forward_metadata_ready()  # the verify pre-planning site marks what it planned
+        self.last_view = view
+        self.graphs[(width, padded)].replay()
+        return LogitsOutput(next_token_logits=self.outputs[(width, padded)].next_token_logits[:n])

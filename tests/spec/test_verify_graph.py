@@ -1,0 +1,166 @@
+"""TARGET_VERIFY graphs on the CPU: per-width/per-bucket capture, padding into reserved rows and
+slots, the plan marker, and replay equal to eager. The graph is the EagerGraph stand-in (replay
+re-runs the recorded function over the static buffers); attention is the Triton backend under the
+interpreter on a 1-layer model; PLAIT_CHECK_PLANS is on (tests/spec/conftest.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from plait.config import EngineConfig  # noqa: E402
+from plait.executor.cuda_graph_runner import EagerGraph  # noqa: E402
+from plait.executor.model_runner import verify_graph_widths  # noqa: E402
+from plait.executor.verify_graph_runner import VerifyGraphRunner, uniform_width  # noqa: E402
+from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
+from plait.speculative.tree import DraftTree  # noqa: E402
+from plait.testing import make_tiny_model  # noqa: E402
+from tests.helpers import assert_no_leaks, make_engine, prompt_ids  # noqa: E402
+
+PROMPTS = prompt_ids(3)
+SHORT = {"temperature": 0.0, "max_new_tokens": 10}
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("one_layer"), "llama", seed=0, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def reference(one_layer):
+    return [o.token_ids for o in make_engine(one_layer).generate(PROMPTS, SHORT)]
+
+
+def _with_verify_graphs(engine, max_bs: int = 4, widths=(2, 3, 4)) -> VerifyGraphRunner:
+    runner = VerifyGraphRunner(engine.runner, max_bs, widths, graph_factory=EagerGraph)
+    engine.runner.verify_graph_runner = runner
+    return runner
+
+
+def _replays(runner: VerifyGraphRunner) -> int:
+    return sum(g.replays for g in runner.graphs.values())
+
+
+@pytest.fixture(scope="module")
+def ngram_engine(one_layer):
+    engine = make_engine(one_layer, attention_backend="triton", speculative_algorithm="NGRAM",
+                         max_total_tokens=1024)
+    _with_verify_graphs(engine)
+    return engine
+
+
+def _verify_batch(engine, prefixes: list[int], trees: list[DraftTree]):
+    """A verify batch over fresh rows whose prefixes hold arbitrary (fixed) KV."""
+    runner = engine.runner
+    reqs, slots = [], []
+    for pre, tree in zip(prefixes, trees, strict=True):
+        row = runner.req_to_token_pool.alloc()
+        s = runner.allocator.alloc(pre + tree.width)
+        runner.req_to_token_pool.write(row, 0, s[:pre])
+        reqs.append(SimpleNamespace(kv_len=pre, req_pool_idx=row))
+        slots.append(s[pre:])
+    return lambda: engine.scheduler.spec_worker.build_verify_batch(reqs, trees, torch.cat(slots))
+
+
+def test_widths_cover_every_adaptive_depth_and_skip_eagle():
+    ngram = EngineConfig(model="x", speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    assert verify_graph_widths(ngram) == [2, 3, 4]
+    eagle = EngineConfig(model="x", speculative_algorithm="EAGLE", speculative_draft_model_path="h")
+    assert verify_graph_widths(eagle) == []
+    assert verify_graph_widths(EngineConfig(model="x")) == []
+
+
+def test_capture_marks_every_static_batch_planned_per_width_and_bucket(ngram_engine):
+    runner = ngram_engine.runner.verify_graph_runner
+    assert sorted(runner.capture_batches) == [(w, b) for w in (2, 3, 4) for b in (1, 2, 4)]
+    for (w, bs), fb in runner.capture_batches.items():
+        assert fb.forward_metadata_ready and not fb.needs_forward_metadata_init()
+        assert (fb.forward_metadata_planned_bs, fb.forward_metadata_planned_num_tokens) == (bs, bs * w)
+
+
+def test_can_run_only_uniform_captured_widths(ngram_engine):
+    runner = ngram_engine.runner.verify_graph_runner
+    chain = DraftTree.chain
+    uniform = _verify_batch(ngram_engine, [4, 6], [chain(5, [6, 7]), chain(8, [9, 10])])()
+    mixed = _verify_batch(ngram_engine, [4, 6], [chain(5, [6, 7]), chain(8, [9])])()
+    too_wide = _verify_batch(ngram_engine, [4], [chain(5, [6, 7, 8, 9])])()
+    assert uniform_width(uniform) == 3 and uniform_width(mixed) is None
+    assert runner.can_run(uniform)
+    assert not runner.can_run(mixed)
+    assert not runner.can_run(too_wide)
+
+
+def test_replay_logits_equal_eager_on_a_padded_tree_batch(ngram_engine):
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, 0, 1])
+    batch = _verify_batch(ngram_engine, [3, 9, 5], [tree] * 3)  # 3 requests pad to the 4 bucket
+    runner = ngram_engine.runner
+    graphs = runner.verify_graph_runner
+    before = _replays(graphs)
+    replayed = runner.forward(batch()).next_token_logits.clone()
+    assert _replays(graphs) == before + 1
+    runner.verify_graph_runner = None
+    eager = runner.forward(batch()).next_token_logits
+    runner.verify_graph_runner = graphs
+    assert replayed.shape == eager.shape == (12, eager.shape[1])
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_replay_pads_into_the_dummy_row_slot_and_a_mask_of_ones(ngram_engine):
+    graphs = ngram_engine.runner.verify_graph_runner
+    batch = _verify_batch(ngram_engine, [4, 7, 2], [DraftTree.chain(5, [6])] * 3)()
+    ngram_engine.runner.forward(batch)
+    assert graphs.req_pool_indices[3].item() == DUMMY_REQ_ROW
+    assert graphs.out_cache_loc[6:8].tolist() == [DUMMY_KV_SLOT] * 2
+    assert graphs.prefix_lens[3].item() == 0
+    live_mask = batch.spec_info.custom_mask.numel()
+    assert graphs.custom_mask[live_mask : live_mask + 4].all()
+    assert DUMMY_REQ_ROW not in graphs.req_pool_indices[:3].tolist()
+
+
+def test_replay_plans_on_the_padded_view_and_marks_it(ngram_engine):
+    graphs = ngram_engine.runner.verify_graph_runner
+    backend = ngram_engine.runner.attn_backend
+    planned: list[tuple[int, int]] = []
+    inner = backend.init_forward_metadata_out_graph
+
+    def spy(fb, in_capture=False):
+        planned.append((fb.batch_size, fb.num_tokens))
+        return inner(fb, in_capture)
+
+    backend.init_forward_metadata_out_graph = spy
+    try:
+        batch = _verify_batch(ngram_engine, [4, 7, 2], [DraftTree.chain(5, [6, 7])] * 3)()
+        ngram_engine.runner.forward(batch)
+    finally:
+        del backend.init_forward_metadata_out_graph
+    assert planned == [(4, 12)]  # once, after padding, never on the live (3, 9) shape
+    view = graphs.last_view
+    assert view.forward_metadata_ready and view.forward_metadata_planned_num_tokens == 12
+    assert not batch.forward_metadata_ready  # the live batch itself was never planned
+
+
+def test_ngram_greedy_output_is_the_same_with_verify_graphs(one_layer, reference):
+    engine = make_engine(one_layer, attention_backend="triton", speculative_algorithm="NGRAM",
+                         max_total_tokens=1024)
+    graphs = _with_verify_graphs(engine)
+    for p, ref in zip(PROMPTS, reference, strict=True):  # proposals that are right, and wrong siblings
+        engine.scheduler.spec_worker.drafter.cache.insert(p + ref)
+    outs = engine.generate(PROMPTS, SHORT)
+    assert [o.token_ids for o in outs] == reference
+    assert _replays(graphs) > 0
+    assert_no_leaks(engine)
+
+
+def test_standalone_greedy_output_is_the_same_with_verify_graphs(one_layer, reference):
+    engine = make_engine(one_layer, attention_backend="triton", speculative_algorithm="STANDALONE",
+                         speculative_draft_model_path=str(one_layer), max_total_tokens=1024)
+    graphs = _with_verify_graphs(engine)
+    outs = engine.generate(PROMPTS, SHORT)
+    assert [o.token_ids for o in outs] == reference
+    assert _replays(graphs) > 0
+    assert engine.scheduler.spec_worker.stats.accept_histogram[3] > 0
+    assert_no_leaks(engine)
