@@ -14,7 +14,7 @@ from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 def make_pools(hkv: int, d: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
                max_context: int = 96, slots: int = 400) -> tuple[ReqToTokenPool, MHATokenToKVPool, torch.Generator]:
     g = torch.Generator().manual_seed(seed)
-    pool = ReqToTokenPool(8, max_context, device)
+    pool = ReqToTokenPool(16, max_context, device)  # extend_batch uses rows 2.. (up to 14 requests)
     kv = MHATokenToKVPool(slots, dtype, 1, hkv, d, device)
     kv.k_buffer[0].copy_(torch.randn(kv.k_buffer[0].shape, generator=g))
     kv.v_buffer[0].copy_(torch.randn(kv.v_buffer[0].shape, generator=g))

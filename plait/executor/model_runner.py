@@ -38,6 +38,11 @@ def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_si
     per_token = MHATokenToKVPool.bytes_per_token(mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(tp_size),
                                                  mc.head_dim)
     if device == "cuda":
+        # An earlier engine of this process may be unreachable but not yet collected (its runner,
+        # graph runner and backend form reference cycles), and freed blocks stay in the caching
+        # allocator: both would count as used below unless released first.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used = total - free
         budget = total * config.mem_fraction_static - used
