@@ -136,6 +136,11 @@ class AggregateCache:
     def total_size(self) -> int:
         return sum(s.tree_cache.total_size() for s in self.schedulers)
 
+    def reset(self) -> None:
+        """Empty every replica's prefix cache (benchmarks: a warm-up must not serve the timed run)."""
+        for s in self.schedulers:
+            s.tree_cache.reset()
+
 
 class DataParallelScheduler:
     """The Scheduler interface over the replicas' schedulers, with a shortest-queue balancer."""

@@ -23,7 +23,7 @@ from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend
 from plait.layers.radix_attention import model_sliding_window
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from plait.models.llama import LogitsOutput
-from plait.models.loader import ModelConfig, load_model
+from plait.models.loader import ModelConfig, load_model, load_model_config, weight_bytes
 from plait.sampling import SampleOutput, Sampler
 
 logger = logging.getLogger(__name__)
@@ -32,11 +32,21 @@ logger = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 256 << 20
 
 
-def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_size: int = 1) -> int:
+def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_size: int = 1,
+                       draft: ModelConfig | None = None) -> int:
     """KV slots from the memory budget: after the weights are loaded, ``mem_fraction_static`` of the
-    device memory (minus what is already used) goes to the KV cache; ``max_total_tokens`` caps it."""
+    device memory (minus what is already used) goes to the KV cache; ``max_total_tokens`` caps it.
+
+    ``draft``: a STANDALONE draft model, loaded later, unsharded, with a KV pool of the same slot count
+    (its slots mirror the target's): its weights come off the budget and its per-token bytes are
+    added, so both pools fit."""
     per_token = MHATokenToKVPool.bytes_per_token(mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(tp_size),
                                                  mc.head_dim)
+    draft_weights = 0
+    if draft is not None:
+        per_token += MHATokenToKVPool.bytes_per_token(draft.dtype, draft.num_layers, draft.num_kv_heads,
+                                                      draft.head_dim)
+        draft_weights = weight_bytes(draft)
     if device == "cuda":
         # An earlier engine of this process may be unreachable but not yet collected (its runner,
         # graph runner and backend form reference cycles), and freed blocks stay in the caching
@@ -45,7 +55,7 @@ def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_si
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used = total - free
-        budget = total * config.mem_fraction_static - used
+        budget = total * config.mem_fraction_static - used - draft_weights
     else:
         budget = CPU_KV_BUDGET_BYTES
     tokens = int(budget // per_token)
@@ -82,7 +92,15 @@ class ModelRunner:
         attn_tp = SINGLE if config.enable_dp_attention else tp
         self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp)
         # Rank 0 schedules KV slots for every rank: all ranks take the smallest capacity.
-        self.max_total_tokens = tp.min_across_ranks(kv_capacity_tokens(config, mc, self.device, attn_tp.size))
+        draft = None
+        if config.speculative_algorithm == "STANDALONE" and config.speculative_draft_model_path:
+            path = config.speculative_draft_model_path
+            try:
+                draft = load_model_config(path, config.dtype, self.device, mc.context_length)
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"--speculative-draft-model-path {path!r}: {e}") from e
+        self.max_total_tokens = tp.min_across_ranks(
+            kv_capacity_tokens(config, mc, self.device, attn_tp.size, draft=draft))
         self.max_context_len = mc.context_length
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, mc.dtype, mc.num_layers,

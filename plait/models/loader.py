@@ -43,6 +43,18 @@ class ModelConfig:
         return max(1, self.num_kv_heads // tp_size)
 
 
+def weight_bytes(mc: ModelConfig) -> int:
+    """Bytes of a decoder-only model's weights in ``mc.dtype`` (embedding, attention and MLP
+    projections, norms, an untied LM head), from its config: for memory budgets, before loading."""
+    hf = mc.hf_config
+    h, inter = mc.hidden_size, hf.intermediate_size
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    params = mc.num_layers * per_layer + mc.vocab_size * h * (1 if tied else 2) + h
+    return params * torch.tensor([], dtype=mc.dtype).element_size()
+
+
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype:
     raw = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
     if isinstance(raw, torch.dtype):

@@ -104,3 +104,30 @@ def test_the_target_as_its_own_tree_draft_accepts_full_depth(model_path, referen
     assert [o.token_ids for o in outs] == reference
     assert engine.scheduler.spec_worker.stats.accept_histogram[3] > 0
     assert_no_leaks(engine)
+
+
+def test_the_kv_budget_holds_the_draft_pool_too(model_path, small_draft):
+    """Both pools have the same slot count, so the slots are sized by target + draft bytes per token
+    (the CPU budget is fixed bytes; on a GPU the draft's weights come off the budget as well)."""
+    from plait.executor.model_runner import CPU_KV_BUDGET_BYTES
+    from plait.mem.pools import MHATokenToKVPool
+
+    engine = make_engine(model_path, max_total_tokens=None, **_standalone(small_draft))
+    runner = engine.runner
+    target, draft = runner.model_config, engine.scheduler.spec_worker.draft_config
+    per_token = sum(MHATokenToKVPool.bytes_per_token(c.dtype, c.num_layers, c.num_kv_heads, c.head_dim)
+                    for c in (target, draft))
+    assert runner.max_total_tokens == CPU_KV_BUDGET_BYTES // per_token
+    assert engine.scheduler.spec_worker.kv_pool.size == runner.max_total_tokens
+    engine.shutdown()
+
+
+def test_weight_bytes_counts_every_projection_of_the_model(small_draft):
+    import torch
+    from safetensors.torch import load_file
+
+    from plait.models.loader import load_model_config, weight_bytes
+
+    mc = load_model_config(str(small_draft), "float32")
+    on_disk = sum(t.numel() for f in small_draft.glob("*.safetensors") for t in load_file(f).values())
+    assert weight_bytes(mc) == on_disk * torch.tensor([], dtype=torch.float32).element_size()
