@@ -55,3 +55,16 @@ def run(backend, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     fb.reset_forward_metadata_marker()
     backend.init_forward_metadata(fb)
     return backend.forward(q.clone(), k.clone(), v.clone(), lay, fb)
+
+
+def random_tree_mask(prefix: list[int], ext: list[int], g: torch.Generator) -> torch.Tensor:
+    """A flattened verify-style custom mask: each new token sees the whole prefix, itself, and a
+    random subset of the other new tokens (rows of [ext_i, prefix_i + ext_i], concatenated)."""
+    blocks = []
+    for p, e in zip(prefix, ext, strict=True):
+        m = torch.rand(e, p + e, generator=g) > 0.4
+        m[:, :p] = True
+        m[torch.arange(e), p + torch.arange(e)] = True  # every token sees itself
+        blocks.append(m.flatten())
+    return torch.cat(blocks)
+

@@ -48,6 +48,12 @@ class Reference:
 _HF_MODELS: dict[str, torch.nn.Module] = {}
 
 
+@pytest.fixture(scope="session")
+def one_layer(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A 1-layer tiny llama (seed 0): what Triton-interpreter engine runs use to stay short."""
+    return make_tiny_model(tmp_path_factory.mktemp("one_layer"), "llama", seed=0, num_hidden_layers=1)
+
+
 def hf_model(path: pathlib.Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 

@@ -9,7 +9,6 @@ import pytest
 
 pytest.importorskip("triton")
 
-from plait.testing import make_tiny_model  # noqa: E402
 from tests.helpers import assert_no_leaks, make_engine, prompt_ids  # noqa: E402
 
 PROMPTS = prompt_ids(3)
@@ -19,11 +18,6 @@ PAIRS = {
     "prefill-native-decode-triton": {"prefill_attention_backend": "torch_native", "decode_attention_backend": "triton"},
     "prefill-triton-decode-native": {"prefill_attention_backend": "triton", "decode_attention_backend": "torch_native"},
 }
-
-
-@pytest.fixture(scope="module")
-def one_layer(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("one_layer_pairs"), "llama", seed=3, num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from plait.attention.torch_flash import TorchFlashAttnBackend, VarlenKernel, pla
 from plait.attention.torch_native import TorchNativeAttnBackend
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardMode
-from tests.attn_cases import extend_batch, layer, make_pools, run
+from tests.attn_cases import extend_batch, layer, make_pools, random_tree_mask, run
 from tests.helpers import GREEDY, make_engine, prompt_ids
 
 HEADS = [(4, 4), (8, 2)]  # GQA ratios 1 and 4
@@ -91,13 +91,7 @@ def test_tree_mask_verify_matches_torch_native():
     prefix, ext = [6, 11], [4, 3]
     fb = extend_batch(pool, g, prefix, ext)
     fb.forward_mode = ForwardMode.TARGET_VERIFY
-    blocks = []
-    for p, e in zip(prefix, ext, strict=True):
-        m = torch.rand(e, p + e, generator=g) > 0.4
-        m[:, :p] = True
-        m[torch.arange(e), p + torch.arange(e)] = True  # every token sees itself
-        blocks.append(m.flatten())
-    fb.spec_info = SimpleNamespace(custom_mask=torch.cat(blocks))
+    fb.spec_info = SimpleNamespace(custom_mask=random_tree_mask(prefix, ext, g))
     q, k, v = qkv(fb.num_tokens, 8, 2, 64, g)
     torch.testing.assert_close(run(flash, fb, q, k, v, layer(8, 2, 64)), run(native, fb, q, k, v, layer(8, 2, 64)),
                                **TOL)

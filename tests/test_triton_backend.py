@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from plait.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from plait.forward_batch import ForwardMode  # noqa: E402
-from tests.attn_cases import extend_batch, layer, make_pools, run  # noqa: E402
+from tests.attn_cases import extend_batch, layer, make_pools, random_tree_mask, run  # noqa: E402
 
 HEADS = [(2, 2), (8, 2), (8, 1)]  # GQA ratios 1, 4, 8
 
@@ -52,13 +52,7 @@ def test_custom_mask_extend_matches_torch_native():
     native, triton_be, pool, g = make_backends(hq, hkv, d, seed=2)
     prefix, ext = [6, 11], [4, 3]
     fb = extend_batch(pool, g, prefix=prefix, ext=ext)
-    blocks = []
-    for p, e in zip(prefix, ext, strict=True):
-        m = torch.rand(e, p + e, generator=g) > 0.4
-        m[:, :p] = True
-        m[torch.arange(e), p + torch.arange(e)] = True  # every token sees itself
-        blocks.append(m.flatten())
-    fb.spec_info = SimpleNamespace(custom_mask=torch.cat(blocks))
+    fb.spec_info = SimpleNamespace(custom_mask=random_tree_mask(prefix, ext, g))
     t = fb.num_tokens
     q, k, v = torch.randn(t, hq * d, generator=g), torch.randn(t, hkv * d, generator=g), torch.randn(t, hkv * d,
                                                                                                     generator=g)

@@ -4,24 +4,18 @@ teacher-forced logits, and a 2000-request soak that must end with every KV slot 
 from __future__ import annotations
 
 import gc
-import tempfile
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from plait.bench.shapes import SHAPES, write_shape_dir  # noqa: E402
+from plait.bench.shapes import SHAPES  # noqa: E402
 from plait.bench.workloads import make_engine, random_prompts  # noqa: E402
 from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 
 SHAPE = "llama-3.2-1b"
 VOCAB = SHAPES[SHAPE]["vocab_size"]
-
-
-@pytest.fixture(scope="module")
-def shape_dir():
-    return str(write_shape_dir(tempfile.mkdtemp(), SHAPE))
 
 
 def release(engine) -> None:

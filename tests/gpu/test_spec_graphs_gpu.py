@@ -4,8 +4,6 @@ STANDALONE engine run through both graph runners that ends with every KV slot fr
 
 from __future__ import annotations
 
-import gc
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -13,26 +11,15 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from plait.bench.shapes import SHAPES, write_shape_dir  # noqa: E402
+from plait.bench.shapes import SHAPES  # noqa: E402
 from plait.bench.workloads import make_engine, random_prompts  # noqa: E402
 from plait.speculative.tree import DraftTree  # noqa: E402
+from tests.gpu.test_engine_gpu import release  # noqa: E402
 
 SHAPE = "llama-3.2-1b"
 VOCAB = SHAPES[SHAPE]["vocab_size"]
 NGRAM = {"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
          "speculative_num_draft_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def shape_dir():
-    return str(write_shape_dir(tempfile.mkdtemp(), SHAPE))
-
-
-def release(engine) -> None:
-    engine.shutdown()
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _prefilled_rows(engine, prompts: list[list[int]]):

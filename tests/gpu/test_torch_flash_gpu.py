@@ -5,7 +5,6 @@ torch_native, within the tolerance of tests/gpu/test_engine_gpu.py."""
 
 from __future__ import annotations
 
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from plait.attention.torch_flash import TorchFlashAttnBackend, detect_varlen_kernel  # noqa: E402
 from plait.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
-from plait.bench.shapes import SHAPES, write_shape_dir  # noqa: E402
+from plait.bench.shapes import SHAPES  # noqa: E402
 from plait.bench.workloads import make_engine, random_prompts  # noqa: E402
 from plait.forward_batch import ForwardMode  # noqa: E402
 from tests.attn_cases import extend_batch, layer, make_pools, run  # noqa: E402
@@ -90,11 +89,6 @@ def test_decode_matches_torch_native_with_a_window():
 
 SHAPE = "llama-3.2-1b"
 VOCAB = SHAPES[SHAPE]["vocab_size"]
-
-
-@pytest.fixture(scope="module")
-def shape_dir():
-    return str(write_shape_dir(tempfile.mkdtemp(), SHAPE))
 
 
 @pytest.fixture(scope="module")

@@ -48,20 +48,27 @@ def _layout(
     return req_to_token.cuda(), rows.cuda(), indptr.cuda(), torch.cat(chunks).cuda(), num_slots
 
 
-def _decode_case(lens: list[int], seed: int, fused: bool = False) -> None:
+def _decode_inputs(lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k_buf, v_buf, seq_lens, kv_indptr and kv_indices (built by the kernel, checked) of a paged
+    decode batch with contexts ``lens``."""
     gen = torch.Generator().manual_seed(seed)
-    req_to_token, rows, indptr_ref, indices_ref, num_slots = _layout(lens, gen)
+    req_to_token, rows, _, indices_ref, num_slots = _layout(lens, gen)
     bs = len(lens)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     k_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
     v_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
     q = torch.randn(bs, HQ, D, device="cuda", dtype=DTYPE)
-
     kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     kv_indptr[1:] = torch.cumsum(seq_lens, 0)
     kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device="cuda")
     K.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
     assert torch.equal(kv_indices, indices_ref)
+    return q, k_buf, v_buf, seq_lens, kv_indptr, kv_indices
+
+
+def _decode_case(lens: list[int], seed: int, fused: bool = False) -> None:
+    q, k_buf, v_buf, seq_lens, kv_indptr, kv_indices = _decode_inputs(lens, seed)
+    bs = len(lens)
 
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
     K.get_num_kv_splits(seq_lens, splits, MAX_KV_SPLITS, _num_sms(), num_kv_heads=HKV)
@@ -99,18 +106,9 @@ def test_decode_fused_merge_is_bitwise_the_two_stage_result_over_many_launches()
     """The in-kernel merge does stage 2's arithmetic in stage 2's order, so any difference is a
     publication race (a partial read before it was written): 200 launches at bs 64, contexts up to
     8k (many splits per request), each compared bit for bit."""
-    gen = torch.Generator().manual_seed(7)
     bs = 64
-    lens = torch.randint(1, 8192, (bs,), generator=gen).tolist()
-    req_to_token, rows, _, _, num_slots = _layout(lens, gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    k_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
-    v_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
-    q = torch.randn(bs, HQ, D, device="cuda", dtype=DTYPE)
-    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
-    kv_indptr[1:] = torch.cumsum(seq_lens, 0)
-    kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device="cuda")
-    K.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
+    lens = torch.randint(1, 8192, (bs,), generator=torch.Generator().manual_seed(7)).tolist()
+    q, k_buf, v_buf, _, kv_indptr, kv_indices = _decode_inputs(lens, seed=8)
     splits = torch.full((bs,), MAX_KV_SPLITS, dtype=torch.int32, device="cuda")
     logits = torch.empty(bs, HQ, MAX_KV_SPLITS, D, dtype=torch.float32, device="cuda")
     lse = torch.empty(bs, HQ, MAX_KV_SPLITS, dtype=torch.float32, device="cuda")

@@ -19,11 +19,6 @@ MAX_BS = 2
 
 
 @pytest.fixture(scope="module")
-def one_layer(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("one_layer"), "llama", seed=0, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
 def other_draft(tmp_path_factory):
     """Different weights: some guesses are rejected, so the histogram pins the drafted tokens."""
     return make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1, num_hidden_layers=1)

@@ -16,11 +16,6 @@ SHORT = {"temperature": 0.0, "max_new_tokens": 8}
 
 
 @pytest.fixture(scope="module")
-def one_layer(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("one_layer"), "llama", seed=0, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
 def reference(one_layer):
     return [o.token_ids for o in make_engine(one_layer).generate(PROMPTS, SHORT)]
 

@@ -18,16 +18,10 @@ from plait.executor.model_runner import verify_graph_widths  # noqa: E402
 from plait.executor.verify_graph_runner import VerifyGraphRunner, uniform_width  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
 from plait.speculative.tree import DraftTree  # noqa: E402
-from plait.testing import make_tiny_model  # noqa: E402
 from tests.helpers import assert_no_leaks, make_engine, prompt_ids  # noqa: E402
 
 PROMPTS = prompt_ids(3)
 SHORT = {"temperature": 0.0, "max_new_tokens": 10}
-
-
-@pytest.fixture(scope="module")
-def one_layer(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("one_layer"), "llama", seed=0, num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")
