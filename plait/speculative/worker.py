@@ -28,6 +28,7 @@ import torch
 
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.mem.pools import DUMMY_KV_SLOT
 from plait.sampling import GREEDY_TEMPERATURE_EPS, Sampler, SamplingBatchInfo, counter_uniforms
 from plait.speculative.accept import greedy_accept, tree_accept_sampled
 from plait.speculative.tree import DraftTree, build_verify_mask
@@ -138,8 +139,27 @@ class SpecWorker(ABC):
         self.verify(sched, reqs, [t for _, t in chosen], slots)
         return {id(r) for r in reqs}
 
-    def build_verify_batch(self, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> ForwardBatch:
+    def build_verify_batch(self, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
+                           pad_width: int | None = None) -> ForwardBatch:
+        """The TARGET_VERIFY batch of ``trees`` (their nodes' KV into ``slots``, tree order).
+
+        ``pad_width``: every request's block is padded to this many tokens with dummy nodes (children
+        of the root, token 0, KV into the reserved dummy slot), so a batch of mixed widths replays
+        one captured graph. ``spec_info.trees`` stay the real trees, and request i's real nodes are
+        logits rows ``[i * pad_width, i * pad_width + width_i)``."""
         device = self.runner.device
+        real_trees = trees
+        if pad_width is not None:
+            trees = [DraftTree(t.tokens + [0] * (pad_width - t.width), t.parents + [0] * (pad_width - t.width))
+                     for t in trees]
+            # Slot j of the real layout, or len(slots) (-> the dummy slot) for a padding node.
+            src, off = [], 0
+            for t in real_trees:
+                src.extend(range(off, off + t.width))
+                src.extend([len(slots)] * (pad_width - t.width))
+                off += t.width
+            with_dummy = torch.cat([slots, slots.new_full((1,), DUMMY_KV_SLOT)])
+            slots = with_dummy[torch.tensor(src, dtype=torch.int64, device=slots.device)]
         widths = [t.width for t in trees]
         prefix = [r.kv_len for r in reqs]
         ids: list[int] = []
@@ -160,18 +180,32 @@ class SpecWorker(ABC):
             extend_start_loc=starts_t, extend_seq_lens_cpu=widths, extend_prefix_lens_cpu=prefix,
         )
         # logits_indices stays None: every node's logits are needed.
-        fb.spec_info = VerifyInput(trees, build_verify_mask(trees, prefix, device), widths)
+        fb.spec_info = VerifyInput(real_trees, build_verify_mask(trees, prefix, device), widths)
         return fb
 
+    def graph_pad_width(self, trees: list[DraftTree]) -> int | None:
+        """The width to pad a verify batch of mixed widths to, when a captured graph then runs it
+        (the adaptive depth gives requests different widths; eager verify costs several graph
+        replays). None: the widths are uniform already, or no graph would take the batch."""
+        graphs = self.runner.verify_graph_runner
+        widths = {t.width for t in trees}
+        if graphs is None or len(widths) == 1 or len(trees) > graphs.max_bs or max(widths) not in graphs.widths:
+            return None
+        return max(widths)
+
     def verify(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
-        fb = self.build_verify_batch(reqs, trees, slots)
-        logits = self.runner.forward(fb).next_token_logits  # [sum(widths), V] float32
+        fb = self.build_verify_batch(reqs, trees, slots, pad_width=self.graph_pad_width(trees))
+        logits = self.runner.forward(fb).next_token_logits  # [sum(num_tokens_per_req), V] float32
         sched.stats.forward_steps += 1
-        results = self.accept(reqs, trees, logits)
+        results = self.accept(reqs, trees, logits, row_widths=fb.spec_info.num_tokens_per_req)
         self.commit(sched, reqs, trees, slots, results)
 
-    def accept(self, reqs: list[Req], trees: list[DraftTree], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+    def accept(self, reqs: list[Req], trees: list[DraftTree], logits: torch.Tensor,
+               row_widths: list[int] | None = None) -> list[tuple[list[int], int]]:
+        """Acceptance per request. ``row_widths``: logits rows per request when the verify batch
+        was padded (real nodes first); default the trees' widths."""
         widths = [t.width for t in trees]
+        row_starts = np.concatenate([[0], np.cumsum(row_widths or widths)]).tolist()
         argmax = logits.argmax(dim=-1).tolist()
         # The sampler's rule for greedy rows, so a request gets the same treatment on both paths.
         sampled = [i for i, r in enumerate(reqs) if not (r.sampling_params.is_greedy
@@ -179,12 +213,11 @@ class SpecWorker(ABC):
         probs_of: dict[int, np.ndarray] = {}
         unif_of: dict[int, np.ndarray] = {}
         if sampled:
-            starts = np.concatenate([[0], np.cumsum(widths)]).tolist()
             row_idx: list[int] = []
             params, seeds, outs, steps = [], [], [], []
             for i in sampled:
                 depths = trees[i].depths()
-                row_idx.extend(range(starts[i], starts[i + 1]))
+                row_idx.extend(range(row_starts[i], row_starts[i] + widths[i]))
                 for d in depths:
                     params.append(reqs[i].sampling_params)
                     seeds.append(reqs[i].seed)
@@ -202,7 +235,6 @@ class SpecWorker(ABC):
                 probs_of[i], unif_of[i] = probs[k : k + widths[i]], unif[k : k + widths[i]]
                 k += widths[i]
         results = []
-        start = 0
         for i, tree in enumerate(trees):
             if i in probs_of:
                 if tree.draft_probs is not None:
@@ -211,8 +243,7 @@ class SpecWorker(ABC):
                 else:
                     results.append(tree_accept_sampled(tree, probs_of[i], unif_of[i]))
             else:
-                results.append(greedy_accept(tree, argmax[start : start + tree.width]))
-            start += tree.width
+                results.append(greedy_accept(tree, argmax[row_starts[i] : row_starts[i] + tree.width]))
         return results
 
     def commit(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,

@@ -57,7 +57,7 @@ def _verify_batch(engine, prefixes: list[int], trees: list[DraftTree]):
         runner.req_to_token_pool.write(row, 0, s[:pre])
         reqs.append(SimpleNamespace(kv_len=pre, req_pool_idx=row))
         slots.append(s[pre:])
-    return lambda: engine.scheduler.spec_worker.build_verify_batch(reqs, trees, torch.cat(slots))
+    return lambda **kw: engine.scheduler.spec_worker.build_verify_batch(reqs, trees, torch.cat(slots), **kw)
 
 
 def test_widths_cover_every_adaptive_depth_and_skip_eagle():
@@ -101,6 +101,35 @@ def test_replay_logits_equal_eager_on_a_padded_tree_batch(ngram_engine):
     runner.verify_graph_runner = graphs
     assert replayed.shape == eager.shape == (12, eager.shape[1])
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_widths_are_padded_to_the_widest_captured_graph_and_accept_the_same(ngram_engine):
+    chain = DraftTree.chain
+    trees = [chain(5, [6, 7]), chain(8, [9]), DraftTree([4, 6, 2], [-1, 0, 0])]
+    batch = _verify_batch(ngram_engine, [4, 6, 3], trees)
+    runner, worker = ngram_engine.runner, ngram_engine.scheduler.spec_worker
+    graphs = runner.verify_graph_runner
+    assert worker.graph_pad_width(trees) == 3
+    padded = batch(pad_width=3)
+    assert padded.spec_info.trees == trees and padded.spec_info.num_tokens_per_req == [3, 3, 3]
+    assert padded.out_cache_loc[5].item() == DUMMY_KV_SLOT  # the second request's padding node
+    before = _replays(graphs)
+    replayed = runner.forward(padded).next_token_logits.clone()
+    assert _replays(graphs) == before + 1
+    runner.verify_graph_runner = None
+    eager = runner.forward(batch()).next_token_logits
+    runner.verify_graph_runner = graphs
+    real_rows = [0, 1, 2, 3, 4, 6, 7, 8]  # row 5 is padding
+    torch.testing.assert_close(replayed[real_rows], eager, rtol=1e-5, atol=1e-5)
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(is_greedy=True, temperature=0.0))] * 3
+    assert worker.accept(reqs, trees, replayed, row_widths=[3, 3, 3]) == worker.accept(reqs, trees, eager)
+
+
+def test_uniform_or_uncaptured_widths_are_not_padded(ngram_engine):
+    worker = ngram_engine.scheduler.spec_worker
+    chain = DraftTree.chain
+    assert worker.graph_pad_width([chain(5, [6]), chain(7, [8])]) is None  # uniform already
+    assert worker.graph_pad_width([chain(5, [6]), chain(7, [8, 9, 1, 2])]) is None  # width 5 not captured
 
 
 def test_replay_pads_into_the_dummy_row_slot_and_a_mask_of_ones(ngram_engine):
