@@ -146,7 +146,7 @@ class Scheduler:
         """
         self._updated = self._process_aborts()
         advanced: set[int] = set()  # id() of requests the speculative step advanced
-        if self.spec_worker is not None:
+        if self.spec_worker is not None and self.spec_worker.should_speculate():
             # Speculative steps run with overlap drained: drafting and acceptance need every
             # request's tokens on the host. Requests it advanced skip this step's normal decode.
             self._drain()

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 ACCEPT_STREAM = 1
 LOG_HISTOGRAM_EVERY = 256  # verify steps between acceptance-histogram log lines
 EMA_DECAY = 0.5  # weight of the past in the per-request acceptance average
+MISS_BACKOFF_MAX = 8  # longest run of plain decode steps after repeated misses (see SpecWorker)
 
 
 @dataclass
@@ -86,6 +87,12 @@ class SpecWorker(ABC):
         # that average + 1 (at most num_steps), so a request whose guesses keep failing verifies
         # short drafts, and one whose guesses land goes back to full depth.
         self.accept_ema: dict[str, float] = {}
+        # Miss back-off: a speculative step drains the overlapped batch first (drafting needs every
+        # token on the host). After a step where requests could speculate but nothing was proposed
+        # (an n-gram miss), the next ``_skip`` steps decode normally, overlapped; the pause doubles
+        # on each further miss up to MISS_BACKOFF_MAX steps and resets on a proposal.
+        self._skip = 0
+        self._backoff = 1
 
     # --- hooks the scheduler calls ----------------------------------------------------------------
     def on_finish(self, req: Req) -> None:
@@ -114,6 +121,13 @@ class SpecWorker(ABC):
         adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
         return max(0, min(self.num_steps, adaptive, left - 1, room))
 
+    def should_speculate(self) -> bool:
+        """Whether this scheduler step speculates (False: a plain, overlapped decode step)."""
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
     def decode_step(self, sched: Scheduler) -> set[int]:
         """Speculate for the running requests; returns ``id()`` of the requests that advanced."""
         cands = [r for r in sched.running]
@@ -125,7 +139,9 @@ class SpecWorker(ABC):
         trees = self.propose(sched, cands, depths)
         chosen = [(r, t) for r, t in zip(cands, trees, strict=True) if t is not None]
         if not chosen:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MISS_BACKOFF_MAX)
             return set()
+        self._backoff = 1
         need = sum(t.width for _, t in chosen)
         # Leave room for the normal decode of everyone else; when short, skip speculation this step
         # and let the scheduler's decode path evict or retract as it always does.

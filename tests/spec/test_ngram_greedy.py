@@ -148,8 +148,8 @@ def test_drafts_shorten_for_requests_whose_guesses_keep_failing(model_path, refe
     widths: list[list[int]] = []
     build = worker.build_verify_batch
 
-    def recording(reqs, trees, slots):
-        fb = build(reqs, trees, slots)
+    def recording(reqs, trees, slots, **kw):
+        fb = build(reqs, trees, slots, **kw)
         widths.append(list(fb.spec_info.num_tokens_per_req))
         return fb
 
@@ -157,4 +157,21 @@ def test_drafts_shorten_for_requests_whose_guesses_keep_failing(model_path, refe
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert max(widths[0]) == 4 and max(widths[-1]) == 2  # full depth first, one guess at the end
+    assert_no_leaks(engine)
+
+
+def test_misses_back_off_to_plain_overlapped_decode_steps(model_path, reference):
+    """Fresh prompts and an empty n-gram cache: nothing to propose, so after each miss the worker
+    sits out a doubling run of steps (plain decoding, overlap kept) instead of draining every step."""
+    engine = make_engine(model_path, speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=4,
+                         speculative_ngram_max_match_window_size=4)
+    worker = engine.scheduler.spec_worker
+    asked = []
+    inner = worker.decode_step
+    worker.decode_step = lambda sched: asked.append(1) or inner(sched)
+    steps_before = engine.scheduler.stats.forward_steps
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    steps = engine.scheduler.stats.forward_steps - steps_before
+    assert 0 < len(asked) < steps / 2
     assert_no_leaks(engine)
