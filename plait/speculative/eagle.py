@@ -38,6 +38,7 @@ from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_
 from plait.speculative.draft_tree import expand_trees
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
+from plait.transfer import to_device
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
@@ -171,7 +172,7 @@ class EagleWorker(SpecWorker):
         rows = [rows[i] for i in keep]
         pre = [starts[i] for i in keep]
         ext = [lens[i] for i in keep]
-        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(pre, ext, strict=True)]).to(device)
+        pos = to_device(torch.cat([torch.arange(p, p + n) for p, n in zip(pre, ext, strict=True)]), device)
         row_t = torch.tensor(rows, dtype=torch.int64, device=device)
         token_rows = torch.repeat_interleave(row_t, torch.tensor(ext, device=device))
         seq = [p + n for p, n in zip(pre, ext, strict=True)]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plait.transfer import to_device
+
 
 @dataclass
 class DraftTree:
@@ -75,4 +77,4 @@ def build_verify_mask(trees: list[DraftTree], prefix_lens: list[int], device: to
         block = torch.ones(tree.width, pre + tree.width, dtype=torch.bool)
         block[:, pre:] = tree.ancestor_mask()
         blocks.append(block.flatten())
-    return torch.cat(blocks).to(device)
+    return to_device(torch.cat(blocks), device)  # pinned, asynchronous: no wait for the GPU queue

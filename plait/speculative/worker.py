@@ -264,18 +264,24 @@ class SpecWorker(ABC):
 
     def commit(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
                results: list[tuple[list[int], int]]) -> None:
-        r2t = sched.req_to_token_pool.req_to_token
-        keep = torch.zeros(slots.numel(), dtype=torch.bool)
         old_kv_lens = [r.kv_len for r in reqs]
+        # Accepted nodes go to consecutive positions after the prefix, in path order: one scatter
+        # into req_to_token for the whole batch (node index in ``slots``, pool row, position).
+        accepted: list[int] = []
+        rows: list[int] = []
+        cols: list[int] = []
         start = 0
         for req, tree, (path, _) in zip(reqs, trees, results, strict=True):
-            idx = torch.tensor([start + n for n in path], dtype=torch.int64)
-            keep[idx] = True
-            # Accepted nodes go to consecutive positions after the prefix, in path order.
-            r2t[req.req_pool_idx, req.kv_len : req.kv_len + len(path)] = slots[idx.to(slots.device)].to(torch.int32)
+            accepted.extend(start + n for n in path)
+            rows.extend([req.req_pool_idx] * len(path))  # type: ignore[list-item]
+            cols.extend(range(req.kv_len, req.kv_len + len(path)))
             req.kv_len += len(path)
             start += tree.width
-        sched.allocator.free(slots[~keep.to(slots.device)])  # rejected nodes: freed at once
+        acc_t, rows_t, cols_t = ints_to_device([accepted, rows, cols], slots.device)
+        sched.req_to_token_pool.req_to_token[rows_t, cols_t] = slots[acc_t].to(torch.int32)
+        rejected = torch.ones(slots.numel(), dtype=torch.bool, device=slots.device)
+        rejected[acc_t] = False
+        sched.allocator.free(slots[rejected])  # rejected nodes: freed at once
         self.after_accept(reqs, trees, results, old_kv_lens)
         for req, tree, (path, bonus) in zip(reqs, trees, results, strict=True):
             req.spec_verify_ct += 1
