@@ -127,8 +127,24 @@ def _overhead_at(runner: Any, worker: Any, rows: list[int], slots: torch.Tensor,
     for _ in range(iters):
         worker.accept(reqs, trees, logits_box[0])
     t_acc = (time.perf_counter() - t0) / iters
-    return {"decode_ms": t_dec * 1e3, "verify_ms": t_ver * 1e3, "verify_over_decode": t_ver / t_dec,
-            "verify_graph_replayed": replayed, "accept_bookkeeping_ms": t_acc * 1e3}
+    out = {"decode_ms": t_dec * 1e3, "verify_ms": t_ver * 1e3, "verify_over_decode": t_ver / t_dec,
+           "verify_graph_replayed": replayed, "accept_bookkeeping_ms": t_acc * 1e3}
+    if device == "cuda" and bs == 1:  # where the verify step's extra time goes, kernel by kernel
+        out["kernels_decode"], out["kernels_verify"] = kernel_table(decode), kernel_table(verify)
+    return out
+
+
+def kernel_table(fn: Any, calls: int = 10, top: int = 20) -> list[dict[str, Any]]:
+    """GPU kernels of ``calls`` calls of ``fn`` (graph replays included), per call, longest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    return [{"kernel": e.key[:100], "calls_per_call": e.count / calls, "us_per_call": e.device_time_total / calls}
+            for e in events[:top]]
 
 
 def spec_overhead(shape_dir: str, batch_sizes: tuple[int, ...] = (1, 16, 64), context: int = 512, width: int = 4,
