@@ -57,3 +57,32 @@ def test_argmax_takes_the_first_of_tied_maxima_across_blocks():
     x[0, [5000, 9000]] = 7.0  # two blocks, same value: the earlier block wins
     x[1, [4097, 4098]] = 3.0  # inside one block: the earlier index wins
     assert triton_ops.argmax(x).tolist() == [5000, 4097]
+
+
+def test_rotary_with_kv_store_writes_the_rotated_keys_and_the_values_at_loc():
+    head_dim, hq, hkv, t = 64, 4, 2, 5
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    q, k, v = torch.randn(t, hq * head_dim), torch.randn(t, hkv * head_dim), torch.randn(t, hkv * head_dim)
+    pos, loc = torch.tensor([0, 3, 7, 9, 30]), torch.tensor([11, 2, 7, 5, 13])
+    k_cache, v_cache = torch.zeros(16, hkv, head_dim), torch.zeros(16, hkv, head_dim)
+    q_ref, k_ref = rope.forward_native(pos, q.clone(), k.clone())
+    q_out, k_out = triton_ops.rotary_(pos, q, k, rope.cos_sin_cache, head_dim, (v, k_cache, v_cache, loc))
+    torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache[loc], k_ref.view(t, hkv, head_dim), atol=1e-5, rtol=1e-5)
+    assert torch.equal(v_cache[loc], v.view(t, hkv, head_dim))
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[loc] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_native_rotary_with_kv_store_matches_the_kernel():
+    head_dim, hkv = 64, 2
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    q, k, v = torch.randn(3, 4 * head_dim), torch.randn(3, hkv * head_dim), torch.randn(3, hkv * head_dim)
+    pos, loc = torch.tensor([1, 2, 40]), torch.tensor([4, 0, 6])
+    caches = [torch.zeros(8, hkv, head_dim) for _ in range(4)]
+    rope.forward(pos, q.clone(), k.clone(), kv_store=(v, caches[0], caches[1], loc))  # CPU: torch path
+    triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim, (v, caches[2], caches[3], loc))
+    torch.testing.assert_close(caches[0], caches[2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[1], caches[3])

@@ -70,6 +70,13 @@ class AttentionBackend(ABC):
         return 1
 
     # --- compute --------------------------------------------------------------------------------
+    def rope_kv_store_target(self, layer: AttentionLayer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where this backend stores ``fb``'s new K/V when it stores them plainly into the paged pool:
+        ``(k_buffer, v_buffer)`` of ``layer`` (``[num_slots, Hkv, D]``), written at ``fb.out_cache_loc``.
+        Then the rotary kernel may write them itself (one launch fewer per layer) and the forward runs
+        with ``save_kv_cache=False``. None (the default): the backend stores K/V its own way."""
+        return None
+
     def forward(
         self,
         q: torch.Tensor,

@@ -18,6 +18,7 @@ DECISION_MODULES: dict[str, str] = {
     "plait.attention.registry": "building each half by name",
     "plait.attention.hybrid": "which half serves a forward mode",
     "plait.engine.engine": "backend pair logged at start",
+    "plait.layers.radix_attention": "KV write path (rotary kernel or backend store): the half serving the batch",
 }
 
 BASE_FIELD = "attention_backend"

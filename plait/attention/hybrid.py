@@ -57,6 +57,9 @@ class HybridAttnBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode_backend.get_cuda_graph_seq_len_fill_value()
 
+    def rope_kv_store_target(self, layer, fb):
+        return self.selected(fb).rope_kv_store_target(layer, fb)
+
     def forward(self, q, k, v, layer, fb, save_kv_cache=True):
         return self.selected(fb).forward(q, k, v, layer, fb, save_kv_cache)
 

@@ -78,6 +78,9 @@ class PlanCheckingBackend(AttentionBackend):
         self._check(fb)
         return self.inner.forward(q, k, v, layer, fb, save_kv_cache)
 
+    def rope_kv_store_target(self, layer, fb):
+        return self.inner.rope_kv_store_target(layer, fb)
+
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
         self._check(fb)
         return self.inner.forward_decode(q, k, v, layer, fb, save_kv_cache)

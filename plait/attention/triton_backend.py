@@ -263,6 +263,13 @@ class TritonAttnBackend(AttentionBackend):
                              split_counters=bufs.split_counters)
         return o.view(-1, hq * d)
 
+    def rope_kv_store_target(self, layer: AttentionLayer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # Decode and every extend mode store the new tokens with store_kv at out_cache_loc; the
+        # extend kernel reads the new tokens' K/V from the (rotated in place) k/v tensors.
+        if fb.forward_mode.is_idle():
+            return None
+        return self.kv_pool.get_key_buffer(layer.layer_id), self.kv_pool.get_value_buffer(layer.layer_id)
+
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim

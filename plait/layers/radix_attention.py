@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from plait.forward_batch import ForwardBatch
+from plait.layers.rotary import RotaryEmbedding
 
 
 class RadixAttention(nn.Module):
@@ -20,9 +21,22 @@ class RadixAttention(nn.Module):
         self.logit_cap = logit_cap
         self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        assert fb.attn_backend is not None, "the model runner sets fb.attn_backend before forward"
-        return fb.attn_backend.forward(q, k, v, self, fb)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                rope: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the batch's KV; with ``rope`` (and ``positions``) q and k are rotated first,
+        and when the serving backend stores K/V plainly into the paged pool, the rotary kernel writes
+        them there itself (one kernel fewer per layer)."""
+        backend = fb.attn_backend
+        assert backend is not None, "the model runner sets fb.attn_backend before forward"
+        if rope is None:
+            return backend.forward(q, k, v, self, fb)
+        assert positions is not None
+        target = backend.rope_kv_store_target(self, fb)
+        if target is None:
+            q, k = rope(positions, q, k)
+            return backend.forward(q, k, v, self, fb)
+        q, k = rope(positions, q, k, kv_store=(v, target[0], target[1], fb.out_cache_loc))
+        return backend.forward(q, k, v, self, fb, save_kv_cache=False)
 
 
 def model_sliding_window(model: nn.Module) -> int | None:

@@ -58,13 +58,22 @@ class RotaryEmbedding(nn.Module):
         # Not a parameter or persistent buffer: never in a checkpoint, moved with the module.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq*D], k [T, Hkv*D] rotated at ``positions`` [T]. On CUDA in place, by one kernel."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq*D], k [T, Hkv*D] rotated at ``positions`` [T]. On CUDA in place, by one kernel.
+        ``kv_store`` (v, k_cache, v_cache, loc): the rotated k and v are written into the paged
+        cache at ``loc`` too (in the same kernel on CUDA)."""
         if q.is_cuda:
             from plait.layers.triton_ops import rotary_
 
-            return rotary_(positions, q, k, self.cos_sin_cache, self.head_dim)
-        return self.forward_native(positions, q, k)
+            return rotary_(positions, q, k, self.cos_sin_cache, self.head_dim, kv_store)
+        q, k = self.forward_native(positions, q, k)
+        if kv_store is not None:
+            v, k_cache, v_cache, loc = kv_store
+            k_cache[loc] = k.view(k.shape[0], -1, self.head_dim).to(k_cache.dtype)
+            v_cache[loc] = v.reshape(v.shape[0], -1, self.head_dim).to(v_cache.dtype)
+        return q, k
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+# (v [T, Hkv*D], k_cache [slots, Hkv, D], v_cache [slots, Hkv, D], loc [T]): where rotary_ may also
+# write the new tokens' K/V.
+KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def use_triton(x: torch.Tensor) -> bool:
     """On CUDA tensors always; on the CPU only under the Triton interpreter (tests)."""
@@ -78,7 +82,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads, n_k_heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                   V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(POS + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -97,18 +102,43 @@ def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads,
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + offs + HALF, mask=mask, other=0.0)
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(base + offs, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-        tl.store(base + offs + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+        r1, r2 = (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
+        tl.store(base + offs, r1, mask=mask)
+        tl.store(base + offs + HALF, r2, mask=mask)
+        if STORE and which == 1:
+            # The rotated keys also go to the paged cache (what the backend's KV store would write).
+            k_dst = K_CACHE + tl.load(LOC + t).to(tl.int64) * stride_kc
+            tl.store(k_dst + offs, r1.to(K_CACHE.dtype.element_ty), mask=mask)
+            tl.store(k_dst + offs + HALF, r2.to(K_CACHE.dtype.element_ty), mask=mask)
+    if STORE:
+        dv = tl.arange(0, 2 * HALF)
+        mask_v = heads[:, None] < n_k_heads
+        offs_v = heads[:, None] * (2 * HALF) + dv[None, :]
+        vals = tl.load(V + t * stride_v + offs_v, mask=mask_v, other=0.0)
+        v_dst = V_CACHE + tl.load(LOC + t).to(tl.int64) * stride_vc
+        tl.store(v_dst + offs_v, vals.to(V_CACHE.dtype.element_ty), mask=mask_v)
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-            head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on q [T, Hq*D] and k [T, Hkv*D] (each row contiguous); cos_sin_cache float32 [P, D]."""
+            head_dim: int, kv_store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q [T, Hq*D] and k [T, Hkv*D] (each row contiguous); cos_sin_cache float32 [P, D].
+
+    ``kv_store``: also write the rotated k and v into the paged cache at ``loc`` (the attention
+    backend's KV store, in the same launch; the backend then runs with ``save_kv_cache=False``)."""
     t = q.shape[0]
     n_q, n_k = q.shape[1] // head_dim, k.shape[1] // head_dim
-    if t:
-        _rotary_kernel[(t,)](q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
-                             n_q, n_k, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(max(n_q, n_k)))
+    if not t:
+        return q, k
+    if kv_store is not None:
+        v, k_cache, v_cache, loc = kv_store
+        if k_cache.stride(1) != head_dim or v_cache.stride(1) != head_dim or v.stride(1) != 1:
+            raise ValueError("kv_store: caches [slots, Hkv, D] with contiguous heads, v rows contiguous")
+        store_args = (v, k_cache, v_cache, loc, v.stride(0), k_cache.stride(0), v_cache.stride(0))
+    else:
+        store_args = (k, k, k, positions, 0, 0, 0)  # unused
+    _rotary_kernel[(t,)](q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
+                         n_q, n_k, *store_args, HALF=head_dim // 2,
+                         BLOCK_H=triton.next_power_of_2(max(n_q, n_k)), STORE=kv_store is not None)
     return q, k
 
 
