@@ -6,7 +6,8 @@ contiguous split of that request's KV. All ``G = Hq / Hkv`` query heads of the K
 from HBM once per group and the products are ``tl.dot``s. It runs an online softmax over the split and
 writes the split's normalised partial output and natural-log LSE into the fp32 workspaces.
 
-Stage 2, grid ``(bs, Hq)``: merges a request's splits with their LSEs into ``o``.
+Stage 2, grid ``(bs, Hkv)``: merges a request's splits with their LSEs into ``o`` (``_merge_splits``, which the
+fused form runs inside stage 1 instead, in its last split program per request and KV head).
 
 Split layout (shared by both stages, derived on device so the pair is CUDA-graph capturable):
     n          = clamp(num_kv_splits[b], 1, max_kv_splits)
@@ -176,10 +177,14 @@ def _decode_stage1_kernel(
         if (seq_len == 0) & (split_id == 0):
             # No split at all (a padded CUDA-graph row with fill value 0): zeros, as stage 2 writes.
             offs_h0 = tl.arange(0, BLOCK_H)
-            offs_dv0 = tl.arange(0, DV)
-            heads0 = kv_head * GROUP + offs_h0
-            tl.store(Out + b.to(tl.int64) * stride_o_b + heads0[:, None] * stride_o_h + offs_dv0[None, :],
-                     tl.zeros([BLOCK_H, DV], dtype=Out.dtype.element_ty), mask=(offs_h0 < GROUP)[:, None])
+            _store_zeros(Out, b, kv_head * GROUP + offs_h0, offs_h0 < GROUP, stride_o_b, stride_o_h, BLOCK_H, DV)
+
+
+@triton.jit
+def _store_zeros(Out, b, heads, mask_h, stride_o_b, stride_o_h, BLOCK_H: tl.constexpr, DV: tl.constexpr):
+    offs_dv = tl.arange(0, DV)
+    tl.store(Out + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_dv[None, :],
+             tl.zeros([BLOCK_H, DV], dtype=Out.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit
@@ -220,36 +225,29 @@ def _decode_stage2_kernel(
     stride_lh,
     stride_o_b,
     stride_o_h,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     DV: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr,
 ):
+    # Grid (bs, Hkv): the same merge the fused form runs in its last split program.
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_head = tl.program_id(1)
     n_splits = tl.load(Num_Kv_Splits + b)
     n_splits = tl.minimum(tl.maximum(n_splits, 1), MAX_KV_SPLITS)
     seq_len = tl.load(Kv_Indptr + b + 1) - tl.load(Kv_Indptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
-
-    offs_dv = tl.arange(0, DV)
-    a_base = Att_Out + b.to(tl.int64) * stride_ab + h * stride_ah
-    l_base = Att_Lse + b.to(tl.int64) * stride_lb + h * stride_lh
-    m = float("-inf")
-    den = 0.0
-    acc = tl.zeros([DV], dtype=tl.float32)
-    for s in range(0, n_splits):
-        if s * split_len < seq_len:  # the same emptiness test stage 1 used
-            lse_s = tl.load(l_base + s)
-            out_s = tl.load(a_base + s * stride_as + offs_dv)
-            m_new = tl.maximum(m, lse_s)
-            old_scale = tl.exp(m - m_new)
-            w = tl.exp(lse_s - m_new)
-            acc = acc * old_scale + out_s * w
-            den = den * old_scale + w
-            m = m_new
-    # seq_len == 0 (e.g. a padded CUDA-graph row with fill value 0) has no split: write zeros.
-    out = acc / tl.where(den > 0.0, den, 1.0)  # den == 0 implies acc == 0
-    tl.store(Out + b.to(tl.int64) * stride_o_b + h * stride_o_h + offs_dv, out.to(Out.dtype.element_ty))
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    if seq_len > 0:
+        split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+        n_active = tl.minimum(n_splits, tl.cdiv(seq_len, split_len))  # the non-empty splits stage 1 wrote
+        _merge_splits(Att_Out, Att_Lse, Out, b, heads, mask_h, n_active, stride_ab, stride_ah, stride_as,
+                      stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV)
+    else:
+        # seq_len == 0 (e.g. a padded CUDA-graph row with fill value 0) has no split: write zeros.
+        _store_zeros(Out, b, heads, mask_h, stride_o_b, stride_o_h, BLOCK_H, DV)
 
 
 def decode_attention_fwd(
@@ -349,7 +347,7 @@ def decode_attention_fwd(
     )
     if fused:
         return
-    _decode_stage2_kernel[(bs, num_q_heads)](
+    _decode_stage2_kernel[(bs, num_kv_heads)](
         attn_logits,
         attn_lse,
         o,
@@ -362,10 +360,12 @@ def decode_attention_fwd(
         attn_lse.stride(1),
         o.stride(0),
         o.stride(1),
+        GROUP=group,
+        BLOCK_H=max(16, next_pow2(group)),
         DV=head_dim_v,
         MIN_BLOCK_KV=min_block_kv,
         MAX_KV_SPLITS=max_kv_splits,
-        num_warps=1 if head_dim_v <= 128 else 2,
+        num_warps=4,
         num_stages=1,
     )
 
