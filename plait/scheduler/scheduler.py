@@ -348,7 +348,8 @@ class Scheduler:
                 vocab_size=self.vocab_size,
                 device=self.runner.device,
             )
-        # Holding the Req objects keeps their id()s from being reused while they are compared.
+        # Sampling info depends only on each request's params, seed and step count: the next step of the
+        # same requests (compared by identity, in order) reuses it.
         self._last_sampling = _LastSampling([e.req for e in sampled], fb.sampling_info) if sampled else None
         logits = self.runner.forward(fb)
         if self.spec_worker is not None:
