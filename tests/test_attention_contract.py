@@ -170,27 +170,3 @@ def test_base_backend_refuses_cuda_graphs_with_a_fix():
     with pytest.raises(RuntimeError, match="disable-cuda-graph"):
         backend.init_cuda_graph_state(8, 8)
 
-
-@pytest.mark.parametrize(("options", "backend_stores"), [
-    ({"attention_backend": "torch_native"}, True),
-    ({"attention_backend": "triton"}, False),  # the rotary kernel writes the paged cache instead
-    ({"prefill_attention_backend": "torch_native", "decode_attention_backend": "triton"}, None),
-])
-def test_kv_write_path_follows_the_half_that_serves_the_batch(one_layer, options, backend_stores):
-    pytest.importorskip("triton")
-    engine = make_engine(one_layer, **options)
-    backend = engine.runner.attn_backend
-    calls: list[tuple[str, bool]] = []
-    inner = backend.forward
-
-    def spy(q, k, v, layer, fb, save_kv_cache=True):
-        calls.append((fb.forward_mode.name, save_kv_cache))
-        return inner(q, k, v, layer, fb, save_kv_cache)
-
-    backend.forward = spy
-    out = engine.generate(prompt_ids(1)[0], {"temperature": 0.0, "max_new_tokens": 3})
-    assert len(out.token_ids) == 3
-    if backend_stores is None:  # hybrid: the torch_native prefill stores, the triton decode does not
-        assert {m: s for m, s in calls} == {"EXTEND": True, "DECODE": False}
-    else:
-        assert {s for _, s in calls} == {backend_stores}

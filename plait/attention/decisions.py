@@ -12,14 +12,17 @@ import ast
 
 # module -> the decision it makes (and the half it needs)
 DECISION_MODULES: dict[str, str] = {
-    "plait.executor.model_runner": "which backends to build: the (prefill, decode) pair",
+    "plait.executor.model_runner": "which backends to build, the (prefill, decode) pair; logged at start",
     "plait.executor.cuda_graph_runner": "graph buffers and padded-row fill value: decode half",
-    "plait.scheduler.scheduler": "prefix-cache chunking and KV write path: prefill half",
+    "plait.executor.verify_graph_runner": "verify graph state: the half the speculative mode selects",
     "plait.attention.registry": "building each half by name",
     "plait.attention.hybrid": "which half serves a forward mode",
-    "plait.engine.engine": "backend pair logged at start",
     "plait.layers.radix_attention": "KV write path (rotary kernel or backend store): the half serving the batch",
+    "plait.speculative.standalone": "the draft model's backend: the draft flag, else the decode half",
+    "plait.speculative.eagle": "the draft head's backend: the draft flag, else the decode half",
 }
+# Not decisions here: prefix-cache chunking (every backend extends over a cached prefix, so the
+# scheduler chunks the same way for all of them).
 
 BASE_FIELD = "attention_backend"
 
