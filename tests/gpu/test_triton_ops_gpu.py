@@ -1,0 +1,40 @@
+"""The fused layer kernels on the H200 at real shapes (bf16): rotary with the KV-cache write against
+rotary then the backend's store, and the two-pass argmax against torch.argmax over a 128k vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+triton_ops = pytest.importorskip("plait.layers.triton_ops")
+
+from plait.attention.triton.kernels import store_kv  # noqa: E402
+from plait.layers.rotary import RotaryEmbedding  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+@pytest.mark.parametrize("tokens", [1, 256, 8192])
+def test_rotary_with_kv_store_equals_rotary_then_store(tokens):
+    rope = RotaryEmbedding(D, 8192, 500000.0).cuda()
+    q = torch.randn(tokens, HQ * D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tokens, HKV * D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tokens, HKV * D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 8192, (tokens,), device="cuda")
+    loc = torch.randperm(2 * tokens, device="cuda")[:tokens]
+    caches = [torch.zeros(2 * tokens, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q1, k1 = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, D,
+                                (v, caches[0], caches[1], loc))
+    q2, k2 = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, D)
+    store_kv(caches[2], caches[3], loc, k2.view(tokens, HKV, D), v.view(tokens, HKV, D))
+    assert torch.equal(q1, q2) and torch.equal(k1, k2)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("bs", [1, 7, 256])
+def test_argmax_equals_torch_argmax_over_the_llama3_vocabulary(bs):
+    logits = torch.randn(bs, 128256, device="cuda", dtype=torch.float32)
+    logits[0, 77777] = logits[0].max() + 1.0  # a clear winner in a late block
+    assert torch.equal(triton_ops.argmax(logits), torch.argmax(logits, dim=-1))
