@@ -106,15 +106,11 @@ def _decode_stage1_kernel(
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
 
-    n_splits = tl.load(Num_Kv_Splits + b)
-    n_splits = tl.minimum(tl.maximum(n_splits, 1), MAX_KV_SPLITS)
-    kv_start = tl.load(Kv_Indptr + b)
-    seq_len = tl.load(Kv_Indptr + b + 1) - kv_start
-    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    kv_start, seq_len, split_len, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV, MAX_KV_SPLITS)
     split_start = split_id * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
 
-    if (split_id < n_splits) & (split_start < split_end):
+    if split_id < n_active:  # a non-empty split
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < GROUP
         heads = kv_head * GROUP + offs_h
@@ -167,17 +163,28 @@ def _decode_stage1_kernel(
                 tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [offs_h],
                                           dtype=tl.int32, is_pure=False, pack=1)
             tl.debug_barrier()
-            n_active = tl.minimum(n_splits, tl.cdiv(seq_len, split_len))
             counter = Split_Counters + b * num_kv_heads + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
                 _merge_splits(Att_Out, Att_Lse, Out, b, heads, mask_h, n_active, stride_ob, stride_oh, stride_os,
                               stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV)
     if FUSED_REDUCE:
-        if (seq_len == 0) & (split_id == 0):
+        if (n_active == 0) & (split_id == 0):
             # No split at all (a padded CUDA-graph row with fill value 0): zeros, as stage 2 writes.
             offs_h0 = tl.arange(0, BLOCK_H)
             _store_zeros(Out, b, kv_head * GROUP + offs_h0, offs_h0 < GROUP, stride_o_b, stride_o_h, BLOCK_H, DV)
+
+
+@triton.jit
+def _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV: tl.constexpr, MAX_KV_SPLITS: tl.constexpr):
+    """Request ``b``'s split layout, the one both stages use (module docstring): (kv_start, seq_len,
+    split_len, n_active), n_active = the non-empty splits, which are the first n_active (0 if seq_len 0)."""
+    n_splits = tl.minimum(tl.maximum(tl.load(Num_Kv_Splits + b), 1), MAX_KV_SPLITS)
+    kv_start = tl.load(Kv_Indptr + b)
+    seq_len = tl.load(Kv_Indptr + b + 1) - kv_start
+    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    n_active = tl.minimum(n_splits, tl.cdiv(seq_len, tl.maximum(split_len, 1)))
+    return kv_start, seq_len, split_len, n_active
 
 
 @triton.jit
@@ -234,15 +241,11 @@ def _decode_stage2_kernel(
     # Grid (bs, Hkv): the same merge the fused form runs in its last split program.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    n_splits = tl.load(Num_Kv_Splits + b)
-    n_splits = tl.minimum(tl.maximum(n_splits, 1), MAX_KV_SPLITS)
-    seq_len = tl.load(Kv_Indptr + b + 1) - tl.load(Kv_Indptr + b)
+    _, _, _, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV, MAX_KV_SPLITS)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
-    if seq_len > 0:
-        split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
-        n_active = tl.minimum(n_splits, tl.cdiv(seq_len, split_len))  # the non-empty splits stage 1 wrote
+    if n_active > 0:  # the non-empty splits stage 1 wrote
         _merge_splits(Att_Out, Att_Lse, Out, b, heads, mask_h, n_active, stride_ab, stride_ah, stride_as,
                       stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV)
     else:
