@@ -470,8 +470,11 @@ class OpenAIServing:
     # --- other endpoints ---
     def model_card(self) -> dict[str, Any]:
         limits = self.client.frontend.limits.max_request_tokens if self.client.frontend else None
+        ready = self.client.ready
+        # The effective attention backend (pair), as built: e.g. hybrid(prefill=torch_flash,decode=triton).
+        backend = ready.runner_info.get("attention_backend") if ready is not None else None
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "plait",
-                "root": self.config.model, "max_model_len": limits}
+                "root": self.config.model, "max_model_len": limits, "attention_backend": backend}
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -29,6 +29,7 @@ def test_models_list_names_the_served_model(client, model_name):
     assert [m.id for m in models] == [model_name]
     assert models[0].owned_by == "plait"
     assert models[0].model_extra["max_model_len"] == 2048
+    assert models[0].model_extra["attention_backend"] == "torch_native"  # the effective name, not "auto"
 
 
 def test_models_retrieve_returns_the_card_and_404s_unknown_names(client, model_name):
