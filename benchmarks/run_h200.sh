@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|profile-spec|
 #                               backends-tests|backends|spec-tests|spec|x2 (on nvidia-h200-x2)|...
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
@@ -24,6 +24,7 @@ for stage in "$@"; do
     fused) python benchmarks/fused_layers_bench.py "$OUT" 2>&1 | tail -40 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
+    profile-spec) python benchmarks/profile_spec.py "$OUT" 2>&1 | grep -v " INFO " | tail -6 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
     backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
                       | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;

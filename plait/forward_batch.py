@@ -87,6 +87,10 @@ class ForwardBatch:
     sampling_info: SamplingBatchInfo | None = None
     # Speculative decoding input (draft tree, custom mask); None for plain decoding.
     spec_info: Any = None
+    # Graph runners' static float32 [>= rows, >= vocab] buffer the LM head writes the logits into:
+    # every captured graph of a runner then shares one output (each graph holding its own logits
+    # cost ~20 GiB for a 128k vocabulary over the decode and verify buckets). None: a new tensor.
+    next_token_logits_buffer: torch.Tensor | None = None
     # During graph replay the padded view runs in the captured mode; this is the runtime mode.
     actual_forward_mode: ForwardMode | None = None
 

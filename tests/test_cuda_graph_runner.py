@@ -63,6 +63,15 @@ def test_capture_marks_every_static_batch_planned(graph_runner):
         assert not fb.needs_forward_metadata_init()
 
 
+def test_every_graph_writes_its_logits_into_the_one_shared_buffer(graph_runner):
+    """One static logits buffer for all buckets (a buffer per graph grows with the bucket count)."""
+    base = graph_runner.logits_buffer
+    assert base.dtype == torch.float32 and base.shape[0] == graph_runner.max_bs
+    for bs, out in graph_runner.outputs.items():
+        logits = out.next_token_logits
+        assert logits.shape[0] == bs and logits.data_ptr() == base.data_ptr()
+
+
 def test_can_run_decode_batches_up_to_max_bs_only(graph_runner):
     def batch(mode, bs):
         z = torch.zeros(bs, dtype=torch.long)

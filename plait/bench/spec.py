@@ -87,6 +87,7 @@ def spec_ngram_miss(shape_dir: str, vocab: int, num_prompts: int = 16, input_len
                                               output_len)
         if name == "ngram":
             row["verify_steps"] = engine.scheduler.spec_worker.stats.verify_steps
+            row["accept_histogram"] = dict(engine.scheduler.spec_worker.stats.accept_histogram)
         release(engine)
     row["cost_over_plain"] = row["plain_tok_s"] / row["ngram_tok_s"]
     return row
@@ -225,6 +226,11 @@ def eagle3_draft_step(shape_dir: str, context: int = 512, bs: int = 1, topks: tu
             "rows": n, "first_step_ms": t1 * 1e3, "later_step_ms": (t2 - t1) * 1e3,
             "first_step_floor_ms": first_floor * 1e3, "later_step_floor_ms": later_floor * 1e3,
             "first_step_over_floor": t1 / first_floor, "later_step_over_floor": (t2 - t1) / later_floor}
+        if device == "cuda" and topk == 1:
+            # The first step's time includes the replay's input staging (copies into the static
+            # buffers, the split plan): its kernels, so the step and the staging can be told apart.
+            result[f"topk{topk}"]["kernels_first_step"] = kernel_table(
+                partial(graphs.replay, roots, rows_t, prefix, pre_t, step_slots[:1], hidden), top=30)
     release(engine)
     return result
 

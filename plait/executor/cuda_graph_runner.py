@@ -102,6 +102,14 @@ def default_cuda_graph_max_bs(max_running_requests: int) -> int:
     return max(1, min(by_memory, max_running_requests))
 
 
+def logits_buffer(runner: ModelRunner, rows: int) -> torch.Tensor:
+    """float32 [rows, vocab columns] for a graph runner's logits. Graphs are replayed one at a time and
+    each step consumes its logits (sampling, acceptance) on the stream before the next replay, so the
+    buckets can share it. Columns: the LM head's rows (padded vocabulary) or the vocabulary."""
+    cols = max(runner.model.lm_head_weight.shape[0], runner.model_config.vocab_size)
+    return torch.empty(rows, cols, dtype=torch.float32, device=runner.device)
+
+
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner, max_bs: int,
                  graph_factory: Callable[[], Graph] = CudaGraph) -> None:
@@ -118,6 +126,8 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.full((max_bs,), DUMMY_REQ_ROW, **i64)
         self.seq_lens = torch.full((max_bs,), self.fill_value, **i64)
         self.out_cache_loc = torch.full((max_bs,), DUMMY_KV_SLOT, **i64)
+        # Static output: every graph's LM head writes its logits here (one buffer, not one per graph).
+        self.logits_buffer = logits_buffer(runner, max_bs)
         self.backend.init_cuda_graph_state(max_bs, max_bs)
         self.graphs: dict[int, Graph] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}  # the planned static batch of each graph
@@ -132,6 +142,7 @@ class CudaGraphRunner:
             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
             out_cache_loc=self.out_cache_loc[:bs], positions=self.positions[:bs],
             seq_lens_cpu=seq_lens_cpu, seq_lens_sum=sum(seq_lens_cpu), attn_backend=self.backend,
+            next_token_logits_buffer=self.logits_buffer,
         )
 
     def capture(self) -> None:

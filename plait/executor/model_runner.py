@@ -21,7 +21,7 @@ from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
 from plait.layers.radix_attention import model_sliding_window
-from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, log_device_memory
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model, load_model_config, weight_bytes
 from plait.sampling import SampleOutput, Sampler
@@ -91,6 +91,7 @@ class ModelRunner:
         # DP attention: attention (and its KV cache) is unsharded on each rank; only the MLP is split.
         attn_tp = SINGLE if config.enable_dp_attention else tp
         self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp)
+        log_device_memory("the weights", self.device)
         # Rank 0 schedules KV slots for every rank: all ranks take the smallest capacity.
         draft = None
         if config.speculative_algorithm == "STANDALONE" and config.speculative_draft_model_path:
@@ -106,6 +107,7 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, mc.dtype, mc.num_layers,
                                         mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
+        log_device_memory("the weights and the KV pool", self.device)
         self.attn_backend: AttentionBackend = create_attention_backend(
             config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // attn_tp.size,
             config.speculative_attention_mode, sliding_window=model_sliding_window(self.model))
@@ -124,6 +126,7 @@ class ModelRunner:
             widths = verify_graph_widths(config)
             if widths:
                 self.verify_graph_runner = VerifyGraphRunner(self, max_bs, widths)
+        log_device_memory("graph capture", self.device)
         logger.info(
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
             self.max_total_tokens,

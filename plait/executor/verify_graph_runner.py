@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes
+from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes, logits_buffer
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.models.llama import LogitsOutput
@@ -80,6 +80,7 @@ class VerifyGraphRunner:
         self.extend_lens = torch.zeros(max_bs, **i64)
         # A request's block is W x (prefix + W) and prefix + W <= the context length.
         self.custom_mask = torch.ones(max_bs * max_w * runner.max_context_len, dtype=torch.bool, device=device)
+        self.logits_buffer = logits_buffer(runner, max_bs * max_w)  # shared by every (width, bucket) graph
         self.backend.init_cuda_graph_state(max_bs, max_bs * max_w)
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.capture_batches: dict[tuple[int, int], ForwardBatch] = {}
@@ -103,7 +104,7 @@ class VerifyGraphRunner:
             extend_prefix_lens=self.prefix_lens[:bs],
             extend_start_loc=starts,
             extend_seq_lens_cpu=[width] * bs, extend_prefix_lens_cpu=prefix_cpu, attn_backend=self.backend,
-            spec_info=StaticVerifyInfo(self.custom_mask, width),
+            spec_info=StaticVerifyInfo(self.custom_mask, width), next_token_logits_buffer=self.logits_buffer,
         )
 
     def capture(self) -> None:

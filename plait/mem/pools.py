@@ -6,10 +6,25 @@ write their KV into slot 0 and read row 0, so they can never touch a live reques
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 DUMMY_KV_SLOT = 0
 DUMMY_REQ_ROW = 0
+
+
+def log_device_memory(stage: str, device: torch.device | str) -> None:
+    """One line of where device memory stands after ``stage`` of engine start (CUDA only), so a
+    start that runs out of memory shows which stage took it."""
+    if torch.device(device).type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info()
+    logger.info("device memory after %s: %.2f GiB allocated by torch, %.2f GiB reserved, %.2f of %.2f GiB free",
+                stage, torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30,
+                free / 2**30, total / 2**30)
 
 
 class ReqToTokenPool:

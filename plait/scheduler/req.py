@@ -57,6 +57,11 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        """The newest token of fill_ids (without building fill_ids)."""
+        return self.output_ids[-1] if self.output_ids else self.origin_input_ids[-1]
+
+    @property
     def fill_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 

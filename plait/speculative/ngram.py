@@ -30,7 +30,7 @@ class RequestIndex:
         for end in range(len(self.tokens) + 1, len(tokens) + 1):
             for n in range(1, min(self.max_window, end) + 1):
                 self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
-        self.tokens = list(tokens)
+        self.tokens.extend(tokens[len(self.tokens) :])  # only the new tail: O(new tokens) per step
 
     def followers(self, key: tuple[int, ...], limit: int) -> list[int]:
         """Distinct tokens that followed ``key``, most recent occurrence first."""
@@ -103,13 +103,15 @@ class NgramDrafter:
         if index is None:
             index = self.indices[rid] = RequestIndex(self.max_window)
         index.extend(context)
+        # Lookups read at most max_window trailing tokens: grow paths on that tail, not the context.
+        tail = context[-self.max_window :]
         tree_tokens, parents, paths = [context[-1]], [-1], [[]]
         frontier = [0]
         depth = 0
         while frontier and depth < max_depth and len(tree_tokens) < max_nodes:
             nxt = []
             for node in frontier:
-                for tok in self._candidates(index, context + paths[node], topk):
+                for tok in self._candidates(index, tail + paths[node], topk):
                     if len(tree_tokens) == max_nodes:
                         break
                     tree_tokens.append(tok)

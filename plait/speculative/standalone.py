@@ -26,7 +26,7 @@ from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE
 from plait.forward_batch import ForwardBatch, ForwardMode
-from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool
+from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool, log_device_memory
 from plait.models.loader import load_model, load_model_config
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
@@ -56,6 +56,7 @@ class StandaloneWorker(SpecWorker):
                              f"from the target's ({target_mc.vocab_size}); STANDALONE needs the same tokenizer")
         self.draft_config = mc
         self.draft_model = load_model(mc, runner.device, config.load_format, SINGLE, config.seed)
+        log_device_memory("the draft model's weights", runner.device)
         self.kv_pool = MHATokenToKVPool(runner.max_total_tokens, mc.dtype, mc.num_layers, mc.num_kv_heads,
                                         mc.head_dim, runner.device)
         name = config.speculative_draft_attention_backend or config.attention_backends()[1]

@@ -10,8 +10,10 @@ block, blocks concatenated in request order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from plait.transfer import to_device
@@ -58,23 +60,32 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """bool [w, w]: row i is True at i and at every ancestor of i."""
-        w = self.width
-        m = torch.zeros(w, w, dtype=torch.bool)
-        for i in range(w):
-            m[i, i] = True
-            if i:
-                m[i] |= m[self.parents[i]]
-        return m
+        return torch.from_numpy(_ancestor_mask(tuple(self.parents)).copy())
 
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[n] for n in path]
 
 
+@functools.lru_cache(maxsize=1024)
+def _ancestor_mask(parents: tuple[int, ...]) -> np.ndarray:
+    """The ancestor mask of a tree shape (read-only; a step's trees share a few shapes)."""
+    w = len(parents)
+    m = np.zeros((w, w), dtype=np.bool_)
+    for i in range(w):
+        m[i, i] = True
+        if i:
+            m[i] |= m[parents[i]]
+    m.flags.writeable = False
+    return m
+
+
 def build_verify_mask(trees: list[DraftTree], prefix_lens: list[int], device: torch.device | str) -> torch.Tensor:
     """The flattened custom mask of a TARGET_VERIFY batch (see the module docstring)."""
-    blocks = []
-    for tree, pre in zip(trees, prefix_lens, strict=True):
-        block = torch.ones(tree.width, pre + tree.width, dtype=torch.bool)
-        block[:, pre:] = tree.ancestor_mask()
-        blocks.append(block.flatten())
-    return to_device(torch.cat(blocks), device)  # pinned, asynchronous: no wait for the GPU queue
+    sizes = [t.width * (pre + t.width) for t, pre in zip(trees, prefix_lens, strict=True)]
+    flat = np.ones(sum(sizes), dtype=np.bool_)
+    start = 0
+    for tree, pre, size in zip(trees, prefix_lens, sizes, strict=True):
+        block = flat[start : start + size].reshape(tree.width, pre + tree.width)
+        block[:, pre:] = _ancestor_mask(tuple(tree.parents))
+        start += size
+    return to_device(torch.from_numpy(flat), device)  # pinned, asynchronous: no wait for the GPU queue

@@ -4,7 +4,9 @@ forward, accept, and fix up the KV bookkeeping.
 Flow per scheduler step (called before the scheduler builds its own batch, overlap drained):
   1. eligible requests (greedy or plain temperature/top-k/top-p/min-p sampling; no penalties,
      logprobs or pending min_new_tokens, which need the full sampler) get a draft tree from the
-     drafter; requests with no proposal are left to the scheduler's normal decode;
+     drafter; eligible requests with no proposal ride along as root-only trees (their verify row
+     is their decode row: one forward per step, not a verify plus a decode of the rest);
+     ineligible requests are left to the scheduler's normal decode;
   2. one KV slot per tree node, tree tokens at ``prefix_len + depth``, custom ancestor mask; the
      forward runs through ``ModelRunner.forward`` (eager: the backend plans inside
      ``forward_extend``, after the batch has its final shape, DESIGN 3.3);
@@ -46,6 +48,10 @@ ACCEPT_STREAM = 1
 LOG_HISTOGRAM_EVERY = 256  # verify steps between acceptance-histogram log lines
 EMA_DECAY = 0.5  # weight of the past in the per-request acceptance average
 MISS_BACKOFF_MAX = 8  # longest run of plain decode steps after repeated misses (see SpecWorker)
+# NGRAM per-request cooling: a request whose acceptance average falls below COLD_ACCEPT drafts
+# nothing for COLD_STEPS drafting opportunities, then probes again (depth 1, from the average).
+COLD_ACCEPT = 0.3
+COLD_STEPS = 8
 
 
 @dataclass
@@ -136,24 +142,24 @@ class SpecWorker(ABC):
         depths = [d for d in depths if d > 0]
         if not cands:
             return set()
-        trees = self.propose(sched, cands, depths)
-        chosen = [(r, t) for r, t in zip(cands, trees, strict=True) if t is not None]
-        if not chosen:
+        proposed = self.propose(sched, cands, depths)
+        if all(t is None for t in proposed):
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MISS_BACKOFF_MAX)
             return set()
         self._backoff = 1
-        need = sum(t.width for _, t in chosen)
+        trees = [t if t is not None else DraftTree([r.last_token], [-1])
+                 for r, t in zip(cands, proposed, strict=True)]
+        need = sum(t.width for t in trees)
         # Leave room for the normal decode of everyone else; when short, skip speculation this step
         # and let the scheduler's decode path evict or retract as it always does.
-        others = len(sched.running) - len(chosen)
+        others = len(sched.running) - len(cands)
         if sched.allocator.available_size() + sched.tree_cache.evictable_size() < need + others:
             return set()
         slots = sched._alloc(need)
         if slots is None:
             return set()
-        reqs = [r for r, _ in chosen]
-        self.verify(sched, reqs, [t for _, t in chosen], slots)
-        return {id(r) for r in reqs}
+        self.verify(sched, cands, trees, slots)
+        return {id(r) for r in cands}
 
     def build_verify_batch(self, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
                            pad_width: int | None = None) -> ForwardBatch:
@@ -277,18 +283,21 @@ class SpecWorker(ABC):
             cols.extend(range(req.kv_len, req.kv_len + len(path)))
             req.kv_len += len(path)
             start += tree.width
-        acc_t, rows_t, cols_t = ints_to_device([accepted, rows, cols], slots.device)
+        # Rejected node indices come from the host too: a boolean-mask gather on the device would
+        # wait for the GPU queue (nonzero) in the middle of the step.
+        kept = set(accepted)
+        rejected = [i for i in range(slots.numel()) if i not in kept]
+        acc_t, rows_t, cols_t, rej_t = ints_to_device([accepted, rows, cols, rejected], slots.device)
         sched.req_to_token_pool.req_to_token[rows_t, cols_t] = slots[acc_t].to(torch.int32)
-        rejected = torch.ones(slots.numel(), dtype=torch.bool, device=slots.device)
-        rejected[acc_t] = False
-        sched.allocator.free(slots[rejected])  # rejected nodes: freed at once
+        sched.allocator.free(slots[rej_t])  # rejected nodes: freed at once
         self.after_accept(reqs, trees, results, old_kv_lens)
         for req, tree, (path, bonus) in zip(reqs, trees, results, strict=True):
-            req.spec_verify_ct += 1
-            req.spec_accepted_tokens += len(path)  # accepted drafts + the bonus token
-            self.stats.accept_histogram[len(path) - 1] += 1
-            prev = self.accept_ema.get(req.rid, float(self.num_steps))
-            self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (len(path) - 1)
+            if tree.width > 1:  # a root-only tree is a plain decode row: no guess to count
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += len(path)  # accepted drafts + the bonus token
+                self.stats.accept_histogram[len(path) - 1] += 1
+                prev = self.accept_ema.get(req.rid, float(self.num_steps))
+                self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (len(path) - 1)
             for tok in tree.path_tokens(path[1:]) + [bonus]:
                 sched._append_token(req, tok)
                 if req.finished:
@@ -320,13 +329,29 @@ class NgramWorker(SpecWorker):
         self.drafter = NgramDrafter(config.speculative_ngram_min_match_window_size,
                                     config.speculative_ngram_max_match_window_size,
                                     config.speculative_ngram_capacity)
+        self._cold_waits: dict[str, int] = {}  # rid -> drafting opportunities skipped while cold
 
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        return [self.drafter.propose(r.rid, r.fill_ids, d, self.num_draft_tokens, self.topk)
+        return [None if self._cooling(r) else self.drafter.propose(r.rid, r.fill_ids, d, self.num_draft_tokens,
+                                                                   self.topk)
                 for r, d in zip(reqs, max_depths, strict=True)]
+
+    def _cooling(self, req: Req) -> bool:
+        """Whether ``req`` skips drafting now: its guesses keep failing (acceptance average below
+        COLD_ACCEPT), so a verify row would cost more than the plain decode it replaces. Every
+        COLD_STEPS-th opportunity it probes again."""
+        if self.accept_ema.get(req.rid, float(self.num_steps)) >= COLD_ACCEPT:
+            return False
+        waited = self._cold_waits.get(req.rid, 0) + 1
+        if waited >= COLD_STEPS:
+            self._cold_waits.pop(req.rid, None)
+            return False
+        self._cold_waits[req.rid] = waited
+        return True
 
     def on_finish(self, req: Req) -> None:
         super().on_finish(req)
+        self._cold_waits.pop(req.rid, None)
         self.drafter.forget(req.rid, req.fill_ids)
 
 

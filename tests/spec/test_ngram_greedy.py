@@ -175,3 +175,51 @@ def test_misses_back_off_to_plain_overlapped_decode_steps(model_path, reference)
     steps = engine.scheduler.stats.forward_steps - steps_before
     assert 0 < len(asked) < steps / 2
     assert_no_leaks(engine)
+
+
+
+class _OnlySome:
+    """An n-gram drafter that proposes only for requests whose prompt is one of ``prompts``."""
+
+    def __init__(self, inner, prompts: list[list[int]]) -> None:
+        self.inner, self.prompts, self.cache = inner, prompts, inner.cache
+
+    def propose(self, rid, context, max_depth, max_nodes, topk):
+        if not any(context[: len(p)] == p for p in self.prompts):
+            return None
+        return self.inner.propose(rid, context, max_depth, max_nodes, topk)
+
+    def forget(self, rid, tokens=None):
+        self.inner.forget(rid, tokens)
+
+
+def test_requests_without_a_proposal_ride_in_the_verify_forward(model_path, reference):
+    """One forward per speculative step: a request with nothing to propose is a root-only row of the
+    verify batch (its decode row), not a second, separate decode forward."""
+    engine = make_engine(model_path, **CHAIN)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS[:2], reference[:2], strict=True):
+        worker.drafter.cache.insert(p + ref)
+    worker.drafter = _OnlySome(worker.drafter, PROMPTS[:2])
+    modes: list[str] = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda fb, *a, **kw: modes.append(fb.forward_mode.name) or forward(fb, *a, **kw)
+    outs = engine.generate(PROMPTS[:4], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:4]
+    first, last = modes.index("TARGET_VERIFY"), len(modes) - 1 - modes[::-1].index("TARGET_VERIFY")
+    assert last - first >= 3 and set(modes[first : last + 1]) == {"TARGET_VERIFY"}
+    assert outs[0].meta_info["spec_accept_length"] > 2.5
+    assert [o.meta_info["spec_verify_ct"] for o in outs[2:]] == [0, 0]  # riders are not speculation
+    assert_no_leaks(engine)
+
+
+def test_requests_whose_guesses_keep_failing_stop_drafting_and_probe_rarely(model_path, reference):
+    engine = make_engine(model_path, **CHAIN)
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        engine.scheduler.spec_worker.drafter.cache.insert(_corrupt(p + ref, 1))  # every guess wrong
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    # The acceptance average falls below COLD_ACCEPT after four misses; then one probe per
+    # COLD_STEPS drafting opportunities (32 tokens would be 32 verify steps without cooling).
+    assert all(1 <= o.meta_info["spec_verify_ct"] <= 8 for o in outs)
+    assert_no_leaks(engine)

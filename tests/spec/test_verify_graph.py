@@ -76,6 +76,15 @@ def test_capture_marks_every_static_batch_planned_per_width_and_bucket(ngram_eng
         assert (fb.forward_metadata_planned_bs, fb.forward_metadata_planned_num_tokens) == (bs, bs * w)
 
 
+def test_every_verify_graph_shares_one_logits_buffer(ngram_engine):
+    runner = ngram_engine.runner.verify_graph_runner
+    base = runner.logits_buffer
+    assert base.shape[0] == runner.max_bs * max(runner.widths)
+    for (w, bs), out in runner.outputs.items():
+        assert out.next_token_logits.shape[0] == w * bs
+        assert out.next_token_logits.data_ptr() == base.data_ptr()
+
+
 def test_can_run_only_uniform_captured_widths(ngram_engine):
     runner = ngram_engine.runner.verify_graph_runner
     chain = DraftTree.chain

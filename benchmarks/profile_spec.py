@@ -1,0 +1,104 @@
+"""Where an NGRAM speculative step's time goes (H200, llama-3.1-8b shape): the spec-ngram-repeat pass
+at bs 1 and 16 (16 prompts, 64 tokens, the second pass over the same prompts) under cProfile, with
+the forwards counted by mode and by path (graph replay or eager), and the device's busy time from
+torch.profiler over the same pass, so host time the GPU waits for shows as wall minus busy.
+
+    PYTHONPATH=$PWD python benchmarks/profile_spec.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pathlib
+import pstats
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from plait.bench.shapes import SHAPES, write_shape_dir
+from plait.bench.spec import NGRAM, _params, random_prompts
+from plait.bench.workloads import make_engine, release
+
+SHAPE = "llama-3.1-8b"
+
+
+def _count_forwards(engine: Any, counts: Counter[str]) -> None:
+    """Record each forward's mode and whether a captured graph ran it."""
+    runner = engine.runner
+    forward = runner.forward
+
+    def counted(fb: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = fb.forward_mode
+        if mode.is_target_verify():
+            graphed = runner.verify_graph_runner is not None and runner.verify_graph_runner.can_run(fb)
+        elif mode.is_decode():
+            graphed = runner.graph_runner is not None and runner.graph_runner.can_run(fb)
+        else:
+            graphed = False
+        counts[f"{mode.name}{' graph' if graphed else ' eager'}"] += 1
+        return forward(fb, *args, **kwargs)
+
+    runner.forward = counted
+
+
+def _device_busy_ms(fn: Any) -> float:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages()) / 1e3
+
+
+def profile_pass(shape_dir: str, bs: int, prompts: list[list[int]], out_len: int) -> tuple[dict[str, Any], str]:
+    engine = make_engine(shape_dir, max_running_requests=bs, **NGRAM)
+    params = _params(out_len)
+    engine.generate(prompts, params)  # fills the n-gram cache and the radix cache
+    engine.generate(prompts, params)  # warm the shapes of the second pass
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    busy_ms = _device_busy_ms(lambda: engine.generate(prompts, params))
+    counts: Counter[str] = Counter()
+    _count_forwards(engine, counts)
+    stats = engine.scheduler.spec_worker.stats
+    v0 = stats.verify_steps
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    prof.disable()
+    row = {"bs": bs, "wall_s": wall, "tok_s": len(prompts) * out_len / wall, "device_busy_s": busy_ms / 1e3,
+           "host_gap_s": wall - busy_ms / 1e3, "verify_steps": stats.verify_steps - v0, "forwards": dict(counts),
+           "mean_accept_length": stats.mean_accept_length()}
+    release(engine)
+    text = io.StringIO()
+    ps = pstats.Stats(prof, stream=text)
+    ps.sort_stats("tottime").print_stats(30)
+    ps.sort_stats("cumulative").print_stats(40)
+    return row, text.getvalue()
+
+
+def main() -> None:
+    out = pathlib.Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    shape_dir = str(write_shape_dir(tempfile.mkdtemp(), SHAPE))
+    prompts = random_prompts(16, 128, SHAPES[SHAPE]["vocab_size"], seed=7)
+    rows = []
+    with open(out / "profile-spec-host.txt", "w") as f:
+        for bs in (1, 16):
+            row, text = profile_pass(shape_dir, bs, prompts, 64)
+            rows.append(row)
+            print(json.dumps(row))
+            f.write(f"=== bs {bs}: {json.dumps(row)}\n{text[:12000]}\n")
+    (out / "profile-spec.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
