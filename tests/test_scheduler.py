@@ -42,6 +42,20 @@ def test_repeated_prompts_hit_the_prefix_cache(model_path, reference_tokens):
     assert_no_leaks(engine)
 
 
+def test_a_prefill_of_only_the_last_prompt_token_runs_as_a_decode_step(model_path, reference_tokens):
+    """Whole-prompt prefix hits leave one token to prefill: the batch is a DECODE (graph-replayable)."""
+    engine = make_engine(model_path)
+    engine.generate(PROMPTS, GREEDY)
+    modes: list[str] = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda fb, *a, **kw: modes.append(fb.forward_mode.name) or forward(fb, *a, **kw)
+    again = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in again] == reference_tokens
+    assert all(o.meta_info["cached_tokens"] == len(p) - 1 for o, p in zip(again, PROMPTS, strict=True))
+    assert set(modes) == {"DECODE"}
+    assert_no_leaks(engine)
+
+
 def test_shared_prefix_is_reused_across_requests(model_path, hf_reference):
     system = PROMPTS[6]  # 31 tokens of shared prefix
     prompts = [system + tail for tail in ([7, 8, 9], [10, 11], [12, 13, 14, 15])]

@@ -1,8 +1,9 @@
 """ScheduleBatch: the scheduler's choice for one step, and its conversion to a ForwardBatch.
 
 A step holds decode entries (one token each, at the request's next position) followed by extend
-entries (a chunk of fill tokens on top of the KV the request already has). With any extend entry the
-forward runs in EXTEND or MIXED mode, otherwise DECODE.
+entries (a chunk of fill tokens on top of the KV the request already has). With any extend entry of
+more than one token (or one that samples nothing) the forward runs in EXTEND or MIXED mode,
+otherwise DECODE.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class ScheduleBatch:
 
     @property
     def forward_mode(self) -> ForwardMode:
+        # A prefill whose only new token is its last (a prefix-cache hit on the whole prompt but the
+        # token that gives the logits) is a decode row: such batches run as DECODE, so a CUDA graph
+        # serves them instead of an eager extend forward (which costs ~5x a replay at small batch).
+        if all(e.extend_len == 1 and e.sample for e in self.entries):
+            return ForwardMode.DECODE
         has_extend = any(not e.is_decode for e in self.entries)
         has_decode = any(e.is_decode for e in self.entries)
         if not has_extend:
