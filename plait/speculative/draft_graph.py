@@ -63,6 +63,7 @@ class DraftLoopGraphRunner:
         self.positions = torch.zeros(k, max_bs, **i64)
         self.seq_lens = torch.ones(k, max_bs, **i64)
         self.out_cache_loc = torch.full((k, max_bs), DUMMY_KV_SLOT, **i64)
+        self._step_offsets = (torch.arange(k, **i64) + position_offset)[:, None]  # [k, 1]: step s's position - prefix
         self.hidden = (torch.zeros(max_bs, hidden_dim, dtype=hidden_dtype, device=device)
                        if hidden_dim is not None else None)
         for child in multi.children[:k]:
@@ -120,11 +121,11 @@ class DraftLoopGraphRunner:
         Returns the drafted tokens [k, bs] (a view of the static buffer: read it before the next replay)."""
         k, bs = slots.shape
         padded = self.bucket(bs)
-        steps = torch.arange(k, device=prefix_t.device)[:, None]
         self.tokens[0, :bs].copy_(roots)
         self.req_pool_indices[:bs].copy_(rows)
-        self.positions[:k, :bs].copy_(prefix_t[None, :] + self.position_offset + steps)
-        self.seq_lens[:k, :bs].copy_(self.positions[:k, :bs] + 1)
+        # Written in place (one kernel each): replay staging is launched while the GPU idles.
+        torch.add(prefix_t[None, :], self._step_offsets[:k], out=self.positions[:k, :bs])
+        torch.add(self.positions[:k, :bs], 1, out=self.seq_lens[:k, :bs])
         self.out_cache_loc[:k, :bs].copy_(slots)
         if self.hidden is not None:
             assert hidden is not None

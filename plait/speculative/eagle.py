@@ -33,6 +33,7 @@ from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool
 from plait.models.eagle import Eagle3Head, EagleHead, eagle3_capture_layers, iter_checkpoint, load_head_config
+from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
 from plait.speculative.draft_tree import expand_trees
@@ -154,11 +155,11 @@ class EagleWorker(SpecWorker):
         embeds = self.embed(fb.input_ids)
         if isinstance(self.head, Eagle3Head):
             logits, hidden = self.head(embeds, hidden_in, fb.positions, fb)
-            return self.head.draft_to_target(logits.argmax(dim=-1)), hidden
+            return self.head.draft_to_target(greedy_ids(logits)), hidden
         hidden = self.head(embeds, hidden_in, fb.positions, fb)
         target = self.runner.model
         logits = target.logits_processor(hidden, target.lm_head_weight, fb)
-        return logits.argmax(dim=-1), hidden
+        return greedy_ids(logits), hidden
 
     def _draft_extend(self, rows: list[int], starts: list[int], lens: list[int], ids: torch.Tensor,
                       hidden: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from plait.distributed.parallel_state import SINGLE
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool, log_device_memory
 from plait.models.loader import load_model, load_model_config
+from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
 from plait.speculative.draft_tree import expand_trees
@@ -80,7 +81,7 @@ class StandaloneWorker(SpecWorker):
         """One chain step: the draft's argmax, as device ops only (it runs inside the captured loop)."""
         logits = self._forward(fb, backend, logits=True)
         assert logits is not None
-        return logits.argmax(dim=-1), None
+        return greedy_ids(logits), None
 
     def close(self) -> None:
         self.draft_model = None  # type: ignore[assignment]

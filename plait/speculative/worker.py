@@ -32,6 +32,7 @@ from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT
 from plait.sampling import GREEDY_TEMPERATURE_EPS, Sampler, SamplingBatchInfo, counter_uniforms
+from plait.sampling.sampler import greedy_ids
 from plait.speculative.accept import greedy_accept, tree_accept_sampled
 from plait.speculative.tree import DraftTree, build_verify_mask
 from plait.transfer import ints_to_device
@@ -228,7 +229,7 @@ class SpecWorker(ABC):
         was padded (real nodes first); default the trees' widths."""
         widths = [t.width for t in trees]
         row_starts = np.concatenate([[0], np.cumsum(row_widths or widths)]).tolist()
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = greedy_ids(logits).tolist()
         # The sampler's rule for greedy rows, so a request gets the same treatment on both paths.
         sampled = [i for i, r in enumerate(reqs) if not (r.sampling_params.is_greedy
                                                          or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
