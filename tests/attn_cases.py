@@ -12,9 +12,10 @@ from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
 
 def make_pools(hkv: int, d: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               max_context: int = 96, slots: int = 400) -> tuple[ReqToTokenPool, MHATokenToKVPool, torch.Generator]:
+               max_context: int = 96, slots: int = 400,
+               max_reqs: int = 16) -> tuple[ReqToTokenPool, MHATokenToKVPool, torch.Generator]:
     g = torch.Generator().manual_seed(seed)
-    pool = ReqToTokenPool(16, max_context, device)  # extend_batch uses rows 2.. (up to 14 requests)
+    pool = ReqToTokenPool(max_reqs, max_context, device)  # extend_batch uses rows 2.. (max_reqs - 2 requests)
     kv = MHATokenToKVPool(slots, dtype, 1, hkv, d, device)
     kv.k_buffer[0].copy_(torch.randn(kv.k_buffer[0].shape, generator=g))
     kv.v_buffer[0].copy_(torch.randn(kv.v_buffer[0].shape, generator=g))
@@ -62,10 +63,11 @@ def run(backend, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return backend.forward(q, k, v, lay, fb)
 
 
-def fused_qkv(t: int, hq: int, hkv: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_qkv(t: int, hq: int, hkv: int, d: int, g: torch.Generator, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [t, hq*d], k/v [t, hkv*d] as column views of one [t, (hq + 2 hkv) * d] projection output, as the
     model hands them to attention: last dim contiguous, token stride (hq + 2 hkv) * d."""
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
     return qkv.split([hq * d, hkv * d, hkv * d], dim=1)
 
 
