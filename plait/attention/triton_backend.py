@@ -201,7 +201,7 @@ class TritonAttnBackend(AttentionBackend):
                 # One KV list per verify token, each <= max_context slots (prefix + W <= the context):
                 # kv_indices costs max_num_tokens * max_context * 4 B (e.g. 64 requests x W 4 at an
                 # 8k context: 8 MiB; at 128k: 128 MiB); the fp32 workspaces max_num_tokens * Hq *
-                # VERIFY_MAX_KV_SPLITS * (D + 1) * 4 B (256 rows, 32 heads, D 128: 67 MiB).
+                # VERIFY_MAX_KV_SPLITS * (D + 1) * 4 B (256 rows, 32 heads, D 128: 64.5 MiB).
                 rows = self._decode_buffers(max_num_tokens, max_num_tokens * max_context, VERIFY_MAX_KV_SPLITS)
                 row_lens = torch.zeros(max_num_tokens, **i32)
             self.graph_verify_buffers = VerifyBuffers(
