@@ -12,9 +12,10 @@ from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
 
 def make_pools(hkv: int, d: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               max_context: int = 96, slots: int = 400) -> tuple[ReqToTokenPool, MHATokenToKVPool, torch.Generator]:
+               max_context: int = 96, slots: int = 400,
+               max_reqs: int = 16) -> tuple[ReqToTokenPool, MHATokenToKVPool, torch.Generator]:
     g = torch.Generator().manual_seed(seed)
-    pool = ReqToTokenPool(16, max_context, device)  # extend_batch uses rows 2.. (up to 14 requests)
+    pool = ReqToTokenPool(max_reqs, max_context, device)  # extend_batch uses rows 2.. (max_reqs - 2 requests)
     kv = MHATokenToKVPool(slots, dtype, 1, hkv, d, device)
     kv.k_buffer[0].copy_(torch.randn(kv.k_buffer[0].shape, generator=g))
     kv.v_buffer[0].copy_(torch.randn(kv.v_buffer[0].shape, generator=g))
@@ -51,10 +52,30 @@ def extend_batch(pool: ReqToTokenPool, g: torch.Generator, prefix: list[int], ex
         extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=prefix)
 
 
-def run(backend, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay) -> torch.Tensor:
+def run(backend, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay,
+        clone: bool = True) -> torch.Tensor:
+    """Plan ``fb`` through the contract and run one forward. ``clone=False`` hands q/k/v as they are
+    (strided views stay strided: a clone of a non-dense view is contiguous)."""
     fb.reset_forward_metadata_marker()
     backend.init_forward_metadata(fb)
-    return backend.forward(q.clone(), k.clone(), v.clone(), lay, fb)
+    if clone:
+        q, k, v = q.clone(), k.clone(), v.clone()
+    return backend.forward(q, k, v, lay, fb)
+
+
+def fused_qkv(t: int, hq: int, hkv: int, d: int, g: torch.Generator, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [t, hq*d], k/v [t, hkv*d] as column views of one [t, (hq + 2 hkv) * d] projection output, as the
+    model hands them to attention: last dim contiguous, token stride (hq + 2 hkv) * d."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
+    return qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+
+
+def as_target_verify(fb: ForwardBatch, custom_mask: torch.Tensor | None) -> ForwardBatch:
+    """``fb`` (from extend_batch) as a TARGET_VERIFY batch under ``custom_mask``."""
+    fb.forward_mode = ForwardMode.TARGET_VERIFY
+    fb.spec_info = SimpleNamespace(custom_mask=custom_mask)
+    return fb
 
 
 def random_tree_mask(prefix: list[int], ext: list[int], g: torch.Generator) -> torch.Tensor:

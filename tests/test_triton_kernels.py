@@ -425,3 +425,135 @@ def test_extend_matches_decode_for_one_new_token() -> None:
         q, k_buf[last], v_buf[last], o_ext, k_buf, v_buf, qo_indptr, kv_indptr, indices[:-1], None, None, 1, d**-0.5
     )
     torch.testing.assert_close(o_ext, o_dec, atol=ATOL, rtol=RTOL)
+
+
+# ----------------------------------------------------------------------------------------------------
+# TARGET_VERIFY as decode rows: build_verify_kv_indices + decode_attention_fwd
+# ----------------------------------------------------------------------------------------------------
+
+
+def _verify_layout(
+    prefix_lens: list[int], ext_lens: list[int], gen: torch.Generator, tree: bool, mask_dtype: torch.dtype = torch.bool
+) -> dict[str, torch.Tensor | None]:
+    """A verify batch over a paged cache: prefixes in req_to_token (shuffled pool rows), the new
+    tokens' slots in out_cache_loc (distinct from every prefix slot), a tree mask (or None: chain)."""
+    bs = len(prefix_lens)
+    num_slots = sum(prefix_lens) + sum(ext_lens) + 13
+    req_to_token, rows, kv_indptr, kv_indices = _paged_layout(prefix_lens, num_slots, gen, max_reqs=bs + 4)
+    used = set(kv_indices.tolist())
+    free = torch.tensor([s for s in torch.randperm(num_slots, generator=gen).tolist() if s not in used])
+    out_cache_loc = free[: sum(ext_lens)].to(DEVICE)
+    qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.cumsum(torch.tensor(ext_lens), 0)
+    custom_mask = mask_indptr = None
+    if tree:
+        blocks = [_tree_mask(p, e, gen).flatten() for p, e in zip(prefix_lens, ext_lens, strict=True)]
+        custom_mask = torch.cat(blocks).to(mask_dtype).to(DEVICE)
+        mask_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+        mask_indptr[1:] = torch.cumsum(torch.tensor([b.numel() for b in blocks]), 0)
+        mask_indptr = mask_indptr.to(DEVICE)
+    return dict(req_to_token=req_to_token, req_pool_indices=rows, prefix_lens=torch.tensor(prefix_lens, device=DEVICE),
+                qo_indptr=qo_indptr.to(DEVICE), out_cache_loc=out_cache_loc, custom_mask=custom_mask,
+                mask_indptr=mask_indptr, prefix_kv_indptr=kv_indptr, prefix_kv_indices=kv_indices,
+                num_slots=torch.tensor(num_slots))
+
+
+def _build_verify_rows(lay: dict, max_width: int, impl) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_rows = int(lay["qo_indptr"][-1])
+    max_kv = int(lay["prefix_lens"].sum()) * max_width + num_rows * max_width
+    row_lens = torch.full((num_rows,), -1, dtype=torch.int32, device=DEVICE)
+    kv_indptr = torch.full((num_rows + 3,), -1, dtype=torch.int32, device=DEVICE)
+    kv_indices = torch.full((max_kv + 5,), -7, dtype=torch.int32, device=DEVICE)
+    impl.build_verify_kv_indices(lay["req_to_token"], lay["req_pool_indices"], lay["prefix_lens"], lay["qo_indptr"],
+                                 lay["out_cache_loc"], lay["custom_mask"], lay["mask_indptr"], max_width, row_lens,
+                                 kv_indptr, kv_indices)
+    return row_lens, kv_indptr, kv_indices
+
+
+@pytest.mark.parametrize("mask", ["chain", "tree", "tree_uint8"])
+def test_build_verify_kv_indices_matches_reference(mask: str) -> None:
+    gen = _gen(40)
+    # Ragged widths (one of 1), prefix 0, a prefix longer than one 512-slot copy block; a grid wider
+    # than every request (max_width 6 > 5), as a captured graph's may be.
+    prefix_lens, ext_lens = [5, 0, 600, 17], [4, 3, 5, 1]
+    dtype = torch.uint8 if mask == "tree_uint8" else torch.bool
+    lay = _verify_layout(prefix_lens, ext_lens, gen, tree=mask != "chain", mask_dtype=dtype)
+    got = _build_verify_rows(lay, 6, K)
+    ref = _build_verify_rows(lay, 6, R)
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(g, r)
+    row_lens, kv_indptr, kv_indices = got
+    total = int(kv_indptr[len(row_lens)])
+    assert torch.all(kv_indices[total:] == -7)  # nothing written past the last row
+    assert torch.all(kv_indptr[len(row_lens) + 1 :] == -1)
+    # Row 0 (root of request 0) sees its prefix and itself only; the last row of a chain sees all.
+    rows0 = lay["req_to_token"][lay["req_pool_indices"][0], :5]
+    assert torch.equal(kv_indices[: int(kv_indptr[1])], torch.cat([rows0, lay["out_cache_loc"][:1].to(torch.int32)]))
+    if mask == "chain":
+        assert row_lens.tolist()[:4] == [6, 7, 8, 9]
+
+
+def _run_verify_rows(prefix_lens: list[int], ext_lens: list[int], hq: int, hkv: int, d: int, seed: int, tree: bool,
+                     max_splits: int = 4, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify attention through the decode kernel (rows from build_verify_kv_indices, split counts from
+    the heuristic, fused split merge) vs the extend reference over (prefix + new tokens) under the mask."""
+    gen = _gen(seed)
+    lay = _verify_layout(prefix_lens, ext_lens, gen, tree)
+    num_slots = int(lay["num_slots"])
+    k_buf = _randn(num_slots, hkv, d, gen=gen, dtype=dtype)
+    v_buf = _randn(num_slots, hkv, d, gen=gen, dtype=dtype)
+    t = sum(ext_lens)
+    q = _randn(t, hq, d, gen=gen, dtype=dtype)
+    row_lens, kv_indptr, kv_indices = _build_verify_rows(lay, max(ext_lens), K)
+    splits = torch.zeros(t, dtype=torch.int32, device=DEVICE)
+    K.get_num_kv_splits(row_lens, splits, max_splits, num_sms=4, num_kv_heads=hkv, min_split_len=16)
+    attn_logits = torch.full((t, hq, max_splits, d), float("nan"), device=DEVICE)
+    attn_lse = torch.full((t, hq, max_splits), float("nan"), device=DEVICE)
+    counters = torch.zeros(t * hkv, dtype=torch.int32, device=DEVICE)
+    o = torch.full((t, hq, d), float("nan"), dtype=dtype, device=DEVICE)
+    K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr[: t + 1], kv_indices, attn_logits, attn_lse, splits,
+                           max_splits, d**-0.5, split_counters=counters)
+    assert not counters.any()
+    o_ref = torch.zeros_like(o)
+    loc = lay["out_cache_loc"].long()
+    R.extend_attention_fwd(q, k_buf[loc], v_buf[loc], o_ref, k_buf, v_buf, lay["qo_indptr"], lay["prefix_kv_indptr"],
+                           lay["prefix_kv_indices"], lay["custom_mask"], lay["mask_indptr"], max(ext_lens), d**-0.5,
+                           is_causal=not tree)
+    return o, o_ref
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+def test_verify_rows_through_decode_kernel_match_extend_reference(heads: tuple[int, int], tree: bool) -> None:
+    hq, hkv = heads
+    o, o_ref = _run_verify_rows([45, 0, 70], [4, 4, 3], hq, hkv, 64, seed=41, tree=tree)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["unpacked", "packed"])
+def test_extend_strided_k_v_views(pack_gqa: bool) -> None:
+    # k/v as column views of one fused [T, (Hq + 2 Hkv), D] qkv tensor (token stride (Hq + 2 Hkv) * D), as
+    # the backend passes them without a copy: equal to the contiguous call, bit for bit.
+    gen = _gen(29)
+    hq, hkv, d = 8, 2, 64
+    prefix_lens, ext_lens = [0, 21, 5], [19, 7, 16]
+    num_slots = sum(prefix_lens) + 11
+    _, _, kv_indptr, kv_indices = _paged_layout(prefix_lens, num_slots, gen)
+    k_buf = _randn(num_slots, hkv, d, gen=gen)
+    v_buf = _randn(num_slots, hkv, d, gen=gen)
+    t = sum(ext_lens)
+    q, k, v = _randn(t, hq + 2 * hkv, d, gen=gen).split([hq, hkv, hkv], dim=1)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    qo_indptr = torch.zeros(len(ext_lens) + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.cumsum(torch.tensor(ext_lens), 0)
+    args = (qo_indptr.to(DEVICE), kv_indptr, kv_indices, None, None, max(ext_lens), d**-0.5)
+    config = PACKED if pack_gqa else None
+    o = torch.empty(t, hq, d, device=DEVICE)
+    o_contig = torch.empty_like(o)
+    K.extend_attention_fwd(q, k, v, o, k_buf, v_buf, *args, config=config)
+    K.extend_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), o_contig, k_buf, v_buf, *args,
+                           config=config)
+    assert torch.equal(o, o_contig)
+    o_ref = torch.zeros_like(o)
+    R.extend_attention_fwd(q, k, v, o_ref, k_buf, v_buf, *args)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)

@@ -48,9 +48,11 @@ class HybridAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         # DECODE graphs are served by the decode half; multi-token graphs (max_num_tokens > max_bs:
-        # TARGET_VERIFY) by the half the verify rule selects, which needs graph state too.
-        self.decode_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+        # TARGET_VERIFY) by the half the verify rule selects, which needs graph state too. The decode
+        # half sees max_num_tokens only when it serves verify: verify buffers are sized per token
+        # (the Triton backend's verify rows cost max_num_tokens x the context), for nothing otherwise.
         verify = self.decode_backend if self.speculative_attention_mode == "decode" else self.prefill_backend
+        self.decode_backend.init_cuda_graph_state(max_bs, max_num_tokens if verify is self.decode_backend else max_bs)
         if max_num_tokens > max_bs and verify is not self.decode_backend:
             verify.init_cuda_graph_state(max_bs, max_num_tokens)
 

@@ -7,9 +7,21 @@ Planning follows the three-method contract (DESIGN 3.2):
              ``kv_indices`` from ``req_to_token`` (a Triton kernel), into max-size buffers.
 Once ``init_cuda_graph_state`` ran, every decode batch that fits uses the static buffers, eager or
 replayed, so a replay only copies ``req_pool_indices``/``seq_lens`` and recomputes the split count.
-TARGET_VERIFY batches that fit use static extend buffers the same way (verify graphs): out_graph
-writes the three indptrs into them, in_graph gathers the prefix indices; the custom tree mask is the
-batch's (the graph runner hands a view whose mask is its static mask buffer).
+
+TARGET_VERIFY (W tokens per request: the root and its draft tree, under the custom tree mask) runs
+through the split-KV decode kernel: each verify token is one decode row whose KV list is its
+request's cached prefix followed by the slots (``out_cache_loc``) of the draft tokens the mask lets
+it see. The new tokens' K/V are stored in the cache before attention, so the rows read only the
+cache; a few query tokens over a long prefix thus get the decode kernel's KV splits and fused split
+merge instead of the extend kernel's one program per query block (H200, 8B shape, W = 4 over 512
+tokens: 22.7 us/layer extend vs 7.4 us/layer decode). out_graph writes ``qo_indptr`` and
+``mask_indptr``; in_graph builds the rows (``build_verify_kv_indices``: row lengths, their cumsum, the
+fill) and their split counts. Layers with a sliding window keep the extend kernel (it applies the
+window; the rows do not), so a windowed model plans both; PLAIT_TRITON_VERIFY_EXTEND=1 sends every
+verify layer to the extend kernel (A/B measurement). TARGET_VERIFY batches that fit use static
+buffers the same way as decode (verify graphs): the row buffers sized for ``max_num_tokens`` rows,
+and the extend indptrs/prefix indices; the custom tree mask is the batch's (the graph runner hands a
+view whose mask is its static mask buffer).
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import torch
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
 from plait.attention.triton.kernels import (
     build_kv_indices,
+    build_verify_kv_indices,
     decode_attention_fwd,
     extend_attention_fwd,
     get_num_kv_splits,
@@ -34,6 +47,13 @@ MAX_KV_SPLITS = 32  # long contexts at bs=1 need many splits (measured: 32k ctx 
 # Decode merges its KV splits inside the split kernel (one launch per layer instead of two);
 # PLAIT_TRITON_DECODE_TWO_STAGE=1 restores the separate merge kernel (A/B measurement, debugging).
 FUSED_SPLIT_MERGE = os.environ.get("PLAIT_TRITON_DECODE_TWO_STAGE") != "1"
+# TARGET_VERIFY runs through the decode kernel, one row per verify token (module docstring);
+# PLAIT_TRITON_VERIFY_EXTEND=1 sends it through the extend kernel instead (A/B measurement, debugging).
+VERIFY_VIA_DECODE = os.environ.get("PLAIT_TRITON_VERIFY_EXTEND") != "1"
+# A verify batch has W >= 2 rows per request, so it reaches the split heuristic's program target with
+# fewer splits per row than decode does: half the decode cap loses nothing at W >= 2 and halves the
+# per-row workspace (attn_logits is rows x Hq x splits x D fp32).
+VERIFY_MAX_KV_SPLITS = MAX_KV_SPLITS // 2
 
 
 @dataclass
@@ -61,14 +81,34 @@ class ExtendMetadata:
 
 
 @dataclass
+class VerifyRowsMetadata:
+    """TARGET_VERIFY as decode rows: row ``qo_indptr[b] + i`` is verify token i of request b, and
+    ``bufs`` is indexed by row (kv_indptr ``[num_rows + 1]``, num_kv_splits ``[num_rows]``, workspaces
+    and split counters for >= num_rows rows). Filled by in_graph; eager plans own fresh buffers,
+    graph-sized plans views of ``VerifyBuffers``."""
+
+    bufs: DecodeBuffers
+    row_lens: torch.Tensor  # int32 [num_rows]: prefix + visible draft tokens of each row
+    num_rows: int  # = the batch's token count
+    max_width: int  # host int >= every request's verify width (the index builder's grid)
+    qo_indptr: torch.Tensor  # int32 [bs + 1] over the verify tokens
+    mask_indptr: torch.Tensor | None  # int32 [bs + 1]: request b's mask block starts at mask_indptr[b]
+
+
+@dataclass
 class VerifyBuffers:
-    """Static extend metadata of TARGET_VERIFY graphs. ``kv_indices`` is the decode buffer: a decode
-    forward and a verify forward never overlap, and each rebuilds it before reading it."""
+    """Static metadata of TARGET_VERIFY graphs. ``kv_indices`` (the extend path's prefixes) is the
+    decode buffer: a decode forward and a verify forward never overlap, and each rebuilds it before
+    reading it. ``rows``/``row_lens`` (the decode-row path) are the verify rows' own: there are
+    ``max_num_tokens`` of them, more than the decode buffers hold."""
 
     qo_indptr: torch.Tensor  # int32 [max_bs + 1]
     kv_indptr: torch.Tensor  # int32 [max_bs + 1]
     mask_indptr: torch.Tensor  # int32 [max_bs + 1]
     kv_indices: torch.Tensor  # int32 [max_bs * max_context]
+    rows: DecodeBuffers | None  # [max_rows] rows, kv_indices [max_rows * max_context]; None: extend only
+    row_lens: torch.Tensor | None  # int32 [max_rows]
+    max_rows: int  # max_num_tokens of init_cuda_graph_state
 
 
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:
@@ -90,12 +130,14 @@ class TritonAttnBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, verify_via_decode: bool | None = None) -> None:
         super().__init__(req_to_token_pool, kv_pool)
         self.num_q_heads = num_q_heads
         # The model's window (layers with one read only the last W keys): decode plans a second set
         # of indices covering just the window, so windowed layers read W keys, not the whole context.
         self.sliding_window = sliding_window
+        # TARGET_VERIFY through the decode kernel (module docstring); None: VERIFY_VIA_DECODE.
+        self.verify_via_decode = VERIFY_VIA_DECODE if verify_via_decode is None else verify_via_decode
         self.head_dim = kv_pool.head_dim
         self.device = kv_pool.k_buffer[0].device
         if self.device.type == "cuda":
@@ -106,49 +148,66 @@ class TritonAttnBackend(AttentionBackend):
         self.graph_window_buffers: DecodeBuffers | None = None
         self.graph_verify_buffers: VerifyBuffers | None = None
         self.graph_max_bs = 0
-        # Data pointers of the graph runner's static req_pool_indices / seq_lens (decode) or
-        # extend_prefix_lens (verify), recorded at capture: in_graph checks it reads those (a replay
-        # cannot feed it anything else).
-        self._capture_input_ptrs: tuple[int, int] | None = None
+        # Data pointers of the graph runner's static tensors that in_graph reads, recorded at capture:
+        # (req_pool_indices, seq_lens) for decode; (req_pool_indices, extend_prefix_lens) for verify,
+        # plus (out_cache_loc, custom mask) when it builds decode rows. in_graph checks it reads those
+        # (a replay cannot feed it anything else).
+        self._capture_input_ptrs: tuple[int, ...] | None = None
         self.decode_md: tuple[DecodeBuffers, int] | None = None
         self.window_md: DecodeBuffers | None = None  # same bs as decode_md
+        # Extend plans: extend_md for the extend kernel, verify_md for TARGET_VERIFY's decode rows
+        # (a verify plan may hold both: windowed layers take the extend kernel).
         self.extend_md: ExtendMetadata | None = None
+        self.verify_md: VerifyRowsMetadata | None = None
 
     # --- graph state ------------------------------------------------------------------------------
-    def _decode_buffers(self, bs: int, kv_tokens: int) -> DecodeBuffers:
+    def _decode_buffers(self, bs: int, kv_tokens: int, max_kv_splits: int = MAX_KV_SPLITS) -> DecodeBuffers:
         f32 = dict(dtype=torch.float32, device=self.device)
         i32 = dict(dtype=torch.int32, device=self.device)
         return DecodeBuffers(
             kv_indptr=torch.zeros(bs + 1, **i32),
             kv_indices=torch.zeros(max(1, kv_tokens), **i32),
             num_kv_splits=torch.ones(bs, **i32),
-            attn_logits=torch.empty(bs, self.num_q_heads, MAX_KV_SPLITS, self.head_dim, **f32),
-            attn_lse=torch.empty(bs, self.num_q_heads, MAX_KV_SPLITS, **f32),
+            attn_logits=torch.empty(bs, self.num_q_heads, max_kv_splits, self.head_dim, **f32),
+            attn_lse=torch.empty(bs, self.num_q_heads, max_kv_splits, **f32),
             split_counters=torch.zeros(bs * self.num_q_heads, **i32) if FUSED_SPLIT_MERGE else None,
         )
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Static buffers for graphs of up to ``max_bs`` requests; ``max_num_tokens > max_bs`` means
-        multi-token (TARGET_VERIFY) graphs are captured too. Grow-only: buffers a captured graph
-        reads are never reallocated, so the decode and verify graph runners may both call this (the
-        first call must already carry the largest ``max_bs``)."""
+        multi-token (TARGET_VERIFY) graphs of up to ``max_num_tokens`` tokens are captured too.
+        Grow-only: buffers a captured graph reads are never reallocated, so the decode and verify graph
+        runners may both call this (the first call must already carry the largest ``max_bs``, the first
+        verify call the largest ``max_num_tokens``)."""
         if self.graph_buffers is not None and max_bs > self.graph_max_bs:
             raise RuntimeError(f"init_cuda_graph_state: max_bs {max_bs} exceeds the {self.graph_max_bs} of the "
                                "buffers captured graphs already read")
+        verify = self.graph_verify_buffers
+        if max_num_tokens > max_bs and verify is not None and max_num_tokens > verify.max_rows:
+            raise RuntimeError(f"init_cuda_graph_state: max_num_tokens {max_num_tokens} exceeds the {verify.max_rows} "
+                               "of the verify buffers captured graphs already read")
+        max_context = self.req_to_token_pool.max_context_len
         if self.graph_buffers is None:
-            max_context = self.req_to_token_pool.max_context_len
             self.graph_buffers = self._decode_buffers(max_bs, max_bs * max_context)
             if self.sliding_window:
                 self.graph_window_buffers = self._decode_buffers(max_bs,
                                                                  max_bs * min(self.sliding_window, max_context))
             self.graph_max_bs = max_bs
-        if max_num_tokens > max_bs and self.graph_verify_buffers is None:
+        if max_num_tokens > max_bs and verify is None:
             i32 = dict(dtype=torch.int32, device=self.device)
             n = self.graph_max_bs + 1
+            rows = row_lens = None
+            if self.verify_via_decode:
+                # One KV list per verify token, each <= max_context slots (prefix + W <= the context):
+                # kv_indices costs max_num_tokens * max_context * 4 B (e.g. 64 requests x W 4 at an
+                # 8k context: 8 MiB; at 128k: 128 MiB); the fp32 workspaces max_num_tokens * Hq *
+                # VERIFY_MAX_KV_SPLITS * (D + 1) * 4 B (256 rows, 32 heads, D 128: 64.5 MiB).
+                rows = self._decode_buffers(max_num_tokens, max_num_tokens * max_context, VERIFY_MAX_KV_SPLITS)
+                row_lens = torch.zeros(max_num_tokens, **i32)
             self.graph_verify_buffers = VerifyBuffers(
                 qo_indptr=torch.zeros(n, **i32), kv_indptr=torch.zeros(n, **i32),
                 mask_indptr=torch.zeros(n, **i32),
-                kv_indices=self.graph_buffers.kv_indices)
+                kv_indices=self.graph_buffers.kv_indices, rows=rows, row_lens=row_lens, max_rows=max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -176,11 +235,11 @@ class TritonAttnBackend(AttentionBackend):
         assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         mask = custom_mask_of(fb)
-        static = self.graph_verify_buffers
-        if fb.forward_mode.is_target_verify() and static is not None and fb.batch_size <= self.graph_max_bs:
-            self._plan_verify_static(fb, static, mask, in_capture)
+        if fb.forward_mode.is_target_verify():
+            self._plan_verify(fb, mask, in_capture)
             return
         self._capture_input_ptrs = None
+        self.verify_md = None
         mask_indptr = None
         if mask is not None:
             sizes = [e * (e + p) for e, p in zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, strict=True)]
@@ -194,38 +253,79 @@ class TritonAttnBackend(AttentionBackend):
             mask_indptr=mask_indptr,
         )
 
-    def _plan_verify_static(self, fb: ForwardBatch, static: VerifyBuffers, mask: torch.Tensor | None,
-                            in_capture: bool) -> None:
-        """A verify batch that fits the graph buffers plans into them, eager or replayed, so a graph
-        captured on them sees every later plan. Device ops only: no host sync."""
+    def _plan_verify(self, fb: ForwardBatch, mask: torch.Tensor | None, in_capture: bool) -> None:
+        """TARGET_VERIFY: the decode-row plan (``verify_md``) and, when windowed layers or the A/B switch
+        need it, the extend plan (``extend_md``). A batch that fits the graph buffers plans into them,
+        eager or replayed, so a graph captured on them sees every later plan. Device ops only on the
+        per-request indptrs: no host sync."""
         assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
-        assert fb.extend_seq_lens_cpu is not None
-        mask_indptr = None
-        if mask is not None:
-            # Request i's mask block is ext_i x (prefix_i + ext_i).
-            sizes = fb.extend_seq_lens.to(torch.int64) * (fb.extend_prefix_lens + fb.extend_seq_lens)
-            mask_indptr = _indptr_into(static.mask_indptr, sizes)
-        self._capture_input_ptrs = (
-            (fb.req_pool_indices.data_ptr(), fb.extend_prefix_lens.data_ptr()) if in_capture else None)
-        self.extend_md = ExtendMetadata(
-            qo_indptr=_indptr_into(static.qo_indptr, fb.extend_seq_lens),
-            kv_indptr=_indptr_into(static.kv_indptr, fb.extend_prefix_lens),
-            kv_indices=static.kv_indices,
-            max_len_extend=max(fb.extend_seq_lens_cpu),
-            custom_mask=mask,
-            mask_indptr=mask_indptr,
-        )
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        bs = fb.batch_size
+        num_rows = sum(fb.extend_seq_lens_cpu)
+        max_width = max(fb.extend_seq_lens_cpu)
+        static = self.graph_verify_buffers
+        if static is not None and (bs > self.graph_max_bs or (static.rows is not None and num_rows > static.max_rows)):
+            static = None
+        use_rows = self.verify_via_decode
+        use_extend = not use_rows or bool(self.sliding_window)
 
-    def _check_capture_inputs(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        if self._capture_input_ptrs is not None and (a.data_ptr(), b.data_ptr()) != self._capture_input_ptrs:
+        # Request b's mask block is ext_b x (prefix_b + ext_b).
+        sizes = fb.extend_seq_lens.to(torch.int64) * (fb.extend_prefix_lens + fb.extend_seq_lens)
+        if static is not None:
+            qo_indptr = _indptr_into(static.qo_indptr, fb.extend_seq_lens)
+            mask_indptr = _indptr_into(static.mask_indptr, sizes) if mask is not None else None
+        else:
+            qo_indptr = _indptr(fb.extend_seq_lens)
+            mask_indptr = _indptr(sizes) if mask is not None else None
+
+        self.extend_md = None
+        if use_extend:
+            if static is not None:
+                kv_indptr, kv_indices = _indptr_into(static.kv_indptr, fb.extend_prefix_lens), static.kv_indices
+            else:
+                kv_indptr = _indptr(fb.extend_prefix_lens)
+                kv_indices = torch.empty(max(1, sum(fb.extend_prefix_lens_cpu)), dtype=torch.int32,
+                                         device=self.device)
+            self.extend_md = ExtendMetadata(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                            max_len_extend=max_width, custom_mask=mask, mask_indptr=mask_indptr)
+
+        self.verify_md = None
+        if use_rows:
+            if static is not None:
+                assert static.rows is not None and static.row_lens is not None
+                bufs, row_lens = static.rows, static.row_lens[:num_rows]
+            else:
+                # Row b,i holds at most prefix_b + ext_b slots: the mask size bounds the total.
+                kv_tokens = sum(e * (p + e) for e, p in zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu,
+                                                            strict=True))
+                bufs = self._decode_buffers(num_rows, kv_tokens, VERIFY_MAX_KV_SPLITS)
+                row_lens = torch.empty(num_rows, dtype=torch.int32, device=self.device)
+            self.verify_md = VerifyRowsMetadata(bufs=bufs, row_lens=row_lens, num_rows=num_rows, max_width=max_width,
+                                                qo_indptr=qo_indptr, mask_indptr=mask_indptr)
+
+        # Capture planning arms the check in in_graph; any other planning disarms it.
+        self._capture_input_ptrs = self._verify_input_ptrs(fb) if in_capture else None
+
+    def _verify_input_ptrs(self, fb: ForwardBatch) -> tuple[int, ...]:
+        """The tensors of ``fb`` that in_graph reads for a verify plan (see ``_capture_input_ptrs``)."""
+        assert fb.extend_prefix_lens is not None
+        ptrs: tuple[int, ...] = (fb.req_pool_indices.data_ptr(), fb.extend_prefix_lens.data_ptr())
+        if self.verify_md is not None:
+            mask = custom_mask_of(fb)
+            ptrs += (fb.out_cache_loc.data_ptr(), mask.data_ptr() if mask is not None else 0)
+        return ptrs
+
+    def _check_capture_inputs(self, ptrs: tuple[int, ...]) -> None:
+        if self._capture_input_ptrs is not None and ptrs != self._capture_input_ptrs:
             raise RuntimeError("init_forward_metadata_in_graph must read the graph runner's static buffers "
-                               "(req_pool_indices / seq_lens or extend_prefix_lens), not a per-step tensor")
+                               "(req_pool_indices / seq_lens or extend_prefix_lens, and for verify rows "
+                               "out_cache_loc / the custom mask), not a per-step tensor")
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
             assert self.decode_md is not None, "out_graph plans before in_graph"
             bufs, bs = self.decode_md
-            self._check_capture_inputs(fb.req_pool_indices, fb.seq_lens)
+            self._check_capture_inputs((fb.req_pool_indices.data_ptr(), fb.seq_lens.data_ptr()))
             bufs.kv_indptr[1 : bs + 1] = torch.cumsum(fb.seq_lens, 0)
             build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              bufs.kv_indptr, bufs.kv_indices)
@@ -236,11 +336,24 @@ class TritonAttnBackend(AttentionBackend):
                 build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, lens, win.kv_indptr,
                                  win.kv_indices, kv_start_idx=fb.seq_lens - lens)
             return
+        assert fb.extend_prefix_lens is not None
+        if fb.forward_mode.is_target_verify():
+            self._check_capture_inputs(self._verify_input_ptrs(fb))
+        else:
+            self._check_capture_inputs((fb.req_pool_indices.data_ptr(), fb.extend_prefix_lens.data_ptr()))
         md = self.extend_md
-        assert md is not None and fb.extend_prefix_lens is not None
-        self._check_capture_inputs(fb.req_pool_indices, fb.extend_prefix_lens)
-        build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
-                         md.kv_indptr, md.kv_indices)
+        assert md is not None or self.verify_md is not None, "out_graph plans before in_graph"
+        if md is not None:
+            build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
+                             md.kv_indptr, md.kv_indices)
+        rows = self.verify_md
+        if rows is not None:
+            build_verify_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
+                                    rows.qo_indptr, fb.out_cache_loc, custom_mask_of(fb), rows.mask_indptr,
+                                    rows.max_width, rows.row_lens, rows.bufs.kv_indptr, rows.bufs.kv_indices)
+            # From the row lengths just built: in the graph, so a replay recomputes them too.
+            get_num_kv_splits(rows.row_lens, rows.bufs.num_kv_splits, VERIFY_MAX_KV_SPLITS, self.num_sms,
+                              self.kv_pool.num_kv_heads)
 
     # --- compute ----------------------------------------------------------------------------------
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
@@ -265,7 +378,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def rope_kv_store_target(self, layer: AttentionLayer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Decode and every extend mode store the new tokens with store_kv at out_cache_loc; the
-        # extend kernel reads the new tokens' K/V from the (rotated in place) k/v tensors.
+        # extend kernel reads the new tokens' K/V from the (rotated in place) k/v tensors, verify rows
+        # read them from the cache (stored before attention either way).
         if fb.forward_mode.is_idle():
             return None
         return self.kv_pool.get_key_buffer(layer.layer_id), self.kv_pool.get_value_buffer(layer.layer_id)
@@ -275,15 +389,28 @@ class TritonAttnBackend(AttentionBackend):
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         k_buf = self.kv_pool.get_key_buffer(layer.layer_id)
         v_buf = self.kv_pool.get_value_buffer(layer.layer_id)
+        # Views into the fused qkv projection's output (token stride > Hkv * D): the kernels take
+        # strides, so nothing is copied.
         k3, v3 = k.view(-1, hkv, d), v.view(-1, hkv, d)
         if save_kv_cache:
             store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3)
-        md = self.extend_md
-        assert md is not None
         q3 = q.view(-1, hq, d)
         o = torch.empty_like(q3)
-        extend_attention_fwd(q3, k3.contiguous(), v3.contiguous(), o, k_buf, v_buf, md.qo_indptr, md.kv_indptr,
-                             md.kv_indices, md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
+        rows = self.verify_md
+        if fb.forward_mode.is_target_verify() and rows is not None and not layer.sliding_window:
+            # The new tokens' K/V are in the cache now (stored above, or by the rotary kernel when
+            # save_kv_cache is False): each verify token attends over its row's slots only.
+            bufs = rows.bufs
+            decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: rows.num_rows + 1], bufs.kv_indices,
+                                 bufs.attn_logits, bufs.attn_lse, bufs.num_kv_splits[: rows.num_rows],
+                                 VERIFY_MAX_KV_SPLITS, layer.scaling, layer.logit_cap,
+                                 split_counters=bufs.split_counters)
+            return o.view(-1, hq * d)
+        md = self.extend_md
+        assert md is not None, ("a windowed layer needs the extend plan: the backend was built for the model's "
+                                "sliding window")
+        extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices,
+                             md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
                              is_causal=md.custom_mask is None, logit_cap=layer.logit_cap,
                              sliding_window=layer.sliding_window)
         return o.view(-1, hq * d)

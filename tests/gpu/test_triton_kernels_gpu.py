@@ -13,8 +13,12 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
+from plait.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.attention.triton import kernels as K  # noqa: E402
 from plait.attention.triton import reference as R  # noqa: E402
+from plait.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from plait.speculative.tree import DraftTree, build_verify_mask  # noqa: E402
+from tests.attn_cases import as_target_verify, extend_batch, fused_qkv, layer, make_pools, run  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -260,3 +264,67 @@ def test_store_kv_bf16() -> None:
     K.store_kv(k_buf, v_buf, loc, k, v)
     assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
     assert int(torch.count_nonzero(k_buf.abs().sum((1, 2)))) == t
+
+
+# --- TARGET_VERIFY through the decode kernel (the backend's verify rows) vs torch_native -------------
+
+VERIFY_WIDTH = 4
+VERIFY_TREES = {
+    "chain": DraftTree.chain(1, [2, 3, 4]),
+    "tree": DraftTree([1, 2, 3, 4], [-1, 0, 0, 1]),  # root with two children, a grandchild under the first
+}
+
+
+def _verify_setup(bs: int, prefix: int, kind: str, seed: int):
+    """torch_native and Triton backends over one bf16 paged cache, and a verify batch of ``bs`` requests
+    with ``prefix`` cached tokens and a width-4 draft (chain or tree) each; q/k/v fused-qkv views."""
+    slots = bs * (prefix + VERIFY_WIDTH) + 1
+    pool, kv, g = make_pools(HKV, D, seed, dtype=DTYPE, device="cuda", max_context=prefix + VERIFY_WIDTH,
+                             slots=slots, max_reqs=bs + 2)
+    fb = extend_batch(pool, g, [prefix] * bs, [VERIFY_WIDTH] * bs, num_slots=slots)
+    as_target_verify(fb, build_verify_mask([VERIFY_TREES[kind]] * bs, [prefix] * bs, "cuda"))
+    qkv = fused_qkv(fb.num_tokens, HQ, HKV, D, g, dtype=DTYPE, device="cuda")
+    return TorchNativeAttnBackend(pool, kv), TritonAttnBackend(pool, kv, HQ, verify_via_decode=True), fb, qkv, g
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+@pytest.mark.parametrize("bs", [1, 16])
+def test_target_verify_rows_match_torch_native(bs: int, kind: str) -> None:
+    native, triton_be, fb, (q, k, v), _ = _verify_setup(bs, 512, kind, seed=40 + bs)
+    lay = layer(HQ, HKV, D)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.verify_md is not None and triton_be.extend_md is None  # the decode-kernel path ran
+    assert int(triton_be.verify_md.bufs.num_kv_splits[: fb.num_tokens].max()) > 1  # split and merged
+    torch.testing.assert_close(got.float(), run(native, fb, q, k, v, lay).float(), atol=ATOL, rtol=RTOL)
+
+
+def test_target_verify_rows_cuda_graph_replay() -> None:
+    """Verify rows on graph buffers: plan (in_capture), capture in_graph + attention, then replay with
+    another mask (chain -> tree), other queries and K/V in the same tensors, planned again outside."""
+    bs = 16
+    native, triton_be, fb, (q, k, v), g = _verify_setup(bs, 512, "chain", seed=50)
+    triton_be.init_cuda_graph_state(bs, bs * VERIFY_WIDTH)
+    lay = layer(HQ, HKV, D)
+
+    def step() -> torch.Tensor:
+        triton_be.init_forward_metadata_in_graph(fb)
+        return triton_be.forward(q, k, v, lay, fb)
+
+    triton_be.init_forward_metadata_out_graph(fb, in_capture=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile and warm up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    fb.spec_info.custom_mask.copy_(build_verify_mask([VERIFY_TREES["tree"]] * bs, [512] * bs, "cuda"))
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, generator=g).to("cuda", DTYPE))
+    triton_be.init_forward_metadata_out_graph(fb)  # the replay's pre-planning, outside the graph
+    graph.replay()
+    torch.cuda.synchronize()
+    want = run(native, fb, q, k, v, lay).float()
+    torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)

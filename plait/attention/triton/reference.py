@@ -27,6 +27,44 @@ def build_kv_indices(
         kv_indices[out : out + n] = req_to_token[row, start : start + n].to(kv_indices.dtype)
 
 
+
+def build_verify_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    custom_mask: torch.Tensor | None,
+    mask_indptr: torch.Tensor | None,
+    max_width: int,
+    row_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> None:
+    num_rows = row_lens.shape[0]
+    lists: list[torch.Tensor] = []
+    for b in range(req_pool_indices.shape[0]):
+        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        pre, ext = int(prefix_lens[b]), q1 - q0
+        prefix = req_to_token[int(req_pool_indices[b]), :pre]
+        for i in range(ext):
+            if custom_mask is None:
+                seen = torch.arange(ext, device=out_cache_loc.device) <= i
+            else:
+                assert mask_indptr is not None
+                start = int(mask_indptr[b]) + i * (pre + ext) + pre
+                seen = custom_mask[start : start + ext].bool()
+            lists.append(torch.cat([prefix, out_cache_loc[q0:q1][seen].to(prefix.dtype)]))
+    assert len(lists) == num_rows
+    kv_indptr[0] = 0
+    off = 0
+    for r, slots in enumerate(lists):
+        row_lens[r] = slots.numel()
+        kv_indices[off : off + slots.numel()] = slots.to(kv_indices.dtype)
+        off += slots.numel()
+        kv_indptr[r + 1] = off
+
+
 def store_kv(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
