@@ -1,6 +1,7 @@
 """One short run per algorithm with attention_backend="triton" under the Triton interpreter: the
-TARGET_VERIFY forward goes through the Triton extend kernel with the custom tree mask, the draft
-steps through the Triton decode kernel, pre-planned per step (PLAIT_CHECK_PLANS on)."""
+TARGET_VERIFY forward goes through the Triton decode kernel as one row per verify token (its KV list
+built from the prefix and the custom tree mask), the draft steps through the Triton decode kernel,
+pre-planned per step (PLAIT_CHECK_PLANS on)."""
 
 from __future__ import annotations
 
