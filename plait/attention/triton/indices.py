@@ -194,7 +194,7 @@ def build_verify_kv_indices(
     block_w = max(2, next_pow2(max_width))
     _verify_kv_rows_kernel[grid](*args, HAS_MASK=has_mask, FILL=False, BLOCK_W=block_w, BLOCK=_COPY_BLOCK,
                                  num_warps=1)
-    kv_indptr[0] = 0
+    kv_indptr[:1].zero_()  # a fill kernel: a Python scalar store would be a host copy (illegal in capture)
     torch.cumsum(row_lens, 0, dtype=torch.int32, out=kv_indptr[1 : num_rows + 1])
     _verify_kv_rows_kernel[grid](*args, HAS_MASK=has_mask, FILL=True, BLOCK_W=block_w, BLOCK=_COPY_BLOCK,
                                  num_warps=4)
