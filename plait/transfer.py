@@ -20,6 +20,14 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def copy_to_device_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` for a host ``src``: pinned and asynchronous on CUDA (one copy into ``dst``'s
+    own storage, e.g. a graph's static buffer)."""
+    if dst.device.type != "cuda":
+        return dst.copy_(src)
+    return dst.copy_(src.pin_memory(), non_blocking=True)
+
+
 def ints_to_device(parts: Sequence[Sequence[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
     """Several int lists as int64 device tensors, through one packed copy (one launch, not one each)."""
     flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)

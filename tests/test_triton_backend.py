@@ -160,6 +160,20 @@ def test_target_verify_without_mask_is_a_causal_chain():
                                atol=1e-4, rtol=1e-4)
 
 
+def test_target_verify_batches_above_the_rows_cap_take_the_extend_kernel(monkeypatch):
+    """Large verify batches re-read every prefix once per token on the rows path: they use the extend
+    kernel (VERIFY_ROWS_MAX_BS), and still match torch_native."""
+    import plait.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "VERIFY_ROWS_MAX_BS", 2)
+    hq, hkv, d = 8, 2, 64
+    native, triton_be, fb, (q, k, v) = _verify_case(hq, hkv, d, [5, 30, 11], [4, 4, 4], "tree", seed=9)
+    lay = layer(hq, hkv, d)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.verify_md is None and triton_be.extend_md is not None
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
 def test_target_verify_extend_kernel_switch_still_matches():
     # verify_via_decode=False (PLAIT_TRITON_VERIFY_EXTEND=1): the extend kernel with the custom mask.
     hq, hkv, d = 8, 2, 64

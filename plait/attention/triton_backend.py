@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
@@ -42,6 +43,7 @@ from plait.attention.triton.kernels import (
 )
 from plait.forward_batch import ForwardBatch
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
+from plait.transfer import copy_to_device_
 
 MAX_KV_SPLITS = 32  # long contexts at bs=1 need many splits (measured: 32k ctx 61 -> 56 us)
 # Decode merges its KV splits inside the split kernel (one launch per layer instead of two);
@@ -50,6 +52,12 @@ FUSED_SPLIT_MERGE = os.environ.get("PLAIT_TRITON_DECODE_TWO_STAGE") != "1"
 # TARGET_VERIFY runs through the decode kernel, one row per verify token (module docstring);
 # PLAIT_TRITON_VERIFY_EXTEND=1 sends it through the extend kernel instead (A/B measurement, debugging).
 VERIFY_VIA_DECODE = os.environ.get("PLAIT_TRITON_VERIFY_EXTEND") != "1"
+# ... for batches of at most this many requests. Decode rows re-read a request's prefix once per
+# verify token; the extend kernel reads it once per query block but with one program per (request,
+# head): the rows win when the extend grid is too small to fill the GPU, and lose once the prefix
+# reads dominate. H200, 8B shape, W = 4 over 512 tokens, verify / decode step: bs 1 rows 1.07x vs
+# extend 1.19x; bs 16 rows 1.21x vs extend 1.17-1.20x; bs 64 rows 1.64x vs extend 1.49-1.58x.
+VERIFY_ROWS_MAX_BS = 8
 # A verify batch has W >= 2 rows per request, so it reaches the split heuristic's program target with
 # fewer splits per row than decode does: half the decode cap loses nothing at W >= 2 and halves the
 # per-row workspace (attn_logits is rows x Hq x splits x D fp32).
@@ -102,12 +110,15 @@ class VerifyBuffers:
     reading it. ``rows``/``row_lens`` (the decode-row path) are the verify rows' own: there are
     ``max_num_tokens`` of them, more than the decode buffers hold."""
 
-    qo_indptr: torch.Tensor  # int32 [max_bs + 1]
-    kv_indptr: torch.Tensor  # int32 [max_bs + 1]
-    mask_indptr: torch.Tensor  # int32 [max_bs + 1]
+    qo_indptr: torch.Tensor  # int32 [max_bs + 1]  (packed[0])
+    kv_indptr: torch.Tensor  # int32 [max_bs + 1]  (packed[1])
+    mask_indptr: torch.Tensor  # int32 [max_bs + 1]  (packed[2])
+    packed: torch.Tensor  # int32 [3, max_bs + 1]: the storage of the three indptrs above
     kv_indices: torch.Tensor  # int32 [max_bs * max_context]
-    rows: DecodeBuffers | None  # [max_rows] rows, kv_indices [max_rows * max_context]; None: extend only
-    row_lens: torch.Tensor | None  # int32 [max_rows]
+    # Decode-row buffers for row_cap = VERIFY_ROWS_MAX_BS * W rows (kv_indices [row_cap * max_context]);
+    # None: extend only
+    rows: DecodeBuffers | None
+    row_lens: torch.Tensor | None  # int32 [row_cap]
     max_rows: int  # max_num_tokens of init_cuda_graph_state
 
 
@@ -115,15 +126,6 @@ def _indptr(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
     out[1:] = torch.cumsum(lengths, 0)
     return out
-
-
-def _indptr_into(out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``_indptr`` written into the prefix of a static buffer (same storage at every replay)."""
-    bs = lengths.shape[0]
-    view = out[: bs + 1]
-    view[0] = 0
-    view[1:] = torch.cumsum(lengths, 0)
-    return view
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -198,15 +200,18 @@ class TritonAttnBackend(AttentionBackend):
             n = self.graph_max_bs + 1
             rows = row_lens = None
             if self.verify_via_decode:
-                # One KV list per verify token, each <= max_context slots (prefix + W <= the context):
-                # kv_indices costs max_num_tokens * max_context * 4 B (e.g. 64 requests x W 4 at an
-                # 8k context: 8 MiB; at 128k: 128 MiB); the fp32 workspaces max_num_tokens * Hq *
-                # VERIFY_MAX_KV_SPLITS * (D + 1) * 4 B (256 rows, 32 heads, D 128: 64.5 MiB).
-                rows = self._decode_buffers(max_num_tokens, max_num_tokens * max_context, VERIFY_MAX_KV_SPLITS)
-                row_lens = torch.zeros(max_num_tokens, **i32)
+                # Rows only serve buckets of <= VERIFY_ROWS_MAX_BS requests of <= W tokens each. One
+                # KV list per verify token, each <= max_context slots (prefix + W <= the context):
+                # kv_indices costs row_cap * max_context * 4 B (8 requests x W 4 at a 128k context:
+                # 16 MiB); the fp32 workspaces row_cap * Hq * VERIFY_MAX_KV_SPLITS * (D + 1) * 4 B.
+                width = max(1, max_num_tokens // max_bs)
+                row_cap = min(max_num_tokens, VERIFY_ROWS_MAX_BS * width)
+                rows = self._decode_buffers(row_cap, row_cap * max_context, VERIFY_MAX_KV_SPLITS)
+                row_lens = torch.zeros(row_cap, **i32)
+            # The three per-request indptrs in one buffer: a plan fills them with one host-to-device copy.
+            packed = torch.zeros(3, n, **i32)
             self.graph_verify_buffers = VerifyBuffers(
-                qo_indptr=torch.zeros(n, **i32), kv_indptr=torch.zeros(n, **i32),
-                mask_indptr=torch.zeros(n, **i32),
+                qo_indptr=packed[0], kv_indptr=packed[1], mask_indptr=packed[2], packed=packed,
                 kv_indices=self.graph_buffers.kv_indices, rows=rows, row_lens=row_lens, max_rows=max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -264,28 +269,33 @@ class TritonAttnBackend(AttentionBackend):
         num_rows = sum(fb.extend_seq_lens_cpu)
         max_width = max(fb.extend_seq_lens_cpu)
         static = self.graph_verify_buffers
-        if static is not None and (bs > self.graph_max_bs or (static.rows is not None and num_rows > static.max_rows)):
+        use_rows = self.verify_via_decode and bs <= VERIFY_ROWS_MAX_BS  # bs: the padded bucket on graphs
+        if static is not None and (bs > self.graph_max_bs or (
+                use_rows and static.rows is not None and num_rows > static.rows.num_kv_splits.shape[0])):
             static = None
-        use_rows = self.verify_via_decode
         use_extend = not use_rows or bool(self.sliding_window)
 
-        # Request b's mask block is ext_b x (prefix_b + ext_b).
-        sizes = fb.extend_seq_lens.to(torch.int64) * (fb.extend_prefix_lens + fb.extend_seq_lens)
-        if static is not None:
-            qo_indptr = _indptr_into(static.qo_indptr, fb.extend_seq_lens)
-            mask_indptr = _indptr_into(static.mask_indptr, sizes) if mask is not None else None
-        else:
-            qo_indptr = _indptr(fb.extend_seq_lens)
-            mask_indptr = _indptr(sizes) if mask is not None else None
+        # qo / kv / mask indptrs from the host lists, in one pinned copy (a verify step's planning runs
+        # while the GPU idles: one copy, not three cumsums and their stores). Request b's mask block
+        # is ext_b x (prefix_b + ext_b).
+        ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        packed = static.packed if static is not None else torch.empty(3, bs + 1, dtype=torch.int32,
+                                                                      device=self.device)
+        host = np.zeros(tuple(packed.shape), dtype=np.int32)
+        np.cumsum(ext, out=host[0, 1 : bs + 1])
+        np.cumsum(pre, out=host[1, 1 : bs + 1])
+        np.cumsum(np.multiply(ext, np.add(pre, ext)), out=host[2, 1 : bs + 1])
+        copy_to_device_(packed, torch.from_numpy(host))
+        qo_indptr, kv_indptr, mask_indptr = packed[0, : bs + 1], packed[1, : bs + 1], packed[2, : bs + 1]
+        if mask is None:
+            mask_indptr = None
 
         self.extend_md = None
         if use_extend:
             if static is not None:
-                kv_indptr, kv_indices = _indptr_into(static.kv_indptr, fb.extend_prefix_lens), static.kv_indices
+                kv_indices = static.kv_indices
             else:
-                kv_indptr = _indptr(fb.extend_prefix_lens)
-                kv_indices = torch.empty(max(1, sum(fb.extend_prefix_lens_cpu)), dtype=torch.int32,
-                                         device=self.device)
+                kv_indices = torch.empty(max(1, sum(pre)), dtype=torch.int32, device=self.device)
             self.extend_md = ExtendMetadata(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
                                             max_len_extend=max_width, custom_mask=mask, mask_indptr=mask_indptr)
 
