@@ -4,13 +4,13 @@ No draft model: at each tree node the drafter looks for earlier occurrences of t
 (n from ``max_window`` down to ``min_window``) of the request's context extended by the path to that
 node, and proposes what followed them; when the request's own tokens have no match it asks the
 global cache, built from the prompts and outputs of finished requests. The cache holds at most
-``capacity`` n-gram keys and forgets the least recently used. It may propose nothing; the request
+``capacity`` n-gram keys and forgets the oldest first. It may propose nothing; the request
 then decodes normally.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
 
 from plait.speculative.tree import DraftTree
 
@@ -46,33 +46,36 @@ class RequestIndex:
 
 
 class NgramCache:
-    """Global n-gram -> {next token: count}, bounded to ``capacity`` keys (LRU)."""
+    """Global n-gram -> {next token: count}, bounded to ``capacity`` keys. Eviction is oldest first
+    by when a key was first inserted (a dict keeps insertion order): refreshing a key's age on every
+    hit cost a reorder per n-gram of every finished request, the largest host cost of a step that
+    retires requests."""
 
     def __init__(self, min_window: int, max_window: int, capacity: int) -> None:
         self.min_window, self.max_window, self.capacity = min_window, max_window, capacity
-        self.table: OrderedDict[tuple[int, ...], dict[int, int]] = OrderedDict()
+        self.table: dict[tuple[int, ...], dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self.table)
 
     def insert(self, tokens: list[int]) -> None:
-        for end in range(1, len(tokens)):
-            nxt = tokens[end]
-            for n in range(self.min_window, min(self.max_window, end) + 1):
-                key = tuple(tokens[end - n : end])
-                counts = self.table.get(key)
-                if counts is None:
-                    counts = self.table[key] = {}
-                else:
-                    self.table.move_to_end(key)
+        table = self.table
+        for n in range(self.min_window, self.max_window + 1):
+            for end in range(n, len(tokens)):
+                counts = table.setdefault(tuple(tokens[end - n : end]), {})
+                nxt = tokens[end]
                 counts[nxt] = counts.get(nxt, 0) + 1
-        while len(self.table) > self.capacity:
-            self.table.popitem(last=False)
+        excess = len(table) - self.capacity
+        if excess > 0:
+            for key in list(itertools.islice(table, excess)):
+                del table[key]
 
     def followers(self, key: tuple[int, ...], limit: int) -> list[int]:
         counts = self.table.get(key)
         if not counts:
             return []
+        if limit == 1:  # chains: the most frequent follower (the first seen among equals, as sorted gives)
+            return [max(counts, key=counts.__getitem__)]
         return [t for t, _ in sorted(counts.items(), key=lambda kv: -kv[1])[:limit]]
 
 

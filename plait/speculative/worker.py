@@ -172,17 +172,15 @@ class SpecWorker(ABC):
         logits rows ``[i * pad_width, i * pad_width + width_i)``."""
         device = self.runner.device
         real_trees = trees
+        src: list[int] = []  # padded layout: slot j of the real layout, or len(slots) (the dummy slot)
         if pad_width is not None:
             trees = [DraftTree(t.tokens + [0] * (pad_width - t.width), t.parents + [0] * (pad_width - t.width))
                      for t in trees]
-            # Slot j of the real layout, or len(slots) (-> the dummy slot) for a padding node.
-            src, off = [], 0
+            off = 0
             for t in real_trees:
                 src.extend(range(off, off + t.width))
                 src.extend([len(slots)] * (pad_width - t.width))
                 off += t.width
-            with_dummy = torch.cat([slots, slots.new_full((1,), DUMMY_KV_SLOT)])
-            slots = with_dummy[torch.tensor(src, dtype=torch.int64, device=slots.device)]
         widths = [t.width for t in trees]
         prefix = [r.kv_len for r in reqs]
         ids: list[int] = []
@@ -193,8 +191,10 @@ class SpecWorker(ABC):
         seq_lens = [p + w for p, w in zip(prefix, widths, strict=True)]
         starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
         rows = [r.req_pool_idx for r in reqs]
-        parts = [ids, pos, rows, seq_lens, widths, prefix, starts]
-        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t = ints_to_device(parts, device)
+        parts = [ids, pos, rows, seq_lens, widths, prefix, starts, src]
+        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t = ints_to_device(parts, device)
+        if pad_width is not None:
+            slots = torch.cat([slots, slots.new_full((1,), DUMMY_KV_SLOT)])[src_t]
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs), input_ids=ids_t,
             req_pool_indices=rows_t, seq_lens=seq_t, out_cache_loc=slots, positions=pos_t,
