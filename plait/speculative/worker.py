@@ -53,6 +53,9 @@ MISS_BACKOFF_MAX = 8  # longest run of plain decode steps after repeated misses 
 # nothing for COLD_STEPS drafting opportunities, then probes again (depth 1, from the average).
 COLD_ACCEPT = 0.3
 COLD_STEPS = 8
+# A step verifies only when at least this fraction of the candidate requests has a draft (the rest
+# ride along as root-only rows); below it the step is a miss (plain, overlapped decoding).
+MIN_DRAFTING_FRACTION = 0.25
 
 
 @dataclass
@@ -144,7 +147,11 @@ class SpecWorker(ABC):
         if not cands:
             return set()
         proposed = self.propose(sched, cands, depths)
-        if all(t is None for t in proposed):
+        # A verify step costs every candidate a verify row and the step its overlap; when only a few
+        # requests have guesses (sporadic matches among misses) plain overlapped decoding is cheaper:
+        # such a step counts as a miss.
+        drafting = sum(t is not None for t in proposed)
+        if drafting == 0 or drafting < MIN_DRAFTING_FRACTION * len(cands):
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MISS_BACKOFF_MAX)
             return set()
         self._backoff = 1
