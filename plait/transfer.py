@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -32,3 +33,14 @@ def ints_to_device(parts: Sequence[Sequence[int]], device: torch.device | str) -
     """Several int lists as int64 device tensors, through one packed copy (one launch, not one each)."""
     flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
     return flat.split([len(part) for part in parts])
+
+
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """A device tensor as a numpy array, through pinned memory on CUDA: a pageable ``.cpu()`` of
+    tens of MB (full-vocabulary probability rows) ran at under 1 GB/s on the H200 host."""
+    if t.device.type != "cuda":
+        return t.numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.numpy()

@@ -35,7 +35,7 @@ from plait.sampling import GREEDY_TEMPERATURE_EPS, Sampler, SamplingBatchInfo, c
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.accept import greedy_accept, tree_accept_sampled
 from plait.speculative.tree import DraftTree, build_verify_mask
-from plait.transfer import ints_to_device
+from plait.transfer import ints_to_device, to_host
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
@@ -242,6 +242,21 @@ class SpecWorker(ABC):
                                                          or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
         probs_of: dict[int, np.ndarray] = {}
         unif_of: dict[int, np.ndarray] = {}
+        # Sampled requests that ride along without a draft (root-only trees) draw their token with the
+        # sampler, on the device, exactly as a plain decode step would (same seed, step and stream):
+        # no probability rows travel to the host for them.
+        riders = [i for i in sampled if widths[i] == 1]
+        rider_ids: dict[int, int] = {}
+        if riders:
+            info = SamplingBatchInfo.build([reqs[i].sampling_params for i in riders],
+                                           seeds=[reqs[i].seed for i in riders],
+                                           output_ids=[reqs[i].output_ids for i in riders],
+                                           prompt_ids=[[] for _ in riders], eos_token_ids=(),
+                                           vocab_size=logits.shape[1], device=logits.device)
+            rows_t = ints_to_device([[row_starts[i] for i in riders]], logits.device)[0]
+            ids = self.sampler(logits[rows_t], info).next_token_ids.tolist()
+            rider_ids = dict(zip(riders, ids, strict=True))
+            sampled = [i for i in sampled if widths[i] > 1]
         if sampled:
             row_idx: list[int] = []
             params, seeds, outs, steps = [], [], [], []
@@ -257,16 +272,18 @@ class SpecWorker(ABC):
             info = SamplingBatchInfo.build(params, seeds=seeds, output_ids=outs, prompt_ids=[[] for _ in params],
                                            eos_token_ids=(), vocab_size=logits.shape[1], device=logits.device)
             rows = torch.tensor(row_idx, device=logits.device)
-            probs = torch.softmax(Sampler.warp(logits[rows], info), dim=-1).double().cpu().numpy()
+            probs = to_host(torch.softmax(Sampler.warp(logits[rows], info), dim=-1).double())
             ncols = self.topk + 2
-            unif = counter_uniforms(info.seeds, info.steps, ncols, stream=ACCEPT_STREAM).cpu().numpy()
+            unif = to_host(counter_uniforms(info.seeds, info.steps, ncols, stream=ACCEPT_STREAM))
             k = 0
             for i in sampled:
                 probs_of[i], unif_of[i] = probs[k : k + widths[i]], unif[k : k + widths[i]]
                 k += widths[i]
         results = []
         for i, tree in enumerate(trees):
-            if i in probs_of:
+            if i in rider_ids:
+                results.append(([0], rider_ids[i]))
+            elif i in probs_of:
                 if tree.draft_probs is not None:
                     results.append(tree_accept_sampled(tree, probs_of[i], unif_of[i],
                                                        tree.draft_probs.double().cpu().numpy()))

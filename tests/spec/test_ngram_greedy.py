@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from plait.speculative.tree import DraftTree
 from tests.helpers import GREEDY, assert_no_leaks, make_engine, prompt_ids
 
 PROMPTS = prompt_ids(8)
@@ -235,4 +236,34 @@ def test_a_step_where_few_requests_have_guesses_decodes_plainly(model_path, refe
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert worker.stats.verify_steps == 0
+    assert_no_leaks(engine)
+
+
+class _FixedGuess:
+    """A drafter that always guesses the same chain for the requests whose prompt is ``prompt``."""
+
+    def __init__(self, inner, prompt: list[int]) -> None:
+        self.inner, self.prompt, self.cache = inner, prompt, inner.cache
+
+    def propose(self, rid, context, max_depth, max_nodes, topk):
+        if context[: len(self.prompt)] != self.prompt:
+            return None
+        return DraftTree.chain(context[-1], [5, 6, 7][:max_depth])
+
+    def forget(self, rid, tokens=None):
+        self.inner.forget(rid, tokens)
+
+
+def test_sampled_riders_draw_the_token_plain_decoding_draws(model_path):
+    """A sampled request without a draft is sampled on the device like a plain decode step (same seed,
+    step and stream), so its output equals the non-speculative engine's."""
+    params = [{"temperature": 0.8, "top_k": 50, "max_new_tokens": 16, "seed": 100 + i} for i in range(4)]
+    plain = [o.token_ids for o in make_engine(model_path).generate(PROMPTS[:4], params)]
+    engine = make_engine(model_path, **CHAIN)
+    worker = engine.scheduler.spec_worker
+    worker.drafter = _FixedGuess(worker.drafter, PROMPTS[0])
+    outs = engine.generate(PROMPTS[:4], params)
+    assert worker.stats.verify_steps >= 3  # until the always-wrong guesser cools
+    assert [o.token_ids for o in outs[1:]] == plain[1:]
+    assert [o.meta_info["spec_verify_ct"] for o in outs[1:]] == [0, 0, 0]
     assert_no_leaks(engine)
