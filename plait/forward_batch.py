@@ -24,6 +24,7 @@ from plait.transfer import ints_to_device
 
 if TYPE_CHECKING:
     from plait.attention.base import AttentionBackend
+    from plait.layers.hidden_capture import HiddenCapture
     from plait.sampling import SamplingBatchInfo
 
 
@@ -91,6 +92,9 @@ class ForwardBatch:
     # every captured graph of a runner then shares one output (each graph holding its own logits
     # cost ~20 GiB for a 128k vocabulary over the decode and verify buckets). None: a new tensor.
     next_token_logits_buffer: torch.Tensor | None = None
+    # Target hidden states an EAGLE head reads (the model writes them; see plait.layers.hidden_capture).
+    # Wiring owned by the model runner, like attn_backend; None for engines without EAGLE.
+    hidden_capture: HiddenCapture | None = None
     # During graph replay the padded view runs in the captured mode; this is the runtime mode.
     actual_forward_mode: ForwardMode | None = None
 

@@ -142,7 +142,7 @@ class CudaGraphRunner:
             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
             out_cache_loc=self.out_cache_loc[:bs], positions=self.positions[:bs],
             seq_lens_cpu=seq_lens_cpu, seq_lens_sum=sum(seq_lens_cpu), attn_backend=self.backend,
-            next_token_logits_buffer=self.logits_buffer,
+            next_token_logits_buffer=self.logits_buffer, hidden_capture=self.runner.hidden_capture,
         )
 
     def capture(self) -> None:

@@ -20,8 +20,10 @@ from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
+from plait.layers.hidden_capture import HiddenCapture
 from plait.layers.radix_attention import model_sliding_window
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, log_device_memory
+from plait.models.eagle import eagle3_capture_layers
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model, load_model_config, weight_bytes
 from plait.sampling import SampleOutput, Sampler
@@ -71,11 +73,25 @@ def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_si
 
 def verify_graph_widths(config: EngineConfig) -> list[int]:
     """TARGET_VERIFY widths to capture: every width a step may verify (2 .. num_draft_tokens, since
-    drafts are shortened adaptively). EAGLE heads read target hidden states through forward hooks,
-    which a replayed graph does not run, so those engines capture none (their worker refuses graphs)."""
-    if config.speculative_algorithm in (None, "EAGLE", "EAGLE3") or not config.speculative_num_draft_tokens:
+    drafts are shortened adaptively). EAGLE engines too: the model writes the hidden states their
+    heads read into a HiddenCapture buffer, which replays write as well."""
+    if config.speculative_algorithm is None or not config.speculative_num_draft_tokens:
         return []
     return list(range(2, config.speculative_num_draft_tokens + 1))
+
+
+def eagle_hidden_capture(config: EngineConfig, mc: ModelConfig, static_rows: int, device: str) -> HiddenCapture | None:
+    """The target hidden states an EAGLE / EAGLE3 head reads (None for other engines): EAGLE the final
+    normed hidden, EAGLE3 the residual-stream inputs of layers [2, L // 2, L - 3]."""
+    if config.speculative_algorithm not in ("EAGLE", "EAGLE3"):
+        return None
+    if config.speculative_algorithm == "EAGLE3":
+        layers = eagle3_capture_layers(mc.num_layers)
+        if min(layers) < 0 or mc.num_layers < 3:
+            raise ValueError(f"EAGLE3 captures target layers {layers}: the target needs >= 3 layers")
+    else:
+        layers = [-1]
+    return HiddenCapture(layers, mc.hidden_size, static_rows, mc.dtype, device)
 
 
 class ModelRunner:
@@ -117,13 +133,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         self.verify_graph_runner: VerifyGraphRunner | None = None
-        # EAGLE heads read target hidden states through forward hooks, which a replayed graph does
-        # not run: those engines capture no target graphs (their draft loop is captured by the worker).
-        eagle = config.speculative_algorithm in ("EAGLE", "EAGLE3")
-        if self.device == "cuda" and not config.disable_cuda_graph and not eagle:
-            max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
+        graphs = self.device == "cuda" and not config.disable_cuda_graph
+        max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
+        widths = verify_graph_widths(config)
+        # Sized for the largest graph before any capture (replays write into it; never reallocated).
+        self.hidden_capture = eagle_hidden_capture(config, mc, max_bs * max([1, *widths]) if graphs else 0,
+                                                   self.device)
+        if graphs:
             self.graph_runner = CudaGraphRunner(self, max_bs)
-            widths = verify_graph_widths(config)
             if widths:
                 self.verify_graph_runner = VerifyGraphRunner(self, max_bs, widths)
         log_device_memory("graph capture", self.device)
@@ -147,6 +164,7 @@ class ModelRunner:
 
     def _run_model(self, fb: ForwardBatch) -> LogitsOutput:
         fb.attn_backend = self.attn_backend
+        fb.hidden_capture = self.hidden_capture
         if fb.needs_forward_metadata_init():
             self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb)

@@ -105,6 +105,7 @@ class VerifyGraphRunner:
             extend_start_loc=starts,
             extend_seq_lens_cpu=[width] * bs, extend_prefix_lens_cpu=prefix_cpu, attn_backend=self.backend,
             spec_info=StaticVerifyInfo(self.custom_mask, width), next_token_logits_buffer=self.logits_buffer,
+            hidden_capture=self.runner.hidden_capture,
         )
 
     def capture(self) -> None:

@@ -126,9 +126,16 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        cap = fb.hidden_capture  # EAGLE's target hidden states: written here, so graph replays write them
+        if cap is not None:
+            cap.begin(hidden.shape[0])
+        for i, layer in enumerate(self.layers):
+            if cap is not None and i in cap.slots:  # layer i's residual-stream input
+                cap.store(i, hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, fb)
         hidden, _ = self.norm(hidden, residual)
+        if cap is not None and -1 in cap.slots:
+            cap.store(-1, hidden)
         return hidden
 
 

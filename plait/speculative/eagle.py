@@ -1,8 +1,9 @@
 """EAGLE / EAGLE3: a draft head over the target's hidden states (chains, and top-k trees when topk > 1).
 
-Hidden states: forward hooks on the target (no change to the model code) capture, for every token
-of every target forward, EAGLE's input (the final normed hidden state) or EAGLE3's (the
-residual-stream inputs of layers [2, L//2, L-3], concatenated).
+Hidden states: the target model writes, for every token of every target forward, EAGLE's input
+(the final normed hidden state) or EAGLE3's (the residual-stream inputs of layers [2, L//2, L-3],
+concatenated) into the runner's ``HiddenCapture`` (plait.layers.hidden_capture); replayed target
+graphs (decode and TARGET_VERIFY) write it too.
 
 Draft KV, positions and the invariant: the head's position p reads (token p + 1, target hidden at p),
 so position p can be computed once token p + 1 exists. Per request row the worker keeps the target
@@ -32,7 +33,7 @@ from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool
-from plait.models.eagle import Eagle3Head, EagleHead, eagle3_capture_layers, iter_checkpoint, load_head_config
+from plait.models.eagle import Eagle3Head, EagleHead, iter_checkpoint, load_head_config
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
@@ -53,11 +54,6 @@ class EagleWorker(SpecWorker):
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
         algo = config.speculative_algorithm
-        if runner.graph_runner is not None or runner.verify_graph_runner is not None:
-            # Target hidden states are captured by hooks, which a replayed graph does not run (the
-            # model runner captures no target graphs for EAGLE engines; the draft loop has its own).
-            raise ValueError(f"--speculative-algorithm {algo} cannot read target hidden states from replayed "
-                             "target graphs: add --disable-cuda-graph")
         path = config.speculative_draft_model_path
         assert path is not None
         try:
@@ -87,17 +83,11 @@ class EagleWorker(SpecWorker):
         factory = DraftBackendFactory(name, runner.req_to_token_pool, self.kv_pool, num_heads, stamps_children=True)
         self.extend_backend: AttentionBackend = factory.create_extend_backend()
         self.decode_backend = factory.create_decode_backend(self.num_steps)
-        # --- hidden-state capture on the target ---
-        self._captured: dict[int, torch.Tensor] = {}
-        self._hooks: list[Any] = []
-        if self.is_eagle3:
-            self.capture_layers = eagle3_capture_layers(tcfg.num_layers)
-            if min(self.capture_layers) < 0 or tcfg.num_layers < 3:
-                raise ValueError(f"EAGLE3 captures target layers {self.capture_layers}: the target needs >= 3 layers")
-            for li in sorted(set(self.capture_layers)):
-                self._hooks.append(target.model.layers[li].register_forward_pre_hook(self._pre_hook(li)))
-        else:
-            self._hooks.append(target.model.norm.register_forward_hook(self._norm_hook))
+        # --- hidden states of the target: the model writes them (the runner's HiddenCapture) ---
+        capture = runner.hidden_capture
+        assert capture is not None, "the model runner makes the capture of EAGLE engines"
+        self.capture = capture
+        self.capture_layers = [li for li in capture.layers if li >= 0]
         # row -> (position, target hidden at that position): see the module docstring.
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}
         self.hidden_in_dim = tcfg.hidden_size * (len(self.capture_layers) if self.is_eagle3 else 1)
@@ -115,27 +105,12 @@ class EagleWorker(SpecWorker):
                                     hidden_dtype=self.runner.model_config.dtype, **extra)
 
     # --- capture ----------------------------------------------------------------------------------
-    def _pre_hook(self, layer_id: int):
-        def hook(_module: Any, args: tuple) -> None:
-            hidden, residual = args[1], args[2]
-            self._captured[layer_id] = hidden if residual is None else hidden + residual
-        return hook
-
-    def _norm_hook(self, _module: Any, _args: tuple, output: Any) -> None:
-        self._captured[-1] = output[0] if isinstance(output, tuple) else output
-
-    def _take_hidden(self) -> torch.Tensor:
-        if self.is_eagle3:
-            out = torch.cat([self._captured[li] for li in self.capture_layers], dim=-1)
-        else:
-            out = self._captured[-1]
-        self._captured = {}
-        return out
+    def _take_hidden(self, num_tokens: int) -> torch.Tensor:
+        """[num_tokens, hidden_in_dim]: the latest target forward's hidden states (a view of the
+        capture buffer, valid until the next target forward)."""
+        return self.capture.read(num_tokens)
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         self.head = None  # type: ignore[assignment]
         self.kv_pool = None  # type: ignore[assignment]
 
@@ -189,7 +164,7 @@ class EagleWorker(SpecWorker):
     def after_target_forward(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_idle():
             return
-        hidden = self._take_hidden()  # [T, d]: every token of the forward
+        hidden = self._take_hidden(fb.num_tokens)  # [T, d]: every token of the forward
         # Host copies of the layout (a small sync; speculative engines run with overlap drained).
         rows = fb.req_pool_indices.tolist()
         if fb.forward_mode.is_decode():
@@ -220,7 +195,7 @@ class EagleWorker(SpecWorker):
     def verify(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
         fb = self.build_verify_batch(reqs, trees, slots)
         logits = self.runner.forward(fb).next_token_logits
-        self._verify_hidden = self._take_hidden()
+        self._verify_hidden = self._take_hidden(fb.num_tokens)
         sched.stats.forward_steps += 1
         self.commit(sched, reqs, trees, slots, self.accept(reqs, trees, logits))
 

@@ -75,3 +75,41 @@ def test_ngram_and_standalone_engines_replay_both_graph_kinds_and_free_every_slo
         assert engine.scheduler.kv_tokens_in_use() == 0
         assert engine.runner.req_to_token_pool.available_size() == engine.runner.req_to_token_pool.size
         release(engine)
+
+
+def test_eagle3_decode_graph_writes_the_hidden_states_an_eager_forward_writes(shape_dir, tmp_path):
+    """EAGLE engines capture target graphs: the model writes the head's hidden states (residual inputs
+    of layers [2, L//2, L-3]) into the capture's static buffer, and a replay writes the same rows as an
+    eager forward of the same batch (bf16 tolerance)."""
+    from plait.forward_batch import ForwardBatch, ForwardMode
+    from plait.testing.eagle_heads import make_eagle_head
+
+    head = make_eagle_head(tmp_path / "eagle3", shape_dir, "EAGLE3", draft_vocab_size=32000)
+    engine = make_engine(shape_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head))
+    runner = engine.runner
+    assert runner.graph_runner is not None and runner.verify_graph_runner is not None
+    prompts = random_prompts(3, 64, VOCAB, seed=9)
+    reqs, slots = _prefilled_rows(engine, prompts)
+    dec_slots = slots.view(3, 4)[:, 0].contiguous()
+    for r, s in zip(reqs, dec_slots, strict=True):
+        runner.req_to_token_pool.write(r.req_pool_idx, r.kv_len, s[None])
+    ids = torch.tensor([p[-1] for p in prompts], device="cuda")
+    rows = torch.tensor([r.req_pool_idx for r in reqs], device="cuda")
+    seq = [r.kv_len + 1 for r in reqs]
+
+    def batch() -> ForwardBatch:
+        return ForwardBatch(ForwardMode.DECODE, 3, ids, rows, torch.tensor(seq, device="cuda"), dec_slots,
+                            torch.tensor([r.kv_len for r in reqs], device="cuda"), seq_lens_cpu=seq,
+                            seq_lens_sum=sum(seq))
+
+    assert runner.graph_runner.can_run(batch())
+    runner.forward(batch())
+    replayed = runner.hidden_capture.read(3).float().clone()
+    graphs, runner.graph_runner = runner.graph_runner, None
+    runner.forward(batch())
+    eager = runner.hidden_capture.read(3).float().clone()
+    runner.graph_runner = graphs
+    release(engine)
+    assert replayed.shape == (3, 3 * SHAPES[SHAPE]["hidden_size"])
+    scale = eager.abs().max().item()
+    assert scale > 0 and (replayed - eager).abs().max().item() <= 2e-2 * scale
