@@ -28,6 +28,20 @@ ATOL, RTOL = 1e-2, 2e-2
 MAX_KV_SPLITS = 16
 
 
+def _capture(step):
+    """Warm ``step`` up on a side stream (Triton compiles outside the capture), then capture it:
+    (the graph, the captured call's output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def _num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -156,14 +170,7 @@ def test_decode_cuda_graph_replay() -> None:
                                split_counters=counters)
 
     counters = torch.zeros(max_bs * HKV, dtype=torch.int32, device="cuda")  # the engine's path: fused merge
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile and warm up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = _capture(step)
 
     for trial in range(3):
         lens = torch.randint(1, max_ctx, (max_bs,), generator=gen)
@@ -314,14 +321,7 @@ def test_target_verify_rows_cuda_graph_replay() -> None:
         return triton_be.forward(q, k, v, lay, fb)
 
     triton_be.init_forward_metadata_out_graph(fb, in_capture=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile and warm up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _capture(step)
 
     fb.spec_info.custom_mask.copy_(build_verify_mask([VERIFY_TREES["tree"]] * bs, [512] * bs, "cuda"))
     for t in (q, k, v):
