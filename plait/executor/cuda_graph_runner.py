@@ -84,6 +84,17 @@ class EagerGraph:
         return None
 
 
+def warm_and_capture(graph: Graph, run: Callable[[], Any], pool: Any, sync: bool) -> Any:
+    """Run ``run`` twice outside the capture (Triton compiles and autotuning, lazy initialisation),
+    then capture it into ``graph`` sharing ``pool`` (buckets are captured largest first, so smaller
+    ones reuse its memory). Returns the captured call's output. ``sync``: the buffers are on a GPU."""
+    for _ in range(2):
+        run()
+    if sync:
+        torch.cuda.synchronize()
+    return graph.capture(run, pool)
+
+
 def capture_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to max_bs (max_bs itself included)."""
     sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
@@ -158,12 +169,8 @@ class CudaGraphRunner:
                 self.backend.init_forward_metadata_in_graph(fb)
                 return model(fb.input_ids, fb.positions, fb)
 
-            for _ in range(2):  # warm up: autotuning, lazy initialisation outside the capture
-                run()
-            if self.input_ids.is_cuda:
-                torch.cuda.synchronize()
             graph = self._graph_factory()
-            self.outputs[bs] = graph.capture(run, pool)
+            self.outputs[bs] = warm_and_capture(graph, run, pool, self.input_ids.is_cuda)
             pool = graph.pool()
             self.graphs[bs] = graph
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)

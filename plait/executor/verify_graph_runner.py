@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes, logits_buffer
+from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes, logits_buffer, warm_and_capture
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.models.llama import LogitsOutput
@@ -125,12 +125,8 @@ class VerifyGraphRunner:
                     self.backend.init_forward_metadata_in_graph(fb)
                     return model(fb.input_ids, fb.positions, fb)
 
-                for _ in range(2):  # warm up outside the capture
-                    run()
-                if self.input_ids.is_cuda:
-                    torch.cuda.synchronize()
                 graph = self._graph_factory()
-                self.outputs[(width, bs)] = graph.capture(run, pool)
+                self.outputs[(width, bs)] = warm_and_capture(graph, run, pool, self.input_ids.is_cuda)
                 pool = graph.pool()
                 self.graphs[(width, bs)] = graph
         logger.info("captured TARGET_VERIFY graphs for widths %s x batch sizes %s", self.widths, self.batch_sizes)

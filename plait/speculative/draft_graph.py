@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes
+from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes, warm_and_capture
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.speculative.draft_backend import MultiStepDraftBackend
@@ -99,12 +99,8 @@ class DraftLoopGraphRunner:
                         self.tokens[s + 1, :bs].copy_(ids)
                     return self.tokens[1 : k + 1, :bs]
 
-                for _ in range(2):  # warm up outside the capture
-                    run()
-                if self.tokens.is_cuda:
-                    torch.cuda.synchronize()
                 graph = self._graph_factory()
-                self.outputs[(k, bs)] = graph.capture(run, pool)
+                self.outputs[(k, bs)] = warm_and_capture(graph, run, pool, self.tokens.is_cuda)
                 pool = graph.pool()
                 self.graphs[(k, bs)] = graph
         logger.info("captured draft-loop graphs for %d steps x batch sizes %s", self.num_steps, self.batch_sizes)
