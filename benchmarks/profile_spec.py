@@ -47,11 +47,14 @@ def _count_forwards(engine: Any, counts: Counter[str]) -> None:
     runner.forward = counted
 
 
-def _device_busy_ms(fn: Any) -> float:
+def _device_busy_ms(fn: Any, top: int = 15) -> tuple[float, list[dict[str, Any]]]:
+    """Device time of ``fn`` in ms, and its ``top`` kernels by total time (name, calls, total ms)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()) / 1e3
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    table = [{"kernel": e.key[:100], "calls": e.count, "total_ms": e.device_time_total / 1e3} for e in events[:top]]
+    return sum(e.device_time_total for e in events) / 1e3, table
 
 
 def profile_pass(shape_dir: str, bs: int, prompts: list[list[int]], out_len: int,
@@ -67,7 +70,7 @@ def profile_pass(shape_dir: str, bs: int, prompts: list[list[int]], out_len: int
     engine.generate(prompts, params)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    busy_ms = _device_busy_ms(lambda: engine.generate(prompts, params))
+    busy_ms, kernels = _device_busy_ms(lambda: engine.generate(prompts, params))
     counts: Counter[str] = Counter()
     _count_forwards(engine, counts)
     stats = engine.scheduler.spec_worker.stats
@@ -79,7 +82,7 @@ def profile_pass(shape_dir: str, bs: int, prompts: list[list[int]], out_len: int
     prof.disable()
     row = {"bs": bs, "wall_s": wall, "tok_s": len(prompts) * out_len / wall, "device_busy_s": busy_ms / 1e3,
            "host_gap_s": wall - busy_ms / 1e3, "verify_steps": stats.verify_steps - v0, "forwards": dict(counts),
-           "mean_accept_length": stats.mean_accept_length()}
+           "mean_accept_length": stats.mean_accept_length(), "kernels": kernels}
     release(engine)
     text = io.StringIO()
     ps = pstats.Stats(prof, stream=text)

@@ -20,12 +20,20 @@ an accepted leaf the bonus is drawn from p (Leviathan et al. 2023, Chen et al. 2
 
 Random numbers come from the caller (``uniforms[node, j]``, strictly inside (0, 1)), so the engine
 draws them from its counter RNG and tests from any generator.
+
+The engine runs the one-hot rule on the device (``one_hot_decisions``): every node's decisions are
+computed at once, as if the walk reached it, so only ``[nodes, children + 1]`` integers travel to the
+host (not full-vocabulary probability rows), and the host walk (``walk_decisions``) just reads them.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
+import numpy as np
+import torch
+
+from plait.sampling.sampler import add_gumbel_noise_, greedy_ids
 from plait.speculative.tree import DraftTree
 
 
@@ -99,3 +107,67 @@ def chain_accept_sampled(tree: DraftTree, probs: np.ndarray, draft_probs: np.nda
     """A chain sampled from a draft model: the classic min(1, p/q) rule (a tree with one child per
     node). ``draft_probs[i]`` (i >= 1): the draft distribution node i was drawn from."""
     return tree_accept_sampled(tree, probs, uniforms, draft_probs)
+
+
+def child_token_table(trees: list[DraftTree], num_cols: int) -> list[int]:
+    """Row-major ``[sum(widths), num_cols]`` table of each node's children's tokens, in sibling order,
+    -1 where there is no child. A token repeated among siblings is -1 too: the walk zeroed p(x) at
+    the first one, so the repeat can never be accepted."""
+    table: list[int] = []
+    for tree in trees:
+        for node in range(tree.width):
+            seen: set[int] = set()
+            row = []
+            for child in tree.children(node):
+                tok = tree.tokens[child]
+                row.append(-1 if tok in seen else tok)
+                seen.add(tok)
+            table.extend(row + [-1] * (num_cols - len(row)))
+    return table
+
+
+def one_hot_decisions(scores: torch.Tensor, child_tokens: torch.Tensor, uniforms: torch.Tensor,
+                      noise_keys: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """The one-hot sampled rule for many nodes at once, on the scores' device.
+
+    ``scores``: float32 [R, V], the warped logits of each node's target distribution (softmax of a
+    row is p; the tensor is read, not modified). ``child_tokens``: int64 [R, C] (``child_token_table``).
+    ``uniforms``: [R, C] strictly inside (0, 1). ``noise_keys``: int64 [R], the Gumbel keys of the
+    residual draw (the plain sampler's keys for the node's step: a node without children draws the
+    token the plain sampler would).
+
+    Returns int64 [R, C + 1]: column j < C is 1 when child j is accepted given that children
+    0..j-1 were rejected (u_j < p(x_j) / (1 - sum of their p)); column C is a draw from p with every
+    child removed, the bonus when all of them are rejected.
+    """
+    r, v = scores.shape
+    valid = child_tokens >= 0
+    probs = torch.softmax(scores, dim=-1)
+    p_child = probs.gather(1, child_tokens.clamp(min=0)) * valid
+    before = p_child.cumsum(dim=1) - p_child  # mass of the siblings tried (and rejected) first
+    accept = uniforms * (1.0 - before).clamp(min=0.0) < p_child
+    # Children out of the residual: a column past the vocabulary absorbs the padding (-1) entries,
+    # so a scatter never writes two different values to one place.
+    cols = torch.where(valid, child_tokens, v)
+    drop = torch.zeros((r, v + 1), dtype=torch.bool, device=scores.device).scatter_(1, cols, True)[:, :v]
+    residual = scores.masked_fill(drop, -math.inf)
+    # Children covering p's whole support can still all be rejected through rounding (exact
+    # arithmetic accepts one): draw from p itself then, as the host rule does.
+    empty = residual.amax(dim=1, keepdim=True) == -math.inf
+    residual = torch.where(empty, scores, residual)
+    bonus = greedy_ids(add_gumbel_noise_(residual, noise_keys, use_triton))
+    return torch.cat([accept.long(), bonus[:, None].long()], dim=1)
+
+
+def walk_decisions(tree: DraftTree, decisions: np.ndarray) -> tuple[list[int], int]:
+    """``(path, bonus)`` from ``one_hot_decisions`` rows of this tree's nodes (``decisions[node]``):
+    at each node the first accepted child in sibling order, else the node's residual draw."""
+    path = [0]
+    node = 0
+    while True:
+        row = decisions[node]
+        nxt = next((c for j, c in enumerate(tree.children(node)) if row[j]), None)
+        if nxt is None:
+            return path, int(row[-1])
+        path.append(nxt)
+        node = nxt

@@ -33,7 +33,13 @@ from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT
 from plait.sampling import GREEDY_TEMPERATURE_EPS, Sampler, SamplingBatchInfo, counter_uniforms
 from plait.sampling.sampler import greedy_ids
-from plait.speculative.accept import greedy_accept, tree_accept_sampled
+from plait.speculative.accept import (
+    child_token_table,
+    greedy_accept,
+    one_hot_decisions,
+    tree_accept_sampled,
+    walk_decisions,
+)
 from plait.speculative.tree import DraftTree, build_verify_mask
 from plait.transfer import ints_to_device, to_host
 
@@ -233,65 +239,77 @@ class SpecWorker(ABC):
     def accept(self, reqs: list[Req], trees: list[DraftTree], logits: torch.Tensor,
                row_widths: list[int] | None = None) -> list[tuple[list[int], int]]:
         """Acceptance per request. ``row_widths``: logits rows per request when the verify batch
-        was padded (real nodes first); default the trees' widths."""
+        was padded (real nodes first); default the trees' widths.
+
+        Greedy rows take the argmax; sampled rows with one-hot drafts (n-gram, top-k trees, and
+        requests riding along without a draft) decide on the device (``one_hot_decisions``); both
+        come to the host in one copy. Only drafts with a soft draft distribution bring probability
+        rows to the host."""
         widths = [t.width for t in trees]
         row_starts = np.concatenate([[0], np.cumsum(row_widths or widths)]).tolist()
-        argmax = greedy_ids(logits).tolist()
         # The sampler's rule for greedy rows, so a request gets the same treatment on both paths.
         sampled = [i for i, r in enumerate(reqs) if not (r.sampling_params.is_greedy
                                                          or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
+        one_hot = [i for i in sampled if trees[i].draft_probs is None]
+        soft = [i for i in sampled if trees[i].draft_probs is not None]
+        parts = [greedy_ids(logits)]
+        num_cols = 1
+        if one_hot:
+            num_cols = max(1, max(len(trees[i].children(n)) for i in one_hot for n in range(widths[i])))
+            rows, info = self._node_rows(reqs, trees, one_hot, row_starts, logits)
+            children = ints_to_device([child_token_table([trees[i] for i in one_hot], num_cols)], logits.device)[0]
+            unif = counter_uniforms(info.seeds, info.steps, num_cols, stream=ACCEPT_STREAM)
+            decisions = one_hot_decisions(Sampler.warp(logits[rows], info), children.view(-1, num_cols), unif,
+                                          info.noise_keys, self.sampler.use_triton)
+            parts.append(decisions.flatten())
+        host = to_host(torch.cat(parts))
+        argmax = host[: logits.shape[0]].tolist()
+        decided: dict[int, np.ndarray] = {}
+        k = 0
+        table = host[logits.shape[0]:].reshape(-1, num_cols + 1)
+        for i in one_hot:
+            decided[i] = table[k : k + widths[i]]
+            k += widths[i]
         probs_of: dict[int, np.ndarray] = {}
         unif_of: dict[int, np.ndarray] = {}
-        # Sampled requests that ride along without a draft (root-only trees) draw their token with the
-        # sampler, on the device, exactly as a plain decode step would (same seed, step and stream):
-        # no probability rows travel to the host for them.
-        riders = [i for i in sampled if widths[i] == 1]
-        rider_ids: dict[int, int] = {}
-        if riders:
-            info = SamplingBatchInfo.build([reqs[i].sampling_params for i in riders],
-                                           seeds=[reqs[i].seed for i in riders],
-                                           output_ids=[reqs[i].output_ids for i in riders],
-                                           prompt_ids=[[] for _ in riders], eos_token_ids=(),
-                                           vocab_size=logits.shape[1], device=logits.device)
-            rows_t = ints_to_device([[row_starts[i] for i in riders]], logits.device)[0]
-            ids = self.sampler(logits[rows_t], info).next_token_ids.tolist()
-            rider_ids = dict(zip(riders, ids, strict=True))
-            sampled = [i for i in sampled if widths[i] > 1]
-        if sampled:
-            row_idx: list[int] = []
-            params, seeds, outs, steps = [], [], [], []
-            for i in sampled:
-                depths = trees[i].depths()
-                row_idx.extend(range(row_starts[i], row_starts[i] + widths[i]))
-                for d in depths:
-                    params.append(reqs[i].sampling_params)
-                    seeds.append(reqs[i].seed)
-                    # The step index of the token this node's distribution emits.
-                    outs.append([0] * (len(reqs[i].output_ids) + d))
-                    steps.append(len(reqs[i].output_ids) + d)
-            info = SamplingBatchInfo.build(params, seeds=seeds, output_ids=outs, prompt_ids=[[] for _ in params],
-                                           eos_token_ids=(), vocab_size=logits.shape[1], device=logits.device)
-            rows = torch.tensor(row_idx, device=logits.device)
+        if soft:
+            rows, info = self._node_rows(reqs, trees, soft, row_starts, logits)
             probs = to_host(torch.softmax(Sampler.warp(logits[rows], info), dim=-1).double())
-            ncols = self.topk + 2
-            unif = to_host(counter_uniforms(info.seeds, info.steps, ncols, stream=ACCEPT_STREAM))
+            unif_all = to_host(counter_uniforms(info.seeds, info.steps, self.topk + 2, stream=ACCEPT_STREAM))
             k = 0
-            for i in sampled:
-                probs_of[i], unif_of[i] = probs[k : k + widths[i]], unif[k : k + widths[i]]
+            for i in soft:
+                probs_of[i], unif_of[i] = probs[k : k + widths[i]], unif_all[k : k + widths[i]]
                 k += widths[i]
         results = []
         for i, tree in enumerate(trees):
-            if i in rider_ids:
-                results.append(([0], rider_ids[i]))
+            if i in decided:
+                results.append(walk_decisions(tree, decided[i]))
             elif i in probs_of:
-                if tree.draft_probs is not None:
-                    results.append(tree_accept_sampled(tree, probs_of[i], unif_of[i],
-                                                       tree.draft_probs.double().cpu().numpy()))
-                else:
-                    results.append(tree_accept_sampled(tree, probs_of[i], unif_of[i]))
+                assert tree.draft_probs is not None
+                results.append(tree_accept_sampled(tree, probs_of[i], unif_of[i],
+                                                   tree.draft_probs.double().cpu().numpy()))
             else:
                 results.append(greedy_accept(tree, argmax[row_starts[i] : row_starts[i] + tree.width]))
         return results
+
+    @staticmethod
+    def _node_rows(reqs: list[Req], trees: list[DraftTree], which: list[int], row_starts: list[int],
+                   logits: torch.Tensor) -> tuple[torch.Tensor, SamplingBatchInfo]:
+        """Logits rows of the nodes of requests ``which`` (tree order) and their sampling info: a node
+        at depth d emits the request's token number len(output_ids) + d, which keys its draws."""
+        row_idx: list[int] = []
+        params, seeds, steps = [], [], []
+        for i in which:
+            row_idx.extend(range(row_starts[i], row_starts[i] + trees[i].width))
+            for d in trees[i].depths():
+                params.append(reqs[i].sampling_params)
+                seeds.append(reqs[i].seed)
+                steps.append(len(reqs[i].output_ids) + d)
+        # build() reads only the length of output_ids here (no penalties on speculative rows).
+        info = SamplingBatchInfo.build(params, seeds=seeds, output_ids=[range(s) for s in steps],
+                                       prompt_ids=[[] for _ in params], eos_token_ids=(),
+                                       vocab_size=logits.shape[1], device=logits.device)
+        return ints_to_device([row_idx], logits.device)[0], info
 
     def commit(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
                results: list[tuple[list[int], int]]) -> None:

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from scipy.stats import chisquare
 
-from plait.speculative.accept import greedy_accept, tree_accept_sampled
+from plait.speculative.accept import (
+    child_token_table,
+    greedy_accept,
+    one_hot_decisions,
+    tree_accept_sampled,
+    walk_decisions,
+)
 from plait.speculative.tree import DraftTree
 
 V = 4
@@ -102,6 +109,74 @@ def test_sampled_acceptance_preserves_the_joint_of_two_positions(branching, soft
     keep = expected.flatten() > 0
     result = chisquare(counts.flatten()[keep], expected.flatten()[keep] * TRIALS)
     assert result.pvalue > 0.001, (counts / TRIALS, expected)
+
+
+def _device_steps(rng: np.random.Generator, toy: Toy, roots: list[int], root_ps: np.ndarray,
+                  branching: list[int]) -> list[list[int]]:
+    """One step of many independent trials through the engine's device rule (``one_hot_decisions``
+    over every node at once, then the host walk): the emitted tokens of each trial."""
+    trees = [_one_hot_tree(rng, root, branching) for root in roots]
+    probs = np.concatenate([toy.target_at(p, t) for p, t in zip(root_ps, trees, strict=True)])
+    cols = max(branching)
+    children = torch.tensor(child_token_table(trees, cols)).view(-1, cols)
+    rows = probs.shape[0]
+    with np.errstate(divide="ignore"):
+        scores = torch.from_numpy(np.log(probs)).float()
+    uniforms = torch.from_numpy(rng.random((rows, cols)))
+    keys = torch.from_numpy(rng.integers(-(2**62), 2**62, size=rows))
+    decisions = one_hot_decisions(scores, children, uniforms, keys).numpy()
+    out, k = [], 0
+    for t in trees:
+        path, bonus = walk_decisions(t, decisions[k : k + t.width])
+        out.append(t.path_tokens(path[1:]) + [bonus])
+        k += t.width
+    return out
+
+
+@pytest.mark.parametrize("branching", [[1, 1, 1], [2, 2]], ids=["chain", "tree"])
+def test_device_one_hot_rule_preserves_the_joint_of_two_positions(branching):
+    toy = Toy(seed=3)
+    rng = np.random.default_rng(17)
+    outs = _device_steps(rng, toy, [0] * TRIALS, np.stack([toy.p0] * TRIALS), branching)
+    short = [i for i, o in enumerate(outs) if len(o) < 2]
+    firsts = [outs[i][0] for i in short]
+    seconds = _device_steps(rng, toy, firsts, toy.p[firsts], branching)
+    for i, nxt in zip(short, seconds, strict=True):
+        outs[i] = outs[i] + nxt[:1]
+    counts = np.zeros((V, V))
+    for o in outs:
+        counts[o[0], o[1]] += 1
+    expected = (toy.p0[:, None] * toy.p).flatten() * TRIALS
+    assert chisquare(counts.flatten(), expected).pvalue > 0.001, counts / TRIALS
+
+
+def test_device_rule_without_children_draws_what_the_plain_sampler_draws():
+    """A node with no children (a request riding along without a draft) gets the plain sampler's
+    token for the same keys: argmax of scores plus the same Gumbel noise."""
+    from plait.sampling.sampler import add_gumbel_noise_, greedy_ids
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(64, 50, generator=gen)
+    keys = torch.arange(64, dtype=torch.int64) * 7919
+    decisions = one_hot_decisions(scores, torch.full((64, 1), -1), torch.rand(64, 1, generator=gen).double(), keys)
+    plain = greedy_ids(add_gumbel_noise_(scores.clone(), keys))
+    assert torch.equal(decisions[:, 0], torch.zeros(64, dtype=torch.int64))
+    assert torch.equal(decisions[:, 1], plain)
+
+
+def test_a_repeated_sibling_token_is_never_accepted():
+    """Siblings 7, 7: the walk zeroed p(7) at the first, so the second may not be taken even when
+    its uniform is tiny."""
+    scores = torch.zeros(1, 10)  # p uniform
+    children = torch.tensor(child_token_table([_tree_with_children([7, 7])], 2)).view(-1, 2)[:1]
+    decisions = one_hot_decisions(scores, children, torch.tensor([[0.99, 1e-9]], dtype=torch.float64),
+                                  torch.tensor([3]))
+    assert children.tolist() == [[7, -1]]
+    assert decisions[0, :2].tolist() == [0, 0] and decisions[0, 2].item() != 7
+
+
+def _tree_with_children(tokens: list[int]) -> DraftTree:
+    return DraftTree([0, *tokens], [-1] + [0] * len(tokens))
 
 
 def test_a_wrong_rule_is_caught_by_the_same_check():
