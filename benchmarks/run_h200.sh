@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
 #   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|profile-spec|
-#                               backends-tests|backends|spec-tests|spec|x2 (on nvidia-h200-x2)|...
+#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|x2 (on nvidia-h200-x2)|...
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
@@ -48,6 +48,11 @@ for stage in "$@"; do
       for w in spec-ngram-repeat spec-ngram-miss; do
         python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
           --out "$OUT" 2>&1 | tail -5
+      done ;;
+    # The n-gram pair as the issue names them (64 prompts x 128 tokens; about 5 minutes of GPU time).
+    spec-ngram-full)
+      for w in spec-ngram-repeat spec-ngram-miss; do
+        python -m plait bench spec --workload $w --shape llama-3.1-8b --out "$OUT" 2>&1 | tail -3
       done ;;
     # nvidia-h200-x2 only (issue 8): TP / DP attention / replicas against one GPU.
     x2) for what in correctness decode offline; do

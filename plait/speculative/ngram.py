@@ -16,11 +16,12 @@ from plait.speculative.tree import DraftTree
 
 
 class RequestIndex:
-    """n-gram -> end positions (exclusive) of its occurrences in one request's tokens; grows as the
-    request does (tokens are only ever appended)."""
+    """n-gram -> end positions (exclusive) of its occurrences in one request's tokens, for n in
+    [min_window, max_window] (the only lengths looked up); grows as the request does (tokens are only
+    ever appended)."""
 
-    def __init__(self, max_window: int) -> None:
-        self.max_window = max_window
+    def __init__(self, max_window: int, min_window: int = 1) -> None:
+        self.min_window, self.max_window = min_window, max_window
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}
 
@@ -28,7 +29,7 @@ class RequestIndex:
         if len(tokens) < len(self.tokens):
             raise ValueError("a request's tokens only grow")
         for end in range(len(self.tokens) + 1, len(tokens) + 1):
-            for n in range(1, min(self.max_window, end) + 1):
+            for n in range(self.min_window, min(self.max_window, end) + 1):
                 self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
         self.tokens.extend(tokens[len(self.tokens) :])  # only the new tail: O(new tokens) per step
 
@@ -104,7 +105,7 @@ class NgramDrafter:
         root, at most ``topk`` children per node, grown breadth first; None when nothing matches."""
         index = self.indices.get(rid)
         if index is None:
-            index = self.indices[rid] = RequestIndex(self.max_window)
+            index = self.indices[rid] = RequestIndex(self.max_window, self.min_window)
         index.extend(context)
         # Lookups read at most max_window trailing tokens: grow paths on that tail, not the context.
         tail = context[-self.max_window :]

@@ -4,8 +4,9 @@ forward, accept, and fix up the KV bookkeeping.
 Flow per scheduler step (called before the scheduler builds its own batch, overlap drained):
   1. eligible requests (greedy or plain temperature/top-k/top-p/min-p sampling; no penalties,
      logprobs or pending min_new_tokens, which need the full sampler) get a draft tree from the
-     drafter; eligible requests with no proposal ride along as root-only trees (their verify row
-     is their decode row: one forward per step, not a verify plus a decode of the rest);
+     drafter; eligible requests with no proposal, or no room for a guess (one token left), ride
+     along as root-only trees (their verify row is their decode row: one forward per step, not a
+     verify plus a decode of the rest);
      ineligible requests are left to the scheduler's normal decode;
   2. one KV slot per tree node, tree tokens at ``prefix_len + depth``, custom ancestor mask; the
      forward runs through ``ModelRunner.forward`` (eager: the backend plans inside
@@ -126,12 +127,14 @@ class SpecWorker(ABC):
         """The engine is shutting down: drop device memory (statistics stay readable)."""
 
     # --- the step ---------------------------------------------------------------------------------
-    def _max_depth(self, sched: Scheduler, req: Req) -> int:
-        """How deep a tree may go for ``req`` now (0: do not speculate)."""
+    def _max_depth(self, sched: Scheduler, req: Req) -> int | None:
+        """How deep a tree may go for ``req`` now. None: it cannot take part in a verify step (it
+        needs the full sampler, or has no pending decode); 0: it may ride along as a root-only row
+        (no room for a guess, e.g. one token left) but draft nothing."""
         sp = req.sampling_params
         if (req.pending or req.finished or req.to_abort or sp.has_penalties or sp.logprobs or sp.top_logprobs
                 or len(req.output_ids) < sp.min_new_tokens or req.kv_len != req.fill_len - 1):
-            return 0
+            return None
         left = sp.max_new_tokens - len(req.output_ids)  # the bonus token is one of them
         room = sched.runner.max_context_len - 1 - req.fill_len  # node positions stay in the context
         adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
@@ -146,18 +149,26 @@ class SpecWorker(ABC):
 
     def decode_step(self, sched: Scheduler) -> set[int]:
         """Speculate for the running requests; returns ``id()`` of the requests that advanced."""
-        cands = [r for r in sched.running]
-        depths = [self._max_depth(sched, r) for r in cands]
-        cands = [r for r, d in zip(cands, depths, strict=True) if d > 0]
-        depths = [d for d in depths if d > 0]
-        if not cands:
+        cands, depths = [], []
+        for r in sched.running:
+            d = self._max_depth(sched, r)
+            if d is not None:
+                cands.append(r)
+                depths.append(d)
+        drafters = [i for i, d in enumerate(depths) if d > 0]
+        if not drafters:
             return set()
-        proposed = self.propose(sched, cands, depths)
+        # Requests without room for a guess ride along (their verify row is their decode row) rather
+        # than costing the step a second forward; they are not asked to draft.
+        proposed: list[DraftTree | None] = [None] * len(cands)
+        drafted = self.propose(sched, [cands[i] for i in drafters], [depths[i] for i in drafters])
+        for i, tree in zip(drafters, drafted, strict=True):
+            proposed[i] = tree
         # A verify step costs every candidate a verify row and the step its overlap; when only a few
         # requests have guesses (sporadic matches among misses) plain overlapped decoding is cheaper:
         # such a step counts as a miss.
         drafting = sum(t is not None for t in proposed)
-        if drafting == 0 or drafting < MIN_DRAFTING_FRACTION * len(cands):
+        if drafting == 0 or drafting < MIN_DRAFTING_FRACTION * len(drafters):
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MISS_BACKOFF_MAX)
             return set()
         self._backoff = 1
@@ -262,7 +273,7 @@ class SpecWorker(ABC):
             decisions = one_hot_decisions(Sampler.warp(logits[rows], info), children.view(-1, num_cols), unif,
                                           info.noise_keys, self.sampler.use_triton)
             parts.append(decisions.flatten())
-        host = to_host(torch.cat(parts))
+        host = to_host(parts[0] if len(parts) == 1 else torch.cat(parts))
         argmax = host[: logits.shape[0]].tolist()
         decided: dict[int, np.ndarray] = {}
         k = 0

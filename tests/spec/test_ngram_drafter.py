@@ -40,6 +40,13 @@ def test_request_index_grows_with_the_request_and_finds_earlier_occurrences():
     assert index.followers((4, 5), limit=2) == [9, 6]  # most recent occurrence first
 
 
+def test_request_index_holds_only_the_looked_up_lengths():
+    index = RequestIndex(max_window=3, min_window=2)
+    index.extend([4, 5, 6, 4, 5])
+    assert {len(k) for k in index.ends} == {2, 3}
+    assert index.followers((4,), limit=1) == []
+
+
 def test_drafter_proposes_a_chain_from_the_prompt_and_nothing_without_a_match():
     drafter = NgramDrafter(min_window=2, max_window=3, capacity=100)
     context = [10, 11, 12, 13, 14, 10, 11]

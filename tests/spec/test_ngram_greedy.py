@@ -214,6 +214,24 @@ def test_requests_without_a_proposal_ride_in_the_verify_forward(model_path, refe
     assert_no_leaks(engine)
 
 
+def test_a_request_with_one_token_left_rides_in_the_verify_forward(model_path, reference):
+    """No room for a guess (one token left) is not a reason for a second forward: while another
+    request drafts, the short request's last token comes from its root-only verify row."""
+    engine = make_engine(model_path, **CHAIN)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS[:2], reference[:2], strict=True):
+        worker.drafter.cache.insert(p + ref)
+    modes: list[str] = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda fb, *a, **kw: modes.append(fb.forward_mode.name) or forward(fb, *a, **kw)
+    params = [dict(GREEDY), {**GREEDY, "max_new_tokens": 6}]
+    outs = engine.generate(PROMPTS[:2], params)
+    assert outs[0].token_ids == reference[0] and outs[1].token_ids == reference[1][:6]
+    first = modes.index("TARGET_VERIFY")
+    assert "DECODE" not in modes[first:], modes
+    assert_no_leaks(engine)
+
+
 def test_requests_whose_guesses_keep_failing_stop_drafting_and_probe_rarely(model_path, reference):
     engine = make_engine(model_path, **CHAIN)
     for p, ref in zip(PROMPTS, reference, strict=True):
