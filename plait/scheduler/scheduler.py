@@ -158,6 +158,8 @@ class Scheduler:
             self._in_flight = launched
         elif launched is not None:
             self._process(launched)
+        if self.spec_worker is not None and not self.has_work():
+            self.spec_worker.deferred_work(self)  # idle: nothing left to hide it behind
         updated, self._updated = self._updated, []
         return updated
 

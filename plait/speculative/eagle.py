@@ -197,6 +197,7 @@ class EagleWorker(SpecWorker):
         logits = self.runner.forward(fb).next_token_logits
         self._verify_hidden = self._take_hidden(fb.num_tokens)
         sched.stats.forward_steps += 1
+        self.deferred_work(sched)  # the forward is queued: hide host work behind it
         self.commit(sched, reqs, trees, slots, self.accept(reqs, trees, logits))
 
     def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],

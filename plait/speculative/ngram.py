@@ -100,13 +100,18 @@ class NgramDrafter:
                 return found
         return []
 
-    def propose(self, rid: str, context: list[int], max_depth: int, max_nodes: int, topk: int) -> DraftTree | None:
-        """A tree of at most ``max_nodes`` nodes (root included) and ``max_depth`` levels below the
-        root, at most ``topk`` children per node, grown breadth first; None when nothing matches."""
+    def index(self, rid: str, context: list[int]) -> RequestIndex:
+        """The request's index, brought up to ``context`` (its tokens so far)."""
         index = self.indices.get(rid)
         if index is None:
             index = self.indices[rid] = RequestIndex(self.max_window, self.min_window)
         index.extend(context)
+        return index
+
+    def propose(self, rid: str, context: list[int], max_depth: int, max_nodes: int, topk: int) -> DraftTree | None:
+        """A tree of at most ``max_nodes`` nodes (root included) and ``max_depth`` levels below the
+        root, at most ``topk`` children per node, grown breadth first; None when nothing matches."""
+        index = self.index(rid, context)
         # Lookups read at most max_window trailing tokens: grow paths on that tail, not the context.
         tail = context[-self.max_window :]
         tree_tokens, parents, paths = [context[-1]], [-1], [[]]

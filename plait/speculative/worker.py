@@ -20,6 +20,7 @@ Flow per scheduler step (called before the scheduler builds its own batch, overl
 
 from __future__ import annotations
 
+import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -123,6 +124,11 @@ class SpecWorker(ABC):
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
         """One draft tree per request (None: it decodes normally this step), at most max_depths deep."""
 
+    def deferred_work(self, sched: Scheduler) -> None:  # noqa: B027 (optional hook)
+        """Host work the next launch does not need. Runs where it costs the GPU nothing: between a
+        verify launch and its acceptance (the forward is queued), after a step that launched no
+        verify (plain, overlapped decode steps follow), and when the scheduler runs out of work."""
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """The engine is shutting down: drop device memory (statistics stay readable)."""
 
@@ -157,6 +163,7 @@ class SpecWorker(ABC):
                 depths.append(d)
         drafters = [i for i, d in enumerate(depths) if d > 0]
         if not drafters:
+            self.deferred_work(sched)
             return set()
         # Requests without room for a guess ride along (their verify row is their decode row) rather
         # than costing the step a second forward; they are not asked to draft.
@@ -170,6 +177,7 @@ class SpecWorker(ABC):
         drafting = sum(t is not None for t in proposed)
         if drafting == 0 or drafting < MIN_DRAFTING_FRACTION * len(drafters):
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MISS_BACKOFF_MAX)
+            self.deferred_work(sched)
             return set()
         self._backoff = 1
         trees = [t if t is not None else DraftTree([r.last_token], [-1])
@@ -244,6 +252,7 @@ class SpecWorker(ABC):
         fb = self.build_verify_batch(reqs, trees, slots, pad_width=self.graph_pad_width(trees))
         logits = self.runner.forward(fb).next_token_logits  # [sum(num_tokens_per_req), V] float32
         sched.stats.forward_steps += 1
+        self.deferred_work(sched)  # the forward is queued: hide host work behind it
         results = self.accept(reqs, trees, logits, row_widths=fb.spec_info.num_tokens_per_req)
         self.commit(sched, reqs, trees, slots, results)
 
@@ -384,6 +393,9 @@ class NgramWorker(SpecWorker):
                                     config.speculative_ngram_max_match_window_size,
                                     config.speculative_ngram_capacity)
         self._cold_waits: dict[str, int] = {}  # rid -> drafting opportunities skipped while cold
+        # Finished requests' tokens, fed to the global cache as deferred work (an insert walks every
+        # n-gram of the request: on a step's critical path it delayed the next verify launch).
+        self._finished: list[list[int]] = []
 
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
         return [None if self._cooling(r) else self.drafter.propose(r.rid, r.fill_ids, d, self.num_draft_tokens,
@@ -406,7 +418,18 @@ class NgramWorker(SpecWorker):
     def on_finish(self, req: Req) -> None:
         super().on_finish(req)
         self._cold_waits.pop(req.rid, None)
-        self.drafter.forget(req.rid, req.fill_ids)
+        self.drafter.forget(req.rid)
+        self._finished.append(req.fill_ids)
+
+    def deferred_work(self, sched: Scheduler) -> None:
+        """Feed finished requests to the global cache, and index the prompts of the requests the
+        scheduler admits next (their first proposal then only indexes what they generated)."""
+        finished, self._finished = self._finished, []
+        for tokens in finished:
+            self.drafter.cache.insert(tokens)
+        room = sched.config.max_running_requests - sched.num_running()
+        for req in itertools.islice(sched.waiting, max(0, room)):
+            self.drafter.index(req.rid, req.fill_ids)
 
 
 def create_spec_worker(config: EngineConfig, runner: ModelRunner) -> SpecWorker | None:

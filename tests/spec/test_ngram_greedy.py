@@ -193,6 +193,9 @@ class _OnlySome:
     def forget(self, rid, tokens=None):
         self.inner.forget(rid, tokens)
 
+    def index(self, rid, context):
+        return self.inner.index(rid, context)
+
 
 def test_requests_without_a_proposal_ride_in_the_verify_forward(model_path, reference):
     """One forward per speculative step: a request with nothing to propose is a root-only row of the
@@ -229,6 +232,26 @@ def test_a_request_with_one_token_left_rides_in_the_verify_forward(model_path, r
     assert outs[0].token_ids == reference[0] and outs[1].token_ids == reference[1][:6]
     first = modes.index("TARGET_VERIFY")
     assert "DECODE" not in modes[first:], modes
+    assert_no_leaks(engine)
+
+
+def test_finished_requests_reach_the_cache_and_no_request_index_outlives_its_request(model_path, reference):
+    """Cache inserts and the prompt indices of admitted-next requests are deferred work (hidden
+    behind verify forwards); by the end every finished request is in the cache and no index is left."""
+    engine = make_engine(model_path, max_running_requests=2, **CHAIN)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS[:2], reference[:2], strict=True):
+        worker.drafter.cache.insert(p + ref)
+    indexed_early: list[str] = []
+    index = worker.drafter.index
+    worker.drafter.index = lambda rid, ctx: (indexed_early.append(rid) if rid not in worker.drafter.indices
+                                             and len(ctx) == len(PROMPTS[0]) else None) or index(rid, ctx)
+    outs = engine.generate(PROMPTS[:6], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:6]
+    assert indexed_early  # some prompts were indexed while they waited
+    assert worker.drafter.indices == {} and worker._finished == []
+    key = tuple((PROMPTS[5] + reference[5])[-3:-1])
+    assert worker.drafter.cache.followers(key, limit=1)  # the last request's n-grams are cached
     assert_no_leaks(engine)
 
 
@@ -270,6 +293,9 @@ class _FixedGuess:
 
     def forget(self, rid, tokens=None):
         self.inner.forget(rid, tokens)
+
+    def index(self, rid, context):
+        return self.inner.index(rid, context)
 
 
 def test_sampled_riders_draw_the_token_plain_decoding_draws(model_path):
