@@ -1,7 +1,8 @@
 """Where an NGRAM speculative step's time goes (H200, llama-3.1-8b shape): the spec-ngram-repeat pass
-at bs 1 and 16 (16 prompts, 64 tokens, the second pass over the same prompts) under cProfile, with
-the forwards counted by mode and by path (graph replay or eager), and the device's busy time from
-torch.profiler over the same pass, so host time the GPU waits for shows as wall minus busy.
+at bs 1 (16 prompts, 64 tokens) and bs 16 (64 prompts, 128 tokens), a repeat over the same prompts,
+under cProfile, with the forwards counted by mode and by path (graph replay or eager), and the
+device's busy time and top kernels from torch.profiler over the same pass, so host time the GPU
+waits for shows as wall minus busy.
 
     PYTHONPATH=$PWD python benchmarks/profile_spec.py OUT_DIR [--miss]
 """
@@ -106,8 +107,10 @@ def main() -> None:
                                          params={**_params(64), "temperature": 1.0, "seed": 1234},
                                          warm=[random_prompts(16, 128, vocab, seed=s) for s in (11, 12)],
                                          disable_radix_cache=True)
-            else:
+            elif bs == 1:
                 row, text = profile_pass(shape_dir, bs, prompts, 64)
+            else:  # bs 16 at the issue's sizes: 64 prompts x 128 tokens (admissions while others decode)
+                row, text = profile_pass(shape_dir, bs, random_prompts(64, 128, vocab, seed=7), 128)
             rows.append(row)
             print(json.dumps(row))
             f.write(f"=== bs {bs}: {json.dumps(row)}\n{text[:12000]}\n")

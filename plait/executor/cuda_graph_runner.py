@@ -78,6 +78,8 @@ class EagerGraph:
                 self.out.copy_(new)
             else:
                 self.out.next_token_logits.copy_(new.next_token_logits)
+                if self.out.greedy_ids is not None:
+                    self.out.greedy_ids.copy_(new.greedy_ids)
         self.replays += 1
 
     def pool(self) -> Any:

@@ -15,7 +15,8 @@ recorded step.
 Replay is the verify pre-planning site (DESIGN 3.3): it copies the live batch into the buffers, pads
 to the bucket (padded requests read the reserved request row with prefix 0, write their W tokens
 into the reserved dummy KV slot, and see a W x W mask of ones), plans on the padded view and marks
-it, replays, and slices the logits back to the live ``bs * W`` rows.
+it, replays, and slices the logits (and their argmax, computed in the graph) back to the live
+``bs * W`` rows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_siz
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.models.llama import LogitsOutput
+from plait.sampling.sampler import greedy_ids
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
@@ -123,7 +125,9 @@ class VerifyGraphRunner:
 
                 def run(fb: ForwardBatch = fb) -> LogitsOutput:
                     self.backend.init_forward_metadata_in_graph(fb)
-                    return model(fb.input_ids, fb.positions, fb)
+                    out = model(fb.input_ids, fb.positions, fb)
+                    out.greedy_ids = greedy_ids(out.next_token_logits)  # greedy acceptance reads it
+                    return out
 
                 graph = self._graph_factory()
                 self.outputs[(width, bs)] = warm_and_capture(graph, run, pool, self.input_ids.is_cuda)
@@ -176,4 +180,6 @@ class VerifyGraphRunner:
             view.mark_forward_metadata_ready()  # the verify pre-planning site marks what it planned
         self.last_view = view
         self.graphs[(width, padded)].replay()
-        return LogitsOutput(next_token_logits=self.outputs[(width, padded)].next_token_logits[:n])
+        out = self.outputs[(width, padded)]
+        assert out.greedy_ids is not None
+        return LogitsOutput(next_token_logits=out.next_token_logits[:n], greedy_ids=out.greedy_ids[:n])

@@ -30,6 +30,9 @@ from plait.layers.rotary import RotaryEmbedding, rope_settings
 class LogitsOutput:
     next_token_logits: torch.Tensor  # [num_sampled, vocab] float32
     hidden_states: torch.Tensor | None = None  # final hidden states of the sampled rows (for drafts)
+    # int64 [num_sampled]: the logits' argmax, when the forward computed it (TARGET_VERIFY graphs do,
+    # inside the graph: acceptance then launches nothing before its copy to the host).
+    greedy_ids: torch.Tensor | None = None
 
 
 def sliding_window_of(cfg: Any, layer_id: int) -> int | None:

@@ -159,7 +159,7 @@ class Scheduler:
         elif launched is not None:
             self._process(launched)
         if self.spec_worker is not None and not self.has_work():
-            self.spec_worker.deferred_work(self)  # idle: nothing left to hide it behind
+            self.spec_worker.on_idle(self)
         updated, self._updated = self._updated, []
         return updated
 

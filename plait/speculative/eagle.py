@@ -194,11 +194,11 @@ class EagleWorker(SpecWorker):
     # --- verify with hidden capture ---------------------------------------------------------------
     def verify(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
         fb = self.build_verify_batch(reqs, trees, slots)
-        logits = self.runner.forward(fb).next_token_logits
+        out = self.runner.forward(fb)
         self._verify_hidden = self._take_hidden(fb.num_tokens)
         sched.stats.forward_steps += 1
         self.deferred_work(sched)  # the forward is queued: hide host work behind it
-        self.commit(sched, reqs, trees, slots, self.accept(reqs, trees, logits))
+        self.commit(sched, reqs, trees, slots, self.accept(reqs, trees, out.next_token_logits, greedy=out.greedy_ids))
 
     def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],
                      old_kv_lens: list[int]) -> None:

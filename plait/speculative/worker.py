@@ -20,7 +20,6 @@ Flow per scheduler step (called before the scheduler builds its own batch, overl
 
 from __future__ import annotations
 
-import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -92,6 +91,10 @@ class SpecStats:
 class SpecWorker(ABC):
     """Base: drafting is the subclass's ``propose``; verification and bookkeeping live here."""
 
+    # Whether admitted requests with a cached prompt join verify steps (see decode_step). Not for
+    # draft models: they must see the prompt themselves (after_target_forward) before drafting.
+    joins_admissions = False
+
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         assert config.speculative_num_steps and config.speculative_eagle_topk and config.speculative_num_draft_tokens
         self.config = config
@@ -124,6 +127,12 @@ class SpecWorker(ABC):
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
         """One draft tree per request (None: it decodes normally this step), at most max_depths deep."""
 
+    def on_idle(self, sched: Scheduler) -> None:
+        """The scheduler ran out of work: run the deferred work (nothing is left to hide it behind)
+        and forget the miss back-off (the next requests deserve their own first try)."""
+        self._skip, self._backoff = 0, 1
+        self.deferred_work(sched)
+
     def deferred_work(self, sched: Scheduler) -> None:  # noqa: B027 (optional hook)
         """Host work the next launch does not need. Runs where it costs the GPU nothing: between a
         verify launch and its acceptance (the forward is queued), after a step that launched no
@@ -155,8 +164,15 @@ class SpecWorker(ABC):
 
     def decode_step(self, sched: Scheduler) -> set[int]:
         """Speculate for the running requests; returns ``id()`` of the requests that advanced."""
+        joining: list[Req] = []
+        if self.joins_admissions:
+            # Admitted requests whose prompt is cached but for its last token need one forward row,
+            # like a decode: they join this verify (drafting from their prompt) instead of costing
+            # the step a separate prefill forward after it.
+            sched._admit()
+            joining = [r for r in sched.prefilling if r.fill_len - r.kv_len == 1]
         cands, depths = [], []
-        for r in sched.running:
+        for r in [*sched.running, *joining]:
             d = self._max_depth(sched, r)
             if d is not None:
                 cands.append(r)
@@ -185,13 +201,17 @@ class SpecWorker(ABC):
         need = sum(t.width for t in trees)
         # Leave room for the normal decode of everyone else; when short, skip speculation this step
         # and let the scheduler's decode path evict or retract as it always does.
-        others = len(sched.running) - len(cands)
+        others = len(sched.running) + len(joining) - len(cands)
         if sched.allocator.available_size() + sched.tree_cache.evictable_size() < need + others:
             return set()
         slots = sched._alloc(need)
         if slots is None:
             return set()
         self.verify(sched, cands, trees, slots)
+        for r in cands:  # joiners have their first token: they run from now on (unless finished)
+            if r in sched.prefilling:
+                sched.prefilling.remove(r)
+                sched.running.append(r)
         return {id(r) for r in cands}
 
     def build_verify_batch(self, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
@@ -250,16 +270,19 @@ class SpecWorker(ABC):
 
     def verify(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
         fb = self.build_verify_batch(reqs, trees, slots, pad_width=self.graph_pad_width(trees))
-        logits = self.runner.forward(fb).next_token_logits  # [sum(num_tokens_per_req), V] float32
+        out = self.runner.forward(fb)  # logits [sum(num_tokens_per_req), V] float32
         sched.stats.forward_steps += 1
         self.deferred_work(sched)  # the forward is queued: hide host work behind it
-        results = self.accept(reqs, trees, logits, row_widths=fb.spec_info.num_tokens_per_req)
+        results = self.accept(reqs, trees, out.next_token_logits, row_widths=fb.spec_info.num_tokens_per_req,
+                              greedy=out.greedy_ids)
         self.commit(sched, reqs, trees, slots, results)
 
     def accept(self, reqs: list[Req], trees: list[DraftTree], logits: torch.Tensor,
-               row_widths: list[int] | None = None) -> list[tuple[list[int], int]]:
+               row_widths: list[int] | None = None, greedy: torch.Tensor | None = None
+               ) -> list[tuple[list[int], int]]:
         """Acceptance per request. ``row_widths``: logits rows per request when the verify batch
-        was padded (real nodes first); default the trees' widths.
+        was padded (real nodes first); default the trees' widths. ``greedy``: the logits' argmax
+        when the forward computed it already (verify graphs).
 
         Greedy rows take the argmax; sampled rows with one-hot drafts (n-gram, top-k trees, and
         requests riding along without a draft) decide on the device (``one_hot_decisions``); both
@@ -272,7 +295,7 @@ class SpecWorker(ABC):
                                                          or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
         one_hot = [i for i in sampled if trees[i].draft_probs is None]
         soft = [i for i in sampled if trees[i].draft_probs is not None]
-        parts = [greedy_ids(logits)]
+        parts = [greedy if greedy is not None else greedy_ids(logits)]
         num_cols = 1
         if one_hot:
             num_cols = max(1, max(len(trees[i].children(n)) for i in one_hot for n in range(widths[i])))
@@ -385,6 +408,8 @@ class SpecWorker(ABC):
 
 
 class NgramWorker(SpecWorker):
+    joins_admissions = True
+
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
         from plait.speculative.ngram import NgramDrafter
@@ -427,9 +452,15 @@ class NgramWorker(SpecWorker):
         finished, self._finished = self._finished, []
         for tokens in finished:
             self.drafter.cache.insert(tokens)
-        room = sched.config.max_running_requests - sched.num_running()
-        for req in itertools.islice(sched.waiting, max(0, room)):
-            self.drafter.index(req.rid, req.fill_ids)
+        # The scheduler admits waiting requests as running ones finish, often right after this
+        # verify: index at least one (beyond the free places) so its first proposal finds it ready.
+        budget = max(1, sched.config.max_running_requests - sched.num_running())
+        for req in sched.waiting:
+            if budget == 0:
+                break
+            if req.rid not in self.drafter.indices:
+                self.drafter.index(req.rid, req.fill_ids)
+                budget -= 1
 
 
 def create_spec_worker(config: EngineConfig, runner: ModelRunner) -> SpecWorker | None:

@@ -183,18 +183,15 @@ class _OnlySome:
     """An n-gram drafter that proposes only for requests whose prompt is one of ``prompts``."""
 
     def __init__(self, inner, prompts: list[list[int]]) -> None:
-        self.inner, self.prompts, self.cache = inner, prompts, inner.cache
+        self.inner, self.prompts = inner, prompts
 
     def propose(self, rid, context, max_depth, max_nodes, topk):
         if not any(context[: len(p)] == p for p in self.prompts):
             return None
         return self.inner.propose(rid, context, max_depth, max_nodes, topk)
 
-    def forget(self, rid, tokens=None):
-        self.inner.forget(rid, tokens)
-
-    def index(self, rid, context):
-        return self.inner.index(rid, context)
+    def __getattr__(self, name):  # everything else (cache, indices, forget, index) is the inner drafter's
+        return getattr(self.inner, name)
 
 
 def test_requests_without_a_proposal_ride_in_the_verify_forward(model_path, reference):
@@ -242,16 +239,40 @@ def test_finished_requests_reach_the_cache_and_no_request_index_outlives_its_req
     worker = engine.scheduler.spec_worker
     for p, ref in zip(PROMPTS[:2], reference[:2], strict=True):
         worker.drafter.cache.insert(p + ref)
-    indexed_early: list[str] = []
+    indexed_while_waiting: list[str] = []
     index = worker.drafter.index
-    worker.drafter.index = lambda rid, ctx: (indexed_early.append(rid) if rid not in worker.drafter.indices
-                                             and len(ctx) == len(PROMPTS[0]) else None) or index(rid, ctx)
+
+    def spy(rid, context):
+        if any(r.rid == rid for r in engine.scheduler.waiting):
+            indexed_while_waiting.append(rid)
+        return index(rid, context)
+
+    worker.drafter.index = spy
     outs = engine.generate(PROMPTS[:6], GREEDY)
     assert [o.token_ids for o in outs] == reference[:6]
-    assert indexed_early  # some prompts were indexed while they waited
+    assert indexed_while_waiting
     assert worker.drafter.indices == {} and worker._finished == []
     key = tuple((PROMPTS[5] + reference[5])[-3:-1])
     assert worker.drafter.cache.followers(key, limit=1)  # the last request's n-grams are cached
+    assert_no_leaks(engine)
+
+
+def test_admitted_requests_with_a_cached_prompt_join_the_verify_forward(model_path, reference):
+    """A repeated prompt is cached but for its last token: its first forward row is a decode row,
+    so it joins the running requests' verify forward (drafting from its prompt) instead of costing
+    the step a separate prefill forward."""
+    engine = make_engine(model_path, max_running_requests=2, **CHAIN)
+    assert [o.token_ids for o in engine.generate(PROMPTS[:4], GREEDY)] == reference[:4]  # fills both caches
+    modes: list[tuple[str, int]] = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda fb, *a, **kw: modes.append((fb.forward_mode.name, fb.batch_size)) or forward(
+        fb, *a, **kw)
+    outs = engine.generate(PROMPTS[:4], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:4]
+    # Both first requests joined the first verify; later admissions follow finishes in the same
+    # step (after the verify), so they prefill as a one-token decode, never as an extend.
+    assert modes[0] == ("TARGET_VERIFY", 2) and all(mode != "EXTEND" for mode, _ in modes), modes
+    assert all(o.meta_info["cached_tokens"] == len(p) - 1 for o, p in zip(outs, PROMPTS, strict=False))
     assert_no_leaks(engine)
 
 
@@ -284,18 +305,15 @@ class _FixedGuess:
     """A drafter that always guesses the same chain for the requests whose prompt is ``prompt``."""
 
     def __init__(self, inner, prompt: list[int]) -> None:
-        self.inner, self.prompt, self.cache = inner, prompt, inner.cache
+        self.inner, self.prompt = inner, prompt
 
     def propose(self, rid, context, max_depth, max_nodes, topk):
         if context[: len(self.prompt)] != self.prompt:
             return None
         return DraftTree.chain(context[-1], [5, 6, 7][:max_depth])
 
-    def forget(self, rid, tokens=None):
-        self.inner.forget(rid, tokens)
-
-    def index(self, rid, context):
-        return self.inner.index(rid, context)
+    def __getattr__(self, name):  # everything else (cache, indices, forget, index) is the inner drafter's
+        return getattr(self.inner, name)
 
 
 def test_sampled_riders_draw_the_token_plain_decoding_draws(model_path):

@@ -113,6 +113,14 @@ def test_replay_logits_equal_eager_on_a_padded_tree_batch(ngram_engine):
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
 
 
+def test_replay_returns_the_argmax_of_its_logits_computed_in_the_graph(ngram_engine):
+    tree = DraftTree([5, 6, 7], [-1, 0, 1])
+    batch = _verify_batch(ngram_engine, [4, 7, 2], [tree] * 3)
+    out = ngram_engine.runner.forward(batch())
+    assert out.greedy_ids is not None and out.greedy_ids.shape == (9,)
+    assert torch.equal(out.greedy_ids, out.next_token_logits.argmax(dim=-1))
+
+
 def test_mixed_widths_are_padded_to_the_widest_captured_graph_and_accept_the_same(ngram_engine):
     chain = DraftTree.chain
     trees = [chain(5, [6, 7]), chain(8, [9]), DraftTree([4, 6, 2], [-1, 0, 0])]
