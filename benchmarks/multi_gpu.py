@@ -137,7 +137,9 @@ def decode(out_dir: str) -> None:
                  "at the mean context); the one-GPU floor is half of it", one_gpu_floor=floor1)
 
 
-def offline(out_dir: str) -> None:
+def offline(out_dir: str, only: list[str] | None = None) -> None:
+    """``only``: run just these layouts (e.g. ``replicas2`` after a fix); results are written with the
+    runs made in this call."""
     shape = "llama-3.1-8b" if CUDA else "tiny"
     path, vocab = _model(shape)
     n = 256 if CUDA else 8
@@ -146,6 +148,8 @@ def offline(out_dir: str) -> None:
     params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": out_len}] * n
     results = {}
     for name, opts in (("1gpu", {}), *LAYOUTS.items()):
+        if only and name not in only:
+            continue
         # No prefix cache: the warm-up run repeats the prompts, and DP attention's other rank keeps its
         # own cache, which the benchmark could not reset.
         engine_opts = {"max_running_requests": n, "disable_radix_cache": True, **HOST, **opts}
@@ -157,14 +161,20 @@ def offline(out_dir: str) -> None:
     floor1 = n * out_len / throughput_floor_seconds(shape, [512] * n, [out_len] * n, lim)
     for name, workload in (("1gpu", "offline-throughput"), ("tp2", "offline-throughput-tp2"),
                            ("dp2", "offline-throughput-dp2"), ("replicas2", "offline-throughput-replicas2")):
+        if name not in results:
+            continue
         gpus = 1 if name == "1gpu" else 2
+        one = results.get("1gpu", {}).get("output_tok_s")
         write_result(out_dir, workload, shape, "output_tok_s", results[name]["output_tok_s"],
-                     None if name == "1gpu" else "plait, one GPU",
-                     None if name == "1gpu" else results["1gpu"]["output_tok_s"], gpus * floor1,
+                     None if name == "1gpu" or one is None else "plait, one GPU",
+                     None if name == "1gpu" else one, gpus * floor1,
                      {"dtype": "bfloat16", "load_format": "dummy", "requests": n, **({} if name == "1gpu" else
                                                                                     LAYOUTS[name])},
                      detail=results[name], others={k: v["output_tok_s"] for k, v in results.items()})
 
 
 if __name__ == "__main__":
-    {"correctness": correctness, "decode": decode, "offline": offline}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] == "offline":
+        offline(sys.argv[2], sys.argv[3:] or None)
+    else:
+        {"correctness": correctness, "decode": decode}[sys.argv[1]](sys.argv[2])

@@ -39,6 +39,17 @@ class Graph(Protocol):
     def pool(self) -> Any: ...
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """One side stream per device for graph captures (a capture must not run on the default stream)."""
+    index = torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return _CAPTURE_STREAMS[index]
+
+
 class CudaGraph:
     """A torch.cuda.CUDAGraph behind the Graph protocol."""
 
@@ -46,7 +57,10 @@ class CudaGraph:
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
-        with torch.cuda.graph(self.graph, pool=pool):
+        # The capture stream is the current device's: torch.cuda.graph's default is one stream for the
+        # process, made on whichever device captured first, so a second replica's capture on another
+        # GPU recorded nothing (and Triton launched onto a foreign stream).
+        with torch.cuda.graph(self.graph, pool=pool, stream=_capture_stream()):
             return fn()
 
     def replay(self) -> None:
