@@ -142,18 +142,27 @@ def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, torch
                 yield key, (LazySlice(f.get_slice(key)) if lazy else f.get_tensor(key))  # type: ignore[misc]
 
 
-def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights of a realistic scale (so activations neither vanish nor explode), drawn on the
-    parameters' own device (an 8B model initialises in seconds on a GPU)."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
+def dummy_checkpoint(mc: ModelConfig, device: torch.device | str, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random checkpoint tensors of a realistic scale (activations neither vanish nor explode), under
+    the Hugging Face names and full shapes of ``mc``'s architecture, drawn one at a time on ``device``.
+
+    Each tensor depends only on its name, its full shape and ``seed``: sharded engines load them
+    through the model's own loader like a real checkpoint, so a tp_size=2 engine holds the same model
+    as one GPU (drawing each rank's shard directly gave every rank other numbers)."""
+    import zlib
+
+    import transformers
+
+    with torch.device("meta"):  # names and full shapes only: no memory, no init
+        reference = transformers.AutoModelForCausalLM.from_config(mc.hf_config)
+    for name, p in reference.named_parameters():
         if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
+            yield name, torch.ones(p.shape, dtype=mc.dtype, device=device)
             continue
+        gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         fan_in = p.shape[-1] if p.dim() > 1 else 1
         scale = 1.0 if "embed_tokens" in name else fan_in**-0.5
-        p.data.uniform_(-scale, scale, generator=gen)
+        yield name, torch.empty(p.shape, dtype=mc.dtype, device=device).uniform_(-scale, scale, generator=gen)
 
 
 def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGroup = SINGLE,
@@ -169,12 +178,12 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        loaded = model.load_weights(dummy_checkpoint(mc, next(model.parameters()).device, seed))
     else:
         loaded = model.load_weights(iter_safetensors(mc.path, lazy=tp.size > 1))
-        missing = set(dict(model.named_parameters())) - loaded
-        if missing:
-            raise ValueError(f"checkpoint {mc.path!r} lacks weights for {sorted(missing)[:8]}")
+    missing = set(dict(model.named_parameters())) - loaded
+    if missing:
+        raise ValueError(f"checkpoint {mc.path!r} ({load_format}) lacks weights for {sorted(missing)[:8]}")
     model.eval()
     return model
 

@@ -44,6 +44,18 @@ def test_tp2_greedy_output_equals_tp1(arch, tiny_model_dir):
         assert_no_leaks(engine)
 
 
+def test_dummy_weights_are_the_same_model_at_tp2(tiny_model_dir):
+    """Random (load_format="dummy") weights are drawn per checkpoint tensor, whole, and sharded by
+    the loader: a tp_size=2 engine holds the one-GPU model (the multi-GPU correctness runs use them)."""
+    path = tiny_model_dir("llama")
+    with make_engine(path, load_format="dummy") as single:
+        expected = _greedy(single)
+    with make_engine(path, load_format="dummy", tp_size=2, dist_timeout=60) as engine:
+        assert _greedy(engine) == expected
+    with make_engine(path) as real:  # and they are not the checkpoint's weights
+        assert _greedy(real) != expected
+
+
 def test_llama3_preset_has_fewer_kv_heads_than_ranks(tiny_model_dir):
     """The llama3 case above covers KV-head replication: one KV head, two ranks."""
     with make_engine(tiny_model_dir("llama3"), max_total_tokens=64) as single:
