@@ -11,8 +11,10 @@ every parent before its children and any prefix of that order is closed under an
 
 ``score_nodes(request_ids, trees, frontier)`` runs the draft over every node of the partial trees of
 the given requests (custom ancestor mask; node i at position prefix + depth(i)) and returns, per
-request, the log-probabilities ``[len(frontier_i), V]`` (float32, host) at its frontier nodes.
-Recomputing the earlier nodes each step keeps the draft KV free of tree state: no slots are held.
+request, the ``topk`` best log-probabilities at each of its frontier nodes and their token ids
+(``frontier_topk``: the top-k is taken on the device and only ``[rows, topk]`` comes to the host,
+not full-vocabulary rows). Recomputing the earlier nodes each step keeps the draft KV free of tree
+state: no slots are held.
 """
 
 from __future__ import annotations
@@ -23,8 +25,21 @@ from dataclasses import dataclass, field
 import torch
 
 from plait.speculative.tree import DraftTree
+from plait.transfer import to_host
 
-ScoreFn = Callable[[list[int], list[DraftTree], list[list[int]]], list[torch.Tensor]]
+# Per request: (log-probabilities [len(frontier), topk], token ids [len(frontier), topk]) on the host.
+ScoreFn = Callable[[list[int], list[DraftTree], list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def frontier_topk(logprobs: torch.Tensor, rows_per_request: list[int], topk: int
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``logprobs`` [sum(rows), V] (any device) -> per request its rows' ``topk`` best values and
+    ids, through one copy of ``[sum(rows), topk]`` pairs to the host."""
+    values, ids = logprobs.float().topk(topk, dim=-1)
+    host = to_host(torch.cat([values.double(), ids.double()], dim=1))  # ids < 2**53: exact in float64
+    values_h = torch.from_numpy(host[:, :topk]).float()
+    ids_h = torch.from_numpy(host[:, topk:]).long()
+    return list(zip(values_h.split(rows_per_request), ids_h.split(rows_per_request), strict=True))
 
 
 @dataclass
@@ -46,11 +61,11 @@ def expand_trees(roots: list[int], max_depths: list[int], topk: int, num_draft_t
         live = [i for i, p in enumerate(parts) if p.frontier and step < max_depths[i]]
         if not live:
             break
-        logprobs = score_nodes(live, [parts[i].tree() for i in live], [parts[i].frontier for i in live])
-        for i, lp in zip(live, logprobs, strict=True):
+        best = score_nodes(live, [parts[i].tree() for i in live], [parts[i].frontier for i in live])
+        for i, (top_v, top_i) in zip(live, best, strict=True):
             p = parts[i]
-            top_v, top_i = lp.topk(topk, dim=-1)  # [frontier, topk]
-            cands = [(p.scores[f] + float(v), f, int(t)) for f, vs, ts in zip(p.frontier, top_v, top_i, strict=True)
+            cands = [(p.scores[f] + v, f, t) for f, vs, ts in zip(p.frontier, top_v.tolist(), top_i.tolist(),
+                                                                    strict=True)
                      for v, t in zip(vs, ts, strict=True)]
             cands.sort(key=lambda c: -c[0])  # stable: ties keep the frontier/top-k order
             new = []

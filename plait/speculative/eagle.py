@@ -37,10 +37,10 @@ from plait.models.eagle import Eagle3Head, EagleHead, iter_checkpoint, load_head
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_trees
+from plait.speculative.draft_tree import expand_trees, frontier_topk
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
-from plait.transfer import to_device
+from plait.transfer import ints_to_device, to_device
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
@@ -252,7 +252,8 @@ class EagleWorker(SpecWorker):
                if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
         outputs: dict[int, list[torch.Tensor]] = {}  # request -> head output hidden per node
 
-        def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]) -> list[torch.Tensor]:
+        def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
             sub = [reqs[use[i]] for i in ids]
             shifted = [SimpleNamespace(kv_len=r.kv_len - 1, req_pool_idx=r.req_pool_idx) for r in sub]
             slots = torch.full((sum(t.width for t in trees),), DUMMY_KV_SLOT, dtype=torch.int64, device=device)
@@ -268,12 +269,12 @@ class EagleWorker(SpecWorker):
                 prev = outputs.get(i, [])
                 hidden_in.extend(prev[p][None] for p in t.parents[1:])
             lp, hidden = self._head_logprobs(fb, torch.cat(hidden_in))
-            out, start = [], 0
+            rows, start = [], 0
             for i, t, fr in zip(ids, trees, frontier, strict=True):
                 outputs[i] = list(hidden[start : start + t.width])
-                out.append(lp[[start + f for f in fr]].cpu())
+                rows.extend(start + f for f in fr)
                 start += t.width
-            return out
+            return frontier_topk(lp[ints_to_device([rows], lp.device)[0]], [len(fr) for fr in frontier], self.topk)
 
         result: list[DraftTree | None] = [None] * len(reqs)
         if not use:

@@ -31,7 +31,7 @@ from plait.models.loader import load_model, load_model_config
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_trees
+from plait.speculative.draft_tree import expand_trees, frontier_topk
 from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device
@@ -152,8 +152,7 @@ class StandaloneWorker(SpecWorker):
         fb.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.runner.device)
         logits = self._forward(fb, self.extend_backend, logits=True)
         assert logits is not None
-        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-        return list(logprobs.split([len(fr) for fr in frontier]))
+        return frontier_topk(torch.log_softmax(logits.float(), dim=-1), [len(fr) for fr in frontier], self.topk)
 
     def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
         def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]) -> list[torch.Tensor]:

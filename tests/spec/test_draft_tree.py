@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from plait.speculative.draft_tree import expand_trees
+from plait.speculative.draft_tree import expand_trees, frontier_topk
 
 V = 8
 
 
-def _scripted(table: dict[int, list[float]]):
+def _scripted(table: dict[int, list[float]], topk: int = 2):
     """Log-probs by the frontier node's token (default: uniform), recording each call's partial trees."""
     calls = []
 
     def score(ids, trees, frontier):
         calls.append([(t.tokens, list(f)) for t, f in zip(trees, frontier, strict=True)])
-        out = []
-        for t, f in zip(trees, frontier, strict=True):
-            rows = [torch.tensor(table.get(t.tokens[n], [0.0] * V)).log_softmax(-1) for n in f]
-            out.append(torch.stack(rows))
-        return out
+        rows = [torch.tensor(table.get(t.tokens[n], [0.0] * V)).log_softmax(-1)
+                for t, f in zip(trees, frontier, strict=True) for n in f]
+        return frontier_topk(torch.stack(rows), [len(f) for f in frontier], topk)
 
     return score, calls
+
+
+def test_frontier_topk_brings_only_the_best_pairs_per_request():
+    logprobs = torch.tensor([[-3.0, -1.0, -2.0], [-0.5, -4.0, -1.5], [-2.0, -2.5, -0.1]])
+    (v0, i0), (v1, i1) = frontier_topk(logprobs, [1, 2], topk=2)
+    assert i0.tolist() == [[1, 2]] and v0.tolist() == [[-1.0, -2.0]]
+    assert i1.tolist() == [[0, 2], [2, 0]] and v1.shape == (2, 2)
 
 
 def test_each_step_keeps_the_topk_best_children_by_cumulative_score():
