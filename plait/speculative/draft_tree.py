@@ -1,86 +1,90 @@
-"""Top-k draft trees from a draft model (SGLang-style expansion), model-agnostic.
+"""Top-k draft trees from a draft model (SGLang-style expansion), model-agnostic, on the device.
 
 Step 0 expands the root into its ``topk`` best tokens. Every later step expands each of the
 ``topk`` frontier nodes into its ``topk`` best children and keeps the ``topk`` best of those
-``topk * topk`` candidates by cumulative log-probability as the next frontier. After the last step
-the ``num_draft_tokens - 1`` best non-root nodes by score form the tree.
+``topk * topk`` candidates by cumulative log-probability as the next frontier (ties keep the
+frontier/top-k order). After the last step the ``num_draft_tokens - 1`` best non-root nodes by
+(score descending, node index) within the request's depth limit form the tree.
+
+Node layout (static, so nothing about the shapes depends on the draft's choices): node 0 is the
+root; step s adds nodes ``[1 + s*topk, 1 + (s+1)*topk)``, all at depth s + 1. Tokens, parents,
+cumulative scores and the ancestor matrix live on the device; the host sees them once, after the
+last step (one copy), to build the trees. Every request is expanded ``max(max_depths)`` steps and
+nodes deeper than its own limit are left out of its selection: a level's nodes depend only on the
+levels above it, so this equals stopping early.
 
 Invariant of the final selection: a child's score is its parent's plus a log-probability (<= 0), and
 children come after their parents in node order, so sorting by (score descending, node index) puts
 every parent before its children and any prefix of that order is closed under ancestors.
 
-``score_nodes(request_ids, trees, frontier)`` runs the draft over every node of the partial trees of
-the given requests (custom ancestor mask; node i at position prefix + depth(i)) and returns, per
-request, the ``topk`` best log-probabilities at each of its frontier nodes and their token ids
-(``frontier_topk``: the top-k is taken on the device and only ``[rows, topk]`` comes to the host,
-not full-vocabulary rows). Recomputing the earlier nodes each step keeps the draft KV free of tree
-state: no slots are held.
+``step_fn(width, tokens, parents, ancestors)`` runs the draft over the first ``width`` nodes of
+every request (``tokens``/``parents`` int64 ``[bs, width]``, ``ancestors`` bool ``[bs, width, width]``,
+row i True at i and its ancestors; node i at position prefix + depth(i)) and returns the
+log-probabilities ``[bs, F, V]`` at the frontier: the last F nodes (F = 1 at step 0, ``topk``
+later). Recomputing the earlier nodes each step keeps the draft KV free of tree state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from plait.speculative.tree import DraftTree
 from plait.transfer import to_host
 
-# Per request: (log-probabilities [len(frontier), topk], token ids [len(frontier), topk]) on the host.
-ScoreFn = Callable[[list[int], list[DraftTree], list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]
+StepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def frontier_topk(logprobs: torch.Tensor, rows_per_request: list[int], topk: int
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``logprobs`` [sum(rows), V] (any device) -> per request its rows' ``topk`` best values and
-    ids, through one copy of ``[sum(rows), topk]`` pairs to the host."""
-    values, ids = logprobs.float().topk(topk, dim=-1)
-    host = to_host(torch.cat([values.double(), ids.double()], dim=1))  # ids < 2**53: exact in float64
-    values_h = torch.from_numpy(host[:, :topk]).float()
-    ids_h = torch.from_numpy(host[:, topk:]).long()
-    return list(zip(values_h.split(rows_per_request), ids_h.split(rows_per_request), strict=True))
+def node_depth(node: int, topk: int) -> int:
+    return 0 if node == 0 else 1 + (node - 1) // topk
 
 
-@dataclass
-class _Partial:
-    tokens: list[int]
-    parents: list[int] = field(default_factory=lambda: [-1])
-    scores: list[float] = field(default_factory=lambda: [0.0])
-    depths: list[int] = field(default_factory=lambda: [0])
-    frontier: list[int] = field(default_factory=lambda: [0])
-
-    def tree(self) -> DraftTree:
-        return DraftTree(list(self.tokens), list(self.parents))
+def level_tree(width: int, topk: int) -> DraftTree:
+    """A tree with the node layout's depths (tokens 0, each node's parent the first node one level
+    up): the shape of a partial expansion, for building batches whose tokens and mask come from
+    the device."""
+    parents = [-1] + [0 if node_depth(n, topk) == 1 else 1 + (node_depth(n, topk) - 2) * topk
+                      for n in range(1, width)]
+    return DraftTree([0] * width, parents)
 
 
-def expand_trees(roots: list[int], max_depths: list[int], topk: int, num_draft_tokens: int,
-                 score_nodes: ScoreFn) -> list[DraftTree]:
-    parts = [_Partial([r]) for r in roots]
-    for step in range(max(max_depths)):
-        live = [i for i, p in enumerate(parts) if p.frontier and step < max_depths[i]]
-        if not live:
-            break
-        best = score_nodes(live, [parts[i].tree() for i in live], [parts[i].frontier for i in live])
-        for i, (top_v, top_i) in zip(live, best, strict=True):
-            p = parts[i]
-            cands = [(p.scores[f] + v, f, t) for f, vs, ts in zip(p.frontier, top_v.tolist(), top_i.tolist(),
-                                                                    strict=True)
-                     for v, t in zip(vs, ts, strict=True)]
-            cands.sort(key=lambda c: -c[0])  # stable: ties keep the frontier/top-k order
-            new = []
-            for score, parent, tok in cands[:topk]:
-                new.append(len(p.tokens))
-                p.tokens.append(tok)
-                p.parents.append(parent)
-                p.scores.append(score)
-                p.depths.append(p.depths[parent] + 1)
-            p.frontier = new
-    return [_select(p, num_draft_tokens) for p in parts]
+def expand_trees(roots: torch.Tensor, max_depths: list[int], topk: int, num_draft_tokens: int,
+                 step_fn: StepFn) -> list[DraftTree]:
+    """``roots``: int64 ``[bs]`` on the draft's device."""
+    bs, device = roots.shape[0], roots.device
+    steps = max(max_depths)
+    n_max = 1 + steps * topk
+    tokens = torch.zeros(bs, n_max, dtype=torch.int64, device=device)
+    tokens[:, 0] = roots
+    parents = torch.full((bs, n_max), -1, dtype=torch.int64, device=device)
+    scores = torch.zeros(bs, n_max, dtype=torch.float64, device=device)  # float64: host-exact sums
+    ancestors = torch.zeros(bs, n_max, n_max, dtype=torch.bool, device=device)
+    ancestors[:, 0, 0] = True
+    for s in range(steps):
+        width = 1 + s * topk
+        first = 0 if s == 0 else width - topk  # the frontier: the last level's nodes
+        lp = step_fn(width, tokens[:, :width], parents[:, :width], ancestors[:, :width, :width])
+        values, ids = lp.float().topk(topk, dim=-1)  # [bs, F, topk]
+        cand = (scores[:, first:width, None] + values.double()).reshape(bs, -1)  # frontier-major order
+        best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :topk]
+        new = slice(width, width + topk)
+        tokens[:, new] = ids.reshape(bs, -1).gather(1, best)
+        parent = first + best // topk
+        parents[:, new] = parent
+        scores[:, new] = cand.gather(1, best)
+        ancestors[:, new, :] = ancestors.gather(1, parent[:, :, None].expand(bs, topk, n_max))
+        own = torch.arange(width, width + topk, device=device)
+        ancestors[:, own, own] = True
+    host = to_host(torch.cat([tokens.double(), parents.double(), scores], dim=1))  # ids < 2**53: exact
+    return [_select(host[b, :n_max].astype(int).tolist(), host[b, n_max : 2 * n_max].astype(int).tolist(),
+                    host[b, 2 * n_max :].tolist(), max_depths[b], topk, num_draft_tokens) for b in range(bs)]
 
 
-def _select(p: _Partial, num_draft_tokens: int) -> DraftTree:
-    order = sorted(range(1, len(p.tokens)), key=lambda n: (-p.scores[n], n))[: num_draft_tokens - 1]
+def _select(tokens: list[int], parents: list[int], scores: list[float], max_depth: int, topk: int,
+            num_draft_tokens: int) -> DraftTree:
+    nodes = range(1, 1 + max_depth * topk)  # levels within this request's depth limit
+    order = sorted(nodes, key=lambda n: (-scores[n], n))[: num_draft_tokens - 1]
     keep = [0, *sorted(order)]  # node order again: parents before children
     new_index = {old: new for new, old in enumerate(keep)}
-    return DraftTree([p.tokens[n] for n in keep], [-1] + [new_index[p.parents[n]] for n in keep[1:]])
+    return DraftTree([tokens[n] for n in keep], [-1] + [new_index[parents[n]] for n in keep[1:]])

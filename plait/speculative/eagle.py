@@ -37,8 +37,8 @@ from plait.models.eagle import Eagle3Head, EagleHead, iter_checkpoint, load_head
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_trees, frontier_topk
-from plait.speculative.tree import DraftTree
+from plait.speculative.draft_tree import expand_trees, level_tree
+from plait.speculative.tree import DraftTree, build_verify_mask_from_ancestors
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device, to_device
 
@@ -240,9 +240,10 @@ class EagleWorker(SpecWorker):
         return torch.log_softmax(target.logits_processor(hidden, target.lm_head_weight, fb).float(), dim=-1), hidden
 
     def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        """Top-k trees: the partial tree is recomputed each step with the custom ancestor mask, the
-        root at the pending position kv_len - 1 (the draft has KV below it), node n at kv_len - 1 +
-        depth(n) reading its parent's head output; KV goes to the dummy slot (no tree state held)."""
+        """Top-k trees, expanded on the device: the partial tree is recomputed each step with the
+        custom ancestor mask, the root at the pending position kv_len - 1 (the draft has KV below
+        it), node n at kv_len - 1 + depth(n) reading its parent's head output from the step before;
+        KV goes to the dummy slot (no tree state held)."""
         from types import SimpleNamespace
 
         device = self.runner.device
@@ -250,37 +251,37 @@ class EagleWorker(SpecWorker):
         k = max(max_depths)
         use = [i for i, r in enumerate(reqs)
                if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
-        outputs: dict[int, list[torch.Tensor]] = {}  # request -> head output hidden per node
-
-        def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-            sub = [reqs[use[i]] for i in ids]
-            shifted = [SimpleNamespace(kv_len=r.kv_len - 1, req_pool_idx=r.req_pool_idx) for r in sub]
-            slots = torch.full((sum(t.width for t in trees),), DUMMY_KV_SLOT, dtype=torch.int64, device=device)
-            fb = self.build_verify_batch(shifted, trees, slots)
-            fb.forward_mode = ForwardMode.DRAFT_EXTEND
-            hidden_in = []
-            for i, r, t in zip(ids, sub, trees, strict=True):
-                root = self.pending[r.req_pool_idx][1][None]
-                if isinstance(self.head, Eagle3Head):  # the root's 3h capture through fc, as step 0 does
-                    with torch.inference_mode():
-                        root = self.head.fc(root)
-                hidden_in.append(root)
-                prev = outputs.get(i, [])
-                hidden_in.extend(prev[p][None] for p in t.parents[1:])
-            lp, hidden = self._head_logprobs(fb, torch.cat(hidden_in))
-            rows, start = [], 0
-            for i, t, fr in zip(ids, trees, frontier, strict=True):
-                outputs[i] = list(hidden[start : start + t.width])
-                rows.extend(start + f for f in fr)
-                start += t.width
-            return frontier_topk(lp[ints_to_device([rows], lp.device)[0]], [len(fr) for fr in frontier], self.topk)
-
         result: list[DraftTree | None] = [None] * len(reqs)
         if not use:
             return result
-        trees = expand_trees([reqs[i].output_ids[-1] for i in use], [max_depths[i] for i in use], self.topk,
-                             self.num_draft_tokens, score)
+        sub = [reqs[i] for i in use]
+        shifted = [SimpleNamespace(kv_len=r.kv_len - 1, req_pool_idx=r.req_pool_idx) for r in sub]
+        prefix = [r.kv_len for r in shifted]
+        bs = len(sub)
+        root_hidden = torch.stack([self.pending[r.req_pool_idx][1] for r in sub])
+        if isinstance(self.head, Eagle3Head):  # the root's 3h capture through fc, as step 0 does
+            with torch.inference_mode():
+                root_hidden = self.head.fc(root_hidden)
+        outputs: list[torch.Tensor] = []  # the head's hidden per node of the previous step [bs, w, h]
+
+        def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+            slots = torch.full((bs * width,), DUMMY_KV_SLOT, dtype=torch.int64, device=device)
+            fb = self.build_verify_batch(shifted, [level_tree(width, self.topk)] * bs, slots,
+                                         input_ids=tokens.reshape(-1),
+                                         custom_mask=build_verify_mask_from_ancestors(ancestors, prefix))
+            fb.forward_mode = ForwardMode.DRAFT_EXTEND
+            hidden_in = root_hidden[:, None, :]
+            if width > 1:  # node n reads its parent's output of the step before
+                prev = outputs[-1]
+                index = parents[:, 1:, None].expand(bs, width - 1, prev.shape[-1])
+                hidden_in = torch.cat([hidden_in, prev.gather(1, index)], dim=1)
+            lp, hidden = self._head_logprobs(fb, hidden_in.reshape(bs * width, -1))
+            outputs.append(hidden.reshape(bs, width, -1))
+            frontier = 1 if width == 1 else self.topk
+            return lp.reshape(bs, width, -1)[:, width - frontier :]
+
+        roots = ints_to_device([[r.output_ids[-1] for r in sub]], device)[0]
+        trees = expand_trees(roots, [max_depths[i] for i in use], self.topk, self.num_draft_tokens, step)
         for i, tree in zip(use, trees, strict=True):
             result[i] = tree
         return result

@@ -31,8 +31,8 @@ from plait.models.loader import load_model, load_model_config
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_trees, frontier_topk
-from plait.speculative.tree import DraftTree
+from plait.speculative.draft_tree import expand_trees, level_tree
+from plait.speculative.tree import DraftTree, build_verify_mask_from_ancestors
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device
 
@@ -136,30 +136,29 @@ class StandaloneWorker(SpecWorker):
         self._forward(fb, self.extend_backend, logits=False)
 
     # --- drafting ---------------------------------------------------------------------------------
-    def _score_tree_nodes(self, reqs: list[Req], trees: list[DraftTree], frontier: list[list[int]]
-                          ) -> list[torch.Tensor]:
-        """Draft log-probabilities at the frontier nodes of partial trees: one extend over every node
-        (custom ancestor mask, node i at kv_len + depth(i)); KV goes to the reserved dummy slot, as
-        the tree is recomputed each step and the accepted path is re-extended after verification."""
-        slots = torch.full((sum(t.width for t in trees),), DUMMY_KV_SLOT, dtype=torch.int64,
-                           device=self.runner.device)
-        fb = self.build_verify_batch(reqs, trees, slots)
-        fb.forward_mode = ForwardMode.DRAFT_EXTEND
-        starts = [0]
-        for t in trees[:-1]:
-            starts.append(starts[-1] + t.width)
-        rows = [s + f for s, fr in zip(starts, frontier, strict=True) for f in fr]
-        fb.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.runner.device)
-        logits = self._forward(fb, self.extend_backend, logits=True)
-        assert logits is not None
-        return frontier_topk(torch.log_softmax(logits.float(), dim=-1), [len(fr) for fr in frontier], self.topk)
-
     def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        def score(ids: list[int], trees: list[DraftTree], frontier: list[list[int]]) -> list[torch.Tensor]:
-            return self._score_tree_nodes([reqs[i] for i in ids], trees, frontier)
+        """Top-k trees, expanded on the device: each step is one extend over every node of the partial
+        trees (custom ancestor mask, node i at kv_len + depth(i)); KV goes to the reserved dummy slot,
+        as the tree is recomputed each step and the accepted path is re-extended after verification."""
+        device = self.runner.device
+        bs = len(reqs)
+        prefix = [r.kv_len for r in reqs]
 
-        roots = [r.output_ids[-1] for r in reqs]
-        return list(expand_trees(roots, max_depths, self.topk, self.num_draft_tokens, score))
+        def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+            slots = torch.full((bs * width,), DUMMY_KV_SLOT, dtype=torch.int64, device=device)
+            fb = self.build_verify_batch(reqs, [level_tree(width, self.topk)] * bs, slots,
+                                         input_ids=tokens.reshape(-1),
+                                         custom_mask=build_verify_mask_from_ancestors(ancestors, prefix))
+            fb.forward_mode = ForwardMode.DRAFT_EXTEND
+            frontier = 1 if width == 1 else self.topk
+            rows = [b * width + n for b in range(bs) for n in range(width - frontier, width)]
+            fb.logits_indices = ints_to_device([rows], device)[0]
+            logits = self._forward(fb, self.extend_backend, logits=True)
+            assert logits is not None
+            return torch.log_softmax(logits.float(), dim=-1).reshape(bs, frontier, -1)
+
+        roots = ints_to_device([[r.output_ids[-1] for r in reqs]], device)[0]
+        return list(expand_trees(roots, max_depths, self.topk, self.num_draft_tokens, step))
 
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
         if self.topk > 1:

@@ -89,3 +89,18 @@ def build_verify_mask(trees: list[DraftTree], prefix_lens: list[int], device: to
         block[:, pre:] = _ancestor_mask(tuple(tree.parents))
         start += size
     return to_device(torch.from_numpy(flat), device)  # pinned, asynchronous: no wait for the GPU queue
+
+
+def build_verify_mask_from_ancestors(ancestors: torch.Tensor, prefix_lens: list[int]) -> torch.Tensor:
+    """``build_verify_mask`` for trees of one width whose ancestor matrices are on the device
+    (``[bs, w, w]`` bool): the same layout, built there (no read of the device tensors)."""
+    bs, w, _ = ancestors.shape
+    sizes = [w * (pre + w) for pre in prefix_lens]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    pre = np.asarray(prefix_lens, dtype=np.int64)[:, None, None]
+    rows = np.arange(w)[None, :, None]
+    cols = np.arange(w)[None, None, :]
+    where = starts[:, None, None] + rows * (pre + w) + pre + cols  # entry (b, i, j) of the w x w parts
+    flat = torch.ones(sum(sizes), dtype=torch.bool, device=ancestors.device)
+    flat[to_device(torch.from_numpy(where.reshape(-1)), ancestors.device)] = ancestors.reshape(-1)
+    return flat

@@ -215,13 +215,17 @@ class SpecWorker(ABC):
         return {id(r) for r in cands}
 
     def build_verify_batch(self, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
-                           pad_width: int | None = None) -> ForwardBatch:
+                           pad_width: int | None = None, input_ids: torch.Tensor | None = None,
+                           custom_mask: torch.Tensor | None = None) -> ForwardBatch:
         """The TARGET_VERIFY batch of ``trees`` (their nodes' KV into ``slots``, tree order).
 
         ``pad_width``: every request's block is padded to this many tokens with dummy nodes (children
         of the root, token 0, KV into the reserved dummy slot), so a batch of mixed widths replays
         one captured graph. ``spec_info.trees`` stay the real trees, and request i's real nodes are
-        logits rows ``[i * pad_width, i * pad_width + width_i)``."""
+        logits rows ``[i * pad_width, i * pad_width + width_i)``.
+
+        ``input_ids`` / ``custom_mask``: the nodes' tokens and the mask when they are on the device
+        already (draft-tree expansion); ``trees`` then give only the shape (widths and depths)."""
         device = self.runner.device
         real_trees = trees
         src: list[int] = []  # padded layout: slot j of the real layout, or len(slots) (the dummy slot)
@@ -248,14 +252,16 @@ class SpecWorker(ABC):
         if pad_width is not None:
             slots = torch.cat([slots, slots.new_full((1,), DUMMY_KV_SLOT)])[src_t]
         fb = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs), input_ids=ids_t,
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs),
+            input_ids=ids_t if input_ids is None else input_ids,
             req_pool_indices=rows_t, seq_lens=seq_t, out_cache_loc=slots, positions=pos_t,
             seq_lens_cpu=seq_lens, seq_lens_sum=sum(seq_lens),
             extend_num_tokens=len(ids), extend_seq_lens=ext_t, extend_prefix_lens=pre_t,
             extend_start_loc=starts_t, extend_seq_lens_cpu=widths, extend_prefix_lens_cpu=prefix,
         )
         # logits_indices stays None: every node's logits are needed.
-        fb.spec_info = VerifyInput(real_trees, build_verify_mask(trees, prefix, device), widths)
+        mask = build_verify_mask(trees, prefix, device) if custom_mask is None else custom_mask
+        fb.spec_info = VerifyInput(real_trees, mask, widths)
         return fb
 
     def graph_pad_width(self, trees: list[DraftTree]) -> int | None:

@@ -124,6 +124,29 @@ def test_drafts_equal_the_head_run_from_scratch_while_long_prefixes_are_accepted
 
 
 @pytest.mark.parametrize("fmt", ["EAGLE", "EAGLE3"])
+def test_tree_expansion_with_one_branch_drafts_the_chain_loops_chain(target, reference, tmp_path, fmt):
+    """The device tree expansion (every node recomputed under the ancestor mask, each node reading its
+    parent's head output) and the chain loop (one decode per step on the KV) are two computations of
+    the same draft: with topk 1 they propose the same chain."""
+    head = make_eagle_head(tmp_path / fmt, target, fmt)
+    engine = make_engine(target, speculative_algorithm=fmt, speculative_draft_model_path=str(head))
+    worker = engine.scheduler.spec_worker
+    pairs: list[tuple[list[int], list[int]]] = []
+    chain_propose = worker.propose
+
+    def propose(sched, reqs, depths):
+        chains = chain_propose(sched, reqs, depths)
+        trees = worker._propose_trees(reqs, depths)
+        pairs.extend((c.tokens, t.tokens) for c, t in zip(chains, trees, strict=True) if c is not None)
+        return chains
+
+    worker.propose = propose
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert len(pairs) > 10 and all(chain == tree for chain, tree in pairs)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("fmt", ["EAGLE", "EAGLE3"])
 def test_top_k_trees_keep_greedy_output_exact(target, reference, tmp_path, fmt):
     head = make_eagle_head(tmp_path / fmt, target, fmt)
     engine = make_engine(target, speculative_algorithm=fmt, speculative_draft_model_path=str(head),
