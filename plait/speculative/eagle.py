@@ -32,13 +32,13 @@ import torch
 from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch, ForwardMode
-from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool
+from plait.mem.pools import MHATokenToKVPool
 from plait.models.eagle import Eagle3Head, EagleHead, iter_checkpoint, load_head_config
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_trees, level_tree
-from plait.speculative.tree import DraftTree, build_verify_mask_from_ancestors
+from plait.speculative.draft_tree import expand_trees
+from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device, to_device
 
@@ -256,7 +256,6 @@ class EagleWorker(SpecWorker):
             return result
         sub = [reqs[i] for i in use]
         shifted = [SimpleNamespace(kv_len=r.kv_len - 1, req_pool_idx=r.req_pool_idx) for r in sub]
-        prefix = [r.kv_len for r in shifted]
         bs = len(sub)
         root_hidden = torch.stack([self.pending[r.req_pool_idx][1] for r in sub])
         if isinstance(self.head, Eagle3Head):  # the root's 3h capture through fc, as step 0 does
@@ -265,11 +264,7 @@ class EagleWorker(SpecWorker):
         outputs: list[torch.Tensor] = []  # the head's hidden per node of the previous step [bs, w, h]
 
         def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-            slots = torch.full((bs * width,), DUMMY_KV_SLOT, dtype=torch.int64, device=device)
-            fb = self.build_verify_batch(shifted, [level_tree(width, self.topk)] * bs, slots,
-                                         input_ids=tokens.reshape(-1),
-                                         custom_mask=build_verify_mask_from_ancestors(ancestors, prefix))
-            fb.forward_mode = ForwardMode.DRAFT_EXTEND
+            fb = self.tree_draft_batch(shifted, tokens, ancestors)
             hidden_in = root_hidden[:, None, :]
             if width > 1:  # node n reads its parent's output of the step before
                 prev = outputs[-1]

@@ -26,13 +26,13 @@ from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE
 from plait.forward_batch import ForwardBatch, ForwardMode
-from plait.mem.pools import DUMMY_KV_SLOT, MHATokenToKVPool, log_device_memory
+from plait.mem.pools import MHATokenToKVPool, log_device_memory
 from plait.models.loader import load_model, load_model_config
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_trees, level_tree
-from plait.speculative.tree import DraftTree, build_verify_mask_from_ancestors
+from plait.speculative.draft_tree import expand_trees
+from plait.speculative.tree import DraftTree
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device
 
@@ -142,14 +142,9 @@ class StandaloneWorker(SpecWorker):
         as the tree is recomputed each step and the accepted path is re-extended after verification."""
         device = self.runner.device
         bs = len(reqs)
-        prefix = [r.kv_len for r in reqs]
 
         def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-            slots = torch.full((bs * width,), DUMMY_KV_SLOT, dtype=torch.int64, device=device)
-            fb = self.build_verify_batch(reqs, [level_tree(width, self.topk)] * bs, slots,
-                                         input_ids=tokens.reshape(-1),
-                                         custom_mask=build_verify_mask_from_ancestors(ancestors, prefix))
-            fb.forward_mode = ForwardMode.DRAFT_EXTEND
+            fb = self.tree_draft_batch(reqs, tokens, ancestors)
             frontier = 1 if width == 1 else self.topk
             rows = [b * width + n for b in range(bs) for n in range(width - frontier, width)]
             fb.logits_indices = ints_to_device([rows], device)[0]

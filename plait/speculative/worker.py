@@ -24,7 +24,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,7 +41,8 @@ from plait.speculative.accept import (
     tree_accept_sampled,
     walk_decisions,
 )
-from plait.speculative.tree import DraftTree, build_verify_mask
+from plait.speculative.draft_tree import level_tree
+from plait.speculative.tree import DraftTree, build_verify_mask, build_verify_mask_from_ancestors
 from plait.transfer import ints_to_device, to_host
 
 if TYPE_CHECKING:
@@ -262,6 +263,19 @@ class SpecWorker(ABC):
         # logits_indices stays None: every node's logits are needed.
         mask = build_verify_mask(trees, prefix, device) if custom_mask is None else custom_mask
         fb.spec_info = VerifyInput(real_trees, mask, widths)
+        return fb
+
+    def tree_draft_batch(self, reqs: list[Any], tokens: torch.Tensor, ancestors: torch.Tensor) -> ForwardBatch:
+        """The DRAFT_EXTEND batch of one device tree-expansion step (``plait.speculative.draft_tree``):
+        every request's first ``width`` nodes, tokens ``[bs, width]`` and ancestor matrices
+        ``[bs, width, width]`` from the device, node n at ``kv_len + depth(n)``, KV into the dummy
+        slot (the partial tree is recomputed each step, so no slot is held)."""
+        bs, width = tokens.shape
+        slots = torch.full((bs * width,), DUMMY_KV_SLOT, dtype=torch.int64, device=tokens.device)
+        mask = build_verify_mask_from_ancestors(ancestors, [r.kv_len for r in reqs])
+        fb = self.build_verify_batch(reqs, [level_tree(width, self.topk)] * bs, slots,
+                                     input_ids=tokens.reshape(-1), custom_mask=mask)
+        fb.forward_mode = ForwardMode.DRAFT_EXTEND
         return fb
 
     def graph_pad_width(self, trees: list[DraftTree]) -> int | None:
