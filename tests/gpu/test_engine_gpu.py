@@ -77,6 +77,30 @@ def test_graph_replay_matches_eager_on_the_same_batch(shape_dir):
     assert spread <= 2e-2 * scale, f"graph vs eager max diff {spread} (logit scale {scale})"
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_second_replica_replays_graphs_captured_on_its_own_gpu(shape_dir):
+    """Two replicas (dp_size 2): replica 1 captures on GPU 1 (a capture stream of its own device;
+    torch's default one belongs to the first capturing device) and its replay matches its eager run."""
+    from types import SimpleNamespace
+
+    engine = make_engine(shape_dir, dp_size=2)
+    dp = engine.runner
+    replica = dp.replicas[1]
+    assert replica.graph_runner is not None
+    seqs = random_prompts(5, 96, VOCAB, seed=3)
+    with dp.on_replica(1):
+        view = SimpleNamespace(runner=replica)
+        graph = teacher_forced_logits(view, seqs, 64)
+        runner, replica.graph_runner = replica.graph_runner, None
+        eager = teacher_forced_logits(view, seqs, 64)
+        replica.graph_runner = runner
+    release(engine)
+    assert graph.device == torch.device("cuda", 1)
+    spread = (graph - eager).abs().max().item()
+    scale = eager.abs().max().item()
+    assert spread <= 2e-2 * scale, f"replica 1 graph vs eager max diff {spread} (logit scale {scale})"
+
+
 def test_triton_logits_match_torch_native_within_its_own_batch_spread(shape_dir):
     seqs = random_prompts(4, 80, VOCAB, seed=4)
     native = make_engine(shape_dir, attention_backend="torch_native", disable_cuda_graph=True)
