@@ -86,11 +86,10 @@ class NgramDrafter:
         self.cache = NgramCache(min_window, max_window, capacity)
         self.indices: dict[str, RequestIndex] = {}
 
-    def forget(self, rid: str, tokens: list[int] | None = None) -> None:
-        """A request finished: drop its index and feed its tokens to the global cache."""
+    def forget(self, rid: str) -> None:
+        """A request finished: drop its index (its tokens reach the global cache through
+        ``cache.insert``, which the worker runs as deferred work)."""
         self.indices.pop(rid, None)
-        if tokens:
-            self.cache.insert(tokens)
 
     def _candidates(self, index: RequestIndex, seq: list[int], limit: int) -> list[int]:
         for n in range(min(self.max_window, len(seq)), self.min_window - 1, -1):

@@ -57,6 +57,6 @@ def test_drafter_proposes_a_chain_from_the_prompt_and_nothing_without_a_match():
 
 def test_drafter_falls_back_to_the_global_cache_and_branches_up_to_topk():
     drafter = NgramDrafter(min_window=2, max_window=2, capacity=100)
-    drafter.forget("done", [30, 31, 32, 30, 31, 33, 30, 31, 32])
+    drafter.cache.insert([30, 31, 32, 30, 31, 33, 30, 31, 32])  # a finished request's tokens
     tree = drafter.propose("r", [7, 30, 31], max_depth=1, max_nodes=3, topk=2)
     assert tree is not None and tree.tokens == [31, 32, 33] and tree.parents == [-1, 0, 0]
