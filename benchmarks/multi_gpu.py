@@ -173,8 +173,76 @@ def offline(out_dir: str, only: list[str] | None = None) -> None:
                      detail=results[name], others={k: v["output_tok_s"] for k, v in results.items()})
 
 
+def profile_dp2(out_dir: str) -> dict[str, Any]:
+    """Where a DP-attention (dp 2) offline-throughput run spends its time, seen from rank 0: wall time
+    per lockstep round by kind (any rank extending, or all decoding), the control-plane collectives
+    (gloo) inside those rounds, and a per-kernel table of one all-decode round."""
+    import time
+    from collections import defaultdict
+
+    import plait.distributed.dp_attention as dpa
+
+    shape = "llama-3.1-8b" if CUDA else "tiny"
+    path, vocab = _model(shape)
+    n, out_len = (256, 128) if CUDA else (8, 4)
+    engine = _engine(path, max_running_requests=n, disable_radix_cache=True, **LAYOUTS["dp2"])
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": out_len}
+    prompts = random_prompts(n, 512, vocab, seed=0) if CUDA else [[5 + i, 7, 9] for i in range(n)]
+    engine.generate(prompts, params)  # warm-up
+    sched, runner = engine.scheduler, engine.runner
+    control_s: dict[str, float] = defaultdict(float)
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            control_s[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    dpa.broadcast_object = timed("broadcast_control", dpa.broadcast_object)
+    dpa.all_gather_objects = timed("gather_progress", dpa.all_gather_objects)
+    runner._sync = timed("count_sync", runner._sync)
+    rounds: dict[str, list[float]] = defaultdict(list)
+    kernels = None
+    for p in prompts:
+        sched.add_request(engine.make_request(p, params))
+    t_all = time.perf_counter()
+    while sched.has_work():
+        before = len(runner.rounds)
+        t0 = time.perf_counter()
+        if kernels is None and not sched.waiting and not sched.prefilling and len(sched.running) == n:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                sched.step()
+            kernels = [{"name": e.key[:90], "calls": e.count, "device_us": e.device_time_total,
+                        "cpu_us": e.cpu_time_total}
+                       for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:20]]
+        else:
+            sched.step()
+        dt = time.perf_counter() - t0
+        if len(runner.rounds) > before:
+            counts, extends, mode = runner.rounds[-1]
+            rounds[f"{'extend' if any(extends) else 'decode'}-{mode.name}"].append(dt)
+        else:
+            rounds["no-forward"].append(dt)
+    total = time.perf_counter() - t_all
+    report = {"total_s": total, "output_tok_s": n * out_len / total,
+              "rounds": {k: {"count": len(v), "total_s": sum(v), "mean_ms": 1e3 * sum(v) / len(v)}
+                         for k, v in rounds.items()},
+              "control_plane_s": dict(control_s), "decode_round_kernels": kernels,
+              "padding_modes": dict(runner.padding_modes), "idle_rounds_rank0": runner.idle_rounds}
+    release(engine)
+    print(json.dumps({k: v for k, v in report.items() if k != "decode_round_kernels"}, indent=1))
+    with open(f"{out_dir}/multi-gpu-profile-dp2.json", "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "offline":
+    if sys.argv[1] == "profile-dp2":
+        profile_dp2(sys.argv[2])
+    elif sys.argv[1] == "offline":
         offline(sys.argv[2], sys.argv[3:] or None)
     else:
         {"correctness": correctness, "decode": decode}[sys.argv[1]](sys.argv[2])

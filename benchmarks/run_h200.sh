@@ -59,6 +59,8 @@ for stage in "$@"; do
         for what in correctness decode offline; do
           NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py $what "$OUT" 2>&1 | grep -v " INFO " | tail -8
         done ;;
+    # nvidia-h200-x2: where DP attention's offline time goes (rounds by kind, control plane, kernels).
+    x2-profile) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py profile-dp2 "$OUT" 2>&1 | grep -v " INFO " | tail -40 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
