@@ -111,9 +111,9 @@ class DPAttentionRunner(ModelRunner):
     """A rank's ModelRunner under DP attention: exchanges token counts before every forward."""
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, groups: Any) -> None:
-        # Graphs are captured without MLP-sync metadata, which every DP-attention forward needs:
-        # until capture covers MAX_LEN steps (DESIGN 3.4), DP attention runs eagerly.
-        super().__init__(config.replace(disable_cuda_graph=True), mc, groups.tp)
+        # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
+        # every rank captures the same buckets in the same order, so the recorded collectives pair up.
+        super().__init__(config, mc, groups.tp)
         self.groups = groups
         self.forwarded = False  # this round launched a forward
         self.padding_modes: Counter[str] = Counter()  # rounds per padding mode (tests, debugging)
@@ -130,6 +130,13 @@ class DPAttentionRunner(ModelRunner):
             self.rounds.append((tuple(counts), extend_flags, mode))
         fb.init_mlp_sync_metadata(MLPSync(counts, counts, mode == DPPaddingMode.MAX_LEN), self.device)
         fb.dp_padding_mode = mode
+
+    def init_capture_sync(self, fb: ForwardBatch) -> None:
+        # A captured decode step is a MAX_LEN step with the bucket's rows on every rank; at replay each
+        # rank pads its requests to the bucket of the largest count, so the shapes match the capture.
+        rows = [fb.batch_size] * self.tp.size
+        fb.init_mlp_sync_metadata(MLPSync(rows, rows, True), self.device)
+        fb.dp_padding_mode = DPPaddingMode.MAX_LEN
 
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
         self.forwarded = True
@@ -154,6 +161,10 @@ class DPAttentionRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward_idle(self, fb: ForwardBatch) -> LogitsOutput:
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            # The other ranks replay a decode graph: join it with a bucket of padding rows only.
+            fb.attn_backend = self.attn_backend
+            return self.graph_runner.replay(fb)
         # No attention work on this rank: only the MLP collectives of every layer, on zero rows.
         hidden = torch.empty(0, self.model_config.hidden_size, dtype=self.model_config.dtype, device=self.device)
         for layer in self.model.model.layers:

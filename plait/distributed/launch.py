@@ -180,6 +180,11 @@ def _spawned_worker(rank: int, world: int, config: EngineConfig, host: str, port
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which shuts the ranks down
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s tp{rank} %(name)s %(levelname)s "
                         "%(message)s")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # Triton kernels on CPU tensors (tests): the same interpreter fix as the parent process.
+        from plait.testing.triton_interpreter import patch_interpreter_for_numpy
+
+        patch_interpreter_for_numpy()
     store = dist.TCPStore(host, port, world, is_master=False, timeout=startup_timeout(config))
     run_worker(rank, world, config, store, local_world)
 

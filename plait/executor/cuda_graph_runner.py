@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -100,6 +101,15 @@ class EagerGraph:
         return None
 
 
+def graph_factory_for(device: str) -> Callable[[], Graph] | None:
+    """The graph kind a ModelRunner on ``device`` captures with, or None (no graphs). On a CPU,
+    ``PLAIT_CPU_GRAPHS=1`` (tests) builds the graph runners over the eager stand-in, so capture, bucket
+    padding and the DP graph batch size run in real engines, spawned ranks included (they inherit it)."""
+    if device == "cuda":
+        return CudaGraph
+    return EagerGraph if os.environ.get("PLAIT_CPU_GRAPHS") == "1" else None
+
+
 def warm_and_capture(graph: Graph, run: Callable[[], Any], pool: Any, sync: bool) -> Any:
     """Run ``run`` twice outside the capture (Triton compiles and autotuning, lazy initialisation),
     then capture it into ``graph`` sharing ``pool`` (buckets are captured largest first, so smaller
@@ -177,6 +187,8 @@ class CudaGraphRunner:
         model = self.runner.model
         for bs in reversed(self.batch_sizes):
             fb = self._static_batch(bs, [self.fill_value] * bs)
+            # DP attention: the MLP-sync metadata of a MAX_LEN step of bs rows on every rank.
+            self.runner.init_capture_sync(fb)
             self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
             fb.mark_forward_metadata_ready()
             self.capture_batches[bs] = fb
@@ -205,10 +217,14 @@ class CudaGraphRunner:
         return self.max_dp_batch_size(fb) if fb.global_num_tokens_cpu is not None else fb.batch_size
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        if fb.global_num_tokens_cpu is not None and not fb.can_run_dp_cuda_graph:
-            return False  # DP attention replays only in MAX_LEN steps
-        return (fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.graph_batch_size(fb) <= self.max_bs
-                and fb.spec_info is None)
+        if fb.spec_info is not None:
+            return False
+        if fb.global_num_tokens_cpu is not None:
+            # DP attention: the graphs hold the MLP collectives, so every rank must decide alike, from
+            # the global counts only. A rank with no requests (IDLE) replays the bucket on padding rows.
+            return (fb.can_run_dp_cuda_graph and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle())
+                    and 0 < self.max_dp_batch_size(fb) <= self.max_bs)
+        return fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs
 
     def bucket(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]

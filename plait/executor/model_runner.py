@@ -17,7 +17,7 @@ from plait.attention.plan_check import maybe_check_plans
 from plait.attention.registry import create_attention_backend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
-from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
+from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs, graph_factory_for
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
 from plait.layers.hidden_capture import HiddenCapture
@@ -133,16 +133,17 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         self.verify_graph_runner: VerifyGraphRunner | None = None
-        graphs = self.device == "cuda" and not config.disable_cuda_graph
+        graph_factory = None if config.disable_cuda_graph else graph_factory_for(self.device)
+        graphs = graph_factory is not None
         max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
         widths = verify_graph_widths(config)
         # Sized for the largest graph before any capture (replays write into it; never reallocated).
         self.hidden_capture = eagle_hidden_capture(config, mc, max_bs * max([1, *widths]) if graphs else 0,
                                                    self.device)
         if graphs:
-            self.graph_runner = CudaGraphRunner(self, max_bs)
+            self.graph_runner = CudaGraphRunner(self, max_bs, graph_factory)
             if widths:
-                self.verify_graph_runner = VerifyGraphRunner(self, max_bs, widths)
+                self.verify_graph_runner = VerifyGraphRunner(self, max_bs, widths, graph_factory)
         log_device_memory("graph capture", self.device)
         logger.info(
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
@@ -182,6 +183,10 @@ class ModelRunner:
             fb.attn_backend = self.attn_backend
             return self.verify_graph_runner.replay(fb)
         return self._run_model(fb)
+
+    def init_capture_sync(self, fb: ForwardBatch) -> None:
+        """Fill what a graph-captured batch needs beyond its static buffers (DP attention: the
+        MLP-sync metadata). Nothing for a plain runner."""
 
     def forward_idle(self, fb: ForwardBatch) -> LogitsOutput:
         # No tokens: the model still runs (collectives of TP/DP ranks must match), on empty input.
