@@ -21,7 +21,9 @@ window; the rows do not), so a windowed model plans both; PLAIT_TRITON_VERIFY_EX
 verify layer to the extend kernel (A/B measurement). TARGET_VERIFY batches that fit use static
 buffers the same way as decode (verify graphs): the row buffers sized for ``max_num_tokens`` rows,
 and the extend indptrs/prefix indices; the custom tree mask is the batch's (the graph runner hands a
-view whose mask is its static mask buffer).
+view whose mask is its static mask buffer). DRAFT_EXTEND batches with a custom mask (tree-draft
+steps, whose new tokens' KV goes to the dummy slot) plan the same way but take the extend kernel
+only, so tree-draft graphs (plait.speculative.tree_draft_graph) get the static buffers too.
 """
 
 from __future__ import annotations
@@ -243,6 +245,12 @@ class TritonAttnBackend(AttentionBackend):
         if fb.forward_mode.is_target_verify():
             self._plan_verify(fb, mask, in_capture)
             return
+        if fb.forward_mode.is_draft_extend() and mask is not None:
+            # Tree-draft steps (plait.speculative.draft_tree): a custom mask, KV into the dummy slot.
+            # The verify plan's static buffers serve their graphs; the extend kernel only, as decode
+            # rows would read the new tokens' K/V back from the cache.
+            self._plan_verify(fb, mask, in_capture, allow_rows=False)
+            return
         self._capture_input_ptrs = None
         self.verify_md = None
         mask_indptr = None
@@ -258,18 +266,19 @@ class TritonAttnBackend(AttentionBackend):
             mask_indptr=mask_indptr,
         )
 
-    def _plan_verify(self, fb: ForwardBatch, mask: torch.Tensor | None, in_capture: bool) -> None:
+    def _plan_verify(self, fb: ForwardBatch, mask: torch.Tensor | None, in_capture: bool,
+                     allow_rows: bool = True) -> None:
         """TARGET_VERIFY: the decode-row plan (``verify_md``) and, when windowed layers or the A/B switch
         need it, the extend plan (``extend_md``). A batch that fits the graph buffers plans into them,
         eager or replayed, so a graph captured on them sees every later plan. Device ops only on the
-        per-request indptrs: no host sync."""
+        per-request indptrs: no host sync. ``allow_rows=False`` (tree-draft steps): extend plan only."""
         assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         bs = fb.batch_size
         num_rows = sum(fb.extend_seq_lens_cpu)
         max_width = max(fb.extend_seq_lens_cpu)
         static = self.graph_verify_buffers
-        use_rows = self.verify_via_decode and bs <= VERIFY_ROWS_MAX_BS  # bs: the padded bucket on graphs
+        use_rows = allow_rows and self.verify_via_decode and bs <= VERIFY_ROWS_MAX_BS  # bs: the padded bucket
         if static is not None and (bs > self.graph_max_bs or (
                 use_rows and static.rows is not None and num_rows > static.rows.num_kv_splits.shape[0])):
             static = None

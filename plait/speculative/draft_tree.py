@@ -9,9 +9,10 @@ frontier/top-k order). After the last step the ``num_draft_tokens - 1`` best non
 Node layout (static, so nothing about the shapes depends on the draft's choices): node 0 is the
 root; step s adds nodes ``[1 + s*topk, 1 + (s+1)*topk)``, all at depth s + 1. Tokens, parents,
 cumulative scores and the ancestor matrix live on the device; the host sees them once, after the
-last step (one copy), to build the trees. Every request is expanded ``max(max_depths)`` steps and
-nodes deeper than its own limit are left out of its selection: a level's nodes depend only on the
-levels above it, so this equals stopping early.
+last step (one copy), to build the trees: ``expand_on_device`` is the device half (no host sync, a
+graph records it), ``trees_from_packed`` the host half. Every request is expanded
+``max(max_depths)`` steps and nodes deeper than its own limit are left out of its selection: a
+level's nodes depend only on the levels above it, so this equals stopping early.
 
 Invariant of the final selection: a child's score is its parent's plus a log-probability (<= 0), and
 children come after their parents in node order, so sorting by (score descending, node index) puts
@@ -52,8 +53,15 @@ def level_tree(width: int, topk: int) -> DraftTree:
 def expand_trees(roots: torch.Tensor, max_depths: list[int], topk: int, num_draft_tokens: int,
                  step_fn: StepFn) -> list[DraftTree]:
     """``roots``: int64 ``[bs]`` on the draft's device."""
+    packed = expand_on_device(roots, max(max_depths), topk, step_fn)
+    return trees_from_packed(packed, max_depths, topk, num_draft_tokens)
+
+
+def expand_on_device(roots: torch.Tensor, steps: int, topk: int, step_fn: StepFn) -> torch.Tensor:
+    """The device half of ``expand_trees``: ``steps`` expansion steps, no host sync and every shape a
+    function of (bs, steps, topk), so a graph can record it (plait.speculative.tree_draft_graph).
+    Returns float64 ``[bs, 3 * n]`` (n = 1 + steps * topk): node tokens, parents, cumulative scores."""
     bs, device = roots.shape[0], roots.device
-    steps = max(max_depths)
     n_max = 1 + steps * topk
     tokens = torch.zeros(bs, n_max, dtype=torch.int64, device=device)
     tokens[:, 0] = roots
@@ -76,9 +84,18 @@ def expand_trees(roots: torch.Tensor, max_depths: list[int], topk: int, num_draf
         ancestors[:, new, :] = ancestors.gather(1, parent[:, :, None].expand(bs, topk, n_max))
         own = torch.arange(width, width + topk, device=device)
         ancestors[:, own, own] = True
-    host = to_host(torch.cat([tokens.double(), parents.double(), scores], dim=1))  # ids < 2**53: exact
+    return torch.cat([tokens.double(), parents.double(), scores], dim=1)  # ids < 2**53: exact
+
+
+def trees_from_packed(packed: torch.Tensor, max_depths: list[int], topk: int,
+                      num_draft_tokens: int) -> list[DraftTree]:
+    """The host half: one copy of ``expand_on_device``'s output ``[bs, 3 * n]``, then each request's
+    best ``num_draft_tokens - 1`` nodes within its depth limit."""
+    n_max = packed.shape[1] // 3
+    host = to_host(packed)
     return [_select(host[b, :n_max].astype(int).tolist(), host[b, n_max : 2 * n_max].astype(int).tolist(),
-                    host[b, 2 * n_max :].tolist(), max_depths[b], topk, num_draft_tokens) for b in range(bs)]
+                    host[b, 2 * n_max :].tolist(), depth, topk, num_draft_tokens)
+            for b, depth in enumerate(max_depths)]
 
 
 def _select(tokens: list[int], parents: list[int], scores: list[float], max_depth: int, topk: int,

@@ -37,8 +37,9 @@ from plait.models.eagle import Eagle3Head, EagleHead, iter_checkpoint, load_head
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_trees
+from plait.speculative.draft_tree import expand_on_device, trees_from_packed
 from plait.speculative.tree import DraftTree
+from plait.speculative.tree_draft_graph import TreeDraftGraphRunner, TreeDraftInputs, TreeStep
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device, to_device
 
@@ -91,10 +92,13 @@ class EagleWorker(SpecWorker):
         # row -> (position, target hidden at that position): see the module docstring.
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}
         self.hidden_in_dim = tcfg.hidden_size * (len(self.capture_layers) if self.is_eagle3 else 1)
-        self.draft_graphs: DraftLoopGraphRunner | None = None
+        self.draft_graphs: DraftLoopGraphRunner | None = None  # the chain loop (topk 1)
+        self.tree_graphs: TreeDraftGraphRunner | None = None  # the tree expansion (topk > 1)
         max_bs = draft_graph_max_bs(config, runner.device)
-        if max_bs is not None and self.topk == 1:  # the captured loop is the chain loop
+        if max_bs is not None and self.topk == 1:
             self.draft_graphs = self.build_draft_graphs(max_bs)
+        elif max_bs is not None:
+            self.tree_graphs = self.build_tree_graphs(max_bs)
 
     def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
         """Capture the chain draft loop per (steps, batch bucket): step 0 reads the pending target
@@ -104,6 +108,14 @@ class EagleWorker(SpecWorker):
                                     device=self.runner.device, hidden_dim=self.hidden_in_dim,
                                     hidden_dtype=self.runner.model_config.dtype, **extra)
 
+    def build_tree_graphs(self, max_bs: int, graph_factory: Any = None) -> TreeDraftGraphRunner:
+        """Capture the top-k tree expansion per (steps, batch bucket) on the per-step draft backends;
+        tests pass an EagerGraph factory."""
+        extra = {} if graph_factory is None else {"graph_factory": graph_factory}
+        return TreeDraftGraphRunner(self.decode_backend, self._tree_step, max_bs, self.num_steps, self.topk,
+                                    self.runner.max_context_len, self.runner.device, hidden_dim=self.hidden_in_dim,
+                                    hidden_dtype=self.runner.model_config.dtype, **extra)
+
     # --- capture ----------------------------------------------------------------------------------
     def _take_hidden(self, num_tokens: int) -> torch.Tensor:
         """[num_tokens, hidden_in_dim]: the latest target forward's hidden states (a view of the
@@ -111,6 +123,7 @@ class EagleWorker(SpecWorker):
         return self.capture.read(num_tokens)
 
     def close(self) -> None:
+        self.tree_graphs = None
         self.head = None  # type: ignore[assignment]
         self.kv_pool = None  # type: ignore[assignment]
 
@@ -222,10 +235,13 @@ class EagleWorker(SpecWorker):
 
     # --- drafting ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _head_logprobs(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities over the target vocabulary, the head's hidden) for every row of fb."""
-        fb.attn_backend = self.extend_backend
-        self.extend_backend.init_forward_metadata(fb)
+    def _head_logprobs(self, fb: ForwardBatch, backend: AttentionBackend, hidden_in: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities over the target vocabulary, the head's hidden) for every row of fb.
+        Plans on ``backend`` unless the batch is marked planned (graph steps are)."""
+        fb.attn_backend = backend
+        if fb.needs_forward_metadata_init():
+            backend.init_forward_metadata(fb)
         embeds = self.embed(fb.input_ids)
         if isinstance(self.head, Eagle3Head):
             logits, hidden = self.head(embeds, hidden_in, fb.positions, fb)
@@ -239,45 +255,72 @@ class EagleWorker(SpecWorker):
         target = self.runner.model
         return torch.log_softmax(target.logits_processor(hidden, target.lm_head_weight, fb).float(), dim=-1), hidden
 
-    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        """Top-k trees, expanded on the device: the partial tree is recomputed each step with the
-        custom ancestor mask, the root at the pending position kv_len - 1 (the draft has KV below
-        it), node n at kv_len - 1 + depth(n) reading its parent's head output from the step before;
-        KV goes to the dummy slot (no tree state held)."""
-        from types import SimpleNamespace
-
-        device = self.runner.device
-        limit = self.runner.max_context_len
-        k = max(max_depths)
-        use = [i for i, r in enumerate(reqs)
-               if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
-        result: list[DraftTree | None] = [None] * len(reqs)
-        if not use:
-            return result
-        sub = [reqs[i] for i in use]
-        shifted = [SimpleNamespace(kv_len=r.kv_len - 1, req_pool_idx=r.req_pool_idx) for r in sub]
-        bs = len(sub)
-        root_hidden = torch.stack([self.pending[r.req_pool_idx][1] for r in sub])
+    @torch.inference_mode()
+    def _tree_step(self, root_hidden: torch.Tensor | None) -> TreeStep:
+        """The head's forward for one tree-expansion step, eager and in the graph alike: node n reads
+        the head's output of its parent from the step before (the root reads the pending target
+        hidden ``[bs, hidden_in_dim]``, through ``fc`` for EAGLE3). Returns the frontier's log-probs."""
+        assert root_hidden is not None
         if isinstance(self.head, Eagle3Head):  # the root's 3h capture through fc, as step 0 does
-            with torch.inference_mode():
-                root_hidden = self.head.fc(root_hidden)
+            root_hidden = self.head.fc(root_hidden)
+        bs = root_hidden.shape[0]
         outputs: list[torch.Tensor] = []  # the head's hidden per node of the previous step [bs, w, h]
 
-        def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-            fb = self.tree_draft_batch(shifted, tokens, ancestors)
+        def step(width: int, fb: ForwardBatch, backend: AttentionBackend, parents: torch.Tensor) -> torch.Tensor:
             hidden_in = root_hidden[:, None, :]
             if width > 1:  # node n reads its parent's output of the step before
                 prev = outputs[-1]
                 index = parents[:, 1:, None].expand(bs, width - 1, prev.shape[-1])
                 hidden_in = torch.cat([hidden_in, prev.gather(1, index)], dim=1)
-            lp, hidden = self._head_logprobs(fb, hidden_in.reshape(bs * width, -1))
+            lp, hidden = self._head_logprobs(fb, backend, hidden_in.reshape(bs * width, -1))
             outputs.append(hidden.reshape(bs, width, -1))
             frontier = 1 if width == 1 else self.topk
             return lp.reshape(bs, width, -1)[:, width - frontier :]
 
-        roots = ints_to_device([[r.output_ids[-1] for r in sub]], device)[0]
-        trees = expand_trees(roots, [max_depths[i] for i in use], self.topk, self.num_draft_tokens, step)
-        for i, tree in zip(use, trees, strict=True):
+        return step
+
+    def _tree_inputs(self, reqs: list[Req], max_depths: list[int]) -> TreeDraftInputs | None:
+        """The requests that draft a tree: the root at the pending position kv_len - 1 (the draft has KV
+        below it), so the extend prefix is kv_len - 1. None: nobody can draft."""
+        limit = self.runner.max_context_len
+        k = max(max_depths)
+        use = [i for i, r in enumerate(reqs)
+               if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
+        if not use:
+            return None
+        sub = [reqs[i] for i in use]
+        roots = ints_to_device([[r.output_ids[-1] for r in sub]], self.runner.device)[0]
+        return TreeDraftInputs(use=use, prefix=[r.kv_len - 1 for r in sub], rows=[r.req_pool_idx for r in sub],
+                               roots=roots, max_depths=[max_depths[i] for i in use],
+                               hidden=torch.stack([self.pending[r.req_pool_idx][1] for r in sub]))
+
+    def _expand_eager(self, inp: TreeDraftInputs) -> torch.Tensor:
+        """The expansion without graphs: each step a DRAFT_EXTEND planned on the extend backend."""
+        from types import SimpleNamespace
+
+        reqs = [SimpleNamespace(kv_len=p, req_pool_idx=r) for p, r in zip(inp.prefix, inp.rows, strict=True)]
+        step_fn = self._tree_step(inp.hidden)
+
+        def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+            return step_fn(width, self.tree_draft_batch(reqs, tokens, ancestors), self.extend_backend, parents)
+
+        return expand_on_device(inp.roots, max(inp.max_depths), self.topk, step)
+
+    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        """Top-k trees, expanded on the device: the partial tree is recomputed each step with the
+        custom ancestor mask, node n at kv_len - 1 + depth(n); KV goes to the dummy slot (no tree state
+        held). One graph replay when the tree graphs take the batch, else step by step."""
+        result: list[DraftTree | None] = [None] * len(reqs)
+        inp = self._tree_inputs(reqs, max_depths)
+        if inp is None:
+            return result
+        graphs = self.tree_graphs
+        if graphs is not None and graphs.can_run(len(inp.use), max(inp.max_depths)):
+            packed = graphs.replay(inp)
+        else:
+            packed = self._expand_eager(inp)
+        for i, tree in zip(inp.use, trees_from_packed(packed, inp.max_depths, self.topk, self.num_draft_tokens),
+                           strict=True):
             result[i] = tree
         return result
 

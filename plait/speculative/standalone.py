@@ -31,8 +31,9 @@ from plait.models.loader import load_model, load_model_config
 from plait.sampling.sampler import greedy_ids
 from plait.speculative.draft_backend import DraftBackendFactory
 from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_trees
+from plait.speculative.draft_tree import expand_on_device, trees_from_packed
 from plait.speculative.tree import DraftTree
+from plait.speculative.tree_draft_graph import TreeDraftGraphRunner, TreeDraftInputs, TreeStep
 from plait.speculative.worker import SpecWorker
 from plait.transfer import ints_to_device
 
@@ -65,16 +66,26 @@ class StandaloneWorker(SpecWorker):
                                       stamps_children=True)
         self.extend_backend: AttentionBackend = factory.create_extend_backend()
         self.decode_backend = factory.create_decode_backend(self.num_steps)
-        self.draft_graphs: DraftLoopGraphRunner | None = None
+        self.draft_graphs: DraftLoopGraphRunner | None = None  # the chain loop (topk 1)
+        self.tree_graphs: TreeDraftGraphRunner | None = None  # the tree expansion (topk > 1)
         max_bs = draft_graph_max_bs(config, runner.device)
-        if max_bs is not None and self.topk == 1:  # the captured loop is the chain loop
+        if max_bs is not None and self.topk == 1:
             self.draft_graphs = self.build_draft_graphs(max_bs)
+        elif max_bs is not None:
+            self.tree_graphs = self.build_tree_graphs(max_bs)
 
     def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
         """Capture the chain draft loop per (steps, batch bucket); tests pass an EagerGraph factory."""
         extra = {} if graph_factory is None else {"graph_factory": graph_factory}
         return DraftLoopGraphRunner(self.decode_backend, self._draft_step, max_bs, self.num_steps,
                                     position_offset=0, device=self.runner.device, **extra)
+
+    def build_tree_graphs(self, max_bs: int, graph_factory: Any = None) -> TreeDraftGraphRunner:
+        """Capture the top-k tree expansion per (steps, batch bucket) on the per-step draft backends;
+        tests pass an EagerGraph factory."""
+        extra = {} if graph_factory is None else {"graph_factory": graph_factory}
+        return TreeDraftGraphRunner(self.decode_backend, self._tree_step, max_bs, self.num_steps, self.topk,
+                                    self.runner.max_context_len, self.runner.device, **extra)
 
     def _draft_step(self, fb: ForwardBatch, backend: AttentionBackend, hidden: torch.Tensor | None
                     ) -> tuple[torch.Tensor, None]:
@@ -89,6 +100,7 @@ class StandaloneWorker(SpecWorker):
         self.extend_backend = None  # type: ignore[assignment]
         self.decode_backend = None  # type: ignore[assignment]
         self.draft_graphs = None
+        self.tree_graphs = None
 
     # --- draft forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -136,24 +148,51 @@ class StandaloneWorker(SpecWorker):
         self._forward(fb, self.extend_backend, logits=False)
 
     # --- drafting ---------------------------------------------------------------------------------
-    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        """Top-k trees, expanded on the device: each step is one extend over every node of the partial
-        trees (custom ancestor mask, node i at kv_len + depth(i)); KV goes to the reserved dummy slot,
-        as the tree is recomputed each step and the accepted path is re-extended after verification."""
-        device = self.runner.device
-        bs = len(reqs)
+    def _tree_step(self, hidden: torch.Tensor | None) -> TreeStep:
+        """The draft's forward for one tree-expansion step, eager and in the graph alike: logits only
+        at the frontier (the last F nodes of each request; device ops, no host sync), as log-probs."""
 
-        def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-            fb = self.tree_draft_batch(reqs, tokens, ancestors)
+        def step(width: int, fb: ForwardBatch, backend: AttentionBackend, parents: torch.Tensor) -> torch.Tensor:
+            bs, device = fb.batch_size, fb.input_ids.device
             frontier = 1 if width == 1 else self.topk
-            rows = [b * width + n for b in range(bs) for n in range(width - frontier, width)]
-            fb.logits_indices = ints_to_device([rows], device)[0]
-            logits = self._forward(fb, self.extend_backend, logits=True)
+            nodes = torch.arange(width - frontier, width, device=device)
+            fb.logits_indices = (torch.arange(bs, device=device)[:, None] * width + nodes[None, :]).reshape(-1)
+            logits = self._forward(fb, backend, logits=True)
             assert logits is not None
             return torch.log_softmax(logits.float(), dim=-1).reshape(bs, frontier, -1)
 
-        roots = ints_to_device([[r.output_ids[-1] for r in reqs]], device)[0]
-        return list(expand_trees(roots, max_depths, self.topk, self.num_draft_tokens, step))
+        return step
+
+    def _tree_inputs(self, reqs: list[Req], max_depths: list[int]) -> TreeDraftInputs:
+        """Every request drafts: node n at kv_len + depth(n) (the draft has KV below kv_len)."""
+        roots = ints_to_device([[r.output_ids[-1] for r in reqs]], self.runner.device)[0]
+        return TreeDraftInputs(use=list(range(len(reqs))), prefix=[r.kv_len for r in reqs],
+                               rows=[r.req_pool_idx for r in reqs], roots=roots, max_depths=list(max_depths))
+
+    def _expand_eager(self, inp: TreeDraftInputs) -> torch.Tensor:
+        """The expansion without graphs: each step an extend planned on the extend backend."""
+        from types import SimpleNamespace
+
+        reqs = [SimpleNamespace(kv_len=p, req_pool_idx=r) for p, r in zip(inp.prefix, inp.rows, strict=True)]
+        step_fn = self._tree_step(None)
+
+        def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+            return step_fn(width, self.tree_draft_batch(reqs, tokens, ancestors), self.extend_backend, parents)
+
+        return expand_on_device(inp.roots, max(inp.max_depths), self.topk, step)
+
+    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        """Top-k trees, expanded on the device: each step is one extend over every node of the partial
+        trees (custom ancestor mask, node i at kv_len + depth(i)); KV goes to the reserved dummy slot,
+        as the tree is recomputed each step and the accepted path is re-extended after verification.
+        One graph replay when the tree graphs take the batch, else step by step."""
+        inp = self._tree_inputs(reqs, max_depths)
+        graphs = self.tree_graphs
+        if graphs is not None and graphs.can_run(len(inp.use), max(inp.max_depths)):
+            packed = graphs.replay(inp)
+        else:
+            packed = self._expand_eager(inp)
+        return list(trees_from_packed(packed, inp.max_depths, self.topk, self.num_draft_tokens))
 
     def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
         if self.topk > 1:

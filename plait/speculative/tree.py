@@ -104,3 +104,18 @@ def build_verify_mask_from_ancestors(ancestors: torch.Tensor, prefix_lens: list[
     flat = torch.ones(sum(sizes), dtype=torch.bool, device=ancestors.device)
     flat[to_device(torch.from_numpy(where.reshape(-1)), ancestors.device)] = ancestors.reshape(-1)
     return flat
+
+
+def node_mask_positions(prefix_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """Where the node region of each request's block lies in the flat custom mask of a batch whose
+    requests all have ``width`` nodes: int64 ``[bs * width * width]``, entry (b, i, j) of the node
+    region at ``start_b + i * (prefix_b + width) + prefix_b + j``. Device ops only, every shape a
+    function of (bs, width): a graph records it and reads ``prefix_lens`` (int64 ``[bs]``) per replay."""
+    device = prefix_lens.device
+    row = prefix_lens + width  # a block's row length
+    sizes = row * width
+    starts = torch.cumsum(sizes, 0) - sizes
+    i = torch.arange(width, device=device)[None, :, None]
+    j = torch.arange(width, device=device)[None, None, :]
+    where = (starts + prefix_lens)[:, None, None] + i * row[:, None, None] + j
+    return where.reshape(-1)
