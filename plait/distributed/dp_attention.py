@@ -15,8 +15,10 @@ One engine step is one lockstep round on every rank:
      batch, which joins the same collectives with zero rows, unless no rank has any work.
   3. the ranks all-gather their progress (new tokens, finishes); rank 0 applies it to its stand-ins.
 
-Overlap scheduling is off under DP attention: every round ends with host-complete results, so a
-finished request is known on rank 0 in the round that finished it.
+Overlap scheduling works as on one rank: a round launches its forward and then processes the one
+launched in the previous round, so the host work of a round (the control collectives above
+included) runs while the device computes, and the progress a rank reports is that of the previous
+forward. A finish thus reaches rank 0 one round after its token was computed.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ class DPAttentionScheduler:
         self.config = config
         self.runner = runner
         self.dp_size = config.dp_size
-        self.local = Scheduler(config.replace(disable_overlap_schedule=True), runner)
+        self.local = Scheduler(config, runner)
         self.remote: dict[str, tuple[int, Req]] = {}  # rid -> (rank, stand-in Req)
         self._adds: list[tuple[int, NewRequest]] = []
         self._aborts: list[str] = []
@@ -353,7 +355,7 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-    scheduler = Scheduler(config.replace(disable_overlap_schedule=True), runner)
+    scheduler = Scheduler(config, runner)
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:

@@ -5,28 +5,30 @@ the sharded MLP runs over all of them, and since the row-parallel down projectio
 sums, they are reduced and each rank keeps its own rows. The layout is the step's padding mode:
 
   SUM_LEN  a zero buffer of the summed length; each rank writes its rows at its offset and an
-           all-reduce assembles the buffer; after the MLP (whose down projection all-reduces) each
+           all-reduce assembles the buffer; after the MLP the partial sums are all-reduced and each
            rank slices its rows back out.
-  MAX_LEN  every rank pads to the longest; all-gather before; after the MLP each rank keeps its
-           chunk. The reduction is the down projection's all-reduce followed by the slice: the
-           same numbers as a reduce-scatter, which gloo does not have (on NCCL a reduce-scatter
-           would move less data; not done yet).
+  MAX_LEN  every rank pads to the longest; all-gather before; after the MLP each rank
+           reduce-scatters the partial sums and keeps its chunk (gloo: all-reduce and slice).
+           Graph replays are MAX_LEN steps whose every rank holds the bucket's rows, so the
+           padding copy is skipped there.
 
 A rank with no tokens (IDLE) passes an empty tensor and still joins every collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.distributed.parallel_state import TPGroup
 from plait.forward_batch import DPPaddingMode, ForwardBatch
 
+if TYPE_CHECKING:
+    from plait.models.llama import LlamaMLP
 
-def dp_gathered_mlp(mlp: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, fb: ForwardBatch,
-                    group: TPGroup) -> torch.Tensor:
+
+def dp_gathered_mlp(mlp: LlamaMLP, hidden: torch.Tensor, fb: ForwardBatch, group: TPGroup) -> torch.Tensor:
     counts = fb.global_num_tokens_cpu
     if counts is None or fb.dp_padding_mode is None:
         raise RuntimeError("a DP-attention forward needs its MLP-sync metadata (init_mlp_sync_metadata) and "
@@ -36,13 +38,14 @@ def dp_gathered_mlp(mlp: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
         raise RuntimeError(f"rank {group.rank} has {n} tokens but the step's counts say {counts[group.rank]}")
     if fb.dp_padding_mode == DPPaddingMode.MAX_LEN:
         longest = max(counts)
-        padded = hidden.new_zeros(longest, hidden.shape[1])
-        padded[:n] = hidden
-        out = mlp(group.all_gather_first_dim(padded))
-        start = group.rank * longest
-        return out[start : start + n]
+        padded = hidden
+        if n < longest:
+            padded = hidden.new_zeros(longest, hidden.shape[1])
+            padded[:n] = hidden
+        partial = mlp.forward_partial(group.all_gather_first_dim(padded))
+        return mlp.down_proj.add_bias(group.reduce_scatter_first_dim(partial)[:n])
     offset = sum(counts[: group.rank])
     buf = hidden.new_zeros(sum(counts), hidden.shape[1])
     buf[offset : offset + n] = hidden
-    out = mlp(group.all_reduce(buf))
-    return out[offset : offset + n]
+    partial = mlp.forward_partial(group.all_reduce(buf))
+    return mlp.down_proj.add_bias(group.all_reduce(partial)[offset : offset + n])

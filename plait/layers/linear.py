@@ -104,6 +104,12 @@ class RowParallelLinear(nn.Module):
         out = F.linear(x, self.weight)
         if self.reduce_results:
             out = self.tp.all_reduce(out)
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        return self.add_bias(out)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums (no reduction, no bias): for callers that reduce another way
+        (DP attention reduce-scatters) and then call ``add_bias``."""
+        return F.linear(x, self.weight)
+
+    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced if self.bias is None else reduced + self.bias

@@ -87,6 +87,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's unreduced, bias-free down projection (the caller reduces, then adds
+        ``down_proj.add_bias``)."""
+        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
+
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
