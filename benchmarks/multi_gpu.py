@@ -200,8 +200,7 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
             return out
         return wrapper
 
-    dpa.broadcast_object = timed("broadcast_control", dpa.broadcast_object)
-    dpa.all_gather_objects = timed("gather_progress", dpa.all_gather_objects)
+    dpa.exchange_objects = timed("round_exchange", dpa.exchange_objects)
     runner._sync = timed("count_sync", runner._sync)
     rounds: dict[str, list[float]] = defaultdict(list)
     kernels = None

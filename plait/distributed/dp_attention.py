@@ -6,19 +6,21 @@ are gathered and reduced around it (``plait.distributed.dp_mlp``). Rank 0, the e
 is also the front end: ``DPAttentionScheduler`` balances new requests over the ranks (shortest
 queue: fewest live requests) and keeps a stand-in Req for every request another rank serves.
 
-One engine step is one lockstep round on every rank:
+One engine step is one lockstep round on every rank, with two control collectives (gloo):
 
-  1. rank 0 broadcasts a ``DPControl``: new requests (with their rank), aborts, or shut down
+  1. the round exchange (one all-gather): rank 0 sends a ``DPControl`` (new requests with their
+     rank, aborts, or shut down), every other rank the progress of its previous round (new tokens,
+     finishes), which rank 0 applies to its stand-ins
   2. every rank runs ``Scheduler.step()``; its forward first all-gathers the per-rank token counts
      (decode: requests, extend: new tokens), picks the padding mode and fills the batch's MLP-sync
      metadata (``ForwardBatch.init_mlp_sync_metadata``). A rank that launched nothing runs an IDLE
      batch, which joins the same collectives with zero rows, unless no rank has any work.
-  3. the ranks all-gather their progress (new tokens, finishes); rank 0 applies it to its stand-ins.
 
 Overlap scheduling works as on one rank: a round launches its forward and then processes the one
 launched in the previous round, so the host work of a round (the control collectives above
 included) runs while the device computes, and the progress a rank reports is that of the previous
-forward. A finish thus reaches rank 0 one round after its token was computed.
+forward. A finish on another rank reaches rank 0 in the exchange of the round after the one that
+processed it (rank 0 steps while a stand-in is live, so the last report always arrives).
 """
 
 from __future__ import annotations
@@ -47,26 +49,31 @@ logger = logging.getLogger(__name__)
 
 
 # --- objects over a gloo group ---------------------------------------------------------------------
-def broadcast_object(group: TPGroup, obj: Any = None, timeout: timedelta | None = None) -> Any:
-    """Rank 0's ``obj`` on every rank (pickled). ``timeout`` bounds only the wait for the size."""
-    if group.rank == 0:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        group.broadcast(torch.tensor([data.numel()], dtype=torch.int64), timeout=timeout)
-        group.broadcast(data)
-        return obj
-    size = torch.empty(1, dtype=torch.int64)
-    group.broadcast(size, timeout=timeout)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    group.broadcast(data)
-    return pickle.loads(data.numpy().tobytes())
+# A round message travels in one fixed-size all-gather: a gloo collective costs about half a
+# millisecond whatever its size up to tens of KiB, so a size exchange before the data would double
+# the control plane's cost. Longer messages (many new prompts) send the rest in a second all-gather.
+EXCHANGE_BYTES = 1 << 16
+_LEN = 8  # bytes of the little-endian length header
 
 
-def all_gather_objects(group: TPGroup, obj: Any) -> list[Any]:
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = [int(s.item()) for s in group.all_gather(torch.tensor([data.numel()], dtype=torch.int64))]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    return [pickle.loads(p[:n].numpy().tobytes()) for p, n in zip(group.all_gather(padded), sizes, strict=True)]
+def exchange_objects(group: TPGroup, obj: Any, timeout: timedelta | None = None) -> list[Any]:
+    """Every rank's ``obj`` (pickled), in rank order. ``timeout`` bounds only the first collective
+    (the wait for the other ranks to arrive, which may last as long as the engine sits idle)."""
+    data = pickle.dumps(obj)
+    buf = torch.zeros(_LEN + EXCHANGE_BYTES, dtype=torch.uint8)
+    head = len(data).to_bytes(_LEN, "little") + data[:EXCHANGE_BYTES]
+    buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    parts = [p.numpy().tobytes() for p in group.all_gather(buf, timeout=timeout)]
+    sizes = [int.from_bytes(p[:_LEN], "little") for p in parts]
+    overflow = max(sizes) - EXCHANGE_BYTES
+    rests = [b""] * len(parts)
+    if overflow > 0:
+        extra = torch.zeros(overflow, dtype=torch.uint8)
+        rest = data[EXCHANGE_BYTES:]
+        if rest:
+            extra[: len(rest)] = torch.frombuffer(bytearray(rest), dtype=torch.uint8)
+        rests = [p.numpy().tobytes() for p in group.all_gather(extra)]
+    return [pickle.loads((p[_LEN:] + r)[:n]) for p, r, n in zip(parts, rests, sizes, strict=True)]
 
 
 # --- messages ---------------------------------------------------------------------------------------
@@ -207,7 +214,7 @@ class DPAttentionLeader(DPAttentionRunner):
 
         if self.failure is None and self.model is not None:
             try:
-                broadcast_object(self.groups.control, DPControl(shutdown=True))
+                exchange_objects(self.groups.control, DPControl(shutdown=True))
             except Exception:  # noqa: BLE001 (a dead rank cannot be told; it is killed below)
                 logger.warning("could not tell the DP-attention ranks to shut down", exc_info=True)
         stop_processes(self.procs, grace_s=10.0 if self.failure is None else 0.0)
@@ -303,19 +310,15 @@ class DPAttentionScheduler:
             # scheduler retires them without a forward). Anything else raises below.
             return self.local.step()
         self.runner.check_ranks()
-        control = self.runner.groups.control
         msg = DPControl(self._adds, self._aborts)
         self._adds, self._aborts = [], []
         try:
-            broadcast_object(control, msg)
-            updated = self.local.step()
+            reports = exchange_objects(self.runner.groups.control, msg)
+            updated = [self._apply(p) for report in reports[1:] for p in report]
+            updated += self.local.step()
             self.runner.finish_round()
-            reports = all_gather_objects(control, [])
         except Exception as e:
             raise self.runner.fail(e) from e
-        for report in reports[1:]:
-            for p in report:
-                updated.append(self._apply(p))
         return updated
 
     def _only_aborts_left(self) -> bool:
@@ -359,7 +362,7 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:
-        msg: DPControl = broadcast_object(control, timeout=IDLE_WAIT)
+        msg: DPControl = exchange_objects(control, _progress(live), timeout=IDLE_WAIT)[0]
         if msg.shutdown:
             return
         for rank, new in msg.adds:
@@ -375,7 +378,6 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
             scheduler.abort(rid)
         scheduler.step()
         runner.finish_round()
-        all_gather_objects(control, _progress(live))
 
 
 def _progress(live: dict[str, tuple[Req, int]]) -> list[Progress]:

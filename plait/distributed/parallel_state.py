@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,16 @@ class TPGroup:
         self.group.allreduce([x], op).wait()
         return x
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``x`` (same shape everywhere), in rank order."""
+    def all_gather(self, x: torch.Tensor, timeout: timedelta | None = None) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same shape everywhere), in rank order. ``timeout`` overrides the
+        group's collective timeout for this call."""
         if self.size == 1:
             return [x]
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.group.allgather([parts], [x.contiguous()]).wait()
+        opts = AllgatherOptions()
+        if timeout is not None:
+            opts.timeout = timeout
+        self.group.allgather([parts], [x.contiguous()], opts).wait()
         return parts
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
