@@ -177,6 +177,9 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
     """Where a DP-attention (dp 2) offline-throughput run spends its time, seen from rank 0: wall time
     per lockstep round by kind (any rank extending, or all decoding), the control-plane collectives
     (gloo) inside those rounds, and a per-kernel table of one all-decode round."""
+    import cProfile
+    import io
+    import pstats
     import time
     from collections import defaultdict
 
@@ -204,6 +207,8 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
     runner._sync = timed("count_sync", runner._sync)
     rounds: dict[str, list[float]] = defaultdict(list)
     kernels = None
+    host = cProfile.Profile()  # rank 0's host work over the decode rounds after the kernel table
+    host_rounds = 0
     for p in prompts:
         sched.add_request(engine.make_request(p, params))
     t_all = time.perf_counter()
@@ -217,6 +222,11 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
             kernels = [{"name": e.key[:90], "calls": e.count, "device_us": e.device_time_total,
                         "cpu_us": e.cpu_time_total}
                        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:20]]
+        elif kernels is not None and host_rounds < 40 and len(sched.running) == n:
+            host.enable()
+            sched.step()
+            host.disable()
+            host_rounds += 1
         else:
             sched.step()
         dt = time.perf_counter() - t0
@@ -232,6 +242,11 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
               "control_plane_s": dict(control_s), "decode_round_kernels": kernels,
               "padding_modes": dict(runner.padding_modes), "idle_rounds_rank0": runner.idle_rounds}
     release(engine)
+    text = io.StringIO()
+    text.write(f"rank 0 host work over {host_rounds} all-decode rounds (cProfile, cumulative)\n")
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(45)
+    with open(f"{out_dir}/multi-gpu-profile-dp2-host.txt", "w") as f:
+        f.write(text.getvalue())
     print(json.dumps({k: v for k, v in report.items() if k != "decode_round_kernels"}, indent=1))
     with open(f"{out_dir}/multi-gpu-profile-dp2.json", "w") as f:
         json.dump(report, f, indent=2)
