@@ -82,8 +82,9 @@ def expand_on_device(roots: torch.Tensor, steps: int, topk: int, step_fn: StepFn
         parents[:, new] = parent
         scores[:, new] = cand.gather(1, best)
         ancestors[:, new, :] = ancestors.gather(1, parent[:, :, None].expand(bs, topk, n_max))
-        own = torch.arange(width, width + topk, device=device)
-        ancestors[:, own, own] = True
+        # Each new node is its own ancestor: the diagonal of its block, filled in place (no index
+        # tensor, nothing from the host: a graph records it).
+        ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)
     return torch.cat([tokens.double(), parents.double(), scores], dim=1)  # ids < 2**53: exact
 
 

@@ -142,7 +142,7 @@ class TreeDraftGraphRunner:
             where = node_mask_positions(prefix, width)
             self.custom_mask[where] = ancestors.reshape(-1)
             lp = step_fn(width, batches[s], children[s], parents)
-            self.custom_mask[where] = True  # back to all ones (the invariant)
+            self.custom_mask.index_fill_(0, where, True)  # back to all ones (the invariant)
             return lp
 
         return expand_on_device(self.roots[:bs], len(batches), self.topk, step)

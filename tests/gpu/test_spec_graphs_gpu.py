@@ -1,6 +1,7 @@
 """Speculative graphs on the H200 (bf16): TARGET_VERIFY replay vs eager logits on the same batch,
-the chain draft loop replay vs eager draft tokens where the draft's margin is clear, and an NGRAM /
-STANDALONE engine run through both graph runners that ends with every KV slot free."""
+the chain draft loop replay vs eager draft tokens where the draft's margin is clear, the top-k tree
+draft replay vs the eager tree expansion, and NGRAM / STANDALONE (chain and tree) engine runs through
+the graph runners that end with every KV slot free."""
 
 from __future__ import annotations
 
@@ -113,3 +114,52 @@ def test_eagle3_decode_graph_writes_the_hidden_states_an_eager_forward_writes(sh
     assert replayed.shape == (3, 3 * SHAPES[SHAPE]["hidden_size"])
     scale = eager.abs().max().item()
     assert scale > 0 and (replayed - eager).abs().max().item() <= 2e-2 * scale
+
+
+TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}
+
+
+def test_tree_draft_graph_replay_matches_the_eager_tree_expansion(shape_dir):
+    """The top-k tree expansion replayed from its graph (bs 5 pads to the 8 bucket) against the eager
+    expansion of the same inputs. bf16: a level's best scores are continuous in the logits, so the
+    root's children's scores agree within rounding everywhere; whole expansions (tokens, parents) may
+    part only where a k-th and (k + 1)-th candidate tie within rounding, so most requests agree
+    exactly, and there every cumulative score agrees within rounding."""
+    from plait.speculative.tree_draft_graph import TreeDraftInputs
+
+    engine = make_engine(shape_dir, speculative_algorithm="STANDALONE", speculative_draft_model_path=shape_dir,
+                         **TREE)
+    worker = engine.scheduler.spec_worker
+    graphs = worker.tree_graphs
+    assert graphs is not None and worker.draft_graphs is None and graphs.can_run(5, 3)
+    prompts = random_prompts(5, [40, 64, 90, 17, 120], VOCAB, seed=11)  # mixed prefix lengths
+    reqs, _ = _prefilled_rows(engine, prompts)
+    inp = TreeDraftInputs(use=list(range(5)), prefix=[r.kv_len for r in reqs], rows=[r.req_pool_idx for r in reqs],
+                          roots=torch.tensor([p[-1] for p in prompts], device="cuda"), max_depths=[3] * 5)
+    replayed = graphs.replay(inp).clone()
+    bucket = graphs.last_views[0].batch_size
+    eager = worker._expand_eager(inp)
+    release(engine)
+    assert bucket == 8 and replayed.shape == eager.shape == (5, 3 * 7)
+    nodes, scores_r, scores_e = replayed[:, :14], replayed[:, 14:], eager[:, 14:]
+    tol = 5e-2  # log-probability units: bf16 hidden states, fp32 logits
+    assert (scores_r[:, 1:3] - scores_e[:, 1:3]).abs().max().item() <= tol
+    same = [b for b in range(5) if torch.equal(nodes[b], eager[b, :14])]
+    assert len(same) >= 4, f"only requests {same} expand the same tree on both paths"
+    assert (scores_r[same] - scores_e[same]).abs().max().item() <= tol
+
+
+def test_standalone_tree_engine_replays_the_tree_graphs_and_frees_every_slot(shape_dir):
+    prompts = random_prompts(6, 64, VOCAB, seed=5)
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 24}
+    engine = make_engine(shape_dir, speculative_algorithm="STANDALONE", speculative_draft_model_path=shape_dir,
+                         **TREE)
+    outs = engine.generate(prompts, params)
+    worker = engine.scheduler.spec_worker
+    assert all(len(o.token_ids) == 24 for o in outs)
+    assert worker.tree_graphs is not None and worker.tree_graphs.last_views  # replayed at least once
+    # The target as its own draft: bf16 drafts agree with the target almost always.
+    assert worker.stats.mean_accept_length() > 2.5
+    assert engine.scheduler.kv_tokens_in_use() == 0
+    assert engine.runner.req_to_token_pool.available_size() == engine.runner.req_to_token_pool.size
+    release(engine)
