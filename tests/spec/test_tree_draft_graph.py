@@ -139,3 +139,20 @@ def test_greedy_output_with_tree_graphs_equals_non_speculative_greedy(graph_run,
 def test_no_kv_slot_is_in_use_after_every_request_finished(graph_run):
     engine, _, _ = graph_run
     assert_no_leaks(engine)
+
+
+def test_propose_expands_eagerly_when_the_batch_exceeds_the_captured_max(target, draft, tmp_path, reference):
+    engine = make_engine(target, attention_backend="triton", max_total_tokens=1024,
+                         **_spec("STANDALONE", 2, target, draft, tmp_path))
+    worker = engine.scheduler.spec_worker
+    worker.tree_graphs = graphs = worker.build_tree_graphs(2, EagerGraph)
+    paths: list[tuple[int, str]] = []  # (requests drafting, path taken) per propose call
+    real_eager, real_replay = worker._expand_eager, graphs.replay
+    worker._expand_eager = lambda inp: paths.append((len(inp.use), "eager")) or real_eager(inp)
+    graphs.replay = lambda inp: paths.append((len(inp.use), "graph")) or real_replay(inp)
+    outs = [o.token_ids for o in engine.generate(PROMPTS, SHORT)]  # 3 requests: above the max of 2
+    outs_two = [o.token_ids for o in engine.generate(PROMPTS[:2], SHORT)]
+    assert outs == reference and outs_two == reference[:2]
+    assert {path for bs, path in paths if bs > 2} == {"eager"}
+    assert {path for bs, path in paths if bs <= 2} == {"graph"}
+    assert_no_leaks(engine)
