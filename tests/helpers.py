@@ -23,6 +23,14 @@ def make_engine(path: pathlib.Path, **options: Any) -> plait.Engine:
     return plait.Engine(model=str(path), **options)
 
 
+def single_rank_outputs(path: pathlib.Path, prompts: list[list[int]], params: dict[str, Any]
+                        ) -> dict[tuple[int, ...], list[int]]:
+    """Token ids one plain engine (one rank, no parallelism) generates, keyed by prompt: the reference
+    a parallel layout's output must equal."""
+    with make_engine(path) as single:
+        return {tuple(p): o.token_ids for p, o in zip(prompts, single.generate(prompts, params), strict=True)}
+
+
 def assert_no_leaks(engine: plait.Engine) -> None:
     """After every request finished: no KV slot held outside the prefix cache, no pool row in use."""
     sched = engine.scheduler

@@ -11,7 +11,7 @@ import pytest
 
 from plait.distributed.launch import TensorParallelError
 from plait.forward_batch import DPPaddingMode
-from tests.helpers import make_engine, prompt_ids
+from tests.helpers import make_engine, prompt_ids, single_rank_outputs
 
 GREEDY12 = {"temperature": 0.0, "max_new_tokens": 12}
 PROMPTS32 = prompt_ids(16, seed=1) + prompt_ids(16, seed=2)
@@ -25,8 +25,7 @@ def model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(model):
     """Greedy outputs of one rank (no DP) for every prompt used below."""
-    with make_engine(model) as single:
-        return {tuple(p): o.token_ids for p, o in zip(PROMPTS32, single.generate(PROMPTS32, GREEDY12), strict=True)}
+    return single_rank_outputs(model, PROMPTS32, GREEDY12)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 from plait.forward_batch import DPPaddingMode  # noqa: E402
-from tests.helpers import make_engine, prompt_ids  # noqa: E402
+from tests.helpers import make_engine, prompt_ids, single_rank_outputs  # noqa: E402
 
 GREEDY8 = {"temperature": 0.0, "max_new_tokens": 8}
 PROMPTS = prompt_ids(12, seed=1)
@@ -26,8 +26,7 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    with make_engine(model) as single:
-        return {tuple(p): o.token_ids for p, o in zip(PROMPTS, single.generate(PROMPTS, GREEDY8), strict=True)}
+    return single_rank_outputs(model, PROMPTS, GREEDY8)
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,9 @@ def _compare_expansions(worker, bucket_of: list[tuple[int, int]], exact_scores: 
     worker.propose = propose
 
 
-@pytest.mark.parametrize(("algo", "topk"), [("EAGLE", 2), ("EAGLE3", 4), ("STANDALONE", 2), ("STANDALONE", 4)])
+# Under the Triton interpreter every engine run costs tens of seconds: each drafter runs once across the
+# two comparisons (EAGLE3 with topk 4 in the unpadded one).
+@pytest.mark.parametrize(("algo", "topk"), [("EAGLE", 2), ("STANDALONE", 2)])
 def test_graph_replay_expands_the_eager_trees_in_a_padded_batch(target, draft, tmp_path, algo, topk):
     """Three requests replay the bucket of 4. The scores agree to float32 rounding only: the padded
     batch's draft GEMMs have one row more, and the CPU's GEMM rounds a row differently by the row count
@@ -100,7 +102,7 @@ def test_graph_replay_expands_the_eager_trees_in_a_padded_batch(target, draft, t
     assert compared and any(bucket > bs for bs, bucket in compared)  # padding exercised
 
 
-@pytest.mark.parametrize(("algo", "topk"), [("EAGLE", 2), ("EAGLE3", 4), ("STANDALONE", 2)])
+@pytest.mark.parametrize(("algo", "topk"), [("EAGLE3", 4)])
 def test_graph_replay_is_bit_exact_when_the_bucket_is_the_batch(target, draft, tmp_path, algo, topk):
     engine = make_engine(target, attention_backend="triton", max_total_tokens=1024,
                          **_spec(algo, topk, target, draft, tmp_path))
@@ -112,10 +114,11 @@ def test_graph_replay_is_bit_exact_when_the_bucket_is_the_batch(target, draft, t
     assert compared and all(bucket == bs for bs, bucket in compared)
 
 
-@pytest.fixture(scope="module", params=["EAGLE", "STANDALONE"])
+@pytest.fixture(scope="module", params=["EAGLE"])
 def graph_run(request, target, draft, tmp_path_factory):
-    """One engine run per drafter with the tree graphs installed: (engine, worker, token ids). Module
-    scope runs before the autouse plan-check fixture, so it turns the checker on itself."""
+    """One engine run with the tree graphs installed: (engine, worker, token ids). STANDALONE's engine
+    run on tree graphs is the fallback test's (at or under its captured max). Module scope runs before
+    the autouse plan-check fixture, so it turns the checker on itself."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PLAIT_CHECK_PLANS", "1")
         engine, worker = _engine_with_tree_graphs(target, _spec(request.param, 2, target, draft,
