@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
 #   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|profile-graph|profile-host|profile-spec|
-#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|x2 (on nvidia-h200-x2)|...
+#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|x2|x2-profile (x2: on nvidia-h200-x2)|...
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
