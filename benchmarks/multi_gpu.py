@@ -173,10 +173,20 @@ def offline(out_dir: str, only: list[str] | None = None) -> None:
                      detail=results[name], others={k: v["output_tok_s"] for k, v in results.items()})
 
 
+def _kernel_table(step: Any, top: int = 20) -> list[dict[str, Any]]:
+    """Run ``step()`` under the torch profiler: its top operations and kernels by device time."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+    return [{"name": e.key[:90], "calls": e.count, "device_us": e.device_time_total, "cpu_us": e.cpu_time_total}
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]]
+
+
 def profile_dp2(out_dir: str) -> dict[str, Any]:
     """Where a DP-attention (dp 2) offline-throughput run spends its time, seen from rank 0: wall time
     per lockstep round by kind (any rank extending, or all decoding), the control-plane collectives
-    (gloo) inside those rounds, and a per-kernel table of one all-decode round."""
+    (gloo) inside those rounds, per-kernel tables of the first round (an extend round) and of one
+    all-decode round, and a host profile of 40 all-decode rounds."""
     import cProfile
     import io
     import pstats
@@ -206,7 +216,7 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
     dpa.exchange_objects = timed("round_exchange", dpa.exchange_objects)
     runner._sync = timed("count_sync", runner._sync)
     rounds: dict[str, list[float]] = defaultdict(list)
-    kernels = None
+    kernels = extend_kernels = None
     host = cProfile.Profile()  # rank 0's host work over the decode rounds after the kernel table
     host_rounds = 0
     for p in prompts:
@@ -215,13 +225,11 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
     while sched.has_work():
         before = len(runner.rounds)
         t0 = time.perf_counter()
-        if kernels is None and not sched.waiting and not sched.prefilling and len(sched.running) == n:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
-                sched.step()
-            kernels = [{"name": e.key[:90], "calls": e.count, "device_us": e.device_time_total,
-                        "cpu_us": e.cpu_time_total}
-                       for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:20]]
+        if extend_kernels is None:
+            # The first round: both ranks prefill a chunk (a SUM_LEN extend round).
+            extend_kernels = _kernel_table(sched.step)
+        elif kernels is None and not sched.waiting and not sched.prefilling and len(sched.running) == n:
+            kernels = _kernel_table(sched.step)
         elif kernels is not None and host_rounds < 40 and len(sched.running) == n:
             host.enable()
             sched.step()
@@ -240,6 +248,7 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
               "rounds": {k: {"count": len(v), "total_s": sum(v), "mean_ms": 1e3 * sum(v) / len(v)}
                          for k, v in rounds.items()},
               "control_plane_s": dict(control_s), "decode_round_kernels": kernels,
+              "extend_round_kernels": extend_kernels,
               "padding_modes": dict(runner.padding_modes), "idle_rounds_rank0": runner.idle_rounds}
     release(engine)
     text = io.StringIO()
@@ -247,7 +256,7 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
     pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(45)
     with open(f"{out_dir}/multi-gpu-profile-dp2-host.txt", "w") as f:
         f.write(text.getvalue())
-    print(json.dumps({k: v for k, v in report.items() if k != "decode_round_kernels"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if not k.endswith("_kernels")}, indent=1))
     with open(f"{out_dir}/multi-gpu-profile-dp2.json", "w") as f:
         json.dump(report, f, indent=2)
     return report
