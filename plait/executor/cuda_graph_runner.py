@@ -129,6 +129,12 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+def bucket_for(batch_sizes: list[int], bs: int) -> int:
+    """The smallest captured batch size that holds ``bs`` (``batch_sizes`` ascending, as
+    ``capture_batch_sizes`` returns them; callers check ``bs <= batch_sizes[-1]`` first)."""
+    return batch_sizes[bisect.bisect_left(batch_sizes, bs)]
+
+
 def default_cuda_graph_max_bs(max_running_requests: int) -> int:
     """By GPU memory: 256 on large cards (>= 80 GiB), else 160; never above the running limit."""
     if torch.cuda.is_available():
@@ -227,7 +233,7 @@ class CudaGraphRunner:
         return fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs
 
     def bucket(self, bs: int) -> int:
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        return bucket_for(self.batch_sizes, bs)
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
         bs = fb.batch_size

@@ -21,7 +21,6 @@ it, replays, and slices the logits (and their argmax, computed in the graph) bac
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes, logits_buffer, warm_and_capture
+from plait.executor.cuda_graph_runner import (
+    CudaGraph,
+    Graph,
+    bucket_for,
+    capture_batch_sizes,
+    logits_buffer,
+    warm_and_capture,
+)
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.models.llama import LogitsOutput
@@ -145,7 +151,7 @@ class VerifyGraphRunner:
         return width in self.widths and fb.num_tokens == width * fb.batch_size
 
     def bucket(self, bs: int) -> int:
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        return bucket_for(self.batch_sizes, bs)
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
         width = uniform_width(fb)

@@ -17,14 +17,13 @@ draft forward; ``hidden_dim`` sizes the static hidden input of step 0 (EAGLE; No
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes, warm_and_capture
+from plait.executor.cuda_graph_runner import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.speculative.draft_backend import MultiStepDraftBackend
@@ -109,7 +108,7 @@ class DraftLoopGraphRunner:
         return 0 < bs <= self.max_bs and 1 <= k <= self.num_steps
 
     def bucket(self, bs: int) -> int:
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        return bucket_for(self.batch_sizes, bs)
 
     def replay(self, roots: torch.Tensor, rows: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor,
                slots: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:

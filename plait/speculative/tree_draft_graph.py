@@ -32,7 +32,6 @@ draft forward over one step's batch (the same function the eager path calls, so 
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from plait.executor.cuda_graph_runner import CudaGraph, Graph, capture_batch_sizes, warm_and_capture
+from plait.executor.cuda_graph_runner import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
 from plait.executor.verify_graph_runner import StaticVerifyInfo
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
@@ -171,7 +170,7 @@ class TreeDraftGraphRunner:
         return 0 < bs <= self.max_bs and 1 <= k <= self.num_steps
 
     def bucket(self, bs: int) -> int:
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        return bucket_for(self.batch_sizes, bs)
 
     def replay(self, inp: TreeDraftInputs) -> torch.Tensor:
         """The packed expansion ``[bs, 3 * (1 + k * topk)]`` (k = max depth) that ``expand_on_device``
