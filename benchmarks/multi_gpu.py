@@ -20,6 +20,7 @@ On a CPU (no CUDA) it runs the same code on a tiny model with gloo, to check the
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from typing import Any
@@ -182,6 +183,42 @@ def _kernel_table(step: Any, top: int = 20) -> list[dict[str, Any]]:
             for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]]
 
 
+def _gpu_timeline(steps: Any, trace_path: str | None = None) -> dict[str, Any]:
+    """Run ``steps()`` (several rounds) under the torch profiler and answer how busy the GPU was:
+    the span from the first kernel's start to the last kernel's end, the union of kernel time in it,
+    the largest idle gaps with the kernels around them, and the longest NCCL kernel (a collective
+    that waited for the other rank shows as a long kernel). The trace goes to ``trace_path`` (gzip)."""
+    import gzip
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        steps()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if trace_path:
+        raw = trace_path.removesuffix(".gz")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f, gzip.open(trace_path, "wb") as g:
+            g.write(f.read())
+        os.remove(raw)
+    if not kernels:
+        return {"kernels": 0}
+    busy, gaps, end = 0.0, [], kernels[0][0]
+    prev = ""
+    for start, stop, name in kernels:
+        if start > end:
+            gaps.append((start - end, prev[:60], name[:60]))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    span = end - kernels[0][0]
+    nccl = [stop - start for start, stop, name in kernels if "nccl" in name.lower()]
+    return {"span_us": span, "busy_us": busy, "busy_fraction": busy / span, "kernels": len(kernels),
+            "idle_us": span - busy, "gaps_over_20us": sum(1 for g in gaps if g[0] > 20),
+            "top_gaps": [{"us": g[0], "after": g[1], "before": g[2]} for g in sorted(gaps, reverse=True)[:12]],
+            "nccl_kernel_max_us": max(nccl, default=0.0), "nccl_kernel_us": sum(nccl)}
+
+
 def profile_dp2(out_dir: str) -> dict[str, Any]:
     """Where a DP-attention (dp 2) offline-throughput run spends its time, seen from rank 0: wall time
     per lockstep round by kind (any rank extending, or all decoding), the control-plane collectives
@@ -216,9 +253,10 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
     dpa.exchange_objects = timed("round_exchange", dpa.exchange_objects)
     runner._sync = timed("count_sync", runner._sync)
     rounds: dict[str, list[float]] = defaultdict(list)
-    kernels = extend_kernels = None
+    kernels = extend_kernels = decode_timeline = extend_timeline = None
     host = cProfile.Profile()  # rank 0's host work over the decode rounds after the kernel table
     host_rounds = 0
+    extend_counts: list[list[int]] = []  # tokens per rank in each extend round
     for p in prompts:
         sched.add_request(engine.make_request(p, params))
     t_all = time.perf_counter()
@@ -228,8 +266,14 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
         if extend_kernels is None:
             # The first round: both ranks prefill a chunk (a SUM_LEN extend round).
             extend_kernels = _kernel_table(sched.step)
+        elif extend_timeline is None and sched.waiting:
+            extend_timeline = _gpu_timeline(sched.step)
         elif kernels is None and not sched.waiting and not sched.prefilling and len(sched.running) == n:
             kernels = _kernel_table(sched.step)
+        elif kernels is not None and decode_timeline is None and len(sched.running) == n:
+            # Five decode rounds back to back: how much of their span the GPU computes.
+            decode_timeline = _gpu_timeline(lambda: [sched.step() for _ in range(5)],
+                                            f"{out_dir}/multi-gpu-dp2-decode-trace.json.gz")
         elif kernels is not None and host_rounds < 40 and len(sched.running) == n:
             host.enable()
             sched.step()
@@ -238,22 +282,27 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
         else:
             sched.step()
         dt = time.perf_counter() - t0
-        if len(runner.rounds) > before:
+        added = len(runner.rounds) - before  # several when a timeline ran rounds back to back
+        if added > 0:
             counts, extends, mode = runner.rounds[-1]
-            rounds[f"{'extend' if any(extends) else 'decode'}-{mode.name}"].append(dt)
+            rounds[f"{'extend' if any(extends) else 'decode'}-{mode.name}"] += [dt / added] * added
+            if any(extends):
+                extend_counts.append(list(counts))
         else:
             rounds["no-forward"].append(dt)
     total = time.perf_counter() - t_all
     report = {"total_s": total, "output_tok_s": n * out_len / total,
               "rounds": {k: {"count": len(v), "total_s": sum(v), "mean_ms": 1e3 * sum(v) / len(v)}
                          for k, v in rounds.items()},
-              "control_plane_s": dict(control_s), "decode_round_kernels": kernels,
+              "control_plane_s": dict(control_s), "extend_round_counts": extend_counts, "decode_round_kernels": kernels,
               "extend_round_kernels": extend_kernels,
+              "decode_timeline_5_rounds": decode_timeline, "extend_timeline_1_round": extend_timeline,
               "padding_modes": dict(runner.padding_modes), "idle_rounds_rank0": runner.idle_rounds}
     release(engine)
     text = io.StringIO()
     text.write(f"rank 0 host work over {host_rounds} all-decode rounds (cProfile, cumulative)\n")
-    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(45)
+    if host_rounds:
+        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(45)
     with open(f"{out_dir}/multi-gpu-profile-dp2-host.txt", "w") as f:
         f.write(text.getvalue())
     print(json.dumps({k: v for k, v in report.items() if not k.endswith("_kernels")}, indent=1))

@@ -4,13 +4,16 @@ Each rank attends over its own requests; before the MLP its rows join those of t
 the sharded MLP runs over all of them, and since the row-parallel down projection leaves partial
 sums, they are reduced and each rank keeps its own rows. The layout is the step's padding mode:
 
-  SUM_LEN  a zero buffer of the summed length; each rank writes its rows at its offset and an
-           all-reduce assembles the buffer; after the MLP the partial sums are all-reduced and each
-           rank slices its rows back out.
-  MAX_LEN  every rank pads to the longest; all-gather before; after the MLP each rank
-           reduce-scatters the partial sums and keeps its chunk (gloo: all-reduce and slice).
-           Graph replays are MAX_LEN steps whose every rank holds the bucket's rows, so the
-           padding copy is skipped there.
+  SUM_LEN  a buffer of the summed length, each rank's rows at its offset (an all-gather of
+           uneven counts); after the MLP a reduce-scatter of the partial sums leaves each rank the
+           sums of its own rows.
+  MAX_LEN  every rank pads to the longest, then the same with equal counts. Graph replays are
+           MAX_LEN steps whose every rank holds the bucket's rows, so the padding copy is skipped
+           there.
+
+Both are ``TPGroup.all_gather_rows`` before the MLP and ``reduce_scatter_rows`` after it: half the
+bytes of the all-reduces that assembling a zero buffer would need (the SUM_LEN extend rounds move
+two buffers of every rank's rows per layer).
 
 A rank with no tokens (IDLE) passes an empty tensor and still joins every collective.
 """
@@ -38,14 +41,12 @@ def dp_gathered_mlp(mlp: LlamaMLP, hidden: torch.Tensor, fb: ForwardBatch, group
         raise RuntimeError(f"rank {group.rank} has {n} tokens but the step's counts say {counts[group.rank]}")
     if fb.dp_padding_mode == DPPaddingMode.MAX_LEN:
         longest = max(counts)
-        padded = hidden
         if n < longest:
             padded = hidden.new_zeros(longest, hidden.shape[1])
             padded[:n] = hidden
-        partial = mlp.forward_partial(group.all_gather_first_dim(padded))
-        return mlp.down_proj.add_bias(group.reduce_scatter_first_dim(partial)[:n])
-    offset = sum(counts[: group.rank])
-    buf = hidden.new_zeros(sum(counts), hidden.shape[1])
-    buf[offset : offset + n] = hidden
-    partial = mlp.forward_partial(group.all_reduce(buf))
-    return mlp.down_proj.add_bias(group.all_reduce(partial)[offset : offset + n])
+            hidden = padded
+        rows = [longest] * group.size
+    else:
+        rows = list(counts)
+    partial = mlp.forward_partial(group.all_gather_rows(hidden, rows))
+    return mlp.down_proj.add_bias(group.reduce_scatter_rows(partial, rows)[:n])

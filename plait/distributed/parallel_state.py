@@ -54,23 +54,48 @@ class TPGroup:
             return x
         return torch.cat(self.all_gather(x), dim=-1)
 
-    def all_gather_first_dim(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's rows stacked in rank order (rank r contributes ``counts[r]`` rows, its ``x``):
+        ``[sum(counts), ...]``, rank r's rows at offset ``sum(counts[:r])``. Equal counts gather
+        straight into the output; NCCL gathers uneven counts into views of it (grouped broadcasts);
+        otherwise (gloo, or a rank with no rows) every rank pads to the longest and the padding is
+        dropped after the gather."""
         if self.size == 1:
             return x
-        return torch.cat(self.all_gather(x), dim=0)
-
-    def reduce_scatter_first_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank r's chunk ``x[r * n : (r + 1) * n]`` (n = rows / size) of the sum of every rank's ``x``.
-        NCCL reduce-scatters (each rank receives only its chunk's sums: half the traffic of an
-        all-reduce); gloo has no reduce-scatter, so it all-reduces and slices (the same numbers)."""
-        if self.size == 1:
-            return x
-        rows = x.shape[0] // self.size
-        if _is_nccl(self.group):
-            out = x.new_empty(rows, *x.shape[1:])
-            self.group._reduce_scatter_base(out, x.contiguous()).wait()
+        if x.shape[0] != counts[self.rank]:
+            raise ValueError(f"rank {self.rank} passes {x.shape[0]} rows but its count is {counts[self.rank]}")
+        x = x.contiguous()
+        out = x.new_empty(sum(counts), *x.shape[1:])
+        if len(set(counts)) == 1:
+            self.group._allgather_base(out, x).wait()
             return out
-        return self.all_reduce(x)[self.rank * rows : (self.rank + 1) * rows]
+        if _is_nccl(self.group) and min(counts) > 0:
+            self.group.allgather([list(out.split(counts))], [x]).wait()
+            return out
+        longest = max(counts)
+        padded = x.new_zeros(longest, *x.shape[1:])
+        padded[: x.shape[0]] = x
+        full = x.new_empty(self.size * longest, *x.shape[1:])
+        self.group._allgather_base(full, padded).wait()
+        return torch.cat([full[r * longest : r * longest + c] for r, c in enumerate(counts)])
+
+    def reduce_scatter_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's rows (``counts[rank]`` of them, at offset ``sum(counts[:rank])``) of the sum
+        of every rank's ``x`` (``[sum(counts), ...]``): the inverse layout of ``all_gather_rows``.
+        A reduce-scatter moves half the bytes of an all-reduce; gloo with uneven counts, or a rank
+        with no rows, all-reduces and slices (the same numbers)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = x.new_empty(counts[self.rank], *x.shape[1:])
+        if len(set(counts)) == 1:
+            self.group._reduce_scatter_base(out, x).wait()
+            return out
+        if _is_nccl(self.group) and min(counts) > 0:
+            self.group.reduce_scatter([out], [list(x.split(counts))]).wait()
+            return out
+        offset = sum(counts[: self.rank])
+        return self.all_reduce(x)[offset : offset + counts[self.rank]]
 
     def broadcast(self, x: torch.Tensor, src: int = 0, timeout: timedelta | None = None) -> torch.Tensor:
         """In place from ``src``. ``timeout`` overrides the group's collective timeout for this call

@@ -130,3 +130,12 @@ def test_soak_of_2000_requests_ends_with_every_kv_slot_free(shape_dir):
     assert engine.scheduler.tree_cache.protected_size() == 0
     assert engine.runner.req_to_token_pool.available_size() == engine.runner.req_to_token_pool.size
     release(engine)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_nccl_row_collectives_place_uneven_and_idle_counts_like_gloo():
+    """The NCCL paths of all_gather_rows / reduce_scatter_rows (base collectives for equal counts,
+    grouped broadcasts and reduces for uneven ones, padding when a rank has no rows)."""
+    from tests.distributed.test_row_collectives import run_both_ranks
+
+    run_both_ranks(nccl=True)

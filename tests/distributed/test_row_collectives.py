@@ -1,0 +1,80 @@
+"""TPGroup.all_gather_rows / reduce_scatter_rows over gloo (rank 0 in the test's process, rank 1
+spawned): the DP-attention MLP layout. Rank r's rows land at offset sum(counts[:r]) of the gathered
+buffer, and the reduce-scatter returns to each rank the sums of exactly its own rows, for equal
+counts, uneven counts and a rank with no rows (an IDLE rank in a SUM_LEN round)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.distributed.parallel_state import TPGroup
+
+CASES = {"equal": [3, 3], "uneven": [2, 5], "idle rank 0": [0, 4], "idle rank 1": [4, 0]}
+
+
+def _group(port: int, rank: int, nccl: bool = False) -> TPGroup:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
+    if not nccl:
+        return TPGroup(rank, 2, dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)))
+    torch.cuda.set_device(rank)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=30)
+    return TPGroup(rank, 2, dist.ProcessGroupNCCL(store, rank, 2, opts))
+
+
+def _rows(rank: int, count: int, device: str) -> torch.Tensor:
+    """Rank r's rows: row i holds 100 * r + i in every column (exact in bf16 for these sizes)."""
+    return (100.0 * rank + torch.arange(count, device=device)).unsqueeze(1).repeat(1, 3)
+
+
+def _partials(rank: int, total: int, device: str) -> torch.Tensor:
+    """Rank r's partial sums over the gathered rows: (r + 1) * row index."""
+    return (rank + 1.0) * torch.arange(total, device=device).float().unsqueeze(1).repeat(1, 3)
+
+
+def _check(group: TPGroup, counts: list[int], device: str) -> None:
+    r = group.rank
+    gathered = group.all_gather_rows(_rows(r, counts[r], device), counts)
+    assert torch.equal(gathered, torch.cat([_rows(k, c, device) for k, c in enumerate(counts)]))
+    mine = group.reduce_scatter_rows(_partials(r, sum(counts), device), counts)
+    offset = sum(counts[:r])
+    sums = _partials(0, sum(counts), device) + _partials(1, sum(counts), device)
+    assert torch.equal(mine, sums[offset : offset + counts[r]])
+
+
+def _run_rank(port: int, rank: int, nccl: bool) -> None:
+    group = _group(port, rank, nccl)
+    for counts in CASES.values():
+        _check(group, counts, f"cuda:{rank}" if nccl else "cpu")
+
+
+def run_both_ranks(nccl: bool) -> None:
+    """Rank 1 spawned, rank 0 here; rank 1's assertions show in its exit code."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = mp.get_context("spawn").Process(target=_run_rank, args=(port, 1, nccl))
+    proc.start()
+    try:
+        _run_rank(port, 0, nccl)
+        proc.join(60)
+        assert proc.exitcode == 0  # rank 1's own assertions held
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_rows_gather_at_rank_offsets_and_reduce_scatter_back_to_their_rank():
+    run_both_ranks(nccl=False)
+
+
+def test_gather_rejects_rows_that_disagree_with_the_rank_count():
+    group = TPGroup(0, 2, group=object())  # never reached: the count check comes first
+    with pytest.raises(ValueError, match="rank 0 passes 2 rows but its count is 3"):
+        group.all_gather_rows(torch.zeros(2, 4), [3, 3])
