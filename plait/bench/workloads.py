@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,14 +125,55 @@ def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict
     # (tile sizes, integer specialisations), and a partial warm-up leaves compiles inside the timing.
     engine.generate(prompts, params)
     engine.scheduler.tree_cache.reset()
-    outs, seconds = timed(lambda: engine.generate(prompts, params))
+    with step_timing(engine.scheduler) as steps:
+        outs, seconds = timed(lambda: engine.generate(prompts, params))
     generated = sum(len(o.token_ids) for o in outs)
     stats = engine.scheduler.stats
     info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "retractions": stats.num_retractions,
             "attention_backend": engine.runner.attn_backend.name, "cuda_graph": engine.runner.graph_runner is not None,
             "forward_steps": stats.forward_steps, "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use()}
     release(engine)
-    return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info}
+    return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info,
+            "steps": steps.summary(seconds)}
+
+
+class StepTimes:
+    """Wall time of every scheduler step of a run, by kind: ``prefill`` when the scheduler (rank 0's,
+    under DP attention) had prompts waiting or mid-prefill as the step began, else ``decode``. The
+    rest of a run's time is ``outside_steps`` (request setup, flush, building outputs)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {"prefill": [], "decode": []}
+
+    def summary(self, seconds: float) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for kind, ts in self.times.items():
+            if ts:
+                ordered = sorted(ts)
+                out[kind] = {"count": len(ts), "total_s": sum(ts), "mean_ms": 1e3 * sum(ts) / len(ts),
+                             "median_ms": 1e3 * ordered[len(ts) // 2]}
+        out["outside_steps_s"] = seconds - sum(sum(ts) for ts in self.times.values())
+        return out
+
+
+@contextmanager
+def step_timing(scheduler: Any) -> Iterator[StepTimes]:
+    """Time ``scheduler.step`` calls (a perf_counter pair per step) while the block runs."""
+    times = StepTimes()
+    step = scheduler.step
+
+    def timed_step() -> Any:
+        kind = "prefill" if scheduler.waiting or scheduler.prefilling else "decode"
+        t0 = time.perf_counter()
+        out = step()
+        times.times[kind].append(time.perf_counter() - t0)
+        return out
+
+    scheduler.step = timed_step
+    try:
+        yield times
+    finally:
+        del scheduler.step  # back to the class's method
 
 
 def steady_decode_timing(engine: Any, bs: int, vocab: int, steps: int = 50, seed: int = 5,
