@@ -1,0 +1,70 @@
+"""Device time of the DP-attention MLP collectives (TPGroup.all_gather_rows / reduce_scatter_rows,
+llama-3.1-8b rows of 4096 bf16) on two GPUs, under the NCCL environment this process was started
+with, so that protocol and channel settings can be compared run against run:
+
+    NCCL_NVLS_ENABLE=0 [NCCL_PROTO=...] python benchmarks/nccl_rows_bench.py OUT_JSON LABEL
+
+Rows per rank: 128 and 256 (decode rounds), 2048 and 8192 (prefill rounds). Each figure is the mean
+of 100 back-to-back collectives between CUDA events on rank 0."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from plait.distributed.parallel_state import TPGroup
+
+ROWS = [128, 256, 2048, 8192]
+HIDDEN = 4096
+
+
+def _time_us(fn, iters: int = 100) -> float:
+    for _ in range(10):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / iters
+
+
+def _rank(port: int, rank: int, out: str | None, label: str) -> None:
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    group = TPGroup(rank, 2, dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options()))
+    result = {}
+    for rows in ROWS:
+        x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(2 * rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        counts = [rows, rows]
+        result[rows] = {"all_gather_us": _time_us(lambda: group.all_gather_rows(x, counts)),  # noqa: B023
+                        "reduce_scatter_us": _time_us(lambda: group.reduce_scatter_rows(y, counts))}  # noqa: B023
+    if out:
+        env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+        print(label, json.dumps(result))
+        with open(out, "a") as f:
+            f.write(json.dumps({"label": label, "env": env, "rows_per_rank": result}) + "\n")
+
+
+def main() -> None:
+    out, label = sys.argv[1], sys.argv[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = mp.get_context("spawn").Process(target=_rank, args=(port, 1, None, label))
+    proc.start()
+    _rank(port, 0, out, label)
+    proc.join(60)
+
+
+if __name__ == "__main__":
+    main()
