@@ -275,6 +275,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max-kv-splits", type=int, default=32)
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs and split heuristics")
+    parser.add_argument("--sweep-decode", default=None, metavar="BSxCTX,...",
+                        help="only sweep decode launch configs x split heuristics at these shapes (e.g. 128x576)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")
@@ -282,6 +284,10 @@ def main() -> None:
     timer = Timer(args.iters, args.warmup)
     props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count
+    if args.sweep_decode:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.sweep_decode.split(",")]
+        sweep_decode(timer, shapes, args.max_kv_splits, num_sms)
+        return
     dev = measure_device(timer)
     print(f"# {props.name}: {num_sms} SMs, {json.dumps({k: round(v, 1) for k, v in dev.items()})}")
     base = {
@@ -345,6 +351,29 @@ def main() -> None:
 
     if args.sweep:
         sweep(Timer(iters=20, warmup=3), args.max_kv_splits, num_sms)
+
+
+def sweep_decode(timer: Timer, shapes: list[tuple[int, ...]], max_kv_splits: int, num_sms: int) -> None:
+    """Every stage-1 launch config x split heuristic (programs per SM, min split length) at each
+    (bs, ctx): graph us per layer and the bandwidth it reaches, fastest first."""
+    configs = [None] + [K.LaunchConfig(block_n=bn, num_warps=w, num_stages=st)
+                        for bn, w, st in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2))]
+    for bs, ctx in shapes:
+        rows = []
+        for cfg in configs:
+            for pps in (4, 8, 16):
+                for msl in (64, 128, 256):
+                    try:
+                        r = bench_decode(timer, bs, ctx, max_kv_splits, num_sms, cfg, pps, msl, with_peer=False)
+                    except Exception as e:  # out of resources etc.
+                        print(f"  bs{bs} ctx{ctx} {cfg}: {type(e).__name__}")
+                        continue
+                    name = "default" if cfg is None else f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
+                    rows.append((r["graph_us"], f"{name} pps{pps} msl{msl}->{r['num_kv_splits']}", r["graph_GBps"]))
+        rows.sort()
+        default = next(row for row in rows if row[1].startswith("default pps4 msl128"))
+        print(f"bs{bs} ctx{ctx}: default {default[0]:.1f}us ({default[2]:.0f} GB/s); best: "
+              + "  ".join(f"{n}={t:.1f}us({g:.0f})" for t, n, g in rows[:10]), flush=True)
 
 
 def sweep(timer: Timer, max_kv_splits: int, num_sms: int) -> None:
