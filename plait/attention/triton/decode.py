@@ -47,8 +47,10 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
     Chosen from host ints only (bs = q.shape[0]), so it is fixed for a captured graph. The KV tiles are
     gathered through ``kv_indices``; the [16, D] x [D, BLOCK_N] dots are tiny, what matters is bytes in
     flight. Measured on H200 (bf16, D = 128, 8 kv heads): 128-token tiles, 4 warps, 2 stages are best or
-    within ~5% from bs 1 to bs 64 at 384..32k tokens; once the (request, kv head) grid alone is >= 8
-    programs per SM (bs >= ~132 here), 64-token tiles (more CTAs resident per SM) win by ~4%.
+    within ~5% from bs 1 to bs 64 at 384..32k tokens; once the (request, kv head) grid alone is >= 4
+    programs per SM (bs >= 66 here), 64-token tiles (more CTAs resident per SM) win: bs 128 x 576
+    tokens 98 us against 117 us with 128-token tiles, bs 128 x 640 105 against 121, bs 256 x 640 by
+    ~4% (``kernels_bench.py --sweep-decode``; DP attention's per-rank decode batches sit at bs 128).
     Interpreter (CPU): 16-token tiles, so small test shapes cover multi-tile splits, tails and empty
     splits.
     """
@@ -57,7 +59,7 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
         return LaunchConfig(block_n=16, num_warps=4, num_stages=1), 16
     if head_dim > 128:
         return LaunchConfig(block_n=32, num_warps=4, num_stages=2), 64
-    if q.shape[0] * num_kv_heads >= 8 * device_num_sms(q):
+    if q.shape[0] * num_kv_heads >= 4 * device_num_sms(q):
         return LaunchConfig(block_n=64, num_warps=4, num_stages=2), 64
     return LaunchConfig(block_n=128, num_warps=4, num_stages=2), 64
 
