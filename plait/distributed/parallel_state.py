@@ -18,22 +18,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 
-@dataclass
-class Pending:
-    """A collective's result, possibly still in flight: ``wait()`` orders the current stream after
-    the collective (NCCL: without blocking the host) and answers the tensor. Hold it until then:
-    the work object keeps the collective's buffers alive."""
-
-    result: torch.Tensor
-    work: Any = None
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return self.result
-
-
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
@@ -72,51 +56,46 @@ class TPGroup:
 
     def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's rows stacked in rank order (rank r contributes ``counts[r]`` rows, its ``x``):
-        ``[sum(counts), ...]``, rank r's rows at offset ``sum(counts[:r])``."""
-        return self.all_gather_rows_async(x, counts).wait()
-
-    def all_gather_rows_async(self, x: torch.Tensor, counts: list[int]) -> Pending:
-        """``all_gather_rows`` left in flight on NCCL's stream (the caller computes meanwhile; its
-        ``wait()`` orders the current stream after it). Equal counts gather straight into the
-        output; NCCL gathers uneven counts into views of it (grouped broadcasts); otherwise (gloo,
-        or a rank with no rows) every rank pads to the longest, synchronously, and the padding is
+        ``[sum(counts), ...]``, rank r's rows at offset ``sum(counts[:r])``. Equal counts gather
+        straight into the output; NCCL gathers uneven counts into views of it (grouped broadcasts);
+        otherwise (gloo, or a rank with no rows) every rank pads to the longest and the padding is
         dropped after the gather."""
         if self.size == 1:
-            return Pending(x)
+            return x
         if x.shape[0] != counts[self.rank]:
             raise ValueError(f"rank {self.rank} passes {x.shape[0]} rows but its count is {counts[self.rank]}")
         x = x.contiguous()
         out = x.new_empty(sum(counts), *x.shape[1:])
         if len(set(counts)) == 1:
-            return Pending(out, self.group._allgather_base(out, x))
+            self.group._allgather_base(out, x).wait()
+            return out
         if _is_nccl(self.group) and min(counts) > 0:
-            return Pending(out, self.group.allgather([list(out.split(counts))], [x]))
+            self.group.allgather([list(out.split(counts))], [x]).wait()
+            return out
         longest = max(counts)
         padded = x.new_zeros(longest, *x.shape[1:])
         padded[: x.shape[0]] = x
         full = x.new_empty(self.size * longest, *x.shape[1:])
         self.group._allgather_base(full, padded).wait()
-        return Pending(torch.cat([full[r * longest : r * longest + c] for r, c in enumerate(counts)]))
+        return torch.cat([full[r * longest : r * longest + c] for r, c in enumerate(counts)])
 
     def reduce_scatter_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's rows (``counts[rank]`` of them, at offset ``sum(counts[:rank])``) of the sum
-        of every rank's ``x`` (``[sum(counts), ...]``): the inverse layout of ``all_gather_rows``."""
-        return self.reduce_scatter_rows_async(x, counts).wait()
-
-    def reduce_scatter_rows_async(self, x: torch.Tensor, counts: list[int]) -> Pending:
-        """``reduce_scatter_rows`` left in flight (see ``all_gather_rows_async``). A reduce-scatter
-        moves half the bytes of an all-reduce; gloo with uneven counts, or a rank with no rows,
-        all-reduces and slices, synchronously (the same numbers)."""
+        of every rank's ``x`` (``[sum(counts), ...]``): the inverse layout of ``all_gather_rows``.
+        A reduce-scatter moves half the bytes of an all-reduce; gloo with uneven counts, or a rank
+        with no rows, all-reduces and slices (the same numbers)."""
         if self.size == 1:
-            return Pending(x)
+            return x
         x = x.contiguous()
         out = x.new_empty(counts[self.rank], *x.shape[1:])
         if len(set(counts)) == 1:
-            return Pending(out, self.group._reduce_scatter_base(out, x))
+            self.group._reduce_scatter_base(out, x).wait()
+            return out
         if _is_nccl(self.group) and min(counts) > 0:
-            return Pending(out, self.group.reduce_scatter([out], [list(x.split(counts))]))
+            self.group.reduce_scatter([out], [list(x.split(counts))]).wait()
+            return out
         offset = sum(counts[: self.rank])
-        return Pending(self.all_reduce(x)[offset : offset + counts[self.rank]])
+        return self.all_reduce(x)[offset : offset + counts[self.rank]]
 
     def broadcast(self, x: torch.Tensor, src: int = 0, timeout: timedelta | None = None) -> torch.Tensor:
         """In place from ``src``. ``timeout`` overrides the group's collective timeout for this call
