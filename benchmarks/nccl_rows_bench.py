@@ -6,7 +6,10 @@ with, so that protocol and channel settings can be compared run against run:
 
 Rows per rank: 128 and 256 (decode rounds), 2048 and 8192 (prefill rounds). Each figure is the mean
 of 100 back-to-back collectives between CUDA events on rank 0 (eager launches: below ~1 MB they
-measure launch cost more than NCCL; in a captured decode graph a 128-row gather takes ~19 us)."""
+measure launch cost more than NCCL; in a captured decode graph a 128-row gather takes ~19 us).
+Then one whole DP-attention MLP layer of a SUM_LEN round (8192 rows per rank, llama-3.1-8b's MLP
+sharded over the two GPUs, random weights) with NCCL's gather and reduce-scatter and with the
+copy-engine row exchange (plait.distributed.copy_engine_rows)."""
 
 from __future__ import annotations
 
@@ -20,10 +23,36 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from plait.distributed.copy_engine_rows import CopyEngineRows
+from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import TPGroup
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
+from plait.models.llama import LlamaMLP
 
 ROWS = [128, 256, 2048, 8192]
 HIDDEN = 4096
+
+
+def _mlp_layer_us(group: TPGroup, store: dist.Store, rows: int = 8192) -> dict[str, float]:
+    from types import SimpleNamespace
+
+    mlp = LlamaMLP(SimpleNamespace(hidden_size=HIDDEN, intermediate_size=14336), group, bias=False)
+    mlp = mlp.to(device="cuda", dtype=torch.bfloat16)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.02)
+    hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    empty = torch.empty(0, dtype=torch.int64, device="cuda")
+    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=0, input_ids=empty, req_pool_indices=empty,
+                      seq_lens=empty, out_cache_loc=empty, positions=empty)
+    fb.global_num_tokens_cpu = [rows] * group.size
+    fb.dp_padding_mode = DPPaddingMode.SUM_LEN
+    exchange = CopyEngineRows(group, store, rows, HIDDEN, torch.bfloat16, torch.device("cuda", group.rank),
+                              timedelta(seconds=60))
+    out = {}
+    for name, via in (("nccl", None), ("copy_engine", exchange)):
+        fb.dp_row_exchange = via
+        out[name] = _time_us(lambda: dp_gathered_mlp(mlp, hidden, fb, group), iters=20)  # noqa: B023
+    return out
 
 
 def _time_us(fn, iters: int = 100) -> float:
@@ -41,7 +70,8 @@ def _time_us(fn, iters: int = 100) -> float:
 def _rank(port: int, rank: int, out: str | None, label: str) -> None:
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
-    group = TPGroup(rank, 2, dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options()))
+    group = TPGroup(rank, 2, dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2,
+                                                   dist.ProcessGroupNCCL.Options()))
     result = {}
     for rows in ROWS:
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -49,6 +79,7 @@ def _rank(port: int, rank: int, out: str | None, label: str) -> None:
         counts = [rows, rows]
         result[rows] = {"all_gather_us": _time_us(lambda: group.all_gather_rows(x, counts)),  # noqa: B023
                         "reduce_scatter_us": _time_us(lambda: group.reduce_scatter_rows(y, counts))}  # noqa: B023
+    result["mlp_layer_8192_rows_per_rank_us"] = _mlp_layer_us(group, store)
     if out:
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         print(label, json.dumps(result))

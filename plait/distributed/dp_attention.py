@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from plait.config import EngineConfig
+from plait.distributed.copy_engine_rows import copy_engine_rows
 from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import TPGroup
 from plait.executor.model_runner import ModelRunner
@@ -129,6 +130,10 @@ class DPAttentionRunner(ModelRunner):
         self.idle_rounds = 0  # rounds this rank joined with an IDLE batch
         # Recent rounds as every rank saw them: (tokens per rank, extends per rank, padding mode).
         self.rounds: deque[tuple[tuple[int, ...], tuple[bool, ...], DPPaddingMode]] = deque(maxlen=4096)
+        # A SUM_LEN round holds at most a prefill chunk plus a decode token per running request.
+        self.row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
+            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
+            mc.hidden_size, mc.dtype, self.device, timedelta(seconds=config.dist_timeout))
 
     def _sync(self, fb: ForwardBatch, own_tokens: int, extends: bool) -> None:
         parts = self.groups.control.all_gather(torch.tensor([own_tokens, int(extends)], dtype=torch.int64))
@@ -139,6 +144,7 @@ class DPAttentionRunner(ModelRunner):
             self.rounds.append((tuple(counts), extend_flags, mode))
         fb.init_mlp_sync_metadata(MLPSync(counts, counts, mode == DPPaddingMode.MAX_LEN), self.device)
         fb.dp_padding_mode = mode
+        fb.dp_row_exchange = self.row_exchange
 
     def init_capture_sync(self, fb: ForwardBatch) -> None:
         # A captured decode step is a MAX_LEN step with the bucket's rows on every rank; at replay each
@@ -167,6 +173,10 @@ class DPAttentionRunner(ModelRunner):
             return  # no rank has work this round: nothing to join
         self.idle_rounds += 1
         self.forward_idle(fb)
+
+    def close(self) -> None:
+        self.row_exchange = None  # its symmetric buffers go with the rest of the device memory
+        super().close()
 
     @torch.inference_mode()
     def forward_idle(self, fb: ForwardBatch) -> LogitsOutput:

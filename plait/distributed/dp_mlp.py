@@ -19,7 +19,9 @@ The collectives are not overlapped with the GEMMs. Running the MLP of a SUM_LEN 
 with each slice's gather and reduce-scatter in flight while another slice computes, was measured
 slower on two H200s: 8192 rows per rank, llama-3.1-8b's MLP, 4746 us whole, 4847 us in two slices,
 4959 us in four (``benchmarks/results/ddf3643-x2``). NCCL's kernels take SMs from the GEMMs they run
-beside, which costs more than the 590 us of transfers it would hide.
+beside, which costs more than the 590 us of transfers it would hide. On CUDA, SUM_LEN rounds move the
+rows by copy engine instead (``plait.distributed.copy_engine_rows``), beside the GEMMs of a rank's
+own rows.
 
 A rank with no tokens (IDLE) passes an empty tensor and still joins every collective.
 """
@@ -45,6 +47,9 @@ def dp_gathered_mlp(mlp: LlamaMLP, hidden: torch.Tensor, fb: ForwardBatch, group
     n = hidden.shape[0]
     if n != counts[group.rank]:
         raise RuntimeError(f"rank {group.rank} has {n} tokens but the step's counts say {counts[group.rank]}")
+    exchange = fb.dp_row_exchange
+    if fb.dp_padding_mode == DPPaddingMode.SUM_LEN and exchange is not None and exchange.fits(counts):
+        return exchange.mlp(mlp, hidden, counts)
     if fb.dp_padding_mode == DPPaddingMode.MAX_LEN:
         longest = max(counts)
         if n < longest:

@@ -94,17 +94,18 @@ def validate_tp_size(mc: ModelConfig, tp_size: int, dp_attention: bool = False) 
 class DistGroups:
     tp: TPGroup  # model collectives and the device payload of each step
     control: TPGroup  # gloo, host tensors: step headers (may be ``tp`` itself on the CPU)
+    store: Any = None  # the rendezvous store (DP attention's symmetric buffers rendezvous through it)
 
 
 def build_groups(store: Any, rank: int, world: int, device: str, timeout: timedelta) -> DistGroups:
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("plait/gloo", store), rank, world, timeout)
     control = TPGroup(rank, world, gloo)
     if device != "cuda":
-        return DistGroups(control, control)
+        return DistGroups(control, control, store)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     nccl = dist.ProcessGroupNCCL(dist.PrefixStore("plait/nccl", store), rank, world, opts)
-    return DistGroups(TPGroup(rank, world, nccl), control)
+    return DistGroups(TPGroup(rank, world, nccl), control, store)
 
 
 def startup_timeout(config: EngineConfig) -> timedelta:
