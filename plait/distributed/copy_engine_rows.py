@@ -59,7 +59,7 @@ class CopyEngineRows:
         if group.rank == 0:
             store.set(_NAME_KEY, f"plait-rows-{uuid.uuid4().hex}")
         name = store.get(_NAME_KEY).decode()
-        _register_group(name, group, store)
+        self.process_group = _register_group(name, group, store)  # the registry holds it weakly
         _SymmetricMemory.set_group_info(name, group.rank, group.size, dist.PrefixStore(name, store))
         shape, stride = (group.size * max_rows, hidden_size), (hidden_size, 1)
         self.gather = _SymmetricMemory.empty_strided_p2p(shape, stride, dtype, device, name)
@@ -115,7 +115,7 @@ class CopyEngineRows:
         return mlp.down_proj.add_bias(out)
 
 
-def _register_group(name: str, group: TPGroup, store: Any) -> None:
+def _register_group(name: str, group: TPGroup, store: Any) -> Any:
     """Symmetric memory's rendezvous resolves its group by name in c10d's registry: register a
     ProcessGroup over this group's NCCL backend (plait itself never registers global groups)."""
     from torch._C._distributed_c10d import ProcessGroup, _register_process_group
@@ -125,6 +125,7 @@ def _register_group(name: str, group: TPGroup, store: Any) -> None:
     pg._set_default_backend(ProcessGroup.BackendType.NCCL)
     pg._set_group_name(name)
     _register_process_group(name, pg)
+    return pg
 
 
 def copy_engine_rows(group: TPGroup, store: Any, max_rows: int, hidden_size: int, dtype: torch.dtype,
