@@ -78,3 +78,12 @@ def test_gather_rejects_rows_that_disagree_with_the_rank_count():
     group = TPGroup(0, 2, group=object())  # never reached: the count check comes first
     with pytest.raises(ValueError, match="rank 0 passes 2 rows but its count is 3"):
         group.all_gather_rows(torch.zeros(2, 4), [3, 3])
+
+
+def test_copy_engine_rows_are_cuda_only_so_cpu_rounds_keep_the_row_collectives():
+    from datetime import timedelta
+
+    from plait.distributed.copy_engine_rows import copy_engine_rows
+
+    group = TPGroup(0, 2, group=object())  # never reached on the CPU
+    assert copy_engine_rows(group, None, 8, 16, torch.float32, "cpu", timedelta(seconds=1)) is None
