@@ -131,8 +131,9 @@ def _register_group(name: str, group: TPGroup, store: Any) -> Any:
 def copy_engine_rows(group: TPGroup, store: Any, max_rows: int, hidden_size: int, dtype: torch.dtype,
                      device: str, timeout: timedelta) -> CopyEngineRows | None:
     """The exchange when this build and machine support it, else None (NCCL serves every round).
-    Every rank answers the same: a rank that could not build it tells the others (gloo is not
-    needed: the build fails before the collective rendezvous on every rank alike, or not at all)."""
+    The ranks agree: a torch build or driver without symmetric memory fails on every rank alike, and
+    a rank that fails alone before the rendezvous (its buffers do not fit) leaves the others'
+    rendezvous to time out on the store, so they fall back too, only later."""
     if device != "cuda" or group.size == 1:
         return None
     try:
