@@ -1,13 +1,19 @@
-"""Small helpers shared by tests (prompt sets, engine construction, leak checks)."""
+"""Small helpers shared by tests (prompt sets, engine construction, leak checks, two-rank runs)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import pathlib
+import socket
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import plait
+from plait.distributed.parallel_state import TPGroup
 
 
 # Eight prompts of different lengths (as token ids so they do not depend on the tokenizer).
@@ -42,3 +48,31 @@ def assert_no_leaks(engine: plait.Engine) -> None:
 
 
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": 32}
+
+
+def two_rank_group(port: int, rank: int, nccl: bool = False) -> TPGroup:
+    """Rank ``rank`` of a two-rank group over a TCP store at ``port`` (gloo, or NCCL on GPU ``rank``)."""
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
+    if not nccl:
+        return TPGroup(rank, 2, dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)))
+    torch.cuda.set_device(rank)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=30)
+    return TPGroup(rank, 2, dist.ProcessGroupNCCL(store, rank, 2, opts))
+
+
+def run_two_ranks(rank_fn: Callable[[int, int], None], timeout_s: float = 60) -> None:
+    """``rank_fn(port, rank)``: rank 1 in a spawned process, rank 0 here (a module-level function, or a
+    partial of one, so that it pickles). Rank 1's assertions show in its exit code."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = mp.get_context("spawn").Process(target=rank_fn, args=(port, 1))
+    proc.start()
+    try:
+        rank_fn(port, 0)
+        proc.join(timeout_s)
+        assert proc.exitcode == 0  # rank 1's own assertions held
+    finally:
+        if proc.is_alive():
+            proc.kill()

@@ -5,27 +5,15 @@ counts, uneven counts and a rank with no rows (an IDLE rank in a SUM_LEN round).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-from datetime import timedelta
+from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from plait.distributed.parallel_state import TPGroup
+from tests.helpers import run_two_ranks, two_rank_group
 
 CASES = {"equal": [3, 3], "uneven": [2, 5], "idle rank 0": [0, 4], "idle rank 1": [4, 0]}
-
-
-def _group(port: int, rank: int, nccl: bool = False) -> TPGroup:
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
-    if not nccl:
-        return TPGroup(rank, 2, dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)))
-    torch.cuda.set_device(rank)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timedelta(seconds=30)
-    return TPGroup(rank, 2, dist.ProcessGroupNCCL(store, rank, 2, opts))
 
 
 def _rows(rank: int, count: int, device: str) -> torch.Tensor:
@@ -49,25 +37,13 @@ def _check(group: TPGroup, counts: list[int], device: str) -> None:
 
 
 def _run_rank(port: int, rank: int, nccl: bool) -> None:
-    group = _group(port, rank, nccl)
+    group = two_rank_group(port, rank, nccl)
     for counts in CASES.values():
         _check(group, counts, f"cuda:{rank}" if nccl else "cpu")
 
 
 def run_both_ranks(nccl: bool) -> None:
-    """Rank 1 spawned, rank 0 here; rank 1's assertions show in its exit code."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = mp.get_context("spawn").Process(target=_run_rank, args=(port, 1, nccl))
-    proc.start()
-    try:
-        _run_rank(port, 0, nccl)
-        proc.join(60)
-        assert proc.exitcode == 0  # rank 1's own assertions held
-    finally:
-        if proc.is_alive():
-            proc.kill()
+    run_two_ranks(partial(_run_rank, nccl=nccl))
 
 
 def test_rows_gather_at_rank_offsets_and_reduce_scatter_back_to_their_rank():

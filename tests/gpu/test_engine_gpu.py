@@ -186,18 +186,6 @@ def _copy_engine_rank(port: int, rank: int) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
 def test_copy_engine_rows_match_nccl_over_consecutive_layers():
-    import multiprocessing as mp
-    import socket
+    from tests.helpers import run_two_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = mp.get_context("spawn").Process(target=_copy_engine_rank, args=(port, 1))
-    proc.start()
-    try:
-        _copy_engine_rank(port, 0)
-        proc.join(60)
-        assert proc.exitcode == 0  # rank 1's own assertions held
-    finally:
-        if proc.is_alive():
-            proc.kill()
+    run_two_ranks(_copy_engine_rank)
