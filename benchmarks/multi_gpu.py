@@ -50,6 +50,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2": {"dp_size": 2, "tp_size": 2, "enable_dp_attention": True},
     "replicas2": {"dp_size": 2},
 }
+# Run only when named (``offline OUT dp2-nccl``): DP attention with NCCL moving every round's rows, to
+# measure the copy-engine exchange against it in the same call; printed and kept in ``others``.
+AB_LAYOUTS: dict[str, dict[str, Any]] = {"dp2-nccl": {**LAYOUTS["dp2"], "disable_copy_engine_rows": True}}
 
 
 def _model(shape: str) -> tuple[str, int]:
@@ -148,8 +151,8 @@ def offline(out_dir: str, only: list[str] | None = None) -> None:
     out_len = 128 if CUDA else 4
     params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": out_len}] * n
     results = {}
-    for name, opts in (("1gpu", {}), *LAYOUTS.items()):
-        if only and name not in only:
+    for name, opts in (("1gpu", {}), *LAYOUTS.items(), *AB_LAYOUTS.items()):
+        if name not in (only or ["1gpu", *LAYOUTS]):
             continue
         # No prefix cache: the warm-up run repeats the prompts, and DP attention's other rank keeps its
         # own cache, which the benchmark could not reset.

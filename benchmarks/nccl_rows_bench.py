@@ -9,7 +9,8 @@ of 100 back-to-back collectives between CUDA events on rank 0 (eager launches: b
 measure launch cost more than NCCL; in a captured decode graph a 128-row gather takes ~19 us).
 Then one whole DP-attention MLP layer of a SUM_LEN round (8192 rows per rank, llama-3.1-8b's MLP
 sharded over the two GPUs, random weights) with NCCL's gather and reduce-scatter and with the
-copy-engine row exchange (plait.distributed.copy_engine_rows)."""
+copy-engine row exchange (plait.distributed.copy_engine_rows). Last, per layer of a CUDA graph of 32
+MLP layers of a decode round (128 rows per rank), NCCL against the copy-engine exchange."""
 
 from __future__ import annotations
 
@@ -33,26 +34,63 @@ ROWS = [128, 256, 2048, 8192]
 HIDDEN = 4096
 
 
-def _mlp_layer_us(group: TPGroup, store: dist.Store, rows: int = 8192) -> dict[str, float]:
+def _mlp_layer_us(group: TPGroup, exchange: CopyEngineRows, rows: int = 8192) -> dict[str, float]:
+    mlp = _random_mlp(group)
+    hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    fb = _batch([rows] * group.size, DPPaddingMode.SUM_LEN)
+    out = {}
+    for name, via in (("nccl", None), ("copy_engine", exchange)):
+        fb.dp_row_exchange = via
+        out[name] = _time_us(lambda: dp_gathered_mlp(mlp, hidden, fb, group), iters=20)  # noqa: B023
+    return out
+
+
+def _decode_graph_mlp_us(group: TPGroup, exchange: CopyEngineRows, rows: int = 128, layers: int = 32
+                         ) -> dict[str, float]:
+    """Per layer: a CUDA graph of ``layers`` MLPs of a MAX_LEN decode round (``rows`` per rank),
+    replayed, with NCCL's collectives and with the copy-engine exchange (``CopyEngineRows.mlp_equal``)."""
+    mlp = _random_mlp(group)
+    hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    fb = _batch([rows] * group.size, DPPaddingMode.MAX_LEN)
+    out = {}
+    for name, via in (("nccl", None), ("copy_engine", exchange)):
+        fb.dp_row_exchange = via
+
+        def stack() -> torch.Tensor:
+            x = hidden
+            for _ in range(layers):
+                x = dp_gathered_mlp(mlp, x, fb, group)
+            return x
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                stack()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            stack()
+        out[name] = _time_us(graph.replay, iters=20) / layers
+    return out
+
+
+def _random_mlp(group: TPGroup) -> LlamaMLP:
     from types import SimpleNamespace
 
     mlp = LlamaMLP(SimpleNamespace(hidden_size=HIDDEN, intermediate_size=14336), group, bias=False)
     mlp = mlp.to(device="cuda", dtype=torch.bfloat16)
     for p in mlp.parameters():
         p.data.normal_(0, 0.02)
-    hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    return mlp
+
+
+def _batch(counts: list[int], mode: DPPaddingMode) -> ForwardBatch:
     empty = torch.empty(0, dtype=torch.int64, device="cuda")
     fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=0, input_ids=empty, req_pool_indices=empty,
                       seq_lens=empty, out_cache_loc=empty, positions=empty)
-    fb.global_num_tokens_cpu = [rows] * group.size
-    fb.dp_padding_mode = DPPaddingMode.SUM_LEN
-    exchange = CopyEngineRows(group, store, rows, HIDDEN, torch.bfloat16, torch.device("cuda", group.rank),
-                              timedelta(seconds=60))
-    out = {}
-    for name, via in (("nccl", None), ("copy_engine", exchange)):
-        fb.dp_row_exchange = via
-        out[name] = _time_us(lambda: dp_gathered_mlp(mlp, hidden, fb, group), iters=20)  # noqa: B023
-    return out
+    fb.global_num_tokens_cpu, fb.dp_padding_mode = counts, mode
+    return fb
 
 
 def _time_us(fn, iters: int = 100) -> float:
@@ -79,7 +117,11 @@ def _rank(port: int, rank: int, out: str | None, label: str) -> None:
         counts = [rows, rows]
         result[rows] = {"all_gather_us": _time_us(lambda: group.all_gather_rows(x, counts)),  # noqa: B023
                         "reduce_scatter_us": _time_us(lambda: group.reduce_scatter_rows(y, counts))}  # noqa: B023
-    result["mlp_layer_8192_rows_per_rank_us"] = _mlp_layer_us(group, store)
+    # One exchange (one symmetric-memory group) serves both: its buffers hold 8192 rows per rank.
+    exchange = CopyEngineRows(group, store, 8192, HIDDEN, torch.bfloat16, torch.device("cuda", rank),
+                              timedelta(seconds=60))
+    result["mlp_layer_8192_rows_per_rank_us"] = _mlp_layer_us(group, exchange)
+    result["decode_graph_mlp_layer_128_rows_per_rank_us"] = _decode_graph_mlp_us(group, exchange)
     if out:
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         print(label, json.dumps(result))

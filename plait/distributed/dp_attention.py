@@ -38,7 +38,7 @@ from plait.config import EngineConfig
 from plait.distributed.copy_engine_rows import copy_engine_rows
 from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import TPGroup
-from plait.executor.model_runner import ModelRunner
+from plait.executor.model_runner import ModelRunner, use_rank_device
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig
@@ -121,6 +121,12 @@ class DPAttentionRunner(ModelRunner):
     """A rank's ModelRunner under DP attention: exchanges token counts before every forward."""
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, groups: Any) -> None:
+        # The row exchange exists before the graphs are captured (ModelRunner.__init__), which record
+        # its copies and signals. A SUM_LEN round holds at most a prefill chunk plus a decode token per
+        # running request.
+        self.row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
+            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
+            mc.hidden_size, mc.dtype, use_rank_device(config, groups.tp), timedelta(seconds=config.dist_timeout))
         # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
         # every rank captures the same buckets in the same order, so the recorded collectives pair up.
         super().__init__(config, mc, groups.tp)
@@ -130,10 +136,6 @@ class DPAttentionRunner(ModelRunner):
         self.idle_rounds = 0  # rounds this rank joined with an IDLE batch
         # Recent rounds as every rank saw them: (tokens per rank, extends per rank, padding mode).
         self.rounds: deque[tuple[tuple[int, ...], tuple[bool, ...], DPPaddingMode]] = deque(maxlen=4096)
-        # A SUM_LEN round holds at most a prefill chunk plus a decode token per running request.
-        self.row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
-            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
-            mc.hidden_size, mc.dtype, self.device, timedelta(seconds=config.dist_timeout))
 
     def _sync(self, fb: ForwardBatch, own_tokens: int, extends: bool) -> None:
         parts = self.groups.control.all_gather(torch.tensor([own_tokens, int(extends)], dtype=torch.int64))
@@ -152,6 +154,7 @@ class DPAttentionRunner(ModelRunner):
         rows = [fb.batch_size] * self.tp.size
         fb.init_mlp_sync_metadata(MLPSync(rows, rows, True), self.device)
         fb.dp_padding_mode = DPPaddingMode.MAX_LEN
+        fb.dp_row_exchange = self.row_exchange
 
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
         self.forwarded = True

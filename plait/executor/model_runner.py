@@ -94,16 +94,22 @@ def eagle_hidden_capture(config: EngineConfig, mc: ModelConfig, static_rows: int
     return HiddenCapture(layers, mc.hidden_size, static_rows, mc.dtype, device)
 
 
+def use_rank_device(config: EngineConfig, tp: TPGroup) -> str:
+    """The device rank ``tp.rank`` runs on; on CUDA its GPU is made current (idempotent)."""
+    device = config.resolved_device()
+    if device == "cuda":
+        # A node's ranks are consecutive: the local GPU is the rank modulo the node's GPU count.
+        # Rank r of this engine (or data-parallel replica) uses GPU base_gpu_id + r.
+        torch.cuda.set_device((config.base_gpu_id + tp.rank) % torch.cuda.device_count())
+    return device
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, mc: ModelConfig, tp: TPGroup = SINGLE) -> None:
         self.config = config
         self.model_config = mc
-        self.device = config.resolved_device()
+        self.device = use_rank_device(config, tp)
         self.tp = tp
-        if self.device == "cuda":
-            # A node's ranks are consecutive: the local GPU is the rank modulo the node's GPU count.
-            # Rank r of this engine (or data-parallel replica) uses GPU base_gpu_id + r.
-            torch.cuda.set_device((config.base_gpu_id + tp.rank) % torch.cuda.device_count())
         # DP attention: attention (and its KV cache) is unsharded on each rank; only the MLP is split.
         attn_tp = SINGLE if config.enable_dp_attention else tp
         self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp)

@@ -4,6 +4,7 @@ teacher-forced logits, and a 2000-request soak that must end with every KV slot 
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -141,18 +142,16 @@ def test_nccl_row_collectives_place_uneven_and_idle_counts_like_gloo():
     run_both_ranks(nccl=True)
 
 
-def _copy_engine_rank(port: int, rank: int) -> None:
-    """Rank ``rank`` of the copy-engine check: its MLP rows through CopyEngineRows equal NCCL's, over
-    several consecutive layers (the buffers and signals are reused without double buffering)."""
+def _copy_engine_setup(port: int, rank: int) -> tuple[Any, Any, list[Any], torch.Generator, torch.device]:
+    """Rank ``rank``'s NCCL group, a CopyEngineRows of 64 rows per rank, and three random sharded MLP
+    layers (hidden 256) of a copy-engine check."""
     from datetime import timedelta
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from plait.distributed.copy_engine_rows import CopyEngineRows
-    from plait.distributed.dp_mlp import dp_gathered_mlp
     from plait.distributed.parallel_state import TPGroup
-    from plait.forward_batch import DPPaddingMode
     from plait.models.llama import LlamaMLP
 
     torch.cuda.set_device(rank)
@@ -169,6 +168,16 @@ def _copy_engine_rank(port: int, rank: int) -> None:
         for p in mlp.parameters():
             p.data = torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16) / 16
         layers.append(mlp)
+    return group, rows, layers, gen, device
+
+
+def _copy_engine_rank(port: int, rank: int) -> None:
+    """Rank ``rank`` of the copy-engine check: its MLP rows through CopyEngineRows equal NCCL's, over
+    several consecutive layers (the buffers and signals are reused without double buffering)."""
+    from plait.distributed.dp_mlp import dp_gathered_mlp
+    from plait.forward_batch import DPPaddingMode
+
+    group, rows, layers, gen, device = _copy_engine_setup(port, rank)
     for counts in ([40, 40], [33, 7], [0, 21], [64, 1]):
         empty = torch.empty(0, dtype=torch.int64, device=device)
         fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=0, input_ids=empty, req_pool_indices=empty,
@@ -189,3 +198,45 @@ def test_copy_engine_rows_match_nccl_over_consecutive_layers():
     from tests.helpers import run_two_ranks
 
     run_two_ranks(_copy_engine_rank)
+
+
+def _copy_engine_graph_rank(port: int, rank: int) -> None:
+    """Rank ``rank`` of the MAX_LEN check: three MLP layers through ``CopyEngineRows.mlp_equal``, eager
+    and replayed from a CUDA graph on fresh inputs, equal NCCL's eager result (padded rows included)."""
+    from plait.distributed.dp_mlp import dp_gathered_mlp
+    from plait.forward_batch import DPPaddingMode
+
+    group, rows, layers, gen, device = _copy_engine_setup(port, rank)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+
+    def stack(x: torch.Tensor, counts: list[int], via: Any) -> torch.Tensor:
+        fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=0, input_ids=empty, req_pool_indices=empty,
+                          seq_lens=empty, out_cache_loc=empty, positions=empty)
+        fb.global_num_tokens_cpu, fb.dp_padding_mode, fb.dp_row_exchange = counts, DPPaddingMode.MAX_LEN, via
+        for mlp in layers:
+            x = dp_gathered_mlp(mlp, x, fb, group)
+        return x
+
+    for counts in ([24, 24], [24, 9], [0, 5]):  # a padded rank, and one with no rows of its own
+        x = torch.randn(counts[rank], 256, generator=gen, device=device, dtype=torch.bfloat16)
+        torch.testing.assert_close(stack(x, counts, rows), stack(x, counts, None), rtol=2e-2, atol=2e-2)
+    static = torch.zeros(32, 256, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stack(static, [32, 32], rows)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = stack(static, [32, 32], rows)
+    for _ in range(3):  # each replay reuses the buffers and signals of the one before
+        static.copy_(torch.randn(32, 256, generator=gen, device=device, dtype=torch.bfloat16))
+        graph.replay()
+        torch.testing.assert_close(captured, stack(static, [32, 32], None), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_copy_engine_rows_of_max_len_rounds_match_nccl_eager_and_in_a_cuda_graph():
+    from tests.helpers import run_two_ranks
+
+    run_two_ranks(_copy_engine_graph_rank)
