@@ -61,18 +61,25 @@ def two_rank_group(port: int, rank: int, nccl: bool = False) -> TPGroup:
     return TPGroup(rank, 2, dist.ProcessGroupNCCL(store, rank, 2, opts))
 
 
-def run_two_ranks(rank_fn: Callable[[int, int], None], timeout_s: float = 60) -> None:
+def run_two_ranks(rank_fn: Callable[[int, int], None], timeout_s: float = 60, spawn_both: bool = False) -> None:
     """``rank_fn(port, rank)``: rank 1 in a spawned process, rank 0 here (a module-level function, or a
-    partial of one, so that it pickles). Rank 1's assertions show in its exit code."""
+    partial of one, so that it pickles), or both spawned (``spawn_both``: for state that must start
+    fresh in every rank's process, such as symmetric memory's rendezvous sequence). A spawned rank's
+    assertions show in its exit code."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = mp.get_context("spawn").Process(target=rank_fn, args=(port, 1))
-    proc.start()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_fn, args=(port, r)) for r in ((0, 1) if spawn_both else (1,))]
+    for proc in procs:
+        proc.start()
     try:
-        rank_fn(port, 0)
-        proc.join(timeout_s)
-        assert proc.exitcode == 0  # rank 1's own assertions held
+        if not spawn_both:
+            rank_fn(port, 0)
+        for proc in procs:
+            proc.join(timeout_s)
+        assert [proc.exitcode for proc in procs] == [0] * len(procs)  # the spawned ranks' assertions held
     finally:
-        if proc.is_alive():
-            proc.kill()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()

@@ -44,6 +44,12 @@ logger = logging.getLogger(__name__)
 
 _NAME_KEY = "plait/copy-engine-rows/name"
 ROWS, SHARES = 0, 1  # signal channels
+# Symmetric memory numbers its store exchanges with one process-wide sequence, so a rendezvous pairs up
+# only between processes that made the same number of them before: a DP-attention engine's rank 0 is
+# the caller's long-lived process, the other ranks are spawned fresh per engine. Every construction
+# counts here, and ranks whose counts differ fall back to NCCL together instead of waiting out the
+# store timeout on keys that never come.
+_built_in_process = 0
 
 
 class CopyEngineRows:
@@ -59,6 +65,13 @@ class CopyEngineRows:
         if group.rank == 0:
             store.set(_NAME_KEY, f"plait-rows-{uuid.uuid4().hex}")
         name = store.get(_NAME_KEY).decode()
+        global _built_in_process
+        store.set(f"{name}/built/{group.rank}", str(_built_in_process))
+        built = [int(store.get(f"{name}/built/{r}")) for r in range(group.size)]
+        _built_in_process += 1
+        if len(set(built)) > 1:
+            raise RuntimeError(f"the ranks' processes built {built} row exchanges before this one; symmetric "
+                               "memory pairs rendezvous only between processes with equal counts")
         self.process_group = _register_group(name, group, store)  # the registry holds it weakly
         _SymmetricMemory.set_group_info(name, group.rank, group.size, dist.PrefixStore(name, store))
         shape, stride = (group.size * max_rows, hidden_size), (hidden_size, 1)

@@ -197,7 +197,7 @@ def _copy_engine_rank(port: int, rank: int) -> None:
 def test_copy_engine_rows_match_nccl_over_consecutive_layers():
     from tests.helpers import run_two_ranks
 
-    run_two_ranks(_copy_engine_rank)
+    run_two_ranks(_copy_engine_rank, spawn_both=True)
 
 
 def _copy_engine_graph_rank(port: int, rank: int) -> None:
@@ -239,4 +239,4 @@ def _copy_engine_graph_rank(port: int, rank: int) -> None:
 def test_copy_engine_rows_of_max_len_rounds_match_nccl_eager_and_in_a_cuda_graph():
     from tests.helpers import run_two_ranks
 
-    run_two_ranks(_copy_engine_graph_rank)
+    run_two_ranks(_copy_engine_graph_rank, spawn_both=True)
