@@ -10,7 +10,7 @@ measure launch cost more than NCCL; in a captured decode graph a 128-row gather 
 Then one whole DP-attention MLP layer of a SUM_LEN round (8192 rows per rank, llama-3.1-8b's MLP
 sharded over the two GPUs, random weights) with NCCL's gather and reduce-scatter and with the
 copy-engine row exchange (plait.distributed.copy_engine_rows). Last, per layer of a CUDA graph of 32
-MLP layers of a decode round (128 rows per rank), NCCL against the copy-engine exchange."""
+MLP layers of a decode round (128 rows per rank), NCCL against the symmetric-memory kernels."""
 
 from __future__ import annotations
 
@@ -48,12 +48,12 @@ def _mlp_layer_us(group: TPGroup, exchange: CopyEngineRows, rows: int = 8192) ->
 def _decode_graph_mlp_us(group: TPGroup, exchange: CopyEngineRows, rows: int = 128, layers: int = 32
                          ) -> dict[str, float]:
     """Per layer: a CUDA graph of ``layers`` MLPs of a MAX_LEN decode round (``rows`` per rank),
-    replayed, with NCCL's collectives and with the copy-engine exchange (``CopyEngineRows.mlp_equal``)."""
+    replayed, with NCCL's collectives and with the symmetric-memory kernels (``CopyEngineRows.mlp_equal``)."""
     mlp = _random_mlp(group)
     hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
     fb = _batch([rows] * group.size, DPPaddingMode.MAX_LEN)
     out = {}
-    for name, via in (("nccl", None), ("copy_engine", exchange)):
+    for name, via in (("nccl", None), ("p2p_kernels", exchange)):
         fb.dp_row_exchange = via
 
         def stack() -> torch.Tensor:

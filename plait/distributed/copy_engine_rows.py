@@ -1,4 +1,5 @@
-"""Copy-engine row exchange for DP attention's SUM_LEN rounds (CUDA only, torch symmetric memory).
+"""The DP-attention row exchange over torch symmetric memory (CUDA only): copy engines for SUM_LEN
+rounds (below), SM kernels for MAX_LEN ones (``CopyEngineRows.mlp_equal``, ``p2p_rows_kernels``).
 
 A SUM_LEN round (a prefill chunk on some rank) gathers every rank's rows before the sharded MLP and
 reduce-scatters the partial sums after it: at 8192 rows per rank on llama-3.1-8b, 64 MB each way
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from plait.distributed import p2p_rows_kernels as kernels
 from plait.distributed.parallel_state import TPGroup
 
 if TYPE_CHECKING:
@@ -82,6 +84,19 @@ class CopyEngineRows:
         if not all(hasattr(self.gather_handle, op) for op in ("get_buffer", "put_signal", "wait_signal")):
             raise RuntimeError("this torch's symmetric memory has no put_signal / wait_signal")
         self.side = torch.cuda.Stream(device)
+        # MAX_LEN rounds: the kernels find every rank's buffers and flags through tables of addresses.
+        flags = _SymmetricMemory.empty_strided_p2p((kernels.CHANNELS * group.size * kernels.MAX_PROGRAMS,), (1,),
+                                                   torch.int32, device, name)
+        flags_handle = _SymmetricMemory.rendezvous(flags)
+        self._mapped = [(h.get_buffer(p, (t.numel(),), t.dtype, 0), h)
+                        for t, h in ((self.gather, self.gather_handle), (self.reduce, self.reduce_handle),
+                                     (flags, flags_handle)) for p in range(group.size)]
+        tables = torch.tensor([b.data_ptr() for b, _ in self._mapped], dtype=torch.int64, device=device)
+        self.gather_table, self.reduce_table, self.flag_table = tables.view(3, group.size).unbind(0)
+        flags.zero_()  # every rank's flags are down before any peer may raise one
+        torch.cuda.synchronize(device)
+        group.all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
 
     def fits(self, counts: list[int]) -> bool:
         return max(counts) <= self.max_rows
@@ -94,37 +109,27 @@ class CopyEngineRows:
         return handle.get_buffer(peer, (rows, hidden), self.gather.dtype, self.rank * slot * hidden)
 
     def mlp_equal(self, mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
-        """The same MLP for a MAX_LEN round, every rank holding ``n`` rows (a decode graph's bucket):
-        the rows meet contiguously at ``r * n`` of the gather buffer, one GEMM runs over all of them,
-        and every launch stays on the current stream, so a CUDA graph captures it whole (copies,
-        signal kernels and GEMMs; no host sync). About 1 MB each way per layer at a decode bucket of
-        128 rows: here the copy engines' and signals' latency (a few us) beats NCCL's ring kernels
-        (16 + 16 us per layer in a captured decode round on two H200s).
+        """The same MLP for a MAX_LEN round, every rank holding ``n`` rows (a decode graph's bucket),
+        with SM kernels instead of copy engines (``p2p_rows_kernels``: each stores into the peers'
+        buffers and flags them): the rows meet contiguously at ``r * n`` of the gather buffer, one GEMM
+        runs over all of them, and a second kernel sends the peers their partial sums and adds the
+        ones sent here. Two launches on the current stream and no host sync, so decode graphs
+        capture it.
 
-        Buffer reuse follows the same round trips as ``mlp`` (see the module docstring): a peer
-        overwrites this rank's gather rows only after this rank's shares of the previous layer reached
-        it, and its reduce rows only after this rank's next rows did."""
-        n = hidden.shape[0]
-        peers = [p for p in range(self.size) if p != self.rank]
+        Buffer reuse: a peer stores layer L+1's rows here only after its reduce kernel of layer L saw
+        this rank's flag, raised after this rank's GEMM of L had read the gather buffer; and stores its
+        shares of L+1 only after its gather kernel of L+1 saw this rank's flag, raised after this rank's
+        reduce kernel of L had read the reduce buffer."""
+        n, hidden_size = hidden.shape
+        numel = n * hidden_size
         hidden = hidden.contiguous()
-        if n:
-            self.gather[self.rank * n : (self.rank + 1) * n].copy_(hidden, non_blocking=True)
-        for p in peers:
-            if n:
-                self._peer_rows(self.gather_handle, p, n, slot=n).copy_(hidden, non_blocking=True)
-            self.gather_handle.put_signal(p, ROWS, self.timeout_ms)
-        for p in peers:
-            self.gather_handle.wait_signal(p, ROWS, self.timeout_ms)
+        nprog, span = kernels.launch_shape(numel)
+        consts = {"RANK": self.rank, "WORLD": self.size, "MAXP": kernels.MAX_PROGRAMS, "BLOCK": kernels.BLOCK,
+                  "num_warps": 4}
+        kernels.gather_rows_kernel[(nprog,)](hidden, self.gather_table, self.flag_table, numel, span, **consts)
         partial = mlp.forward_partial(self.gather[: self.size * n])
-        for p in peers:
-            if n:
-                self._peer_rows(self.reduce_handle, p, n, slot=n).copy_(partial[p * n : (p + 1) * n],
-                                                                        non_blocking=True)
-            self.reduce_handle.put_signal(p, SHARES, self.timeout_ms)
-        out = partial[self.rank * n : (self.rank + 1) * n]
-        for p in peers:
-            self.reduce_handle.wait_signal(p, SHARES, self.timeout_ms)
-            out = out + self.reduce[p * n : (p + 1) * n]
+        out = torch.empty_like(hidden)
+        kernels.reduce_rows_kernel[(nprog,)](partial, out, self.reduce_table, self.flag_table, numel, span, **consts)
         return mlp.down_proj.add_bias(out)
 
     def mlp(self, mlp: LlamaMLP, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -201,7 +201,8 @@ def test_copy_engine_rows_match_nccl_over_consecutive_layers():
 
 
 def _copy_engine_graph_rank(port: int, rank: int) -> None:
-    """Rank ``rank`` of the MAX_LEN check: three MLP layers through ``CopyEngineRows.mlp_equal``, eager
+    """Rank ``rank`` of the MAX_LEN check: three MLP layers through ``CopyEngineRows.mlp_equal`` (the
+    symmetric-memory kernels), eager
     and replayed from a CUDA graph on fresh inputs, equal NCCL's eager result (padded rows included)."""
     from plait.distributed.dp_mlp import dp_gathered_mlp
     from plait.forward_batch import DPPaddingMode
@@ -236,7 +237,7 @@ def _copy_engine_graph_rank(port: int, rank: int) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
-def test_copy_engine_rows_of_max_len_rounds_match_nccl_eager_and_in_a_cuda_graph():
+def test_copy_engine_rows_kernels_of_max_len_rounds_match_nccl_eager_and_in_a_cuda_graph():
     from tests.helpers import run_two_ranks
 
     run_two_ranks(_copy_engine_graph_rank, spawn_both=True)

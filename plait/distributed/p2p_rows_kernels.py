@@ -1,0 +1,105 @@
+"""Triton kernels that move a decode round's MLP rows between DP-attention ranks through symmetric
+memory (CUDA only): every rank maps every peer's buffers, so a kernel stores straight into a peer's
+memory over NVLink and raises a flag there.
+
+Why not NCCL: a decode round moves about 1 MB each way per layer (128 rows of 4096 bf16 per rank on
+llama-3.1-8b), where NCCL's ring kernels take 16 us each, mostly latency, 32 layers and two
+collectives a round. Copy-engine copies plus signal kernels (``CopyEngineRows.mlp``) were measured
+no better at this size in a captured graph (121 against 117 us per MLP layer), and slower in the
+engine, since each copy and each signal is its own graph node.
+
+Synchronisation is blockwise, without any grid-wide barrier: program ``b`` of every rank handles the
+same span of elements (the ranks launch the same grid on the same sizes, as MAX_LEN rounds guarantee), so
+program ``b`` only waits for program ``b`` of each peer. A flag is one int32 per (channel, source
+rank, program) on the receiving rank: the source sets it to 1 after its stores (a CTA barrier, then a
+release at system scope), the receiver swaps it back to 0 with an acquiring compare-and-swap. A
+flag is set again only after a full round trip (see ``CopyEngineRows.mlp_equal``), so 0/1 suffices.
+Every program of a launch must be resident at once (a spinning program waits for a peer's program
+of the same index): grids stay at most ``MAX_PROGRAMS``, far below the SM count.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MAX_PROGRAMS = 64
+BLOCK = 4096  # elements per program per iteration
+CHANNELS = 2  # flag channels: 0 the gather, 1 the reduce
+
+
+@triton.jit
+def _peer_ptr(table, rank, dtype: tl.constexpr):
+    """Rank ``rank``'s buffer base, from a table of device addresses (int64, one per rank)."""
+    return tl.load(table + rank).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _signal_then_wait(flag_table, channel: tl.constexpr, pid, RANK: tl.constexpr, WORLD: tl.constexpr,
+                      MAXP: tl.constexpr):
+    """After this program's stores to every peer: raise its flag on each peer, then wait for each peer's
+    program ``pid`` to raise this rank's."""
+    tl.debug_barrier()  # every thread's stores happen before the releasing flag store below
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            peer_flags = _peer_ptr(flag_table, p, tl.int32)
+            tl.atomic_xchg(peer_flags + (channel * WORLD + RANK) * MAXP + pid, 1, sem="release", scope="sys")
+    own_flags = _peer_ptr(flag_table, RANK, tl.int32)
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            slot = own_flags + (channel * WORLD + p) * MAXP + pid
+            while tl.atomic_cas(slot, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()  # the rest of the program runs after the acquire
+
+
+@triton.jit
+def gather_rows_kernel(src, gather_table, flag_table, slot_numel, span, RANK: tl.constexpr, WORLD: tl.constexpr,
+                       MAXP: tl.constexpr, BLOCK: tl.constexpr):
+    """``src`` (this rank's rows, ``slot_numel`` elements) to elements [RANK * slot_numel, +slot_numel)
+    of every rank's gather buffer, this one's included; returns once every peer's rows have landed
+    here (the program's share of them; the launch's end covers all)."""
+    pid = tl.program_id(0)
+    dtype = src.dtype.element_ty
+    for i in range(0, span, BLOCK):
+        offs = pid * span + i + tl.arange(0, BLOCK)
+        mask = offs < slot_numel
+        x = tl.load(src + offs, mask=mask)
+        for p in tl.static_range(WORLD):
+            tl.store(_peer_ptr(gather_table, p, dtype) + RANK * slot_numel + offs, x, mask=mask)
+    _signal_then_wait(flag_table, 0, pid, RANK, WORLD, MAXP)
+
+
+@triton.jit
+def reduce_rows_kernel(partial, out, reduce_table, flag_table, slot_numel, span, RANK: tl.constexpr,
+                       WORLD: tl.constexpr, MAXP: tl.constexpr, BLOCK: tl.constexpr):
+    """``partial`` holds every rank's rows (rank p's at [p * slot_numel, +slot_numel)): send each peer
+    its rows into slot RANK of its reduce buffer, wait for the peers' shares of this rank's rows, and
+    write their sum with this rank's own partial rows to ``out`` (fp32 accumulation, one rounding)."""
+    pid = tl.program_id(0)
+    dtype = partial.dtype.element_ty
+    for i in range(0, span, BLOCK):
+        offs = pid * span + i + tl.arange(0, BLOCK)
+        mask = offs < slot_numel
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                x = tl.load(partial + p * slot_numel + offs, mask=mask)
+                tl.store(_peer_ptr(reduce_table, p, dtype) + RANK * slot_numel + offs, x, mask=mask)
+    _signal_then_wait(flag_table, 1, pid, RANK, WORLD, MAXP)
+    own = _peer_ptr(reduce_table, RANK, dtype)
+    for i in range(0, span, BLOCK):
+        offs = pid * span + i + tl.arange(0, BLOCK)
+        mask = offs < slot_numel
+        acc = tl.load(partial + RANK * slot_numel + offs, mask=mask).to(tl.float32)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                # .cg: past L1, which may hold this buffer's lines from the previous layer.
+                acc += tl.load(own + p * slot_numel + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
+        tl.store(out + offs, acc.to(dtype), mask=mask)
+
+
+def launch_shape(slot_numel: int) -> tuple[int, int]:
+    """(programs, span): program ``b`` handles elements [b * span, (b + 1) * span) of a slot, ``span``
+    a multiple of BLOCK. The same on every rank for the same size, which the flags' pairing needs."""
+    span = triton.cdiv(max(1, triton.cdiv(slot_numel, MAX_PROGRAMS)), BLOCK) * BLOCK
+    return max(1, triton.cdiv(slot_numel, span)), span
