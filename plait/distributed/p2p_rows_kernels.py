@@ -15,7 +15,9 @@ rank, program) on the receiving rank: the source sets it to 1 after its stores (
 release at system scope), the receiver swaps it back to 0 with an acquiring compare-and-swap. A
 flag is set again only after a full round trip (see ``CopyEngineRows.mlp_equal``), so 0/1 suffices.
 Every program of a launch must be resident at once (a spinning program waits for a peer's program
-of the same index): grids stay at most ``MAX_PROGRAMS``, far below the SM count.
+of the same index): grids stay at most ``MAX_PROGRAMS``, far below the SM count. The wait has no
+timeout: a rank that dies mid-round leaves its peers' kernels spinning, as an NCCL collective without
+its watchdog would block.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def _signal_then_wait(flag_table, channel: tl.constexpr, pid, RANK: tl.constexpr
     for p in tl.static_range(WORLD):
         if p != RANK:
             slot = own_flags + (channel * WORLD + p) * MAXP + pid
-            while tl.atomic_cas(slot, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+            seen = tl.atomic_cas(slot, 1, 0, sem="acquire", scope="sys")
+            while seen != 1:
+                seen = tl.atomic_cas(slot, 1, 0, sem="acquire", scope="sys")
     tl.debug_barrier()  # the rest of the program runs after the acquire
 
 
