@@ -55,7 +55,7 @@ for stage in "$@"; do
         python -m plait bench spec --workload $w --shape llama-3.1-8b --out "$OUT" 2>&1 | tail -3
       done ;;
     # nvidia-h200-x2 only (issue 8): TP / DP attention / replicas against one GPU.
-    x2) python -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k "replica or nccl_row" -p no:cacheprovider 2>&1 | tail -3
+    x2) python -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k "replica or nccl_row or copy_engine" -p no:cacheprovider 2>&1 | tail -3
         for what in correctness decode offline; do
           NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py $what "$OUT" 2>&1 | grep -v " INFO " | tail -8
         done ;;
