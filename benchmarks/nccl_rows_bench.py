@@ -35,9 +35,7 @@ HIDDEN = 4096
 
 
 def _mlp_layer_us(group: TPGroup, exchange: CopyEngineRows, rows: int = 8192) -> dict[str, float]:
-    mlp = _random_mlp(group)
-    hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    fb = _batch([rows] * group.size, DPPaddingMode.SUM_LEN)
+    mlp, hidden, fb = _mlp_round(group, rows, DPPaddingMode.SUM_LEN)
     out = {}
     for name, via in (("nccl", None), ("copy_engine", exchange)):
         fb.dp_row_exchange = via
@@ -49,9 +47,7 @@ def _decode_graph_mlp_us(group: TPGroup, exchange: CopyEngineRows, rows: int = 1
                          ) -> dict[str, float]:
     """Per layer: a CUDA graph of ``layers`` MLPs of a MAX_LEN decode round (``rows`` per rank),
     replayed, with NCCL's collectives and with the symmetric-memory kernels (``CopyEngineRows.mlp_equal``)."""
-    mlp = _random_mlp(group)
-    hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    fb = _batch([rows] * group.size, DPPaddingMode.MAX_LEN)
+    mlp, hidden, fb = _mlp_round(group, rows, DPPaddingMode.MAX_LEN)
     out = {}
     for name, via in (("nccl", None), ("p2p_kernels", exchange)):
         fb.dp_row_exchange = via
@@ -75,22 +71,20 @@ def _decode_graph_mlp_us(group: TPGroup, exchange: CopyEngineRows, rows: int = 1
     return out
 
 
-def _random_mlp(group: TPGroup) -> LlamaMLP:
+def _mlp_round(group: TPGroup, rows: int, mode: DPPaddingMode) -> tuple[LlamaMLP, torch.Tensor, ForwardBatch]:
+    """llama-3.1-8b's MLP sharded over the group (random weights), ``rows`` random rows on this rank,
+    and the batch of a round with ``rows`` on every rank in padding mode ``mode``."""
     from types import SimpleNamespace
 
     mlp = LlamaMLP(SimpleNamespace(hidden_size=HIDDEN, intermediate_size=14336), group, bias=False)
     mlp = mlp.to(device="cuda", dtype=torch.bfloat16)
     for p in mlp.parameters():
         p.data.normal_(0, 0.02)
-    return mlp
-
-
-def _batch(counts: list[int], mode: DPPaddingMode) -> ForwardBatch:
     empty = torch.empty(0, dtype=torch.int64, device="cuda")
     fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=0, input_ids=empty, req_pool_indices=empty,
                       seq_lens=empty, out_cache_loc=empty, positions=empty)
-    fb.global_num_tokens_cpu, fb.dp_padding_mode = counts, mode
-    return fb
+    fb.global_num_tokens_cpu, fb.dp_padding_mode = [rows] * group.size, mode
+    return mlp, torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16), fb
 
 
 def _time_us(fn, iters: int = 100) -> float:

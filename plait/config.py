@@ -72,8 +72,9 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: float = 120.0
-    # DP attention on CUDA: SUM_LEN rounds move the MLP's rows by copy engine through symmetric memory
-    # (plait.distributed.copy_engine_rows) where the build supports it; set to use NCCL for every round.
+    # DP attention on CUDA: the MLP's rows move through symmetric memory (plait.distributed.copy_engine_rows:
+    # copy engines in SUM_LEN rounds, Triton kernels in MAX_LEN ones) where the build supports it; set to
+    # use NCCL for every round.
     disable_copy_engine_rows: bool = False
     # First GPU of this engine (SGLang's --base-gpu-id): rank r uses GPU base_gpu_id + r; data-parallel
     # replica i starts at base_gpu_id + i * tp_size.

@@ -108,8 +108,8 @@ class ForwardBatch:
     original_global_num_tokens_cpu: list[int] | None = None
     can_run_dp_cuda_graph: bool = False
     dp_padding_mode: DPPaddingMode | None = None  # chosen per step from the global counts
-    # Wiring owned by the DP-attention runner, like attn_backend: its copy-engine row exchange
-    # (plait.distributed.copy_engine_rows) for SUM_LEN rounds; None: NCCL collectives.
+    # Wiring owned by the DP-attention runner, like attn_backend: its symmetric-memory row exchange
+    # (plait.distributed.copy_engine_rows); None: NCCL collectives.
     dp_row_exchange: Any = None
     # Real sizes before pad_inputs_to_size; post_forward_mlp_sync_batch slices back to them.
     unpadded_batch_size: int | None = None

@@ -194,6 +194,6 @@ def copy_engine_rows(group: TPGroup, store: Any, max_rows: int, hidden_size: int
         here = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU, set at launch
         return CopyEngineRows(group, store, max_rows, hidden_size, dtype, here, timeout)
     except Exception as e:  # noqa: BLE001 (no symmetric memory here: NCCL it is)
-        logger.warning("copy-engine row exchange unavailable (%s: %s); SUM_LEN rounds use NCCL",
+        logger.warning("symmetric-memory row exchange unavailable (%s: %s); every round uses NCCL",
                        type(e).__name__, e)
         return None

@@ -19,9 +19,11 @@ The collectives are not overlapped with the GEMMs. Running the MLP of a SUM_LEN 
 with each slice's gather and reduce-scatter in flight while another slice computes, was measured
 slower on two H200s: 8192 rows per rank, llama-3.1-8b's MLP, 4746 us whole, 4847 us in two slices,
 4959 us in four (``benchmarks/results/ddf3643-x2``). NCCL's kernels take SMs from the GEMMs they run
-beside, which costs more than the 590 us of transfers it would hide. On CUDA, SUM_LEN rounds move the
-rows by copy engine instead (``plait.distributed.copy_engine_rows``), beside the GEMMs of a rank's
-own rows.
+beside, which costs more than the 590 us of transfers it would hide. On CUDA the rows go through
+symmetric memory instead (``fb.dp_row_exchange``, ``plait.distributed.copy_engine_rows``): SUM_LEN
+rounds by copy engine beside the GEMMs of a rank's own rows, MAX_LEN rounds (decode, and its graphs)
+by two Triton kernels that store into the peers' buffers (``p2p_rows_kernels``; 92 us per captured
+MLP layer against 116 us through NCCL at 128 rows per rank, ``benchmarks/results/221e96c-x2``).
 
 A rank with no tokens (IDLE) passes an empty tensor and still joins every collective.
 """
