@@ -101,12 +101,10 @@ class CopyEngineRows:
     def fits(self, counts: list[int]) -> bool:
         return max(counts) <= self.max_rows
 
-    def _peer_rows(self, handle: Any, peer: int, rows: int, slot: int | None = None) -> torch.Tensor:
-        """Rows [r * slot, r * slot + rows) of ``peer``'s buffer, r being this rank and ``slot`` the
-        rows per rank of the layout (``max_rows`` unless given)."""
+    def _peer_rows(self, handle: Any, peer: int, rows: int) -> torch.Tensor:
+        """Rows [r * max_rows, r * max_rows + rows) of ``peer``'s buffer, r being this rank."""
         hidden = self.gather.shape[1]
-        slot = self.max_rows if slot is None else slot
-        return handle.get_buffer(peer, (rows, hidden), self.gather.dtype, self.rank * slot * hidden)
+        return handle.get_buffer(peer, (rows, hidden), self.gather.dtype, self.rank * self.max_rows * hidden)
 
     def mlp_equal(self, mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
         """The same MLP for a MAX_LEN round, every rank holding ``n`` rows (a decode graph's bucket),
