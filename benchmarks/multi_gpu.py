@@ -50,9 +50,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2": {"dp_size": 2, "tp_size": 2, "enable_dp_attention": True},
     "replicas2": {"dp_size": 2},
 }
-# Run only when named (``offline OUT dp2-nccl``): DP attention with NCCL moving every round's rows, to
-# measure the copy-engine exchange against it in the same call; printed and kept in ``others``.
-AB_LAYOUTS: dict[str, dict[str, Any]] = {"dp2-nccl": {**LAYOUTS["dp2"], "disable_copy_engine_rows": True}}
+# Run only when named (``offline OUT dp2-nccl``): DP attention with NCCL moving every round's rows, and
+# tp 2 with NCCL's all-reduce, to measure the symmetric-memory paths against them in the same call;
+# printed and kept in ``others``. ``decode OUT tp2-nccl`` adds the latter to decode-bs1's detail.
+AB_LAYOUTS: dict[str, dict[str, Any]] = {"dp2-nccl": {**LAYOUTS["dp2"], "disable_copy_engine_rows": True},
+                                         "tp2-nccl": {**LAYOUTS["tp2"], "disable_custom_all_reduce": True}}
 
 
 def _model(shape: str) -> tuple[str, int]:
@@ -123,14 +125,15 @@ def correctness(out_dir: str) -> dict[str, Any]:
     return report
 
 
-def decode(out_dir: str) -> None:
+def decode(out_dir: str, also: list[str] | None = None) -> None:
+    """decode-bs1 on one GPU and tp 2; ``also``: A/B layouts to run beside them (``tp2-nccl``)."""
     shape = "llama-3.1-8b" if CUDA else "tiny"
     path, vocab = _model(shape)
     lim = measure_limits() if CUDA else None
     prompt = random_prompts(1, 128, vocab, seed=0)[0] if CUDA else [5, 7, 9, 11]
     new = 256 if CUDA else 8
     runs = {n: plait_decode_bs1(shape, path, prompt, new, **HOST, **opts)
-            for n, opts in (("1gpu", {}), ("tp2", {"tp_size": 2}))}
+            for n, opts in (("1gpu", {}), ("tp2", LAYOUTS["tp2"]), *((a, AB_LAYOUTS[a]) for a in also or []))}
     print({n: r["tok_s"] for n, r in runs.items()})
     if lim is None:
         return
@@ -319,5 +322,7 @@ if __name__ == "__main__":
         profile_dp2(sys.argv[2])
     elif sys.argv[1] == "offline":
         offline(sys.argv[2], sys.argv[3:] or None)
+    elif sys.argv[1] == "decode":
+        decode(sys.argv[2], sys.argv[3:] or None)
     else:
-        {"correctness": correctness, "decode": decode}[sys.argv[1]](sys.argv[2])
+        correctness(sys.argv[2])

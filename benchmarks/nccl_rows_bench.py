@@ -10,7 +10,9 @@ measure launch cost more than NCCL; in a captured decode graph a 128-row gather 
 Then one whole DP-attention MLP layer of a SUM_LEN round (8192 rows per rank, llama-3.1-8b's MLP
 sharded over the two GPUs, random weights) with NCCL's gather and reduce-scatter and with the
 copy-engine row exchange (plait.distributed.copy_engine_rows). Last, per layer of a CUDA graph of 32
-MLP layers of a decode round (128 rows per rank), NCCL against the symmetric-memory kernels."""
+MLP layers of a decode round (128 rows per rank), NCCL against the symmetric-memory kernels; and per
+call, a CUDA graph of 64 tensor-parallel all-reduces of 1, 128 and 256 rows, NCCL against the custom
+all-reduce kernel (plait.distributed.p2p_all_reduce)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,17 +62,44 @@ def _decode_graph_mlp_us(group: TPGroup, exchange: CopyEngineRows, rows: int = 1
                 x = dp_gathered_mlp(mlp, x, fb, group)
             return x
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                stack()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            stack()
-        out[name] = _time_us(graph.replay, iters=20) / layers
+        out[name] = _graph_us(stack) / layers
     return out
+
+
+def _all_reduce_graph_us(group: TPGroup, store: dist.Store, calls: int = 64) -> dict[str, dict[str, float]]:
+    """Per call: a CUDA graph of ``calls`` in-place all-reduces (a tp 2 decode step has 64) of a decode
+    step's activations (1, 128 and 256 rows of 4096 bf16), NCCL against ``P2PAllReduce``."""
+    from plait.distributed.p2p_all_reduce import P2PAllReduce
+
+    fast = replace(group, p2p_all_reduce=P2PAllReduce(group, store, torch.bfloat16,
+                                                      torch.device("cuda", group.rank)))
+    out = {}
+    for rows in (1, 128, 256):
+        x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16) / 64
+        times = {}
+        for name, g in (("nccl", group), ("p2p_kernel", fast)):
+
+            def chain(g: TPGroup = g) -> None:
+                for _ in range(calls):
+                    g.all_reduce(x)  # noqa: B023
+
+            times[name] = _graph_us(chain) / calls
+        out[f"{rows}_rows"] = times
+    return out
+
+
+def _graph_us(fn: Any) -> float:
+    """Device time of one replay of a CUDA graph of ``fn`` (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time_us(graph.replay, iters=20)
 
 
 def _mlp_round(group: TPGroup, rows: int, mode: DPPaddingMode) -> tuple[LlamaMLP, torch.Tensor, ForwardBatch]:
@@ -116,6 +147,7 @@ def _rank(port: int, rank: int, out: str | None, label: str) -> None:
                               timedelta(seconds=60))
     result["mlp_layer_8192_rows_per_rank_us"] = _mlp_layer_us(group, exchange)
     result["decode_graph_mlp_layer_128_rows_per_rank_us"] = _decode_graph_mlp_us(group, exchange)
+    result["tp_all_reduce_in_graph_us"] = _all_reduce_graph_us(group, store)
     if out:
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         print(label, json.dumps(result))

@@ -76,6 +76,9 @@ class EngineConfig:
     # copy engines in SUM_LEN rounds, Triton kernels in MAX_LEN ones) where the build supports it; set to
     # use NCCL for every round.
     disable_copy_engine_rows: bool = False
+    # Tensor parallelism on CUDA: all-reduces up to 8 MB (decode steps) run as one Triton kernel over
+    # symmetric memory (plait.distributed.p2p_all_reduce) where the build supports it; set to use NCCL's.
+    disable_custom_all_reduce: bool = False
     # First GPU of this engine (SGLang's --base-gpu-id): rank r uses GPU base_gpu_id + r; data-parallel
     # replica i starts at base_gpu_id + i * tp_size.
     base_gpu_id: int = 0

@@ -52,13 +52,19 @@ GREEDY: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": 32}
 
 def two_rank_group(port: int, rank: int, nccl: bool = False) -> TPGroup:
     """Rank ``rank`` of a two-rank group over a TCP store at ``port`` (gloo, or NCCL on GPU ``rank``)."""
+    if nccl:
+        return two_rank_nccl(port, rank)[1]
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
-    if not nccl:
-        return TPGroup(rank, 2, dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)))
+    return TPGroup(rank, 2, dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)))
+
+
+def two_rank_nccl(port: int, rank: int) -> tuple[Any, TPGroup]:
+    """The TCP store at ``port`` and rank ``rank``'s NCCL group over it, on GPU ``rank`` (made current)."""
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
     torch.cuda.set_device(rank)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=30)
-    return TPGroup(rank, 2, dist.ProcessGroupNCCL(store, rank, 2, opts))
+    return store, TPGroup(rank, 2, dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2, opts))
 
 
 def run_two_ranks(rank_fn: Callable[[int, int], None], timeout_s: float = 60, spawn_both: bool = False) -> None:

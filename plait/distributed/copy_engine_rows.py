@@ -29,29 +29,20 @@ its step 3, which waits for this rank's step 1 of layer L+1, issued after this r
 from __future__ import annotations
 
 import logging
-import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from plait.distributed import p2p_rows_kernels as kernels
 from plait.distributed.parallel_state import TPGroup
+from plait.distributed.symmetric_memory import SymmetricGroup
 
 if TYPE_CHECKING:
     from plait.models.llama import LlamaMLP
 
 logger = logging.getLogger(__name__)
 
-_NAME_KEY = "plait/copy-engine-rows/name"
 ROWS, SHARES = 0, 1  # signal channels
-# Symmetric memory numbers its store exchanges with one process-wide sequence, so a rendezvous pairs up
-# only between processes that made the same number of them before: a DP-attention engine's rank 0 is
-# the caller's long-lived process, the other ranks are spawned fresh per engine. Every construction
-# counts here, and ranks whose counts differ fall back to NCCL together instead of waiting out the
-# store timeout on keys that never come.
-_built_in_process = 0
 
 
 class CopyEngineRows:
@@ -59,44 +50,24 @@ class CopyEngineRows:
 
     def __init__(self, group: TPGroup, store: Any, max_rows: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, timeout: timedelta) -> None:
-        from torch._C._distributed_c10d import _SymmetricMemory
+        from plait.distributed import p2p_rows_kernels as kernels  # CUDA only: triton is imported here
 
+        self.kernels = kernels
         self.rank, self.size, self.max_rows = group.rank, group.size, max_rows
         self.timeout_ms = int(timeout.total_seconds() * 1000)
-        # A symmetric-memory group is registered by name, process-wide: one fresh name per engine.
-        if group.rank == 0:
-            store.set(_NAME_KEY, f"plait-rows-{uuid.uuid4().hex}")
-        name = store.get(_NAME_KEY).decode()
-        global _built_in_process
-        store.set(f"{name}/built/{group.rank}", str(_built_in_process))
-        built = [int(store.get(f"{name}/built/{r}")) for r in range(group.size)]
-        _built_in_process += 1
-        if len(set(built)) > 1:
-            raise RuntimeError(f"the ranks' processes built {built} row exchanges before this one; symmetric "
-                               "memory pairs rendezvous only between processes with equal counts")
-        self.process_group = _register_group(name, group, store)  # the registry holds it weakly
-        _SymmetricMemory.set_group_info(name, group.rank, group.size, dist.PrefixStore(name, store))
-        shape, stride = (group.size * max_rows, hidden_size), (hidden_size, 1)
-        self.gather = _SymmetricMemory.empty_strided_p2p(shape, stride, dtype, device, name)
-        self.reduce = _SymmetricMemory.empty_strided_p2p(shape, stride, dtype, device, name)
-        self.gather_handle = _SymmetricMemory.rendezvous(self.gather)
-        self.reduce_handle = _SymmetricMemory.rendezvous(self.reduce)
+        self.symmetric = SymmetricGroup(group, store, "rows", device)  # one fresh name per engine
+        self.gather, self.gather_handle = self.symmetric.tensor((group.size * max_rows, hidden_size), dtype)
+        self.reduce, self.reduce_handle = self.symmetric.tensor((group.size * max_rows, hidden_size), dtype)
         if not all(hasattr(self.gather_handle, op) for op in ("get_buffer", "put_signal", "wait_signal")):
             raise RuntimeError("this torch's symmetric memory has no put_signal / wait_signal")
         self.side = torch.cuda.Stream(device)
         # MAX_LEN rounds: the kernels find every rank's buffers and flags through tables of addresses.
-        flags = _SymmetricMemory.empty_strided_p2p((kernels.CHANNELS * group.size * kernels.MAX_PROGRAMS,), (1,),
-                                                   torch.int32, device, name)
-        flags_handle = _SymmetricMemory.rendezvous(flags)
-        self._mapped = [(h.get_buffer(p, (t.numel(),), t.dtype, 0), h)
-                        for t, h in ((self.gather, self.gather_handle), (self.reduce, self.reduce_handle),
-                                     (flags, flags_handle)) for p in range(group.size)]
-        tables = torch.tensor([b.data_ptr() for b, _ in self._mapped], dtype=torch.int64, device=device)
-        self.gather_table, self.reduce_table, self.flag_table = tables.view(3, group.size).unbind(0)
-        flags.zero_()  # every rank's flags are down before any peer may raise one
-        torch.cuda.synchronize(device)
-        group.all_reduce(torch.zeros(1, device=device))
-        torch.cuda.synchronize(device)
+        flags, flags_handle = self.symmetric.tensor((kernels.CHANNELS * group.size * kernels.MAX_PROGRAMS,),
+                                                    torch.int32)
+        self.gather_table = self.symmetric.address_table(self.gather, self.gather_handle)
+        self.reduce_table = self.symmetric.address_table(self.reduce, self.reduce_handle)
+        self.flag_table = self.symmetric.address_table(flags, flags_handle)
+        self.symmetric.zero_flags(flags)
 
     def fits(self, counts: list[int]) -> bool:
         return max(counts) <= self.max_rows
@@ -121,6 +92,7 @@ class CopyEngineRows:
         n, hidden_size = hidden.shape
         numel = n * hidden_size
         hidden = hidden.contiguous()
+        kernels = self.kernels
         nprog, span = kernels.launch_shape(numel)
         consts = {"RANK": self.rank, "WORLD": self.size, "MAXP": kernels.MAX_PROGRAMS, "BLOCK": kernels.BLOCK,
                   "num_warps": 4}
@@ -165,19 +137,6 @@ class CopyEngineRows:
         # The side stream read ``hidden`` and the shares: nothing may reuse them before it is done.
         main.wait_stream(self.side)
         return mlp.down_proj.add_bias(out)
-
-
-def _register_group(name: str, group: TPGroup, store: Any) -> Any:
-    """Symmetric memory's rendezvous resolves its group by name in c10d's registry: register a
-    ProcessGroup over this group's NCCL backend (plait itself never registers global groups)."""
-    from torch._C._distributed_c10d import ProcessGroup, _register_process_group
-
-    pg = ProcessGroup(dist.PrefixStore(f"{name}/pg", store), group.rank, group.size)
-    pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, group.group)
-    pg._set_default_backend(ProcessGroup.BackendType.NCCL)
-    pg._set_group_name(name)
-    _register_process_group(name, pg)
-    return pg
 
 
 def copy_engine_rows(group: TPGroup, store: Any, max_rows: int, hidden_size: int, dtype: torch.dtype,

@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from plait.config import EngineConfig
+from plait.distributed.p2p_all_reduce import with_p2p_all_reduce
 from plait.distributed.parallel_state import TPGroup
 from plait.distributed.step_sync import (
     RecordingReqToTokenPool,
@@ -44,7 +45,7 @@ from plait.distributed.step_sync import (
     send_shutdown,
     send_step,
 )
-from plait.executor.model_runner import ModelRunner
+from plait.executor.model_runner import ModelRunner, use_rank_device
 from plait.forward_batch import ForwardBatch
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model_config
@@ -108,6 +109,16 @@ def build_groups(store: Any, rank: int, world: int, device: str, timeout: timede
     return DistGroups(TPGroup(rank, world, nccl), control, store)
 
 
+def tensor_parallel_groups(groups: DistGroups, config: EngineConfig, mc: ModelConfig) -> DistGroups:
+    """``groups`` for a tensor-parallel runner: on CUDA its small all-reduces go through the custom
+    kernel unless ``disable_custom_all_reduce`` (the rank's GPU is made current first: the kernel's
+    buffers live there)."""
+    device = use_rank_device(config, groups.tp)
+    if config.disable_custom_all_reduce:
+        return groups
+    return replace(groups, tp=with_p2p_all_reduce(groups.tp, groups.store, mc.dtype, device))
+
+
 def startup_timeout(config: EngineConfig) -> timedelta:
     """Collectives while the ranks build their runners wait for the slowest model load, not for
     ``dist_timeout``; ``set_collective_timeout`` tightens them once a rank is ready."""
@@ -159,6 +170,7 @@ def run_worker(rank: int, world: int, config: EngineConfig, store: Any, local_wo
 
             runner: ModelRunner = DPAttentionRunner(config, mc, groups)
         else:
+            groups = tensor_parallel_groups(groups, config, mc)
             runner = ModelRunner(config, mc, groups.tp)
         set_collective_timeout(groups, timeout)
     except BaseException:
@@ -343,6 +355,7 @@ def start_tensor_parallel(config: EngineConfig, mc: ModelConfig) -> ModelRunner:
 
             runner: ModelRunner = DPAttentionLeader(config, mc, groups, store, procs)
         else:
+            groups = tensor_parallel_groups(groups, config, mc)
             runner = TPLeaderRunner(config, mc, groups, store, procs)
         set_collective_timeout(groups, timeout)
     except BaseException as e:

@@ -1,6 +1,7 @@
-"""Triton kernels that move a decode round's MLP rows between DP-attention ranks through symmetric
-memory (CUDA only): every rank maps every peer's buffers, so a kernel stores straight into a peer's
-memory over NVLink and raises a flag there.
+"""Triton kernels that move activations between ranks through symmetric memory (CUDA only): a decode
+round's MLP rows between DP-attention ranks, and tensor parallelism's small all-reduces. Every rank
+maps every peer's buffers, so a kernel stores straight into a peer's memory over NVLink and raises a
+flag there.
 
 Why not NCCL: a decode round moves about 1 MB each way per layer (128 rows of 4096 bf16 per rank on
 llama-3.1-8b), where NCCL's ring kernels take 16 us each, mostly latency, 32 layers and two
@@ -37,8 +38,7 @@ def _peer_ptr(table, rank, dtype: tl.constexpr):
 
 
 @triton.jit
-def _signal_then_wait(flag_table, channel: tl.constexpr, pid, RANK: tl.constexpr, WORLD: tl.constexpr,
-                      MAXP: tl.constexpr):
+def _signal_then_wait(flag_table, channel, pid, RANK: tl.constexpr, WORLD: tl.constexpr, MAXP: tl.constexpr):
     """After this program's stores to every peer: raise its flag on each peer, then wait for each peer's
     program ``pid`` to raise this rank's."""
     tl.debug_barrier()  # every thread's stores happen before the releasing flag store below
@@ -99,6 +99,45 @@ def reduce_rows_kernel(partial, out, reduce_table, flag_table, slot_numel, span,
                 # .cg: past L1, which may hold this buffer's lines from the previous layer.
                 acc += tl.load(own + p * slot_numel + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
         tl.store(out + offs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def all_reduce_kernel(x, buf_table, flag_table, epochs, numel, span, slot_numel, RANK: tl.constexpr,
+                      WORLD: tl.constexpr, MAXP: tl.constexpr, BLOCK: tl.constexpr):
+    """In-place sum of ``x`` over the ranks (one shot: each rank pushes its ``x`` into every peer's
+    buffer, then sums what arrived, in rank order, so every rank gets the same bits).
+
+    Unlike the MLP kernels, the arrived data is read in the same launch that raised the flags, so a
+    peer's next call may land while this one still reads: calls alternate between two halves of the
+    buffers and flags by the parity of a per-program call count (``epochs``, device memory, so CUDA
+    graph replays and eager calls keep counting alike). The grid is always MAXP programs, so every
+    program counts every call and the parities agree. A peer's call k+2 reuses call k's half only
+    after its call k+1 saw this program's flag, raised after this program's call k had finished."""
+    pid = tl.program_id(0)
+    dtype = x.dtype.element_ty
+    epoch = tl.load(epochs + pid)
+    half = epoch % 2
+    base = half * WORLD * slot_numel
+    for i in range(0, span, BLOCK):
+        offs = pid * span + i + tl.arange(0, BLOCK)
+        mask = offs < numel
+        v = tl.load(x + offs, mask=mask)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                tl.store(_peer_ptr(buf_table, p, dtype) + base + RANK * slot_numel + offs, v, mask=mask)
+    _signal_then_wait(flag_table, half, pid, RANK, WORLD, MAXP)
+    own = _peer_ptr(buf_table, RANK, dtype)
+    for i in range(0, span, BLOCK):
+        offs = pid * span + i + tl.arange(0, BLOCK)
+        mask = offs < numel
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):
+            if p == RANK:
+                acc += tl.load(x + offs, mask=mask).to(tl.float32)
+            else:
+                acc += tl.load(own + base + p * slot_numel + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
+        tl.store(x + offs, acc.to(dtype), mask=mask)
+    tl.store(epochs + pid, epoch + 1)
 
 
 def launch_shape(slot_numel: int) -> tuple[int, int]:

@@ -23,6 +23,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed Backend (ProcessGroupGloo / ProcessGroupNCCL) when size > 1
+    # CUDA: small in-place sums in one kernel over symmetric memory (plait.distributed.p2p_all_reduce).
+    p2p_all_reduce: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -34,6 +36,8 @@ class TPGroup:
         """In place: every rank ends with the reduction of ``x`` over the group."""
         if self.size == 1:
             return x
+        if self.p2p_all_reduce is not None and op == dist.ReduceOp.SUM and self.p2p_all_reduce.fits(x):
+            return self.p2p_all_reduce(x)
         self.group.allreduce([x], op).wait()
         return x
 

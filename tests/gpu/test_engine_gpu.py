@@ -148,16 +148,11 @@ def _copy_engine_setup(port: int, rank: int) -> tuple[Any, Any, list[Any], torch
     from datetime import timedelta
     from types import SimpleNamespace
 
-    import torch.distributed as dist
-
     from plait.distributed.copy_engine_rows import CopyEngineRows
-    from plait.distributed.parallel_state import TPGroup
     from plait.models.llama import LlamaMLP
+    from tests.helpers import two_rank_nccl
 
-    torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
-    nccl_pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2, dist.ProcessGroupNCCL.Options())
-    group = TPGroup(rank, 2, nccl_pg)
+    store, group = two_rank_nccl(port, rank)
     device = torch.device("cuda", rank)
     rows = CopyEngineRows(group, store, 64, 256, torch.bfloat16, device, timedelta(seconds=30))
     gen = torch.Generator(device=device).manual_seed(rank)
@@ -241,3 +236,53 @@ def test_copy_engine_rows_kernels_of_max_len_rounds_match_nccl_eager_and_in_a_cu
     from tests.helpers import run_two_ranks
 
     run_two_ranks(_copy_engine_graph_rank, spawn_both=True)
+
+
+def _p2p_all_reduce_rank(port: int, rank: int) -> None:
+    """Rank ``rank`` of the custom all-reduce check: bit-equal to NCCL's sum for sizes from one row to
+    the largest, eager and from a CUDA graph of an odd number of calls replayed between eager calls
+    (so the alternating buffer halves meet every order)."""
+    from dataclasses import replace
+
+    from plait.distributed.p2p_all_reduce import P2PAllReduce
+    from tests.helpers import two_rank_nccl
+
+    store, group = two_rank_nccl(port, rank)
+    device = torch.device("cuda", rank)
+    fast = replace(group, p2p_all_reduce=P2PAllReduce(group, store, torch.bfloat16, device))
+    gen = torch.Generator(device=device).manual_seed(rank)
+
+    def sample(numel: int) -> torch.Tensor:
+        return torch.randn(numel, generator=gen, device=device).to(torch.bfloat16)
+
+    for numel in (1, 4096, 3 * 4096 + 17, 128 * 4096, fast.p2p_all_reduce.max_numel):
+        x = sample(numel)
+        assert fast.p2p_all_reduce.fits(x)
+        torch.testing.assert_close(fast.all_reduce(x.clone()), group.all_reduce(x.clone()), rtol=0, atol=0)
+    static = [sample(64 * 4096) for _ in range(3)]
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for t in static:
+            fast.all_reduce(t.clone())  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for t in static:
+            fast.all_reduce(t)
+    for _ in range(3):
+        inputs = [sample(t.numel()) for t in static]
+        for t, x in zip(static, inputs, strict=True):
+            t.copy_(x)
+        graph.replay()
+        eager = sample(4096)
+        torch.testing.assert_close(fast.all_reduce(eager.clone()), group.all_reduce(eager.clone()), rtol=0, atol=0)
+        for t, x in zip(static, inputs, strict=True):
+            torch.testing.assert_close(t, group.all_reduce(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_custom_all_reduce_equals_nccl_bit_for_bit_eager_and_in_a_cuda_graph():
+    from tests.helpers import run_two_ranks
+
+    run_two_ranks(_p2p_all_reduce_rank, spawn_both=True)
