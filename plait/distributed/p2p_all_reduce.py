@@ -41,7 +41,6 @@ class P2PAllReduce:
         self.buf_table = self.symmetric.address_table(buf, buf_handle)
         self.flag_table = self.symmetric.address_table(flags, flags_handle)
         self.epochs = torch.zeros(kernels.MAX_PROGRAMS, dtype=torch.int32, device=device)  # calls per program
-        self._buffers = (buf, flags)
         self.symmetric.zero_flags(flags)
 
     def fits(self, x: torch.Tensor) -> bool:

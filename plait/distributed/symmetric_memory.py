@@ -44,7 +44,9 @@ class SymmetricGroup:
         from torch._C._distributed_c10d import _SymmetricMemory
 
         _SymmetricMemory.set_group_info(self.name, group.rank, group.size, dist.PrefixStore(self.name, store))
-        self._mapped: list[torch.Tensor] = []  # peer views the address tables point into
+        # Every buffer, its handle and the peer views the address tables point into live as long as
+        # the group: a dropped handle unmaps the peers' memory under kernels that still use it.
+        self._owned: list[Any] = []
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
         """A new buffer of ``shape`` on every rank (contiguous) and its rendezvous handle."""
@@ -57,12 +59,14 @@ class SymmetricGroup:
             step *= extent
         t = _SymmetricMemory.empty_strided_p2p(shape, tuple(stride), dtype, self.device, self.name)
         _rendezvous_in_process += 1
-        return t, _SymmetricMemory.rendezvous(t)
+        handle = _SymmetricMemory.rendezvous(t)
+        self._owned.append((t, handle))
+        return t, handle
 
     def address_table(self, t: torch.Tensor, handle: Any) -> torch.Tensor:
         """int64 [size]: entry r is the address of rank r's ``t`` as mapped here."""
         views = [handle.get_buffer(r, (t.numel(),), t.dtype, 0) for r in range(self.group.size)]
-        self._mapped.extend(views)
+        self._owned.extend(views)
         return torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
 
     def zero_flags(self, flags: torch.Tensor) -> None:
