@@ -20,9 +20,12 @@ On a CPU (no CUDA) it runs the same code on a tiny model with gloo, to check the
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import queue
 import sys
 import tempfile
+import traceback
 from typing import Any
 
 import torch
@@ -78,6 +81,44 @@ def _engine(path: str, **options: Any):
     return Engine(model=path, device="cpu", max_total_tokens=4096, **options)
 
 
+def _isolated(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a fresh spawned process. Each layout's engine runs in its own process,
+    as a server's would: torch's symmetric memory pairs rendezvous only between processes that made
+    equally many before, so a second tp / DP-attention engine in one process falls back to NCCL."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_put_result, args=(results, fn, args, kwargs))
+    proc.start()
+    while True:
+        try:
+            ok, value = results.get(timeout=5)  # before join: a large result must be drained first
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{fn.__name__} died without a result (exit code {proc.exitcode})") from None
+    proc.join()
+    if not ok:
+        raise RuntimeError(f"{fn.__name__} failed in its process:\n{value}")
+    return value
+
+
+def _put_result(results: Any, fn: Any, args: tuple, kwargs: dict) -> None:
+    try:
+        results.put((True, fn(*args, **kwargs)))
+    except BaseException:
+        results.put((False, traceback.format_exc()))
+        raise
+
+
+def _layout_greedy(path: str, prompts: list[list[int]], new: int, options: dict[str, Any]
+                   ) -> tuple[list[list[int]], dict, bool]:
+    engine = _engine(path, **options)
+    graphs = getattr(getattr(engine, "runner", None), "graph_runner", None) is not None
+    tokens, logits = _greedy_with_logits(engine, prompts, new)
+    release(engine)
+    return tokens, logits, graphs
+
+
 def _greedy_with_logits(engine: Any, prompts: list[list[int]], new: int) -> tuple[list[list[int]], dict]:
     """Greedy token ids per prompt, and {prompt index: [float32 logits per step]} for the requests
     whose scheduler runs in this process."""
@@ -99,10 +140,7 @@ def correctness(out_dir: str) -> dict[str, Any]:
     release(one)
     report: dict[str, Any] = {"rel_tol": REL_TOL}
     for name in ("tp2", "dp2"):
-        engine = _engine(path, **LAYOUTS[name])
-        graphs = getattr(getattr(engine, "runner", None), "graph_runner", None) is not None
-        tokens, logits = _greedy_with_logits(engine, prompts, new)
-        release(engine)
+        tokens, logits, graphs = _isolated(_layout_greedy, path, prompts, new, LAYOUTS[name])
         max_rel, compared, clear_mismatch, agree = 0.0, 0, 0, 0
         for i, ref in enumerate(ref_tokens):
             for t, (a, b) in enumerate(zip(ref, tokens[i], strict=True)):
@@ -132,7 +170,7 @@ def decode(out_dir: str, also: list[str] | None = None) -> None:
     lim = measure_limits() if CUDA else None
     prompt = random_prompts(1, 128, vocab, seed=0)[0] if CUDA else [5, 7, 9, 11]
     new = 256 if CUDA else 8
-    runs = {n: plait_decode_bs1(shape, path, prompt, new, **HOST, **opts)
+    runs = {n: _isolated(plait_decode_bs1, shape, path, prompt, new, **HOST, **opts)
             for n, opts in (("1gpu", {}), ("tp2", LAYOUTS["tp2"]), *((a, AB_LAYOUTS[a]) for a in also or []))}
     print({n: r["tok_s"] for n, r in runs.items()})
     if lim is None:
@@ -160,7 +198,7 @@ def offline(out_dir: str, only: list[str] | None = None) -> None:
         # No prefix cache: the warm-up run repeats the prompts, and DP attention's other rank keeps its
         # own cache, which the benchmark could not reset.
         engine_opts = {"max_running_requests": n, "disable_radix_cache": True, **HOST, **opts}
-        results[name] = plait_throughput(path, prompts, params, **engine_opts)
+        results[name] = _isolated(plait_throughput, path, prompts, params, **engine_opts)
         print(name, results[name]["output_tok_s"])
     if not CUDA:
         return

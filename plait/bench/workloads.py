@@ -100,7 +100,7 @@ def plait_decode_bs1(shape: str, shape_dir: str, prompt: list[int], new_tokens: 
     t_one = min(timed(lambda: engine.generate(prompt, {**params, "max_new_tokens": 1}))[1] for _ in range(3))
     _, t_all = timed(lambda: engine.generate(prompt, {**params, "max_new_tokens": new_tokens}))
     info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "attention_backend": engine.runner.attn_backend.name,
-            "cuda_graph": engine.runner.graph_runner is not None}
+            "cuda_graph": engine.runner.graph_runner is not None, **symmetric_paths(engine)}
     release(engine)
     tok_s = (new_tokens - 1) / (t_all - t_one)
     return {"tok_s": tok_s, "ms_per_step": 1e3 / tok_s, "prefill_s": t_one, "total_s": t_all, **info}
@@ -131,10 +131,19 @@ def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict
     stats = engine.scheduler.stats
     info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "retractions": stats.num_retractions,
             "attention_backend": engine.runner.attn_backend.name, "cuda_graph": engine.runner.graph_runner is not None,
-            "forward_steps": stats.forward_steps, "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use()}
+            "forward_steps": stats.forward_steps, "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use(),
+            **symmetric_paths(engine)}
     release(engine)
     return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info,
             "steps": steps.summary(seconds)}
+
+
+def symmetric_paths(engine: Any) -> dict[str, bool]:
+    """Whether the run's collectives took the symmetric-memory paths (they fall back to NCCL silently
+    but for a warning): tensor parallelism's custom all-reduce, DP attention's row exchange."""
+    runner = engine.runner
+    return {"custom_all_reduce": getattr(runner.tp, "p2p_all_reduce", None) is not None,
+            "dp_row_exchange": getattr(runner, "row_exchange", None) is not None}
 
 
 class StepTimes:
