@@ -31,6 +31,7 @@ import torch.distributed as dist
 from plait.distributed.copy_engine_rows import CopyEngineRows
 from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import TPGroup
+from plait.executor.cuda_graph_runner import CudaGraph, warm_and_capture
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
 from plait.models.llama import LlamaMLP
 
@@ -89,16 +90,9 @@ def _all_reduce_graph_us(group: TPGroup, store: dist.Store, calls: int = 64) -> 
 
 
 def _graph_us(fn: Any) -> float:
-    """Device time of one replay of a CUDA graph of ``fn`` (warmed up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Device time of one replay of a CUDA graph of ``fn`` (warmed up and captured as the engine does)."""
+    graph = CudaGraph()
+    warm_and_capture(graph, fn, None, sync=True)
     return _time_us(graph.replay, iters=20)
 
 

@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from plait.bench.shapes import SHAPES  # noqa: E402
 from plait.bench.workloads import make_engine, random_prompts  # noqa: E402
+from plait.executor.cuda_graph_runner import CudaGraph, warm_and_capture  # noqa: E402
 from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 
 SHAPE = "llama-3.2-1b"
@@ -217,14 +218,8 @@ def _copy_engine_graph_rank(port: int, rank: int) -> None:
         x = torch.randn(counts[rank], 256, generator=gen, device=device, dtype=torch.bfloat16)
         torch.testing.assert_close(stack(x, counts, rows), stack(x, counts, None), rtol=2e-2, atol=2e-2)
     static = torch.zeros(32, 256, device=device, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        stack(static, [32, 32], rows)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = stack(static, [32, 32], rows)
+    graph = CudaGraph()
+    captured = warm_and_capture(graph, lambda: stack(static, [32, 32], rows), None, sync=True)
     for _ in range(3):  # each replay reuses the buffers and signals of the one before
         static.copy_(torch.randn(32, 256, generator=gen, device=device, dtype=torch.bfloat16))
         graph.replay()
@@ -260,16 +255,8 @@ def _p2p_all_reduce_rank(port: int, rank: int) -> None:
         assert fast.p2p_all_reduce.fits(x)
         torch.testing.assert_close(fast.all_reduce(x.clone()), group.all_reduce(x.clone()), rtol=0, atol=0)
     static = [sample(64 * 4096) for _ in range(3)]
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for t in static:
-            fast.all_reduce(t.clone())  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        for t in static:
-            fast.all_reduce(t)
+    graph = CudaGraph()
+    warm_and_capture(graph, lambda: [fast.all_reduce(t) for t in static], None, sync=True)
     for _ in range(3):
         inputs = [sample(t.numel()) for t in static]
         for t, x in zip(static, inputs, strict=True):
