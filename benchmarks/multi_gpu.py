@@ -274,7 +274,7 @@ def profile_dp2(out_dir: str) -> dict[str, Any]:
     import time
     from collections import defaultdict
 
-    import plait.distributed.dp_attention as dpa
+    import plait.parallel.dp_attention as dpa
 
     shape = "llama-3.1-8b" if CUDA else "tiny"
     path, vocab = _model(shape)

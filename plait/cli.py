@@ -1,4 +1,4 @@
-"""Command line: ``plait generate | serve | bench``.
+"""Command line: ``plait generate | serve | bench | node``.
 
 Engine flags mirror EngineConfig fields (``--max-total-tokens`` -> ``max_total_tokens``); sampling
 flags mirror SamplingParams fields. Without ``--model`` the built-in demo model is used.
@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import types
 import typing
@@ -116,16 +117,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    """Ranks of a node other than node 0 (spawned here), or one rank under torchrun, whose rank 0 runs
+    ``plait generate`` with the same flags."""
+    from plait.parallel.launch import launched_by_torchrun, run_node_ranks, run_torchrun_rank
+
+    config = EngineConfig.from_kwargs(model=args.model, **engine_options(args))
+    if not launched_by_torchrun():
+        return run_node_ranks(config)
+    if int(os.environ["RANK"]) == 0:
+        return cmd_generate(args)
+    run_torchrun_rank(config)
+    return 0
+
+
+def _generate_flags(parser: argparse.ArgumentParser, prompt_required: bool) -> None:
+    _engine_parser(parser)
+    parser.add_argument("--prompt", required=prompt_required, default="")
+    parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    parser.add_argument("--json", action="store_true", help="print the whole output as JSON")
+    add_dataclass_flags(parser, SamplingParams)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="plait: a compact LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    _engine_parser(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
-    gen.add_argument("--json", action="store_true", help="print the whole output as JSON")
-    add_dataclass_flags(gen, SamplingParams)
+    _generate_flags(gen, prompt_required=True)
     gen.set_defaults(func=cmd_generate)
+    node = sub.add_parser("node", help="the tensor-parallel ranks of a node other than node 0 (--nnodes, "
+                          "--node-rank, --dist-init-addr), or one rank under torchrun (rank 0 runs generate)")
+    _generate_flags(node, prompt_required=False)
+    node.set_defaults(func=cmd_node)
     bench = sub.add_parser("bench", help="benchmarks (DESIGN 7 workloads)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from plait.bench.cli import add_bench_parsers

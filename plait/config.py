@@ -60,7 +60,7 @@ class EngineConfig:
     schedule_conservativeness: float = 1.0
     # Parallelism (issue 7). tp_size ranks, one process each (rank 0 is the engine's process).
     # dp_size alone: dp_size independent replicas (each tp_size ranks, its own KV cache and
-    # scheduler) behind a shortest-queue balancer (plait.distributed.data_parallel). dp_size with
+    # scheduler) behind a shortest-queue balancer (plait.parallel.data_parallel). dp_size with
     # enable_dp_attention: each rank runs attention over its own requests (dp_size ==
     # tp_size). nnodes/node_rank/dist_init_addr: ranks spread over several machines (node 0 hosts
     # rank 0 and the store at dist_init_addr). dist_timeout: seconds a collective may wait before

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        from plait.testing.triton_interpreter import patch_interpreter_for_numpy
+        from plait.triton_utils import patch_interpreter_for_numpy
 
         patch_interpreter_for_numpy()
     except ImportError:  # triton not installed: the Triton tests skip themselves

@@ -1,4 +1,4 @@
-"""Tests for plait.testing.tiny_model: tiny random Hugging Face checkpoints."""
+"""Tests for plait.models.tiny: tiny random Hugging Face checkpoints."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import plait.testing.tiny_model as tiny_model
+import plait.models.tiny as tiny_model
 from plait.testing import TINY_ARCHS, demo_model_path, make_tiny_model
 
 # (arch) -> (model class, hidden, q heads, kv heads, head_dim, tied)
@@ -239,7 +239,7 @@ def test_tokenizer_round_trips_multibyte_text(built: dict[str, pathlib.Path]) ->
 def test_tokenizer_is_deterministic_across_processes() -> None:
     # BPE training must not depend on per-process hash seeds, or two processes would disagree.
     code = (
-        "import hashlib, plait.testing.tiny_model as t;print(hashlib.sha256(t._tokenizer_json().encode()).hexdigest())"
+        "import hashlib, plait.models.tiny as t;print(hashlib.sha256(t._tokenizer_json().encode()).hexdigest())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

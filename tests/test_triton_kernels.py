@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from plait.testing.triton_interpreter import patch_interpreter_for_numpy
+    from plait.triton_utils import patch_interpreter_for_numpy
 
     patch_interpreter_for_numpy()
 

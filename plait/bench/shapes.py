@@ -40,7 +40,7 @@ def write_shape_dir(root: str | pathlib.Path, shape: str) -> pathlib.Path:
     """config.json of the shape plus the tiny test tokenizer (prompts are given as token ids)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
-    from plait.testing.tiny_model import save_tokenizer
+    from plait.models.tiny import save_tokenizer
 
     path = pathlib.Path(root) / shape
     path.mkdir(parents=True, exist_ok=True)

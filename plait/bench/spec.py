@@ -204,7 +204,7 @@ def eagle3_draft_step(shape_dir: str, context: int = 512, bs: int = 1, topks: tu
     weights + the head's KV read) at the measured read bandwidth. The CPU smoke test passes a
     bandwidth and an EagerGraph factory."""
     from plait.bench.hardware import hbm_bandwidth
-    from plait.testing.eagle_heads import make_eagle_head
+    from plait.models.eagle_heads import make_eagle_head
 
     vocab = json.loads((pathlib.Path(shape_dir) / "config.json").read_text())["vocab_size"]
     head_dir = make_eagle_head(tempfile.mkdtemp(prefix="plait-eagle3-"), shape_dir, "EAGLE3",

@@ -29,7 +29,7 @@ class Limits:
 
 
 def make_engine(shape_dir: str, **options: Any):
-    from plait import Engine
+    from plait.engine import Engine
 
     options.setdefault("load_format", "dummy")
     options.setdefault("dtype", "bfloat16")

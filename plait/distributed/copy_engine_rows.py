@@ -38,7 +38,7 @@ from plait.distributed.parallel_state import TPGroup
 from plait.distributed.symmetric_memory import SymmetricGroup
 
 if TYPE_CHECKING:
-    from plait.models.llama import LlamaMLP
+    from plait.distributed.dp_mlp import ShardedMLP
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class CopyEngineRows:
         hidden = self.gather.shape[1]
         return handle.get_buffer(peer, (rows, hidden), self.gather.dtype, self.rank * self.max_rows * hidden)
 
-    def mlp_equal(self, mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
+    def mlp_equal(self, mlp: ShardedMLP, hidden: torch.Tensor) -> torch.Tensor:
         """The same MLP for a MAX_LEN round, every rank holding ``n`` rows (a decode graph's bucket),
         with SM kernels instead of copy engines (``p2p_rows_kernels``: each stores into the peers'
         buffers and flags them): the rows meet contiguously at ``r * n`` of the gather buffer, one GEMM
@@ -100,9 +100,9 @@ class CopyEngineRows:
         partial = mlp.forward_partial(self.gather[: self.size * n])
         out = torch.empty_like(hidden)
         kernels.reduce_rows_kernel[(nprog,)](partial, out, self.reduce_table, self.flag_table, numel, span, **consts)
-        return mlp.down_proj.add_bias(out)
+        return mlp.add_bias(out)
 
-    def mlp(self, mlp: LlamaMLP, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def mlp(self, mlp: ShardedMLP, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's rows of the sharded MLP over every rank's rows (bias added)."""
         main = torch.cuda.current_stream()
         peers = [p for p in range(self.size) if p != self.rank]
@@ -136,7 +136,7 @@ class CopyEngineRows:
                 out += self.reduce[p * self.max_rows : p * self.max_rows + n]
         # The side stream read ``hidden`` and the shares: nothing may reuse them before it is done.
         main.wait_stream(self.side)
-        return mlp.down_proj.add_bias(out)
+        return mlp.add_bias(out)
 
 
 def copy_engine_rows(group: TPGroup, store: Any, max_rows: int, hidden_size: int, dtype: torch.dtype,

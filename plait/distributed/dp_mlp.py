@@ -30,18 +30,27 @@ A rank with no tokens (IDLE) passes an empty tensor and still joins every collec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from plait.distributed.parallel_state import TPGroup
 from plait.forward_batch import DPPaddingMode, ForwardBatch
 
-if TYPE_CHECKING:
-    from plait.models.llama import LlamaMLP
+
+class ShardedMLP(Protocol):
+    """A TP-sharded MLP whose row-parallel output can be reduced by the caller."""
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums of the output rows of ``x``, bias not yet added."""
+        ...
+
+    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The output of rows whose partial sums were reduced over the ranks."""
+        ...
 
 
-def dp_gathered_mlp(mlp: LlamaMLP, hidden: torch.Tensor, fb: ForwardBatch, group: TPGroup) -> torch.Tensor:
+def dp_gathered_mlp(mlp: ShardedMLP, hidden: torch.Tensor, fb: ForwardBatch, group: TPGroup) -> torch.Tensor:
     counts = fb.global_num_tokens_cpu
     if counts is None or fb.dp_padding_mode is None:
         raise RuntimeError("a DP-attention forward needs its MLP-sync metadata (init_mlp_sync_metadata) and "
@@ -64,4 +73,4 @@ def dp_gathered_mlp(mlp: LlamaMLP, hidden: torch.Tensor, fb: ForwardBatch, group
     else:
         rows = list(counts)
     partial = mlp.forward_partial(group.all_gather_rows(hidden, rows))
-    return mlp.down_proj.add_bias(group.reduce_scatter_rows(partial, rows)[:n])
+    return mlp.add_bias(group.reduce_scatter_rows(partial, rows)[:n])

@@ -1,7 +1,7 @@
 """Tensor-parallel group handle, passed to layers (never looked up from a global).
 
 A ``TPGroup`` wraps one torch.distributed backend object (``ProcessGroupGloo`` on the CPU,
-``ProcessGroupNCCL`` on CUDA) built from an explicit store by ``plait.distributed.launch``. The
+``ProcessGroupNCCL`` on CUDA) built from an explicit store by ``plait.parallel.launch``. The
 collectives are called on that object directly instead of through ``torch.distributed``'s default
 group: nothing here registers process-global state, so a process can hold several groups (or build
 and drop engines one after another, as the tests do) without ``init_process_group``.

@@ -30,7 +30,7 @@ __all__ = ["Engine", "ParamsLike", "Prompt", "to_sampling_params"]
 class Engine:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         if model is None:
-            from plait.testing import demo_model_path
+            from plait.models.tiny import demo_model_path
 
             model = str(demo_model_path())
             logger.info("no model given: using the built-in demo model at %s (random weights)", model)
@@ -40,16 +40,16 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model)
-        from plait.distributed.data_parallel import is_plain_data_parallel
+        from plait.parallel.data_parallel import is_plain_data_parallel
 
         if is_plain_data_parallel(self.config):
             # dp_size independent replicas (each with its own TP group when tp_size > 1).
-            from plait.distributed.data_parallel import DataParallelRunner, DataParallelScheduler
+            from plait.parallel.data_parallel import DataParallelRunner, DataParallelScheduler
 
             self.runner = DataParallelRunner(self.config, self.model_config)  # type: ignore[assignment]
         elif self.config.tp_size > 1:
             # This process is rank 0 (it schedules and samples); the other ranks are spawned here.
-            from plait.distributed.launch import start_tensor_parallel
+            from plait.parallel.launch import start_tensor_parallel
 
             self.runner = start_tensor_parallel(self.config, self.model_config)
         else:
@@ -59,7 +59,7 @@ class Engine:
             self.scheduler = DataParallelScheduler(self.config, self.runner)  # type: ignore[assignment,arg-type]
         elif self.config.enable_dp_attention:
             # Every rank schedules its own requests; this front end balances them over the ranks.
-            from plait.distributed.dp_attention import DPAttentionScheduler
+            from plait.parallel.dp_attention import DPAttentionScheduler
 
             self.scheduler = DPAttentionScheduler(self.config, self.runner)  # type: ignore[assignment]
         else:

@@ -89,8 +89,11 @@ class LlamaMLP(nn.Module):
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's unreduced, bias-free down projection (the caller reduces, then adds
-        ``down_proj.add_bias``)."""
+        ``add_bias``)."""
         return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
+
+    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.add_bias(reduced)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -2,7 +2,7 @@
 
 This process tokenizes (prompts and chat templates), validates (plait.engine.frontend, the same
 checks as the offline Engine), and turns scheduler updates into OpenAI responses. Incremental
-detokenization and stop strings run in the scheduler process (see plait.scheduler.process); the
+detokenization and stop strings run in the scheduler process (see plait.engine.scheduler_process); the
 text arrives here as deltas. Every route answers errors in OpenAI's shape (plait.server.errors):
 validation failures are 400 (FastAPI's 422 is overridden), unknown models 404, oversized bodies 413,
 a full queue or a starting/stopping server 503, anything unexpected 500 without harming other
@@ -31,8 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from plait.config import EngineConfig
 from plait.engine.frontend import ContextLengthError, Frontend, PreparedRequest
+from plait.engine.messages import RequestUpdate
 from plait.sampling.params import SamplingParams, seed_to_int64
-from plait.scheduler.process import RequestUpdate
 from plait.server import protocol
 from plait.server.errors import APIError, bad_request
 from plait.server.flags import DEFAULT_MAX_PAYLOAD_BYTES

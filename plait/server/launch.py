@@ -4,7 +4,7 @@ Process model::
 
     plait serve (HTTP process: FastAPI on uvicorn, one asyncio loop)
       ├─ tokenize + validate (plait.engine.frontend), build OpenAI responses, /metrics
-      └─ ZMQ over IPC ──► python -m plait.scheduler.process (one per GPU rank; one on the CPU)
+      └─ ZMQ over IPC ──► python -m plait.engine.scheduler_process (one per GPU rank; one on the CPU)
                            model, KV pool, Scheduler.step() loop, detokenization, stop strings
 
 SIGTERM (or the first Ctrl-C): uvicorn stops accepting connections; requests already in flight get
@@ -107,7 +107,7 @@ def cmd_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     """Entry of ``plait serve`` (the CLI parses; engine flags arrive as EngineConfig options)."""
     model = args.model
     if model is None:
-        from plait.testing import demo_model_path
+        from plait.models.tiny import demo_model_path
 
         model = str(demo_model_path())
         logger.info("no --model given: serving the built-in demo model at %s (tiny, random weights)", model)

@@ -1,5 +1,7 @@
-"""Helpers shared by tests, the demo and benchmarks: tiny random Hugging Face checkpoints."""
+"""Test helpers: tiny random Hugging Face checkpoints and random EAGLE heads (for tests and
+benchmarks only; production code imports the writers from ``plait.models`` directly)."""
 
-from plait.testing.tiny_model import TINY_ARCHS, demo_model_path, make_tiny_model
+from plait.models.eagle_heads import make_eagle_head
+from plait.models.tiny import TINY_ARCHS, demo_model_path, make_tiny_model
 
-__all__ = ["TINY_ARCHS", "demo_model_path", "make_tiny_model"]
+__all__ = ["TINY_ARCHS", "demo_model_path", "make_eagle_head", "make_tiny_model"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from plait.config import EngineConfig
-from plait.distributed.data_parallel import DataParallelRunner, DataParallelScheduler
+from plait.parallel.data_parallel import DataParallelRunner, DataParallelScheduler
 from plait.scheduler.req import FinishReason
 from tests.helpers import make_engine, prompt_ids
 

@@ -4,7 +4,7 @@ overflows it (a round that admits many long prompts)."""
 
 from __future__ import annotations
 
-from plait.distributed.dp_attention import EXCHANGE_BYTES, exchange_objects
+from plait.parallel.dp_attention import EXCHANGE_BYTES, exchange_objects
 from tests.helpers import run_two_ranks, two_rank_group
 
 SMALL = {"rank": 0, "adds": [1, 2, 3]}

@@ -83,7 +83,7 @@ def test_eagle3_decode_graph_writes_the_hidden_states_an_eager_forward_writes(sh
     of layers [2, L//2, L-3]) into the capture's static buffer, and a replay writes the same rows as an
     eager forward of the same batch (bf16 tolerance)."""
     from plait.forward_batch import ForwardBatch, ForwardMode
-    from plait.testing.eagle_heads import make_eagle_head
+    from plait.models.eagle_heads import make_eagle_head
 
     head = make_eagle_head(tmp_path / "eagle3", shape_dir, "EAGLE3", draft_vocab_size=32000)
     engine = make_engine(shape_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head))

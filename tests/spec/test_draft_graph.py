@@ -9,8 +9,10 @@ import pytest
 pytest.importorskip("triton")
 
 from plait.executor.cuda_graph_runner import EagerGraph  # noqa: E402
-from plait.testing import make_tiny_model  # noqa: E402
-from plait.testing.eagle_heads import make_eagle_head  # noqa: E402
+from plait.testing import (
+    make_eagle_head,  # noqa: E402
+    make_tiny_model,  # noqa: E402
+)
 from tests.helpers import assert_no_leaks, make_engine, prompt_ids  # noqa: E402
 
 PROMPTS = prompt_ids(3)[1:]  # two requests of different lengths: the 2 bucket, no padding needed

@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE3 speculative decoding with random-weight heads (plait.testing.eagle_heads).
+"""EAGLE / EAGLE3 speculative decoding with random-weight heads (plait.models.eagle_heads).
 
 Greedy output equals non-speculative greedy output. Random heads guess badly, so a second check pins
 the draft bookkeeping: every chain the engine drafts equals the chain computed from scratch (the
@@ -19,8 +19,7 @@ from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.layers.hidden_capture import HiddenCapture
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 from plait.speculative.tree import DraftTree
-from plait.testing import make_tiny_model
-from plait.testing.eagle_heads import make_eagle_head
+from plait.testing import make_eagle_head, make_tiny_model
 from tests.conftest import hf_model
 from tests.helpers import assert_no_leaks, make_engine, prompt_ids
 

@@ -11,7 +11,7 @@ from plait.attention.registry import build_backend
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 from plait.models.eagle import Eagle3Head, EagleHead, eagle3_capture_layers, iter_checkpoint, load_head_config
-from plait.testing.eagle_heads import eagle_head_manifest, make_eagle_head
+from plait.models.eagle_heads import eagle_head_manifest, make_eagle_head
 
 CFG = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
        "num_hidden_layers": 1, "vocab_size": 512, "draft_vocab_size": 128}

@@ -55,7 +55,7 @@ def test_standalone_tree_on_triton(one_layer, reference):
 
 @pytest.mark.parametrize("fmt", ["EAGLE", "EAGLE3"])
 def test_eagle_heads_on_triton(tmp_path_factory, fmt):
-    from plait.testing.eagle_heads import make_eagle_head
+    from plait.testing import make_eagle_head
 
     # EAGLE3 captures target layers [2, L//2, L-3]: the shortest target it accepts has 3 layers.
     target = make_tiny_model(tmp_path_factory.mktemp("three_layers"), "llama", seed=0, num_hidden_layers=3)

@@ -32,12 +32,20 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from plait.config import EngineConfig
-from plait.sampling.params import SamplingParams
-from plait.scheduler.stats import SchedulerStats
+from plait.engine.messages import (
+    AbortRequest,
+    Fatal,
+    GenerateRequest,
+    Ready,
+    RequestUpdate,
+    SchedulerSnapshot,
+    ShutdownRequest,
+    UpdateBatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,86 +55,6 @@ logger = logging.getLogger(__name__)
 FAULT_INJECT_ENV = "PLAIT_FAULT_INJECT_TOKEN"
 
 IDLE_POLL_MS = 100
-
-
-# --- messages -------------------------------------------------------------------------------------
-@dataclass
-class GenerateRequest:
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    seed: int
-    # A client that reads text only at the end: detokenize once, when the request finishes (stop
-    # strings still decode as they need to), instead of every step.
-    stream: bool = True
-
-
-@dataclass
-class AbortRequest:
-    rids: list[str]
-
-
-@dataclass
-class ShutdownRequest:
-    pass
-
-
-@dataclass
-class Ready:
-    pid: int
-    vocab_size: int
-    max_context_len: int
-    max_total_tokens: int
-    max_running_requests: int
-    eos_token_ids: tuple[int, ...]
-    runner_info: dict[str, Any]  # device, dtype, attention backend, ...
-    device_name: str  # as torch names it: "cpu", "NVIDIA H200", ...
-
-
-@dataclass
-class RequestUpdate:
-    """What one request produced since its previous update."""
-
-    rid: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
-    finish_message: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # Set when the request failed instead of finishing: HTTP status (503 queue full, 500 internal).
-    error: str | None = None
-    error_status: int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-@dataclass(frozen=True)
-class SchedulerSnapshot:
-    """Gauges of the moment plus a copy of the scheduler's cumulative counters."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_slots_in_use: int = 0
-    max_total_tokens: int = 0
-    evictable_tokens: int = 0
-    counters: SchedulerStats = field(default_factory=SchedulerStats)
-
-
-@dataclass
-class UpdateBatch:
-    updates: list[RequestUpdate]
-    stats: SchedulerSnapshot
-
-
-@dataclass
-class Fatal:
-    message: str
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -169,16 +97,16 @@ class SchedulerProcess:
         config = self.config
         mc = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        from plait.distributed.data_parallel import is_plain_data_parallel
+        from plait.parallel.data_parallel import is_plain_data_parallel
 
         if is_plain_data_parallel(config):
             # dp_size independent replicas (each with its own TP group when tp_size > 1).
-            from plait.distributed.data_parallel import DataParallelRunner, DataParallelScheduler
+            from plait.parallel.data_parallel import DataParallelRunner, DataParallelScheduler
 
             self.runner = DataParallelRunner(config, mc)  # type: ignore[assignment]
         elif config.tp_size > 1:
             # This process is rank 0; the other tensor-parallel ranks are spawned from here.
-            from plait.distributed.launch import start_tensor_parallel
+            from plait.parallel.launch import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, mc)
         else:
@@ -187,7 +115,7 @@ class SchedulerProcess:
             # A front-end balancer over the replicas' schedulers (shortest queue).
             self.scheduler = DataParallelScheduler(config, self.runner)  # type: ignore[assignment,arg-type]
         elif config.enable_dp_attention:
-            from plait.distributed.dp_attention import DPAttentionScheduler
+            from plait.parallel.dp_attention import DPAttentionScheduler
 
             self.scheduler = DPAttentionScheduler(config, self.runner)  # type: ignore[assignment]
         else:
@@ -370,13 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def config_to_json(config: EngineConfig) -> str:
-    return json.dumps(asdict(config))
-
 
 if __name__ == "__main__":
     # Re-import under the package name: the message classes must pickle as
-    # plait.scheduler.process.X, not __main__.X, for the server process to read them.
-    from plait.scheduler.process import main as _main
+    # plait.engine.messages.X, not __main__.X, for the server process to read them.
+    from plait.engine.scheduler_process import main as _main
 
     sys.exit(_main())

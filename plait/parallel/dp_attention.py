@@ -205,7 +205,7 @@ class DPAttentionLeader(DPAttentionRunner):
         self.failure: str | None = None
 
     def check_ranks(self) -> None:
-        from plait.distributed.launch import TensorParallelError, dead_rank
+        from plait.parallel.launch import TensorParallelError, dead_rank
 
         if self.failure is not None:
             raise TensorParallelError(f"the DP-attention engine failed earlier: {self.failure}")
@@ -215,7 +215,7 @@ class DPAttentionLeader(DPAttentionRunner):
             raise TensorParallelError(dead)
 
     def fail(self, e: Exception) -> Exception:
-        from plait.distributed.launch import TensorParallelError, dead_rank
+        from plait.parallel.launch import TensorParallelError, dead_rank
 
         self.failure = dead_rank(self.procs, self.store) or (
             f"a DP-attention collective failed (a rank died or exceeded dist_timeout="
@@ -223,7 +223,7 @@ class DPAttentionLeader(DPAttentionRunner):
         return TensorParallelError(self.failure)
 
     def close(self) -> None:
-        from plait.distributed.launch import stop_processes
+        from plait.parallel.launch import stop_processes
 
         if self.failure is None and self.model is not None:
             try:
@@ -367,7 +367,7 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     """Serve the requests rank 0 assigns to this rank, one lockstep round per engine step."""
     from transformers import AutoTokenizer
 
-    from plait.distributed.step_sync import IDLE_WAIT
+    from plait.parallel.step_sync import IDLE_WAIT
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)

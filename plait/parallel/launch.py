@@ -15,7 +15,7 @@ Rank 0 checks its spawned ranks before every step; collectives run under ``dist_
 whose startup fails leaves its traceback in the store, and rank 0 reports it. Workers exit when
 rank 0 goes away (parent-death signal, and their collectives fail).
 
-Multi-node and torchrun forms: see ``plait/distributed/README_SECTION.md`` and ``main`` below.
+Multi-node and torchrun forms: ``plait node`` (``plait.cli``) runs the ranks of the other nodes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import ctypes
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -37,7 +36,11 @@ import torch.distributed as dist
 from plait.config import EngineConfig
 from plait.distributed.p2p_all_reduce import with_p2p_all_reduce
 from plait.distributed.parallel_state import TPGroup
-from plait.distributed.step_sync import (
+from plait.executor.model_runner import ModelRunner, use_rank_device
+from plait.forward_batch import ForwardBatch
+from plait.models.llama import LogitsOutput
+from plait.models.loader import ModelConfig, load_model_config
+from plait.parallel.step_sync import (
     RecordingReqToTokenPool,
     StepKind,
     apply_step_writes,
@@ -45,10 +48,6 @@ from plait.distributed.step_sync import (
     send_shutdown,
     send_step,
 )
-from plait.executor.model_runner import ModelRunner, use_rank_device
-from plait.forward_batch import ForwardBatch
-from plait.models.llama import LogitsOutput
-from plait.models.loader import ModelConfig, load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +165,7 @@ def run_worker(rank: int, world: int, config: EngineConfig, store: Any, local_wo
         groups = build_groups(store, rank, world, device, startup_timeout(config))
         mc = load_model_config(config.model, config.dtype, device, config.context_length)
         if config.enable_dp_attention:
-            from plait.distributed.dp_attention import DPAttentionRunner
+            from plait.parallel.dp_attention import DPAttentionRunner
 
             runner: ModelRunner = DPAttentionRunner(config, mc, groups)
         else:
@@ -178,7 +177,7 @@ def run_worker(rank: int, world: int, config: EngineConfig, store: Any, local_wo
         raise
     try:
         if config.enable_dp_attention:
-            from plait.distributed.dp_attention import dp_worker_loop
+            from plait.parallel.dp_attention import dp_worker_loop
 
             dp_worker_loop(config, runner)  # type: ignore[arg-type]
         else:
@@ -195,7 +194,7 @@ def _spawned_worker(rank: int, world: int, config: EngineConfig, host: str, port
                         "%(message)s")
     if os.environ.get("TRITON_INTERPRET") == "1":
         # Triton kernels on CPU tensors (tests): the same interpreter fix as the parent process.
-        from plait.testing.triton_interpreter import patch_interpreter_for_numpy
+        from plait.triton_utils import patch_interpreter_for_numpy
 
         patch_interpreter_for_numpy()
     store = dist.TCPStore(host, port, world, is_master=False, timeout=startup_timeout(config))
@@ -283,16 +282,16 @@ def stop_processes(procs: dict[int, Any], grace_s: float = 10.0) -> None:
             proc.join(5)
 
 
-def _launched_by_torchrun() -> bool:
+def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _ranks_of_node(config: EngineConfig) -> range:
+def ranks_of_node(config: EngineConfig) -> range:
     per_node = config.tp_size // config.nnodes
     return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
-def _split_addr(addr: str) -> tuple[str, int]:
+def split_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"dist_init_addr must be HOST:PORT, got {addr!r}")
@@ -337,21 +336,21 @@ def start_tensor_parallel(config: EngineConfig, mc: ModelConfig) -> ModelRunner:
     device = config.resolved_device()
     timeout = timedelta(seconds=config.dist_timeout)
     world = config.tp_size
-    if _launched_by_torchrun():
+    if launched_by_torchrun():
         store, _, _ = next(dist.rendezvous("env://", 0, world, timeout=startup_timeout(config)))
         host, port, procs = "", 0, {}
     else:
-        host, port = _split_addr(config.dist_init_addr) if config.dist_init_addr else ("127.0.0.1", 0)
+        host, port = split_addr(config.dist_init_addr) if config.dist_init_addr else ("127.0.0.1", 0)
         store = dist.TCPStore(host, port, world, is_master=True, timeout=startup_timeout(config),
                               wait_for_workers=False)
         port = store.port
-        procs = spawn_ranks(config, _ranks_of_node(config), host, port)
+        procs = spawn_ranks(config, ranks_of_node(config), host, port)
     try:
         # Model loading on a busy node can be slow: joining gets a startup allowance of its own.
         _wait_joined(store, procs, world, startup_timeout(config).total_seconds())
         groups = build_groups(store, 0, world, device, startup_timeout(config))
         if config.enable_dp_attention:
-            from plait.distributed.dp_attention import DPAttentionLeader
+            from plait.parallel.dp_attention import DPAttentionLeader
 
             runner: ModelRunner = DPAttentionLeader(config, mc, groups, store, procs)
         else:
@@ -368,39 +367,26 @@ def start_tensor_parallel(config: EngineConfig, mc: ModelConfig) -> ModelRunner:
     return runner
 
 
-# --- command line: the other nodes, and torchrun -----------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    """``python -m plait.distributed.launch``: run the ranks of one node that is not node 0, or (under
-    torchrun) one rank; rank 0 under torchrun runs ``plait generate`` with the remaining flags."""
-    from plait.cli import build_parser, engine_options
+# --- the other nodes, and torchrun (``plait node`` in plait.cli) -------------------------------------
+def run_torchrun_rank(config: EngineConfig) -> None:
+    """Under torchrun: serve one rank other than 0 (rank 0 runs the engine)."""
+    rank = int(os.environ["RANK"])
+    store, _, _ = next(dist.rendezvous("env://", rank, config.tp_size, timeout=startup_timeout(config)))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if config.resolved_device() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    run_worker(rank, config.tp_size, config, store, per_node)
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    # The flags are `plait generate`'s; ranks other than 0 need no prompt.
-    gen_args = build_parser().parse_args(["generate", *args] if "--prompt" in args else
-                                         ["generate", "--prompt", "", *args])
-    options = engine_options(gen_args)
-    config = EngineConfig.from_kwargs(model=gen_args.model, **options)
-    logging.basicConfig(level=config.log_level.upper())
-    if _launched_by_torchrun():
-        rank = int(os.environ["RANK"])
-        if rank == 0:
-            return int(gen_args.func(gen_args))
-        store, _, _ = next(dist.rendezvous("env://", rank, config.tp_size, timeout=startup_timeout(config)))
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if config.resolved_device() == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        run_worker(rank, config.tp_size, config, store, per_node)
-        return 0
+
+def run_node_ranks(config: EngineConfig) -> int:
+    """Spawn the ranks of a node other than node 0 and wait for them; the exit code is the worst rank's."""
     if config.node_rank == 0:
-        raise SystemExit("node 0 runs the engine: use `plait generate` / `plait.Engine` with the same flags")
+        raise ValueError("node 0 runs the engine: use `plait generate` / `plait serve` / `plait.Engine` with the "
+                         "same flags")
     if not config.dist_init_addr:
-        raise SystemExit("--dist-init-addr HOST:PORT (node 0's address) is required on the other nodes")
-    host, port = _split_addr(config.dist_init_addr)
-    procs = spawn_ranks(config, _ranks_of_node(config), host, port)
+        raise ValueError("--dist-init-addr HOST:PORT (node 0's address) is required on the other nodes")
+    host, port = split_addr(config.dist_init_addr)
+    procs = spawn_ranks(config, ranks_of_node(config), host, port)
     for proc in procs.values():
         proc.join()
     return max((abs(p.exitcode or 0) for p in procs.values()), default=0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -115,7 +115,7 @@ class DataParallelRunner:
 
 def _start_replica(config: EngineConfig, mc: ModelConfig) -> ModelRunner:
     if config.tp_size > 1:
-        from plait.distributed.launch import start_tensor_parallel
+        from plait.parallel.launch import start_tensor_parallel
 
         return start_tensor_parallel(config, mc)  # its own store (free port) and spawned ranks
     return ModelRunner(config, mc)

@@ -1,0 +1,100 @@
+"""Wire messages between the HTTP process and the scheduler process (pickled over ZMQ).
+
+HTTP process -> scheduler process: ``GenerateRequest``, ``AbortRequest``, ``ShutdownRequest``.
+Scheduler process -> HTTP process: ``Ready`` once the model is loaded, then ``UpdateBatch`` per step
+with finished or progressed requests, or ``Fatal`` when the loop dies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from plait.config import EngineConfig
+from plait.sampling.params import SamplingParams
+from plait.scheduler.stats import SchedulerStats
+
+
+@dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    # A client that reads text only at the end: detokenize once, when the request finishes (stop
+    # strings still decode as they need to), instead of every step.
+    stream: bool = True
+
+
+@dataclass
+class AbortRequest:
+    rids: list[str]
+
+
+@dataclass
+class ShutdownRequest:
+    pass
+
+
+@dataclass
+class Ready:
+    pid: int
+    vocab_size: int
+    max_context_len: int
+    max_total_tokens: int
+    max_running_requests: int
+    eos_token_ids: tuple[int, ...]
+    runner_info: dict[str, Any]  # device, dtype, attention backend, ...
+    device_name: str  # as torch names it: "cpu", "NVIDIA H200", ...
+
+
+@dataclass
+class RequestUpdate:
+    """What one request produced since its previous update."""
+
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_message: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # Set when the request failed instead of finishing: HTTP status (503 queue full, 500 internal).
+    error: str | None = None
+    error_status: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """Gauges of the moment plus a copy of the scheduler's cumulative counters."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_slots_in_use: int = 0
+    max_total_tokens: int = 0
+    evictable_tokens: int = 0
+    counters: SchedulerStats = field(default_factory=SchedulerStats)
+
+
+@dataclass
+class UpdateBatch:
+    updates: list[RequestUpdate]
+    stats: SchedulerSnapshot
+
+
+@dataclass
+class Fatal:
+    message: str
+
+
+def config_to_json(config: EngineConfig) -> str:
+    """The scheduler process's ``--config-json`` argument: every EngineConfig field."""
+    return json.dumps(asdict(config))
