@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from collections.abc import Iterable
 
 import pytest
@@ -15,8 +16,7 @@ PACKAGE = ROOT / "plait"
 # Bottom up. A module belongs to the longest prefix listed here. Mirrored by the table in
 # docs/architecture.md (a test below keeps the two equal).
 FLOORS: dict[int, tuple[str, ...]] = {
-    1: ("plait.config", "plait.envs", "plait.forward_batch", "plait.two_batch_overlap", "plait.mem",
-        "plait.transfer", "plait.triton_utils"),
+    1: ("plait.config", "plait.envs", "plait.forward_batch", "plait.mem", "plait.transfer", "plait.triton_utils"),
     2: ("plait.distributed",),
     3: ("plait.layers", "plait.attention", "plait.models"),
     4: ("plait.sampling", "plait.executor"),
@@ -200,3 +200,14 @@ def test_the_checks_catch_a_planted_upward_import_and_cycle(tmp_path: pathlib.Pa
     graph = import_graph(root)
     assert upward_imports(graph) == {("plait.config", "plait.scheduler.loop")}
     assert cycles(graph) == [["plait.scheduler.loop", "plait.scheduler.policy"]]
+
+
+def test_the_floor_table_in_the_docs_matches_this_one() -> None:
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    documented: dict[int, set[str]] = {}
+    for floor, packages in re.findall(r"^\|\s*(\d+)\s*\|([^|]*)\|", doc, re.M):
+        for path in re.findall(r"`plait/([\w/.]*)`", packages):
+            module = ".".join(["plait", *path.strip("/").removesuffix(".py").split("/")]).removesuffix(".__init__")
+            documented.setdefault(int(floor), set()).add(module)
+    assert documented == {floor: set(prefixes) for floor, prefixes in FLOORS.items() if floor in documented}
+    assert set(documented) == set(range(1, 11)), "docs/architecture.md lists floors 1 to 10"
