@@ -35,6 +35,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from plait import envs
 from plait.config import EngineConfig
 from plait.engine.messages import (
     AbortRequest,
@@ -48,11 +49,6 @@ from plait.engine.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-# A test hook for the "internal error, server keeps serving" path: when this environment variable
-# holds a token id, a request whose prompt contains that id fails inside the scheduler process as a
-# real exception would (caught per request, reported as a 500). Unset in normal operation.
-FAULT_INJECT_ENV = "PLAIT_FAULT_INJECT_TOKEN"
 
 IDLE_POLL_MS = 100
 
@@ -83,8 +79,8 @@ class SchedulerProcess:
         self.parent_pid = os.getppid()
         self.live: dict[str, _Live] = {}
         self.last_stats: SchedulerSnapshot | None = None
-        fault = os.environ.get(FAULT_INJECT_ENV)
-        self.fault_token = int(fault) if fault else None
+        # The test hook of the "internal error, server keeps serving" path (plait.envs).
+        self.fault_token = envs.FAULT_INJECT_TOKEN.get()
         self.running = True
 
     def load(self) -> None:
@@ -173,7 +169,7 @@ class SchedulerProcess:
                                         "requests, --max-queued-requests); retry later")]
         try:
             if self.fault_token is not None and self.fault_token in msg.input_ids:
-                raise RuntimeError(f"injected fault ({FAULT_INJECT_ENV}={self.fault_token})")
+                raise RuntimeError(f"injected fault ({envs.FAULT_INJECT_TOKEN.name}={self.fault_token})")
             sp = msg.sampling_params
             detok = IncrementalDetokenizer(self.tokenizer, msg.input_ids, sp.stop, sp.skip_special_tokens)
             req = Req(rid=msg.rid, origin_input_ids=msg.input_ids, sampling_params=sp, seed=msg.seed,
