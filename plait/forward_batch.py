@@ -148,8 +148,8 @@ class ForwardBatch:
     # Speculative decoding input (draft tree, custom mask); None for plain decoding.
     spec_info: Any = None
     # Graph runners' static float32 [>= rows, >= vocab] buffer the LM head writes the logits into:
-    # every captured graph of a runner then shares one output (each graph holding its own logits
-    # cost ~20 GiB for a 128k vocabulary over the decode and verify buckets). None: a new tensor.
+    # every captured graph of a runner then shares one output (a logits tensor per graph, over every
+    # decode and verify bucket, grows with the vocabulary to many GiB). None: a new tensor.
     next_token_logits_buffer: torch.Tensor | None = None
     # Target hidden states an EAGLE head reads (the model writes them; see plait.layers.hidden_capture).
     # Wiring owned by the model runner, like attn_backend; None for engines without EAGLE.
