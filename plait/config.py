@@ -1,14 +1,17 @@
 """Engine configuration: frozen dataclasses validated at construction.
 
 Every field has one meaning and one validator; an invalid value raises ``ValueError`` naming the
-field, the limit and what to change. Nothing mutates a config after construction: derive a new one
-with ``dataclasses.replace``.
+field, the limit and what to change. Nothing mutates a config, during construction or after it:
+values derived from other fields (the speculative numbers an algorithm defaults) are computed by
+``EngineConfig.from_kwargs`` before the dataclass is built, and ``__post_init__`` only checks. Derive a
+new config with ``EngineConfig.replace``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_flash")
@@ -16,7 +19,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_
 # CPU: torch_native (triton there is the interpreter, for tests; torch_flash needs CUDA).
 # CUDA: triton for both halves until the ``backends`` stage of benchmarks/run_h200.sh (JSON under
 # benchmarks/results/, table in README "Attention backends") shows a pair with torch_flash ahead end to
-# end; torch_flash's prefill kernel alone measured faster (issue 6), its decode is not graph-safe.
+# end; torch_flash's prefill kernel alone is faster, but its decode is not graph-safe.
 AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
@@ -27,9 +30,90 @@ def auto_backends(device_type: str) -> tuple[str, str]:
     return AUTO_BACKENDS.get(device_type, AUTO_BACKENDS["cpu"])
 
 
+# Speculative decoding (SGLang's flag names). ``speculative_num_draft_tokens`` counts the tokens
+# verified per request per step *including the root* (the last accepted token): steps=3, topk=1,
+# draft tokens=4 is a chain of three guesses and a step gains at most four tokens.
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+SPECULATIVE_ATTENTION_MODES: tuple[str, ...] = ("prefill", "decode")
+DEFAULT_SPECULATIVE_NUM_STEPS = 3
+DEFAULT_SPECULATIVE_EAGLE_TOPK = 1
+# The speculative numbers an algorithm fills in when they are unset.
+SPECULATIVE_DERIVED_FIELDS: tuple[str, ...] = (
+    "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
+
+
+def _flag(name: str) -> str:
+    """A field's command-line spelling: what the user changes."""
+    return "--" + name.replace("_", "-")
+
+
+def resolve_speculative(values: Mapping[str, Any]) -> dict[str, int]:
+    """Validate the speculative fields among ``values`` (every EngineConfig field by name) and return
+    the three numbers of ``SPECULATIVE_DERIVED_FIELDS`` as the algorithm resolves them: the given
+    value, or the algorithm's default for an unset one. Empty when speculation is off. Every error
+    names the flag to change in its command-line spelling."""
+    algo = values["speculative_algorithm"]
+    mode = values["speculative_attention_mode"]
+    _check(mode in SPECULATIVE_ATTENTION_MODES,
+           f"{_flag('speculative_attention_mode')} must be one of {SPECULATIVE_ATTENTION_MODES}, got {mode!r}")
+    if algo is None:
+        for name in ("speculative_draft_model_path", *SPECULATIVE_DERIVED_FIELDS,
+                     "speculative_draft_attention_backend"):
+            _check(values[name] is None,
+                   f"{_flag(name)} is set but speculative decoding is off: set {_flag('speculative_algorithm')} "
+                   f"to one of {SPECULATIVE_ALGORITHMS} or drop {_flag(name)}")
+        return {}
+    _check(algo in SPECULATIVE_ALGORITHMS,
+           f"{_flag('speculative_algorithm')} must be one of {SPECULATIVE_ALGORITHMS} (or unset), got {algo!r}")
+    # The speculative step runs its forwards from the scheduler's process only.
+    _check(values["tp_size"] == 1,
+           f"{_flag('speculative_algorithm')} is not supported with --tp-size > 1 yet: set --tp-size 1 "
+           f"or drop {_flag('speculative_algorithm')}")
+    if algo == "NGRAM":
+        _check(values["speculative_draft_model_path"] is None,
+               f"{_flag('speculative_algorithm')} NGRAM uses no draft model: drop "
+               f"{_flag('speculative_draft_model_path')} or pick STANDALONE")
+    else:
+        _check(bool(values["speculative_draft_model_path"]),
+               f"{_flag('speculative_algorithm')} {algo} needs a draft model: set "
+               f"{_flag('speculative_draft_model_path')} to a checkpoint directory")
+    backend = values["speculative_draft_attention_backend"]
+    _check(backend is None or backend in ATTENTION_BACKENDS,
+           f"{_flag('speculative_draft_attention_backend')} must be one of {ATTENTION_BACKENDS} (or unset), "
+           f"got {backend!r}")
+    for name in ("speculative_num_steps", "speculative_eagle_topk"):
+        value = values[name]
+        _check(value is None or value >= 1, f"{_flag(name)} must be >= 1, got {value}")
+    steps = values["speculative_num_steps"]
+    steps = DEFAULT_SPECULATIVE_NUM_STEPS if steps is None else steps
+    topk = values["speculative_eagle_topk"]
+    topk = DEFAULT_SPECULATIVE_EAGLE_TOPK if topk is None else topk
+    # The most nodes a tree of `steps` levels with `topk` new nodes per level can hold, plus the root
+    # (SGLang's bound: each step keeps topk branches).
+    most = 1 + steps * topk
+    draft = values["speculative_num_draft_tokens"]
+    draft = most if draft is None else draft
+    _check(draft >= 2,
+           f"{_flag('speculative_num_draft_tokens')} counts the root too, so it must be >= 2, got {draft}")
+    _check(topk != 1 or draft == steps + 1,
+           f"with {_flag('speculative_eagle_topk')} 1 (a chain) {_flag('speculative_num_draft_tokens')} must be "
+           f"{_flag('speculative_num_steps')} + 1 = {steps + 1}, got {draft}: change one of them")
+    _check(draft <= most,
+           f"{_flag('speculative_num_draft_tokens')} {draft} exceeds what {steps} steps of topk {topk} can "
+           f"propose ({most} with the root): lower it or raise {_flag('speculative_num_steps')} / "
+           f"{_flag('speculative_eagle_topk')}")
+    lo, hi = values["speculative_ngram_min_match_window_size"], values["speculative_ngram_max_match_window_size"]
+    _check(1 <= lo <= hi,
+           f"{_flag('speculative_ngram_min_match_window_size')} ({lo}) must be >= 1 and <= "
+           f"{_flag('speculative_ngram_max_match_window_size')} ({hi})")
+    capacity = values["speculative_ngram_capacity"]
+    _check(capacity >= 1, f"{_flag('speculative_ngram_capacity')} must be >= 1, got {capacity}")
+    return {"speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": draft}
 
 
 @dataclass(frozen=True)
@@ -42,7 +126,7 @@ class EngineConfig:
     device: str = "auto"
     load_format: str = "auto"
     seed: int = 0
-    # Attention: one base field plus optional per-phase overrides (DESIGN 3.5). Decision code reads
+    # Attention: one base field plus optional per-phase overrides. Decision code reads
     # ``attention_backends()``, never ``attention_backend`` directly.
     attention_backend: str | None = None
     prefill_attention_backend: str | None = None
@@ -58,7 +142,7 @@ class EngineConfig:
     # split into chunks of at most this many tokens.
     chunked_prefill_size: int = 8192
     schedule_conservativeness: float = 1.0
-    # Parallelism (issue 7). tp_size ranks, one process each (rank 0 is the engine's process).
+    # Parallelism. tp_size ranks, one process each (rank 0 is the engine's process).
     # dp_size alone: dp_size independent replicas (each tp_size ranks, its own KV cache and
     # scheduler) behind a shortest-queue balancer (plait.parallel.data_parallel). dp_size with
     # enable_dp_attention: each rank runs attention over its own requests (dp_size ==
@@ -82,13 +166,14 @@ class EngineConfig:
     # First GPU of this engine (SGLang's --base-gpu-id): rank r uses GPU base_gpu_id + r; data-parallel
     # replica i starts at base_gpu_id + i * tp_size.
     base_gpu_id: int = 0
-    # GPU fast path (issue 3); accepted on the CPU and ignored there.
+    # GPU fast path; accepted on the CPU and ignored there.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     disable_overlap_schedule: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # Speculative decoding (issue 5; SGLang's flag names). Unset numbers resolve per algorithm in
-    # plait.speculative.config.resolve_speculative, which also validates every combination.
+    # Speculative decoding (SGLang's flag names). ``from_kwargs`` fills the unset numbers of
+    # SPECULATIVE_DERIVED_FIELDS with the algorithm's defaults (resolve_speculative, which also
+    # validates every combination); a constructed config with an algorithm has all three set.
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -164,11 +249,12 @@ class EngineConfig:
             _check(self.speculative_algorithm is None,
                    f"speculative decoding with dp_size {self.dp_size} (data parallel replicas) is not supported "
                    "yet; use dp_size 1")
-        from plait.speculative.config import resolve_speculative
-
-        # Fills the algorithm's defaults for unset speculative numbers (construction, not mutation).
-        for name, value in resolve_speculative(self).items():
-            object.__setattr__(self, name, value)
+        for name, value in resolve_speculative(vars(self)).items():
+            given = getattr(self, name)
+            _check(given == value,
+                   f"{name} is unset with speculative_algorithm {self.speculative_algorithm}: set "
+                   f"{_flag(name)} ({value} is the algorithm's default), or build the config with "
+                   "EngineConfig.from_kwargs, which fills the defaults")
 
     def attention_backends(self) -> tuple[str, str]:
         """The (prefill, decode) backend pair: each the phase-specific flag or else the base field.
@@ -195,13 +281,16 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from keyword arguments, rejecting unknown keys with the list of known ones."""
+        """Build from keyword arguments, rejecting unknown keys with the list of known ones, with the
+        derived fields (the algorithm's speculative defaults) filled in before construction."""
         unknown = sorted(set(kwargs) - set(cls.field_names()))
         if unknown:
             raise ValueError(
                 f"unknown engine option(s) {unknown}; known options: {sorted(cls.field_names())}"
             )
-        return cls(**kwargs)
+        defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        # resolve_speculative returns a given number as it is and a default for an unset one.
+        return cls(**{**kwargs, **resolve_speculative({**defaults, **kwargs})})
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

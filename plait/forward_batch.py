@@ -1,9 +1,13 @@
 """ForwardMode and ForwardBatch: the device-side description of one model forward.
 
 A ForwardBatch lives on the ground floor of the package because attention backends, models and the
-executor all read it. It carries its own attention-plan state (DESIGN 3.1): a pre-planner records
-on the batch that it planned, and forward paths ask the batch whether to plan, instead of trusting a
+executor all read it. It carries its own attention-plan state: a pre-planner records on the batch
+that it planned, and forward paths ask the batch whether to plan, instead of trusting a
 ``skip_attn_backend_init`` flag threaded through call levels.
+
+The objects higher floors wire onto a batch (the attention backend, the hidden-state capture, the
+sampling state) are typed here by Protocols of what is reached through the batch, so this module
+imports nothing above it.
 
 Shapes (T = number of tokens in this forward, bs = number of requests):
   input_ids, positions, out_cache_loc: [T]; req_pool_indices, seq_lens: [bs].
@@ -14,18 +18,73 @@ from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.transfer import ints_to_device
 
-if TYPE_CHECKING:
-    from plait.attention.base import AttentionBackend
-    from plait.layers.hidden_capture import HiddenCapture
-    from plait.sampling import SamplingBatchInfo
+
+class AttentionLayer(Protocol):
+    """What a backend reads from the calling layer (plait.layers.radix_attention.RadixAttention)."""
+
+    layer_id: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    head_dim: int
+    scaling: float
+    logit_cap: float
+    sliding_window: int | None  # W: a query at position i sees keys at j > i - W; None = full
+
+
+class BatchAttentionBackend(Protocol):
+    """What a layer reaches through ``fb.attn_backend``: attention over the batch's paged KV, planned
+    for this batch before the forward (plait.attention.base.AttentionBackend implements it)."""
+
+    def rope_kv_store_target(self, layer: AttentionLayer, fb: ForwardBatch
+                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_buffer, v_buffer) of ``layer`` when the backend stores the new K/V plainly at
+        ``fb.out_cache_loc`` (the rotary kernel may then write them), else None."""
+        ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> output [T, Hq*D]."""
+        ...
+
+
+class BatchHiddenCapture(Protocol):
+    """Where the model writes the target hidden states an EAGLE head reads, during the forward (so a
+    graph replay writes them too); plait.layers.hidden_capture.HiddenCapture implements it."""
+
+    @property
+    def slots(self) -> Mapping[int, Sequence[int]]:
+        """Captured layer index (-1: the final normed hidden) -> its column blocks."""
+        ...
+
+    def begin(self, num_tokens: int) -> None:
+        """A forward of ``num_tokens`` tokens starts."""
+        ...
+
+    def store(self, layer: int, hidden: torch.Tensor) -> None:
+        """hidden [T, hidden_size] of capture layer ``layer`` into its columns."""
+        ...
+
+
+class BatchSamplingInfo(Protocol):
+    """The per-request sampling state the scheduler attaches for the runner's sampler
+    (plait.sampling.SamplingBatchInfo); the batch only carries it from one to the other."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every row greedy: the sampler skips the random draw without a device read."""
+        ...
 
 
 class ForwardMode(enum.IntEnum):
@@ -84,21 +143,21 @@ class ForwardBatch:
     # every row (decode). Only these rows go through the LM head.
     logits_indices: torch.Tensor | None = None
     # Wiring owned by the model runner: the backend that serves this forward.
-    attn_backend: AttentionBackend | None = None
-    sampling_info: SamplingBatchInfo | None = None
+    attn_backend: BatchAttentionBackend | None = None
+    sampling_info: BatchSamplingInfo | None = None
     # Speculative decoding input (draft tree, custom mask); None for plain decoding.
     spec_info: Any = None
     # Graph runners' static float32 [>= rows, >= vocab] buffer the LM head writes the logits into:
-    # every captured graph of a runner then shares one output (each graph holding its own logits
-    # cost ~20 GiB for a 128k vocabulary over the decode and verify buckets). None: a new tensor.
+    # every captured graph of a runner then shares one output (a logits tensor per graph, over every
+    # decode and verify bucket, grows with the vocabulary to many GiB). None: a new tensor.
     next_token_logits_buffer: torch.Tensor | None = None
     # Target hidden states an EAGLE head reads (the model writes them; see plait.layers.hidden_capture).
     # Wiring owned by the model runner, like attn_backend; None for engines without EAGLE.
-    hidden_capture: HiddenCapture | None = None
+    hidden_capture: BatchHiddenCapture | None = None
     # During graph replay the padded view runs in the captured mode; this is the runtime mode.
     actual_forward_mode: ForwardMode | None = None
 
-    # --- MLP sync under DP attention (DESIGN 3.4), filled by init_mlp_sync_metadata ---
+    # --- MLP sync under DP attention, filled by init_mlp_sync_metadata ---
     # Per-rank token counts as the MLP sync uses them (scaled by the per-request width under
     # speculative decoding), and the raw per-rank counts (request counts for decode and verify).
     global_num_tokens_cpu: list[int] | None = None
@@ -115,7 +174,7 @@ class ForwardBatch:
     unpadded_batch_size: int | None = None
     unpadded_num_tokens: int | None = None
 
-    # --- attention plan marker (DESIGN 3.1) ---
+    # --- attention plan marker ---
     forward_metadata_ready: bool = False
     forward_metadata_planned_bs: int | None = None
     forward_metadata_planned_num_tokens: int | None = None
@@ -154,7 +213,7 @@ class ForwardBatch:
         self.forward_metadata_planned_num_tokens = None
         self.forward_metadata_replan_equivalent = False
 
-    # --- MLP sync (DESIGN 3.4, seed 002) -----------------------------------------------------------
+    # --- MLP sync ----------------------------------------------------------------------------------
     def init_mlp_sync_metadata(self, batch: Any, device: torch.device | str) -> None:
         """Fill the DP-attention MLP-sync counts from ``batch`` (a ScheduleBatch, or any object a
         custom worker builds with ``global_num_tokens``, ``global_num_tokens_for_logprob`` and
@@ -225,7 +284,7 @@ class ForwardBatch:
 
 
 class DPPaddingMode(enum.IntEnum):
-    """How the tokens of all DP ranks are laid out around the TP-sharded MLP (DESIGN 3.4)."""
+    """How the tokens of all DP ranks are laid out around the TP-sharded MLP."""
 
     MAX_LEN = enum.auto()  # every rank padded to the max: all-gather before, reduce-scatter after
     SUM_LEN = enum.auto()  # a buffer of the summed length, rows at each rank's offset: all-reduce

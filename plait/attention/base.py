@@ -16,26 +16,15 @@ replay comes from the batch (or padded view) handed to ``out_graph``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from plait.forward_batch import ForwardBatch
+# AttentionLayer is declared next to ForwardBatch (the floor below) and re-exported here.
+from plait.forward_batch import AttentionLayer, ForwardBatch
 
 if TYPE_CHECKING:
     from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
-
-
-class AttentionLayer(Protocol):
-    """What a backend reads from the calling layer (plait.layers.radix_attention.RadixAttention)."""
-
-    layer_id: int
-    num_heads: int  # query heads on this rank
-    num_kv_heads: int  # KV heads on this rank
-    head_dim: int
-    scaling: float
-    logit_cap: float
-    sliding_window: int | None  # W: a query at position i sees keys at j > i - W; None = full
 
 
 class AttentionBackend(ABC):

@@ -10,19 +10,17 @@ wrapper sees as the same batch object planned twice without a mark in between.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer
 from plait.forward_batch import ForwardBatch
 
-ENV_FLAG = "PLAIT_CHECK_PLANS"
-
 
 def plan_checks_enabled() -> bool:
-    return os.environ.get(ENV_FLAG) == "1"
+    return envs.CHECK_PLANS.get()
 
 
 class PlanMismatchError(RuntimeError):

@@ -28,12 +28,12 @@ only, so tree-draft graphs (plait.speculative.tree_draft_graph) get the static b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
 from plait.attention.triton.kernels import (
     build_kv_indices,
@@ -50,10 +50,10 @@ from plait.transfer import copy_to_device_
 MAX_KV_SPLITS = 32  # long contexts at bs=1 need many splits (measured: 32k ctx 61 -> 56 us)
 # Decode merges its KV splits inside the split kernel (one launch per layer instead of two);
 # PLAIT_TRITON_DECODE_TWO_STAGE=1 restores the separate merge kernel (A/B measurement, debugging).
-FUSED_SPLIT_MERGE = os.environ.get("PLAIT_TRITON_DECODE_TWO_STAGE") != "1"
+FUSED_SPLIT_MERGE = not envs.TRITON_DECODE_TWO_STAGE.get()
 # TARGET_VERIFY runs through the decode kernel, one row per verify token (module docstring);
 # PLAIT_TRITON_VERIFY_EXTEND=1 sends it through the extend kernel instead (A/B measurement, debugging).
-VERIFY_VIA_DECODE = os.environ.get("PLAIT_TRITON_VERIFY_EXTEND") != "1"
+VERIFY_VIA_DECODE = not envs.TRITON_VERIFY_EXTEND.get()
 # ... for batches of at most this many requests. Decode rows re-read a request's prefix once per
 # verify token; the extend kernel reads it once per query block but with one program per (request,
 # head): the rows win when the extend grid is too small to fill the GPU, and lose once the prefix

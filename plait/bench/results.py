@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import pathlib
 import subprocess
 from typing import Any
 
 import torch
+
+from plait import envs
 
 
 def _versions() -> dict[str, str | None]:
@@ -25,8 +26,9 @@ def _versions() -> dict[str, str | None]:
 def git_commit() -> str | None:
     """HEAD of the checkout; PLAIT_COMMIT when the run is from an exported tree without .git (the
     device machine gets `git archive` output)."""
-    if os.environ.get("PLAIT_COMMIT"):
-        return os.environ["PLAIT_COMMIT"]
+    commit = envs.COMMIT.get()
+    if commit:
+        return commit
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -1,5 +1,5 @@
-"""Engine: the offline API. Tokenizes and validates in the caller's thread, then drives the
-scheduler in-process until the requests it was given finish.
+"""Engine: the offline API. Tokenizes and validates in the caller's thread, then drives the engine
+core's scheduler in-process until the requests it was given finish.
 
     with plait.Engine(model="/path/to/checkpoint") as engine:
         out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
@@ -14,13 +14,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from plait.config import EngineConfig
-from plait.engine.frontend import Frontend, ParamsLike, Prompt, RequestLimits, to_sampling_params
+from plait.engine.core import LiveRequest, build_engine_core
+from plait.engine.frontend import Frontend, ParamsLike, Prompt, to_sampling_params
 from plait.engine.outputs import RequestOutput, StreamChunk
-from plait.executor.model_runner import ModelRunner
-from plait.models.loader import load_model_config
-from plait.scheduler.detokenizer import IncrementalDetokenizer
 from plait.scheduler.req import Req
-from plait.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -35,40 +32,14 @@ class Engine:
             model = str(demo_model_path())
             logger.info("no model given: using the built-in demo model at %s (random weights)", model)
         self.config = EngineConfig.from_kwargs(model=model, **options)
-        device = self.config.resolved_device()
-        self.model_config = load_model_config(model, self.config.dtype, device, self.config.context_length)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model)
-        from plait.parallel.data_parallel import is_plain_data_parallel
-
-        if is_plain_data_parallel(self.config):
-            # dp_size independent replicas (each with its own TP group when tp_size > 1).
-            from plait.parallel.data_parallel import DataParallelRunner, DataParallelScheduler
-
-            self.runner = DataParallelRunner(self.config, self.model_config)  # type: ignore[assignment]
-        elif self.config.tp_size > 1:
-            # This process is rank 0 (it schedules and samples); the other ranks are spawned here.
-            from plait.parallel.launch import start_tensor_parallel
-
-            self.runner = start_tensor_parallel(self.config, self.model_config)
-        else:
-            self.runner = ModelRunner(self.config, self.model_config)
-        if is_plain_data_parallel(self.config):
-            # A front-end balancer over the replicas' schedulers (shortest queue).
-            self.scheduler = DataParallelScheduler(self.config, self.runner)  # type: ignore[assignment,arg-type]
-        elif self.config.enable_dp_attention:
-            # Every rank schedules its own requests; this front end balances them over the ranks.
-            from plait.parallel.dp_attention import DPAttentionScheduler
-
-            self.scheduler = DPAttentionScheduler(self.config, self.runner)  # type: ignore[assignment]
-        else:
-            self.scheduler = Scheduler(self.config, self.runner)
+        self.core = build_engine_core(self.config)
+        # The core's parts under their own names: tests, benchmarks and the CLI reach them here.
+        self.model_config = self.core.model_config
+        self.tokenizer = self.core.tokenizer
+        self.runner = self.core.runner
+        self.scheduler = self.core.scheduler
         # Tokenization and validation are shared with the HTTP server (plait.engine.frontend).
-        self.frontend = Frontend(self.tokenizer, RequestLimits(self.model_config.vocab_size,
-                                                               self.runner.max_context_len,
-                                                               self.runner.max_total_tokens),
-                                 seed=self.config.seed)
+        self.frontend = Frontend(self.tokenizer, self.core.limits, seed=self.config.seed)
         self._closed = False
 
     # --- requests ---------------------------------------------------------------------------------
@@ -79,10 +50,8 @@ class Engine:
         """Tokenize and validate; raises ValueError naming the field and the limit. Nothing is
         scheduled here, so a bad request affects no other."""
         prepared = self.frontend.prepare(prompt, params)
-        sp = prepared.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, prepared.input_ids, sp.stop, sp.skip_special_tokens)
-        return Req(rid=rid or uuid.uuid4().hex, origin_input_ids=prepared.input_ids, sampling_params=sp,
-                   seed=prepared.seed, detokenizer=detok)
+        return self.core.new_request(rid or uuid.uuid4().hex, prepared.input_ids, prepared.sampling_params,
+                                     prepared.seed)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsLike | Sequence[ParamsLike] = None,
                  ) -> RequestOutput | list[RequestOutput]:
@@ -108,17 +77,14 @@ class Engine:
     def generate_stream(self, prompt: Prompt, sampling_params: ParamsLike = None) -> Iterator[StreamChunk]:
         """Yield text deltas as they are produced; the last chunk carries the finish reason."""
         req = self.make_request(prompt, sampling_params)
+        live = LiveRequest(req)
         self.scheduler.add_request(req)
-        sent_tokens = 0
         while True:
             if not req.finished:
                 self.scheduler.step()
-            delta = req.detokenizer.take_delta(req.finished)
-            new_ids = req.output_ids[sent_tokens:]
-            sent_tokens = len(req.output_ids)
-            if delta or new_ids or req.finished:
-                yield StreamChunk(req.rid, delta, new_ids,
-                                  req.finish_reason.value if req.finish_reason else None,
+            update = live.take_update()
+            if update is not None:
+                yield StreamChunk(req.rid, update.text, update.token_ids, update.finish_reason,
                                   self._meta(req) if req.finished else {})
             if req.finished:
                 self.scheduler.flush()
@@ -157,14 +123,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        for req in list(self.scheduler.waiting) + self.scheduler.prefilling + self.scheduler.running:
-            self.scheduler.abort(req.rid)
-        while self.scheduler.has_work():
-            self.scheduler.step()
-        if self.scheduler.spec_worker is not None:
-            self.scheduler.spec_worker.log_stats()  # the engine's acceptance distribution
-        self.scheduler.close()
-        self.runner.close()
+        self.core.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -1,6 +1,8 @@
 """The scheduler process: one per GPU rank (one on the CPU), driven over ZMQ by the HTTP server.
+It runs an engine core (plait.engine.core) built for the server's config.
 
-Wire protocol (pickled dataclasses below, two one-way sockets, both bound by the HTTP process):
+Wire protocol (the pickled dataclasses of plait.engine.messages, two one-way sockets, both bound by
+the HTTP process):
 
     HTTP process --PUSH--> requests socket --PULL--> scheduler process
         GenerateRequest (tokenized, validated), AbortRequest, ShutdownRequest
@@ -32,10 +34,10 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any
 
+from plait import envs
 from plait.config import EngineConfig
+from plait.engine.core import EngineCore, LiveRequest, build_engine_core
 from plait.engine.messages import (
     AbortRequest,
     Fatal,
@@ -49,22 +51,10 @@ from plait.engine.messages import (
 
 logger = logging.getLogger(__name__)
 
-# A test hook for the "internal error, server keeps serving" path: when this environment variable
-# holds a token id, a request whose prompt contains that id fails inside the scheduler process as a
-# real exception would (caught per request, reported as a 500). Unset in normal operation.
-FAULT_INJECT_ENV = "PLAIT_FAULT_INJECT_TOKEN"
-
 IDLE_POLL_MS = 100
 
 
 # --- the loop -------------------------------------------------------------------------------------
-@dataclass
-class _Live:
-    req: Any  # plait.scheduler.req.Req
-    stream: bool
-    sent_tokens: int = 0
-
-
 class SchedulerProcess:
     def __init__(self, config: EngineConfig, requests_addr: str, outputs_addr: str,
                  max_queued_requests: int | None) -> None:
@@ -81,48 +71,22 @@ class SchedulerProcess:
         self.push.setsockopt(zmq.LINGER, 2000)
         self.push.connect(outputs_addr)
         self.parent_pid = os.getppid()
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, LiveRequest] = {}
         self.last_stats: SchedulerSnapshot | None = None
-        fault = os.environ.get(FAULT_INJECT_ENV)
-        self.fault_token = int(fault) if fault else None
+        # The test hook of the "internal error, server keeps serving" path (plait.envs).
+        self.fault_token = envs.FAULT_INJECT_TOKEN.get()
         self.running = True
 
     def load(self) -> None:
-        from transformers import AutoTokenizer
-
-        from plait.executor.model_runner import ModelRunner
-        from plait.models.loader import load_model_config
-        from plait.scheduler.scheduler import Scheduler
-
-        config = self.config
-        mc = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        from plait.parallel.data_parallel import is_plain_data_parallel
-
-        if is_plain_data_parallel(config):
-            # dp_size independent replicas (each with its own TP group when tp_size > 1).
-            from plait.parallel.data_parallel import DataParallelRunner, DataParallelScheduler
-
-            self.runner = DataParallelRunner(config, mc)  # type: ignore[assignment]
-        elif config.tp_size > 1:
-            # This process is rank 0; the other tensor-parallel ranks are spawned from here.
-            from plait.parallel.launch import start_tensor_parallel
-
-            self.runner = start_tensor_parallel(config, mc)
-        else:
-            self.runner = ModelRunner(config, mc)
-        if is_plain_data_parallel(config):
-            # A front-end balancer over the replicas' schedulers (shortest queue).
-            self.scheduler = DataParallelScheduler(config, self.runner)  # type: ignore[assignment,arg-type]
-        elif config.enable_dp_attention:
-            from plait.parallel.dp_attention import DPAttentionScheduler
-
-            self.scheduler = DPAttentionScheduler(config, self.runner)  # type: ignore[assignment]
-        else:
-            self.scheduler = Scheduler(config, self.runner)
+        """Build the engine core (this process is rank 0 of its layout), then tell the server the
+        limits requests are validated against."""
+        self.core: EngineCore = build_engine_core(self.config)
+        self.runner = self.core.runner
+        self.scheduler = self.core.scheduler
+        limits, mc = self.core.limits, self.core.model_config
         self.push.send_pyobj(Ready(
-            pid=os.getpid(), vocab_size=mc.vocab_size, max_context_len=self.runner.max_context_len,
-            max_total_tokens=self.runner.max_total_tokens, max_running_requests=config.max_running_requests,
+            pid=os.getpid(), vocab_size=limits.vocab_size, max_context_len=limits.max_context_len,
+            max_total_tokens=limits.max_total_tokens, max_running_requests=self.config.max_running_requests,
             eos_token_ids=tuple(mc.eos_token_ids), runner_info=self.runner.info(),
             device_name=_device_name(self.runner.device)))
 
@@ -164,25 +128,19 @@ class SchedulerProcess:
             logger.error("unknown message %r", type(msg).__name__)
 
     def _add(self, msg: GenerateRequest) -> list[RequestUpdate]:
-        from plait.scheduler.detokenizer import IncrementalDetokenizer
-        from plait.scheduler.req import Req
-
         if self.max_queued_requests is not None and len(self.scheduler.waiting) >= self.max_queued_requests:
             return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=503,
                                   error=f"the request queue is full ({self.max_queued_requests} waiting "
                                         "requests, --max-queued-requests); retry later")]
         try:
             if self.fault_token is not None and self.fault_token in msg.input_ids:
-                raise RuntimeError(f"injected fault ({FAULT_INJECT_ENV}={self.fault_token})")
-            sp = msg.sampling_params
-            detok = IncrementalDetokenizer(self.tokenizer, msg.input_ids, sp.stop, sp.skip_special_tokens)
-            req = Req(rid=msg.rid, origin_input_ids=msg.input_ids, sampling_params=sp, seed=msg.seed,
-                      detokenizer=detok)
+                raise RuntimeError(f"injected fault ({envs.FAULT_INJECT_TOKEN.name}={self.fault_token})")
+            req = self.core.new_request(msg.rid, msg.input_ids, msg.sampling_params, msg.seed)
         except Exception as e:  # one bad request must not take the scheduler down
             logger.exception("request %s failed before scheduling", msg.rid)
             return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=500,
                                   error=f"internal error: {type(e).__name__}: {e}")]
-        self.live[msg.rid] = _Live(req, msg.stream)
+        self.live[msg.rid] = LiveRequest(req, msg.stream)
         self.scheduler.add_request(req)
         # An empty update acknowledges admission to the queue, so the server can commit to a 200
         # (streaming headers) before the first token, knowing the request was not refused.
@@ -191,26 +149,14 @@ class SchedulerProcess:
     def _collect(self) -> list[RequestUpdate]:
         # Scan every live request rather than only step()'s return value: a request aborted while
         # waiting finishes inside abort(), and with overlap scheduling a step may deliver tokens
-        # one step later. Slicing from ``sent_tokens`` makes either case exact. O(live) per step.
+        # one step later; take_update is exact in either case. O(live) per step.
         out: list[RequestUpdate] = []
         done: list[str] = []
         for rid, live in self.live.items():
-            req = live.req
-            n = len(req.output_ids)
-            if n == live.sent_tokens and not req.finished:
+            update = live.take_update()
+            if update is None:
                 continue
-            sp = req.sampling_params
-            start = live.sent_tokens
-            text = req.detokenizer.take_delta(req.finished) if live.stream or req.finished else ""
-            update = RequestUpdate(
-                rid=rid, token_ids=req.output_ids[start:n], text=text,
-                logprobs=req.output_logprobs[start:n] if sp.logprobs else None,
-                top_logprobs=req.output_top_logprobs[start:n] if sp.logprobs and sp.top_logprobs else None,
-                prompt_tokens=len(req.origin_input_ids), completion_tokens=n, cached_tokens=req.cached_tokens)
-            live.sent_tokens = n
-            if req.finished:
-                update.finish_reason = req.finish_reason.value
-                update.finish_message = req.finish_message
+            if update.finished:
                 done.append(rid)
             out.append(update)
         for rid in done:
@@ -244,8 +190,7 @@ def _device_name(device: str) -> str:
 def _leave_a_core_for_the_server(config: EngineConfig) -> None:
     """On the CPU, run the model on all cores but one unless OMP_NUM_THREADS says otherwise. The HTTP
     process needs CPU for every streamed token, and OpenMP threads that wait for each other at
-    every op slow down many times over when another busy process takes one of their cores (on a
-    2-core machine under load: ITL p50 3.2 ms with 2 threads, 1.6 ms with 1)."""
+    every op slow down many times over when another busy process takes one of their cores."""
     if config.resolved_device() != "cpu" or "OMP_NUM_THREADS" in os.environ:
         return
     import torch

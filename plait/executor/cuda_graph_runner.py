@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from plait import envs
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.models.llama import LogitsOutput
@@ -107,7 +107,7 @@ def graph_factory_for(device: str) -> Callable[[], Graph] | None:
     padding and the DP graph batch size run in real engines, spawned ranks included (they inherit it)."""
     if device == "cuda":
         return CudaGraph
-    return EagerGraph if os.environ.get("PLAIT_CPU_GRAPHS") == "1" else None
+    return EagerGraph if envs.CPU_GRAPHS.get() else None
 
 
 def warm_and_capture(graph: Graph, run: Callable[[], Any], pool: Any, sync: bool) -> Any:

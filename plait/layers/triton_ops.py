@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait import envs
+
 # (v [T, Hkv*D], k_cache [slots, Hkv, D], v_cache [slots, Hkv, D], loc [T]): where rotary_ may also
 # write the new tokens' K/V.
 KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -20,7 +22,7 @@ KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 def use_triton(x: torch.Tensor) -> bool:
     """On CUDA tensors always; on the CPU only under the Triton interpreter (tests)."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("PLAIT_TRITON_OPS") == "1"
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" and envs.TRITON_OPS.get()
 
 
 @triton.jit

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from plait import envs
+
 TINY_ARCHS: tuple[str, ...] = ("llama", "llama3", "llama-tied", "mistral", "qwen2", "qwen3")
 
 # Special tokens, in the order they get the lowest ids of the vocabulary.
@@ -386,7 +388,7 @@ def make_tiny_model(
 
 
 def _cache_root() -> pathlib.Path:
-    env = os.environ.get("PLAIT_CACHE")
+    env = envs.CACHE.get()
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "plait"
 
 

@@ -28,8 +28,8 @@ pytest.importorskip("fastapi")
 # Every request in these tests is small; a stuck server must fail a test, not hang the suite.
 HTTP_TIMEOUT = 60.0
 STARTUP_TIMEOUT = 120.0
-# Prompt token id that makes the scheduler process raise for that request (plait.engine.scheduler_process
-# FAULT_INJECT_ENV): a padding id of the tiny vocabulary, which tokenized text never contains.
+# Prompt token id that makes the scheduler process raise for that request (plait.envs
+# FAULT_INJECT_TOKEN): a padding id of the tiny vocabulary, which tokenized text never contains.
 FAULT_TOKEN = 511
 # Engine settings shared by the main server and the offline Engine it is compared with.
 MAIN_ENGINE_FLAGS = {"max_total_tokens": 16384, "context_length": 2048, "max_running_requests": 64}

@@ -10,7 +10,7 @@ from plait.config import EngineConfig
 
 
 def test_chain_defaults_are_three_steps_topk_one_and_four_draft_tokens():
-    cfg = EngineConfig(model="m", speculative_algorithm="NGRAM")
+    cfg = EngineConfig.from_kwargs(model="m", speculative_algorithm="NGRAM")
     assert (cfg.speculative_num_steps, cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens) == (3, 1, 4)
     assert cfg.speculative_attention_mode == "prefill"
 
@@ -46,9 +46,10 @@ def test_speculation_off_leaves_the_fields_unset():
     ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5},
      "--speculative-ngram-min-match-window-size"),
 ])
-def test_bad_combinations_fail_naming_the_flag(kwargs, flag):
+@pytest.mark.parametrize("build", [EngineConfig, EngineConfig.from_kwargs], ids=["init", "from_kwargs"])
+def test_bad_combinations_fail_naming_the_flag(kwargs, flag, build):
     with pytest.raises(ValueError, match=flag):
-        EngineConfig(model="m", **kwargs)
+        build(model="m", **kwargs)
 
 
 def test_the_cli_takes_the_flags_from_the_config_fields():

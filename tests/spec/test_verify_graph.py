@@ -61,10 +61,10 @@ def _verify_batch(engine, prefixes: list[int], trees: list[DraftTree]):
 
 
 def test_widths_cover_every_adaptive_depth_for_every_algorithm():
-    ngram = EngineConfig(model="x", speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    ngram = EngineConfig.from_kwargs(model="x", speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
     assert verify_graph_widths(ngram) == [2, 3, 4]
     # EAGLE too: the model writes the hidden states its head reads, so replays provide them.
-    eagle = EngineConfig(model="x", speculative_algorithm="EAGLE", speculative_draft_model_path="h")
+    eagle = EngineConfig.from_kwargs(model="x", speculative_algorithm="EAGLE", speculative_draft_model_path="h")
     assert verify_graph_widths(eagle) == list(range(2, eagle.speculative_num_draft_tokens + 1))
     assert verify_graph_widths(EngineConfig(model="x")) == []
 

@@ -1,0 +1,150 @@
+"""The engine core: what one EngineConfig runs, built in one place, and the per-request increments
+every front end reports.
+
+Two front ends drive a core: the offline ``Engine`` (in the caller's thread) and the scheduler
+process (over ZMQ, for the HTTP server). Both call ``build_engine_core``, which picks the layout the
+config describes (one device, a tensor-parallel leader, data-parallel replicas, DP attention) and
+constructs the model runner and the scheduler for it; neither front end constructs either itself.
+Both turn a request's progress into output with ``LiveRequest.take_update``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from plait.config import EngineConfig
+from plait.engine.frontend import RequestLimits
+from plait.engine.messages import RequestUpdate
+from plait.executor.model_runner import ModelRunner
+from plait.models.loader import ModelConfig, load_model_config
+from plait.sampling.params import SamplingParams
+from plait.scheduler.detokenizer import IncrementalDetokenizer
+from plait.scheduler.req import Req
+from plait.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """The model, its tokenizer, the model runner and the scheduler of one engine.
+
+    ``runner`` and ``scheduler`` are the front objects of the layout: a ``ModelRunner`` and a
+    ``Scheduler`` on one device, or their data-parallel / DP-attention / TP-leader counterparts, which
+    answer the same calls. The core owns both: ``close`` releases them.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any, runner: ModelRunner,
+                 scheduler: Scheduler) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.scheduler = scheduler
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request is validated against, once the KV pool is sized."""
+        return RequestLimits(self.model_config.vocab_size, self.runner.max_context_len,
+                             self.runner.max_total_tokens)
+
+    def new_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, seed: int) -> Req:
+        """A scheduler request for validated input, with the detokenizer that follows its text (stop
+        strings included). Nothing is scheduled here."""
+        detok = IncrementalDetokenizer(self.tokenizer, input_ids, sampling_params.stop,
+                                       sampling_params.skip_special_tokens)
+        return Req(rid=rid, origin_input_ids=input_ids, sampling_params=sampling_params, seed=seed,
+                   detokenizer=detok)
+
+    def close(self) -> None:
+        """Abort every request, run the scheduler until it is idle, then release the scheduler and the
+        runner (and with them the other ranks, the draft model, the KV pool)."""
+        scheduler = self.scheduler
+        for req in list(scheduler.waiting) + scheduler.prefilling + scheduler.running:
+            scheduler.abort(req.rid)
+        while scheduler.has_work():
+            scheduler.step()
+        if scheduler.spec_worker is not None:
+            scheduler.spec_worker.log_stats()  # the engine's acceptance distribution
+        scheduler.close()
+        self.runner.close()
+
+
+def build_engine_core(config: EngineConfig) -> EngineCore:
+    """Load the model's config and tokenizer and build the runner and the scheduler for ``config``'s
+    layout. The one place either is constructed for a front end."""
+    model_config = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    from plait.parallel.data_parallel import is_plain_data_parallel
+
+    plain_dp = is_plain_data_parallel(config)
+    # --- the model runner ---
+    runner: ModelRunner
+    if plain_dp:
+        # dp_size independent replicas (each with its own TP group when tp_size > 1).
+        from plait.parallel.data_parallel import DataParallelRunner
+
+        runner = DataParallelRunner(config, model_config)  # type: ignore[assignment]
+    elif config.tp_size > 1:
+        # This process is rank 0 (it schedules and samples); the other ranks are spawned from here.
+        from plait.parallel.launch import start_tensor_parallel
+
+        runner = start_tensor_parallel(config, model_config)
+    else:
+        runner = ModelRunner(config, model_config)
+    # --- the scheduler ---
+    scheduler: Scheduler
+    if plain_dp:
+        # A front-end balancer over the replicas' schedulers (shortest queue).
+        from plait.parallel.data_parallel import DataParallelScheduler
+
+        scheduler = DataParallelScheduler(config, runner)  # type: ignore[assignment,arg-type]
+    elif config.enable_dp_attention:
+        # Every rank schedules its own requests; this front end balances them over the ranks.
+        from plait.parallel.dp_attention import DPAttentionScheduler
+
+        scheduler = DPAttentionScheduler(config, runner)  # type: ignore[assignment,arg-type]
+    else:
+        scheduler = Scheduler(config, runner)
+    return EngineCore(config, model_config, tokenizer, runner, scheduler)
+
+
+@dataclass
+class LiveRequest:
+    """A request a front end reports on, and how much of it was reported.
+
+    ``stream``: text deltas at every update; otherwise the text comes once, in the finishing update
+    (stop strings are still checked as tokens arrive). ``sent_tokens`` counts the output tokens
+    already reported, so an update is exact whatever a step delivered (several tokens under
+    speculative decoding, one step late under overlap scheduling, none for a request aborted while
+    waiting).
+    """
+
+    req: Req
+    stream: bool = True
+    sent_tokens: int = 0
+
+    def take_update(self) -> RequestUpdate | None:
+        """What the request produced since the previous call (the finishing update carries the finish
+        reason), or None when it produced nothing and is not finished."""
+        req = self.req
+        n = len(req.output_ids)
+        start = self.sent_tokens
+        if n == start and not req.finished:
+            return None
+        sp = req.sampling_params
+        text = req.detokenizer.take_delta(req.finished) if self.stream or req.finished else ""
+        update = RequestUpdate(
+            rid=req.rid, token_ids=req.output_ids[start:n], text=text,
+            logprobs=req.output_logprobs[start:n] if sp.logprobs else None,
+            top_logprobs=req.output_top_logprobs[start:n] if sp.logprobs and sp.top_logprobs else None,
+            prompt_tokens=len(req.origin_input_ids), completion_tokens=n, cached_tokens=req.cached_tokens)
+        self.sent_tokens = n
+        if req.finished:
+            assert req.finish_reason is not None
+            update.finish_reason = req.finish_reason.value
+            update.finish_message = req.finish_message
+        return update

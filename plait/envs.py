@@ -1,0 +1,82 @@
+"""Every ``PLAIT_*`` environment variable, declared once with its type, default and meaning.
+
+Nothing else in the package reads ``os.environ`` for a ``PLAIT_`` name (tests/test_envs.py checks
+it): a reader calls ``envs.NAME.get()``, which reads the environment at call time, so a test can set a
+variable with ``monkeypatch.setenv`` and a spawned process inherits what its parent set. None of these
+is needed in normal operation; they are debugging switches, test hooks and tooling inputs.
+
+Flags are on only for the exact value ``"1"``; an empty value counts as unset for every variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    parse: Callable[[str], T]  # the raw (non-empty) value -> the typed one
+    default: T  # the value when the variable is unset or empty
+    meaning: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        return self.default if not raw else self.parse(raw)
+
+
+def _flag(raw: str) -> bool:
+    return raw == "1"
+
+
+def _flag_var(name: str, meaning: str) -> EnvVar[bool]:
+    return EnvVar(name, _flag, False, meaning)
+
+
+def _str_var(name: str, meaning: str) -> EnvVar[str | None]:
+    return EnvVar[str | None](name, str, None, meaning)
+
+
+def _int_var(name: str, meaning: str) -> EnvVar[int | None]:
+    return EnvVar[int | None](name, int, None, meaning)
+
+
+CACHE = _str_var(
+    "PLAIT_CACHE",
+    "Directory of the built-in demo checkpoint and other generated test models (default: ~/.cache/plait).")
+COMMIT = _str_var(
+    "PLAIT_COMMIT",
+    "Commit id benchmark results record when the tree has no .git (an exported copy); else git's HEAD.")
+CPU_GRAPHS = _flag_var(
+    "PLAIT_CPU_GRAPHS",
+    "1: on the CPU, build the graph runners over the eager stand-in graph, so capture, bucket padding and "
+    "the DP graph batch size run in CPU tests (spawned ranks inherit it).")
+CHECK_PLANS = _flag_var(
+    "PLAIT_CHECK_PLANS",
+    "1: wrap every attention backend in a checker that raises when a forward runs on a plan made for "
+    "another batch (debugging; on for the speculative tests).")
+TRITON_DECODE_TWO_STAGE = _flag_var(
+    "PLAIT_TRITON_DECODE_TWO_STAGE",
+    "1: the Triton decode kernel merges its KV splits in a separate kernel instead of inside the split "
+    "kernel (A/B measurement, debugging, builds without the fused merge). Read once, at import.")
+TRITON_VERIFY_EXTEND = _flag_var(
+    "PLAIT_TRITON_VERIFY_EXTEND",
+    "1: the Triton backend runs speculative verification through the extend kernel instead of the decode "
+    "kernel (A/B measurement, debugging). Read once, at import.")
+TRITON_OPS = _flag_var(
+    "PLAIT_TRITON_OPS",
+    "1: under the Triton interpreter (TRITON_INTERPRET=1), run the fused Triton layer ops (RMSNorm, rotary) "
+    "on CPU tensors too, so CPU tests cover them; on CUDA they always run.")
+FAULT_INJECT_TOKEN = _int_var(
+    "PLAIT_FAULT_INJECT_TOKEN",
+    "A token id: a request whose prompt contains it fails inside the scheduler process as an internal "
+    "error would (reported to its client, the server keeps serving). A test hook; unset normally.")
+
+# Every declared variable, in declaration order.
+ALL: tuple[EnvVar[Any], ...] = (CACHE, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
+                                    TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN)
