@@ -14,7 +14,7 @@ import torch
 
 import plait.sampling.sampler as sampler_mod
 from plait.sampling import SampleOutput, Sampler, SamplingBatchInfo, SamplingParams, counter_uniforms
-from plait.sampling.sampler import (
+from plait.sampling.rng import (
     add_gumbel_noise_,
     gumbel_noise_from_keys,
     random_bits,
@@ -160,7 +160,7 @@ def test_triton_noise_kernel_matches_torch_under_the_interpreter() -> None:
     script = textwrap.dedent(
         """
         import torch
-        from plait.sampling.sampler import add_gumbel_noise_, gumbel_noise_from_keys
+        from plait.sampling.rng import add_gumbel_noise_, gumbel_noise_from_keys
         keys = torch.tensor([0, -1, 123456789, -(1 << 63)], dtype=torch.int64)
         x = torch.randn(4, 1500, generator=torch.Generator().manual_seed(0))
         fused = add_gumbel_noise_(x.clone(), keys, use_triton=True)
@@ -649,7 +649,7 @@ def test_cuda_build_and_sample_never_synchronise() -> None:
 def test_vectorised_row_keys_equal_the_exact_python_hash():
     import random
 
-    from plait.sampling.sampler import row_key_host, row_keys_host
+    from plait.sampling.rng import row_key_host, row_keys_host
 
     rng = random.Random(0)
     seeds = [rng.getrandbits(64) - (1 << 63) for _ in range(500)]

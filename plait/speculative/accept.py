@@ -33,7 +33,7 @@ import math
 import numpy as np
 import torch
 
-from plait.sampling.sampler import add_gumbel_noise_, greedy_ids
+from plait.sampling import add_gumbel_noise_, greedy_ids
 from plait.speculative.tree import DraftTree
 
 

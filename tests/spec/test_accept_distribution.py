@@ -153,7 +153,7 @@ def test_device_one_hot_rule_preserves_the_joint_of_two_positions(branching):
 def test_device_rule_without_children_draws_what_the_plain_sampler_draws():
     """A node with no children (a request riding along without a draft) gets the plain sampler's
     token for the same keys: argmax of scores plus the same Gumbel noise."""
-    from plait.sampling.sampler import add_gumbel_noise_, greedy_ids
+    from plait.sampling import add_gumbel_noise_, greedy_ids
 
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(64, 50, generator=gen)
