@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,7 +252,7 @@ class SchedulerClient:
             self._send(AbortRequest(list(rids)))
 
     async def generate(self, requests: Sequence[PreparedRequest], stream: bool = True,
-                       ) -> AsyncIterator[tuple[int, RequestUpdate]]:
+                       ) -> AsyncGenerator[tuple[int, RequestUpdate], None]:
         """Submit requests (the choices of one HTTP request) and yield (index, update) until all
         finished. Leaving early (client disconnect, cancellation, an error) aborts the unfinished
         ones at once, which frees their KV at the scheduler's next step."""

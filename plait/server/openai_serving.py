@@ -1,0 +1,332 @@
+"""The OpenAI endpoints' logic: a request is parsed and validated (plait.server.protocol, then
+plait.engine.frontend, the offline Engine's checks), fanned out into one scheduler request per
+choice, sent through the SchedulerClient, and the updates that come back are assembled into an
+OpenAI response, whole or streamed as server-sent events."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response
+
+from plait.config import EngineConfig
+from plait.engine.frontend import ContextLengthError, Frontend, PreparedRequest
+from plait.engine.messages import RequestUpdate
+from plait.sampling.params import SamplingParams, seed_to_int64
+from plait.server import protocol
+from plait.server.errors import APIError, bad_request
+from plait.server.http import SSE_DONE, SSEResponse, sse, unless_disconnected
+from plait.server.logprobs import LogprobsRenderer
+from plait.server.scheduler_client import SchedulerClient
+
+# OpenAI's default max_tokens for /v1/completions; chat completions default to the rest of the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+# One scheduler request's updates, tagged with the index of its choice.
+Updates = AsyncGenerator[tuple[int, RequestUpdate], None]
+
+
+@dataclass
+class _Choice:
+    """One choice's output so far, accumulated from its scheduler updates."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    text_offset: int = 0  # running character offset of token strings (completions logprobs)
+
+    def add(self, upd: RequestUpdate) -> None:
+        self.text += upd.text
+        self.token_ids += upd.token_ids
+        if upd.logprobs:
+            self.logprobs += upd.logprobs
+        if upd.top_logprobs:
+            self.top_logprobs += upd.top_logprobs
+        self.completion_tokens = max(self.completion_tokens, upd.completion_tokens)
+        self.cached_tokens = upd.cached_tokens
+        if upd.finish_reason is not None:
+            self.finish_reason = upd.finish_reason
+
+
+@dataclass
+class _Job:
+    """One HTTP generation request after validation."""
+
+    kind: Literal["completion", "chat"]
+    id: str
+    created: int
+    model: str
+    prompt_ids: list[list[int]]
+    n: int
+    prepared: list[PreparedRequest]
+    logprobs: bool
+    top_logprobs: int
+    return_token_ids: bool
+    include_usage: bool
+
+    def usage(self, choices: Sequence[_Choice]) -> dict[str, Any]:
+        prompt = sum(len(ids) for ids in self.prompt_ids)
+        completion = sum(c.completion_tokens for c in choices)
+        cached = sum(choices[p * self.n].cached_tokens for p in range(len(self.prompt_ids)))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class OpenAIServing:
+    """/v1/completions, /v1/chat/completions and the model card, over one SchedulerClient."""
+
+    def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.config = config
+        self.created = int(time.time())
+        self._renderer: LogprobsRenderer | None = None
+
+    @property
+    def frontend(self) -> Frontend:
+        assert self.client.frontend is not None, "check_accepting() runs first"
+        return self.client.frontend
+
+    @property
+    def renderer(self) -> LogprobsRenderer:
+        # The tokenizer loads while the server starts; no request reaches here before it has.
+        if self._renderer is None:
+            self._renderer = LogprobsRenderer(self.client.tokenizer)
+        return self._renderer
+
+    def check_model(self, name: str) -> None:
+        """404 unless ``name`` is the served model name or the model path."""
+        if name not in (self.model_name, self.config.model):
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def _sampling(self, req: protocol.GenerationRequest, max_new: int, logprobs: bool, top: int,
+                  max_name: str) -> SamplingParams:
+        try:
+            return self.frontend.sampling_params(protocol.sampling_dict(req, max_new, logprobs, top))
+        except ValueError as e:
+            raise protocol.value_error_to_api(e, max_name) from None
+
+    def _check_length(self, ids: list[int], sp: SamplingParams, noun: str) -> None:
+        try:
+            self.frontend.check_length(len(ids), sp)
+        except ContextLengthError as e:
+            raise bad_request(e.openai_message(noun), "messages" if noun == "messages" else "prompt",
+                              "context_length_exceeded") from None
+
+    def _fan_out(self, prompt_ids: list[list[int]], sp: SamplingParams, n: int) -> list[PreparedRequest]:
+        out = []
+        for ids in prompt_ids:
+            for j in range(n):
+                # n choices of one seeded request: seed, seed+1, ... so they differ yet reproduce.
+                seed = seed_to_int64(sp.seed + j) if sp.seed is not None else self.frontend.draw_seed(sp)
+                out.append(PreparedRequest(ids, sp, seed))
+        return out
+
+    # --- /v1/completions ---
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise bad_request("prompt must not be empty", "prompt")
+        out = []
+        for p in prompts:
+            try:
+                out.append(self.frontend.tokenize(p))
+            except ValueError as e:
+                raise bad_request(str(e), "prompt") from None
+        return out
+
+    async def completions(self, request: Request) -> Response:
+        req = protocol.parse_request(protocol.CompletionRequest, await request.body())
+        protocol.check_completion(req)
+        self.check_model(req.model)
+        self.client.check_accepting()
+        max_new = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        top = req.logprobs or 0
+        sp = self._sampling(req, max_new, req.logprobs is not None, top, "max_tokens")
+        prompt_ids = self._completion_prompts(req.prompt)
+        for ids in prompt_ids:
+            self._check_length(ids, sp, "prompt")
+        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, prompt_ids, req.n,
+                   self._fan_out(prompt_ids, sp, req.n), req.logprobs is not None, top, req.return_token_ids,
+                   bool(req.stream_options and req.stream_options.include_usage))
+        return await self._respond(request, job, req.stream)
+
+    # --- /v1/chat/completions ---
+    def _chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
+        tok = self.client.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
+                                  "continue_final_message": req.continue_final_message}
+        kwargs.update(req.chat_template_kwargs or {})
+        kwargs["tokenize"] = False
+        try:
+            text = tok.apply_chat_template(protocol.chat_messages(req), **kwargs)
+        except Exception as e:  # a template or its kwargs rejected these messages: the client's input
+            raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                              "messages") from None
+        # The template writes the special tokens (BOS, turn markers) itself.
+        ids = tok.encode(text, add_special_tokens=False)
+        try:
+            self.frontend.check_input_ids(ids)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        return ids
+
+    async def chat(self, request: Request) -> Response:
+        req = protocol.parse_request(protocol.ChatCompletionRequest, await request.body())
+        protocol.check_chat(req)
+        self.check_model(req.model)
+        self.client.check_accepting()
+        ids = self._chat_prompt(req)
+        if req.max_completion_tokens is not None:
+            max_name, max_new = "max_completion_tokens", req.max_completion_tokens
+        elif req.max_tokens is not None:
+            max_name, max_new = "max_tokens", req.max_tokens
+        else:  # OpenAI: up to the context limit
+            max_name, max_new = "max_completion_tokens", max(1, self.frontend.limits.max_request_tokens - len(ids))
+        top = req.top_logprobs or 0
+        sp = self._sampling(req, max_new, req.logprobs, top, max_name)
+        self._check_length(ids, sp, "messages")
+        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, [ids], req.n,
+                   self._fan_out([ids], sp, req.n), req.logprobs, top, req.return_token_ids,
+                   bool(req.stream_options and req.stream_options.include_usage))
+        return await self._respond(request, job, req.stream)
+
+    # --- running a job ---
+    async def _respond(self, request: Request, job: _Job, stream: bool) -> Response:
+        gen = self.client.generate(job.prepared, stream=stream)
+        if not stream:
+            body = await unless_disconnected(request, self._full(job, gen))
+            return JSONResponse(body) if body is not None else Response(status_code=499)
+        # Commit to a 200 only once every choice was accepted by the scheduler (a full queue must be
+        # a 503, not an error inside a 200 stream): read up to the acknowledgements first.
+        primed = await unless_disconnected(request, self._prime(job, gen))
+        if primed is None:
+            return Response(status_code=499)
+        return SSEResponse(self._stream(job, gen, primed))
+
+    async def _prime(self, job: _Job, gen: Updates) -> list[tuple[int, RequestUpdate]]:
+        seen: set[int] = set()
+        buffered = []
+        try:
+            while len(seen) < len(job.prepared):
+                i, upd = await anext(gen)
+                seen.add(i)
+                buffered.append((i, upd))
+        except BaseException:
+            await gen.aclose()
+            raise
+        return buffered
+
+    async def _full(self, job: _Job, gen: Updates) -> dict[str, Any]:
+        choices = [_Choice() for _ in job.prepared]
+        try:
+            async for i, upd in gen:
+                choices[i].add(upd)
+        finally:
+            await gen.aclose()
+        out = []
+        for i, c in enumerate(choices):
+            lp = self._logprobs(job, c, c.token_ids, c.logprobs, c.top_logprobs)
+            if job.kind == "chat":
+                choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": c.text},
+                                          "logprobs": lp, "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            if job.return_token_ids:
+                choice["token_ids"] = c.token_ids
+                choice["prompt_token_ids"] = job.prompt_ids[i // job.n]
+            out.append(choice)
+        obj = "chat.completion" if job.kind == "chat" else "text_completion"
+        return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": out,
+                "usage": job.usage(choices)}
+
+    async def _stream(self, job: _Job, gen: Updates,
+                      primed: list[tuple[int, RequestUpdate]]) -> AsyncGenerator[str, None]:
+        chat = job.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": job.id, "object": obj, "created": job.created, "model": job.model}
+        if job.include_usage:
+            head["usage"] = None
+        choices = [_Choice() for _ in job.prepared]
+
+        def chunk(i: int, upd: RequestUpdate | None, finish: str | None, first: bool = False) -> str:
+            c = choices[i]
+            lp = None
+            if upd is not None and upd.token_ids:
+                lp = self._logprobs(job, c, upd.token_ids, upd.logprobs or [], upd.top_logprobs or [])
+            text = upd.text if upd is not None else ""
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+                    {"content": text} if upd is not None else {})
+                choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            else:
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+            if job.return_token_ids:
+                choice["token_ids"] = upd.token_ids if upd is not None else []
+                if first or (not chat and upd is not None and c.completion_tokens == len(upd.token_ids)):
+                    choice["prompt_token_ids"] = job.prompt_ids[i // job.n]
+            return sse({**head, "choices": [choice]})
+
+        async def updates() -> AsyncIterator[tuple[int, RequestUpdate]]:
+            for item in primed:
+                yield item
+            async for item in gen:
+                yield item
+
+        try:
+            if chat:
+                for i in range(len(choices)):
+                    yield chunk(i, None, None, first=True)
+            async for i, upd in updates():
+                choices[i].add(upd)
+                has_content = bool(upd.text or upd.token_ids)
+                if chat:
+                    if has_content:
+                        yield chunk(i, upd, None)
+                    if upd.finish_reason is not None:
+                        yield chunk(i, None, upd.finish_reason)
+                elif has_content or upd.finish_reason is not None:
+                    yield chunk(i, upd, upd.finish_reason)
+            if job.include_usage:
+                yield sse({**head, "choices": [], "usage": job.usage(choices)})
+        except APIError as e:  # the status line went out already: report in-band, as OpenAI does
+            yield sse(e.body())
+        finally:
+            await gen.aclose()
+        yield SSE_DONE
+
+    # --- logprobs ---
+    def _logprobs(self, job: _Job, c: _Choice, ids: Sequence[int], lps: Sequence[float],
+                  tops: Sequence[Sequence[tuple[int, float]]]) -> dict[str, Any] | None:
+        if not job.logprobs:
+            return None
+        if job.kind == "chat":
+            return self.renderer.chat(ids, lps, tops)
+        body, c.text_offset = self.renderer.completion(ids, lps, tops, bool(job.top_logprobs), c.text_offset)
+        return body
+
+    # --- other endpoints ---
+    def model_card(self) -> dict[str, Any]:
+        limits = self.client.frontend.limits.max_request_tokens if self.client.frontend else None
+        ready = self.client.ready
+        # The effective attention backend (pair), as built: e.g. hybrid(prefill=torch_flash,decode=triton).
+        backend = ready.runner_info.get("attention_backend") if ready is not None else None
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "plait",
+                "root": self.config.model, "max_model_len": limits, "attention_backend": backend}
