@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 # AttentionLayer is declared next to ForwardBatch (the floor below) and re-exported here.
-from plait.forward_batch import AttentionLayer, ForwardBatch
+from plait.forward_batch import AttentionLayer, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
@@ -46,6 +46,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None: ...
+
+    # --- which kernels serve a batch -----------------------------------------------------------
+    def serving_backend(self, mode: ForwardMode) -> AttentionBackend:
+        """The backend whose kernels serve a batch of ``mode``: this one. A backend that hands its
+        batches to others (the hybrid's halves, a wrapper's inner backend) answers theirs, so the
+        answer is always a leaf, never a dispatcher or a wrapper."""
+        return self
 
     # --- CUDA graphs ----------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

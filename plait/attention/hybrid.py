@@ -1,4 +1,4 @@
-"""HybridAttnBackend: one backend for prefill-like modes, another for decode (DESIGN 3.5)."""
+"""HybridAttnBackend: one backend for prefill-like modes, another for decode (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,23 @@ def select_half(mode: ForwardMode, speculative_attention_mode: str) -> str:
 
 
 def serving_attention_backend(backend: AttentionBackend, fb: ForwardBatch) -> AttentionBackend:
-    """The backend that serves ``fb``: the selected half of a hybrid (same table as its dispatch),
-    else the backend itself. For code outside the backend that needs to know (e.g. capabilities)."""
-    if isinstance(backend, HybridAttnBackend):
-        return backend.selected(fb)
-    return backend
+    """The leaf backend that serves ``fb``: through wrappers (the plan checker) and, for a hybrid, the
+    half its dispatch selects (the same table). For code outside the backend that needs to know
+    (e.g. capabilities)."""
+    return backend.serving_backend(fb.forward_mode)
+
+
+def hybrid_name(prefill: str, decode: str) -> str:
+    return f"hybrid(prefill={prefill},decode={decode})"
+
+
+def serving_backend_name(backend: AttentionBackend) -> str:
+    """The attention backend a server reports (/v1/models, /server_info): the names of the leaves
+    ``serving_attention_backend`` answers for prefill-like and for decode batches; one name when
+    they are the same kernel."""
+    prefill = backend.serving_backend(ForwardMode.EXTEND).name
+    decode = backend.serving_backend(ForwardMode.DECODE).name
+    return prefill if prefill == decode else hybrid_name(prefill, decode)
 
 
 class HybridAttnBackend(AttentionBackend):
@@ -34,11 +46,17 @@ class HybridAttnBackend(AttentionBackend):
         self.prefill_backend = prefill
         self.decode_backend = decode
         self.speculative_attention_mode = speculative_attention_mode
-        self.name = f"hybrid(prefill={prefill.name},decode={decode.name})"
+        self.name = hybrid_name(prefill.name, decode.name)
 
     def selected(self, fb: ForwardBatch) -> AttentionBackend:
-        half = select_half(fb.forward_mode, self.speculative_attention_mode)
+        return self._half(fb.forward_mode)
+
+    def _half(self, mode: ForwardMode) -> AttentionBackend:
+        half = select_half(mode, self.speculative_attention_mode)
         return self.decode_backend if half == "decode" else self.prefill_backend
+
+    def serving_backend(self, mode: ForwardMode) -> AttentionBackend:
+        return self._half(mode).serving_backend(mode)
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self.selected(fb).init_forward_metadata_out_graph(fb, in_capture)

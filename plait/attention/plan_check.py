@@ -10,13 +10,11 @@ wrapper sees as the same batch object planned twice without a mark in between.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer
-from plait.forward_batch import ForwardBatch
+from plait.forward_batch import ForwardBatch, ForwardMode
 
 
 def plan_checks_enabled() -> bool:
@@ -35,8 +33,8 @@ class PlanCheckingBackend(AttentionBackend):
         self._plan_shape: tuple[int, int] | None = None
         self._last_planned: ForwardBatch | None = None
 
-    def __getattr__(self, item: str) -> Any:  # only reached for attributes the wrapper lacks
-        return getattr(self.__dict__["inner"], item)
+    def serving_backend(self, mode: ForwardMode) -> AttentionBackend:
+        return self.inner.serving_backend(mode)
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         if fb is self._last_planned and not fb.forward_metadata_ready:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from plait.attention.base import AttentionBackend
+from plait.attention.hybrid import serving_backend_name
 from plait.attention.plan_check import maybe_check_plans
 from plait.attention.registry import create_attention_backend
 from plait.config import EngineConfig
@@ -217,5 +218,5 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def info(self) -> dict[str, Any]:
-        return {"max_total_tokens": self.max_total_tokens, "attention_backend": self.attn_backend.name,
+        return {"max_total_tokens": self.max_total_tokens, "attention_backend": serving_backend_name(self.attn_backend),
                 "dtype": str(self.model_config.dtype), "device": self.device}

@@ -139,6 +139,7 @@ def _server_info(client: SchedulerClient, serving: OpenAIServing, args: ServerAr
         "state": client.state.value,
         "model": serving.config.model,
         "served_model_name": serving.model_name,
+        "attention_backend": serving.attention_backend,
         "config": dataclasses.asdict(serving.config),
         "server_args": dataclasses.asdict(args),
         "scheduler": dataclasses.asdict(ready) if ready is not None else None,

@@ -323,10 +323,15 @@ class OpenAIServing:
         return body
 
     # --- other endpoints ---
+    @property
+    def attention_backend(self) -> str | None:
+        """The attention backend /v1/models and /server_info report, None until the model is loaded:
+        the scheduler process names the kernels that serve prefill and decode batches
+        (plait.attention.hybrid.serving_backend_name), e.g. hybrid(prefill=torch_flash,decode=triton)."""
+        ready = self.client.ready
+        return ready.runner_info.get("attention_backend") if ready is not None else None
+
     def model_card(self) -> dict[str, Any]:
         limits = self.client.frontend.limits.max_request_tokens if self.client.frontend else None
-        ready = self.client.ready
-        # The effective attention backend (pair), as built: e.g. hybrid(prefill=torch_flash,decode=triton).
-        backend = ready.runner_info.get("attention_backend") if ready is not None else None
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "plait",
-                "root": self.config.model, "max_model_len": limits, "attention_backend": backend}
+                "root": self.config.model, "max_model_len": limits, "attention_backend": self.attention_backend}

@@ -32,6 +32,21 @@ def test_models_list_names_the_served_model(client, model_name):
     assert models[0].model_extra["attention_backend"] == "torch_native"  # the effective name, not "auto"
 
 
+def test_server_info_reports_the_attention_backend_of_the_model_card(server, client):
+    info = httpx.get(server.url + "/server_info").json()
+    assert info["attention_backend"] == client.models.list().data[0].model_extra["attention_backend"]
+    assert info["attention_backend"] == info["scheduler"]["runner_info"]["attention_backend"]
+
+
+def test_a_plan_checked_hybrid_reports_the_halves_that_serve(start_server):
+    """PLAIT_CHECK_PLANS=1 wraps the (prefill, decode) hybrid: both endpoints still name the kernels
+    that serve prefill and decode batches (plait.attention.hybrid.serving_backend_name)."""
+    srv = start_server("checked-hybrid", env={"PLAIT_CHECK_PLANS": "1"}, decode_attention_backend="triton")
+    card = httpx.get(srv.url + "/v1/models").json()["data"][0]
+    info = httpx.get(srv.url + "/server_info").json()
+    assert card["attention_backend"] == info["attention_backend"] == "hybrid(prefill=torch_native,decode=triton)"
+
+
 def test_models_retrieve_returns_the_card_and_404s_unknown_names(client, model_name):
     assert client.models.retrieve(model_name).id == model_name
     with pytest.raises(openai.NotFoundError):

@@ -8,9 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from plait.attention.hybrid import serving_attention_backend
 from plait.attention.plan_check import PlanCheckingBackend, PlanMismatchError
+from plait.forward_batch import ForwardMode
 from plait.speculative.tree import DraftTree
 from tests.helpers import make_engine
+from tests.test_forward_batch_plan import make_batch
 
 
 @pytest.fixture
@@ -33,6 +36,21 @@ def test_the_checker_wraps_the_backend_and_keeps_its_name(verify_setup):
     runner, _ = verify_setup
     assert isinstance(runner.attn_backend, PlanCheckingBackend)
     assert runner.attn_backend.name == runner.attn_backend.inner.name == "torch_native"
+
+
+def test_a_checked_hybrid_runner_reports_the_halves_serving_backend_answers(one_layer):
+    """The checker wraps the hybrid: serving_attention_backend still answers each half, and the name
+    the runner reports (what /v1/models and /server_info show) is built from those answers."""
+    pytest.importorskip("triton")
+    with make_engine(one_layer, decode_attention_backend="triton") as engine:
+        backend = engine.runner.attn_backend
+        assert isinstance(backend, PlanCheckingBackend)
+        fb = make_batch()
+        decode = serving_attention_backend(backend, fb)
+        fb.forward_mode = ForwardMode.EXTEND
+        prefill = serving_attention_backend(backend, fb)
+        assert (prefill.name, decode.name) == ("torch_native", "triton")
+        assert engine.runner.info()["attention_backend"] == f"hybrid(prefill={prefill.name},decode={decode.name})"
 
 
 def test_eager_verify_plans_inside_forward_extend_silently(verify_setup):
