@@ -37,7 +37,8 @@ def ints_to_device(parts: Sequence[Sequence[int]], device: torch.device | str) -
 
 def to_host(t: torch.Tensor) -> np.ndarray:
     """A device tensor as a numpy array, through pinned memory on CUDA: a pageable ``.cpu()`` of
-    tens of MB (full-vocabulary probability rows) ran at under 1 GB/s on the H200 host."""
+    tens of MB (full-vocabulary probability rows) goes through a staging copy and runs far below
+    what the host link carries."""
     if t.device.type != "cuda":
         return t.numpy()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

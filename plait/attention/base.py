@@ -1,4 +1,4 @@
-"""The attention backend contract (DESIGN 3.2).
+"""The attention backend contract (docs/architecture.md).
 
 Three planning methods:
   init_forward_metadata(fb)                        eager entry: out_graph(fb) then in_graph(fb)
@@ -104,5 +104,5 @@ class AttentionBackend(ABC):
 
 def custom_mask_of(fb: ForwardBatch) -> torch.Tensor | None:
     """The speculative tree mask, if any: flattened bool, per request a row-major block
-    [extend_len, prefix_len + extend_len] (DESIGN 5). Plain extends have none (causal)."""
+    [extend_len, prefix_len + extend_len]. Plain extends have none (causal)."""
     return getattr(fb.spec_info, "custom_mask", None) if fb.spec_info is not None else None

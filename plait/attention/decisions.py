@@ -1,7 +1,7 @@
 """Where backend-dependent decisions live, and the check that they read the backend *pair*.
 
 SGLang shipped bugs where only ``--prefill-attention-backend`` or ``--decode-attention-backend`` was
-set and a decision read the base ``--attention-backend`` field instead (seed 004). Every module
+set and a decision read the base ``--attention-backend`` field instead. Every module
 listed here decides something from the attention backend; it must read ``attention_backends()`` and
 the half it needs, never the base field. ``tests/test_backend_decisions.py`` walks these modules.
 """

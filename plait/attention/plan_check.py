@@ -4,7 +4,7 @@ Attention backends keep the metadata of their last plan. The wrapper records the
 (batch size, token count) of every plan and checks, at each attention call, that the batch it is
 given has that shape: a plan made before padding, or a stale plan left by another batch, fails
 loudly instead of reading the wrong indices. It also catches a pre-planning site that forgot to mark
-its batch (DESIGN 3.1): such a batch is planned a second time by the forward path, which the
+its batch (docs/architecture.md): such a batch is planned a second time by the forward path, which the
 wrapper sees as the same batch object planned twice without a mark in between.
 """
 
@@ -29,7 +29,7 @@ class PlanCheckingBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend) -> None:
         super().__init__(inner.req_to_token_pool, inner.kv_pool)
         self.inner = inner
-        self.name = inner.name  # wrappers copy the stamp of what they wrap (DESIGN 3.5)
+        self.name = inner.name  # wrappers copy the stamp of what they wrap
         self._plan_shape: tuple[int, int] | None = None
         self._last_planned: ForwardBatch | None = None
 
@@ -40,7 +40,7 @@ class PlanCheckingBackend(AttentionBackend):
         if fb is self._last_planned and not fb.forward_metadata_ready:
             raise PlanMismatchError(
                 "the same ForwardBatch was planned twice without being marked: the pre-planning site "
-                "must call fb.mark_forward_metadata_ready() right after it plans (DESIGN 3.1)")
+                "must call fb.mark_forward_metadata_ready() right after it plans")
         self.inner.init_forward_metadata_out_graph(fb, in_capture)
         self._plan_shape = (fb.batch_size, fb.num_tokens)
         self._last_planned = fb
@@ -63,7 +63,7 @@ class PlanCheckingBackend(AttentionBackend):
         if shape != self._plan_shape:
             raise PlanMismatchError(
                 f"attention ran on a batch of (batch size, tokens) {shape} with a plan made for "
-                f"{self._plan_shape}: plan after the final (padded) shape (DESIGN 3.3)")
+                f"{self._plan_shape}: plan after the final (padded) shape")
         if fb.forward_metadata_ready and not fb.forward_metadata_replan_equivalent:
             snap = (fb.forward_metadata_planned_bs, fb.forward_metadata_planned_num_tokens)
             if snap != shape:

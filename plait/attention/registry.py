@@ -1,7 +1,7 @@
 """Attention backend registry: name -> factory returning ``(effective_name, backend)``.
 
 A leaf answers the kernel it actually built, so an alias or a host-dependent choice is named by
-what it built (DESIGN 3.5). ``create_attention_backend`` builds the serving backend for a
+what it built (docs/architecture.md). ``create_attention_backend`` builds the serving backend for a
 (prefill, decode) pair: one backend when both halves agree, else a HybridAttnBackend.
 """
 

@@ -10,9 +10,9 @@ Extend (EXTEND, MIXED, DRAFT_EXTEND, TARGET_VERIFY) is planned into kernel calls
           or one SDPA call per request with an explicit lower-right (tree, window) boolean mask.
 Kernel path (``KERNEL_PATHS``; the backend's ``kernel_path`` argument, default ``DEFAULT_KERNEL_PATH``):
   "auto"    packed -> batched SDPA, rest -> varlen_attn when present; sliding-window layers -> varlen_attn
-            for the whole batch. Measured on the H200, causal 8 x 2048, 32q/8kv heads, d128, bf16:
-            batched SDPA 0.50 ms vs varlen_attn 0.94 ms (issue 6); re-measured by
-            ``benchmarks/attention_backends_bench.py`` (stage ``backends`` of ``benchmarks/run_h200.sh``).
+            for the whole batch. Batched SDPA takes packed requests because on Hopper it beats
+            varlen_attn on equal-length causal batches; ``benchmarks/attention_backends_bench.py``
+            compares the two.
   "sdpa"    SDPA only (packed batched, rest per request with a mask). The path that runs on the CPU.
   "varlen"  varlen_attn for every request without a custom mask.
 Tree masks always take the masked SDPA path (varlen_attn has no arbitrary mask); layers with a tanh

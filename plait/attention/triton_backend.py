@@ -1,6 +1,6 @@
 """Triton attention backend: split-KV flash decoding and prefix-aware extend over the paged cache.
 
-Planning follows the three-method contract (DESIGN 3.2):
+Planning follows the three-method contract (plait.attention.base; docs/architecture.md):
   out_graph: host-side and per-step device prep that a replay must redo before the graph runs:
              choose the buffers, the per-request KV split count (a device tensor), extend offsets.
   in_graph:  static-shape device work: ``kv_indptr = cumsum(seq_lens)`` and the gather of
@@ -13,8 +13,8 @@ through the split-KV decode kernel: each verify token is one decode row whose KV
 request's cached prefix followed by the slots (``out_cache_loc``) of the draft tokens the mask lets
 it see. The new tokens' K/V are stored in the cache before attention, so the rows read only the
 cache; a few query tokens over a long prefix thus get the decode kernel's KV splits and fused split
-merge instead of the extend kernel's one program per query block (H200, 8B shape, W = 4 over 512
-tokens: 22.7 us/layer extend vs 7.4 us/layer decode). out_graph writes ``qo_indptr`` and
+merge instead of the extend kernel's one program per query block, which leaves most of the GPU idle
+at small batches. out_graph writes ``qo_indptr`` and
 ``mask_indptr``; in_graph builds the rows (``build_verify_kv_indices``: row lengths, their cumsum, the
 fill) and their split counts. Layers with a sliding window keep the extend kernel (it applies the
 window; the rows do not), so a windowed model plans both; PLAIT_TRITON_VERIFY_EXTEND=1 sends every
@@ -47,7 +47,7 @@ from plait.forward_batch import ForwardBatch
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 from plait.transfer import copy_to_device_
 
-MAX_KV_SPLITS = 32  # long contexts at bs=1 need many splits (measured: 32k ctx 61 -> 56 us)
+MAX_KV_SPLITS = 32  # long contexts at bs=1 need many splits to fill the GPU
 # Decode merges its KV splits inside the split kernel (one launch per layer instead of two);
 # PLAIT_TRITON_DECODE_TWO_STAGE=1 restores the separate merge kernel (A/B measurement, debugging).
 FUSED_SPLIT_MERGE = not envs.TRITON_DECODE_TWO_STAGE.get()
@@ -57,8 +57,7 @@ VERIFY_VIA_DECODE = not envs.TRITON_VERIFY_EXTEND.get()
 # ... for batches of at most this many requests. Decode rows re-read a request's prefix once per
 # verify token; the extend kernel reads it once per query block but with one program per (request,
 # head): the rows win when the extend grid is too small to fill the GPU, and lose once the prefix
-# reads dominate. H200, 8B shape, W = 4 over 512 tokens, verify / decode step: bs 1 rows 1.07x vs
-# extend 1.19x; bs 16 rows 1.21x vs extend 1.17-1.20x; bs 64 rows 1.64x vs extend 1.49-1.58x.
+# reads dominate; past this batch size the extend kernel was the faster of the two.
 VERIFY_ROWS_MAX_BS = 8
 # A verify batch has W >= 2 rows per request, so it reaches the split heuristic's program target with
 # fewer splits per row than decode does: half the decode cap loses nothing at W >= 2 and halves the

@@ -1,4 +1,4 @@
-"""One JSON object per workload and shape (DESIGN 7), written under benchmarks/results/."""
+"""One JSON object per workload and shape (docs/benchmarks.md), written under benchmarks/results/."""
 
 from __future__ import annotations
 

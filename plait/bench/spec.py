@@ -1,4 +1,4 @@
-"""Speculative-decoding workloads of DESIGN 7 / issue 5 (``plait bench spec``).
+"""Speculative-decoding workloads (``plait bench spec``; docs/benchmarks.md).
 
 spec-ngram-repeat  64 prompts decoded once (fills the n-gram cache), then again with NGRAM (4 draft
                    tokens) at bs=1 and bs=16: accept length and speedup over non-speculative decoding

@@ -1,4 +1,4 @@
-"""The named workloads of DESIGN 7 for plait, with their floors.
+"""The named workloads for plait (docs/benchmarks.md), with their floors.
 
 decode-bs1          one request, 128 in / 256 out, greedy: decode tokens/s (prefill excluded)
 offline-throughput  256 requests, 512 in / 128 out, ignore_eos: output tokens/s

@@ -1,4 +1,4 @@
-"""EAGLE and EAGLE3 draft heads over the target's hidden states (issue 5), in their public
+"""EAGLE and EAGLE3 draft heads over the target's hidden states, in their public
 checkpoint formats (checked against SGLang's ``llama_eagle.py`` / ``llama_eagle3.py`` loaders, which
 follow the EAGLE repository's ``cnets.py``).
 

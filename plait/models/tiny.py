@@ -2,8 +2,7 @@
 
 `make_tiny_model(path, arch)` writes a complete model directory (config, safetensors weights,
 generation config, tokenizer with a chat template) that `transformers` loads with the Auto*
-classes, so plait can be checked against Hugging Face on the same weights without touching the hub
-(DESIGN.md section 6).
+classes, so plait can be checked against Hugging Face on the same weights without touching the hub.
 
 Two choices matter for the tests built on top:
 

@@ -3,7 +3,7 @@
 `SamplingParams` is read by the server (parsing), the scheduler (stop checks, token budgets) and
 the sampler (device tensors), so it lives on the ground floor and imports nothing from plait.
 Every rejection is a `ValueError` naming the field and its limit, so a bad request fails alone at
-admission instead of poisoning a batch later (DESIGN.md section 8).
+admission instead of poisoning a batch later.
 """
 
 from __future__ import annotations

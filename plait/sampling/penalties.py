@@ -23,8 +23,8 @@ def _flat_token_index(rows_of_parts: Sequence[Sequence[TokenIds] | None], vocab_
     """(row, token id) pairs on the host; row i holds the tokens of all its parts (e.g. prompt and
     output, without concatenating them), None rows hold none.
 
-    Lists go through one numpy.fromiter over all rows: per-row tensor conversions cost about 3x
-    more at bs=256. Ids outside [0, vocab_size) are dropped: they can never be sampled, and an
+    Lists go through one numpy.fromiter over all rows: per-row tensor conversions cost several
+    times more at large batch sizes. Ids outside [0, vocab_size) are dropped: they can never be sampled, and an
     out-of-range index would be a device-side assert on CUDA rather than a clean error.
     """
     rows_of_parts = [() if parts is None else parts for parts in rows_of_parts]

@@ -1,4 +1,4 @@
-"""``plait bench serve``: the `serving` workload of DESIGN 7, an async load generator for any
+"""``plait bench serve``: the `serving` workload (docs/benchmarks.md), an async load generator for any
 OpenAI-compatible server.
 
 Requests are random token-id prompts sent to ``/v1/completions`` with ``stream``, ``ignore_eos`` and
@@ -6,7 +6,7 @@ Requests are random token-id prompts sent to ``/v1/completions`` with ``stream``
 Arrivals are Poisson at ``--request-rate`` (or all at once), optionally capped at
 ``--max-concurrency`` in flight; lengths are fixed or uniform in ``[range_ratio * len, len]``.
 
-Reported, per DESIGN 7: output tokens/s as the metric, plus request and token throughput, TTFT, ITL
+Reported: output tokens/s as the metric, plus request and token throughput, TTFT, ITL
 (time between consecutive tokens of one request) and end-to-end latency p50/p99, errors, and the KV
 slots still in use once the run is over (read from the server's /metrics: must be 0). There is no
 serving peer on the CPU, so ``peer`` is null there.
@@ -286,7 +286,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
 
 
 def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[str, Any]) -> pathlib.Path:
-    """One JSON object with the keys DESIGN 7 requires, plus the run's detail."""
+    """One JSON object with the keys every benchmark result has, plus the run's detail."""
     date = datetime.date.today().isoformat()
     sched = info.get("scheduler") or {}
     device = sched.get("device_name") or (sched.get("runner_info") or {}).get("device") or "unknown"

@@ -33,10 +33,9 @@ from ._common import (
     scale_logits,
 )
 
-# Split heuristic defaults (measured on H200, bf16, 8 kv heads; see get_num_kv_splits): aim for about 4
+# Split heuristic defaults (tuned on Hopper, bf16, 8 kv heads; see get_num_kv_splits): aim for about 4
 # stage-1 programs per SM in total, and never split below 128 tokens (a split must pay for its stage-2
-# traffic and its pipeline warm-up). bs 64 x 4096: 2 splits 270 us vs 1 split 304 us; bs 1 x 384:
-# 3 splits 10.5 us vs 6 splits 11.3 us.
+# traffic and its pipeline warm-up, so short contexts lose from splitting finer).
 DEFAULT_PROGRAMS_PER_SM = 4
 DEFAULT_MIN_SPLIT_LEN = 128
 
@@ -46,11 +45,11 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
 
     Chosen from host ints only (bs = q.shape[0]), so it is fixed for a captured graph. The KV tiles are
     gathered through ``kv_indices``; the [16, D] x [D, BLOCK_N] dots are tiny, what matters is bytes in
-    flight. Measured on H200 (bf16, D = 128, 8 kv heads): 128-token tiles, 4 warps, 2 stages are best or
-    within ~5% from bs 1 to bs 64 at 384..32k tokens; once the (request, kv head) grid alone is >= 4
-    programs per SM (bs >= 66 here), 64-token tiles (more CTAs resident per SM) win: bs 128 x 576
-    tokens 98 us against 117 us with 128-token tiles, bs 128 x 640 105 against 121, bs 256 x 640 by
-    ~4% (``kernels_bench.py --sweep-decode``; DP attention's per-rank decode batches sit at bs 128).
+    flight. On Hopper (bf16, D = 128, 8 kv heads) 128-token tiles, 4 warps, 2 stages are best or close
+    for small and medium batches over short and long contexts; once the (request, kv head) grid alone
+    is >= 4 programs per SM, 64-token tiles (more CTAs resident per SM) win
+    (``kernels_bench.py --sweep-decode`` compares them; DP attention's per-rank decode batches sit in
+    that range).
     Interpreter (CPU): 16-token tiles, so small test shapes cover multi-tile splits, tails and empty
     splits.
     """
@@ -284,7 +283,7 @@ def decode_attention_fwd(
 
     ``split_counters`` int32 ``[>= bs * Hkv]``, all zero (and left zero): the split merge runs inside
     stage 1, by the last split of each (request, kv head) to finish, and stage 2 is not launched
-    (one kernel fewer per layer: ~2 us of a bs=1 step on the H200). None: the two-stage form.
+    (one kernel launch fewer per layer, which matters in small decode steps). None: the two-stage form.
     """
     bs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]

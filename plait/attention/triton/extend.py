@@ -41,8 +41,8 @@ def extend_config(q: torch.Tensor, head_dim: int, max_len_extend: int, group: in
     GQA group size.
 
     Hopper, long extends (prefill, chunked prefill): 128 query rows x 128 KV tokens, 8 warps (two
-    warpgroups for the 128-row wgmma), 3 stages of K/V tiles (measured best on H200 for 8 x 2048 with
-    and without a 2048-token prefix). Short extends (<= 64 tokens: speculative verify, draft extend):
+    warpgroups for the 128-row wgmma), 3 stages of K/V tiles (the best of the configurations tried
+    on Hopper, with and without a cached prefix). Short extends (<= 64 tokens: speculative verify, draft extend):
     the G heads of a KV group are packed into the rows of one tile, so a long prefix is read once per
     group instead of once per query head and few rows are dead; 64-token KV tiles, 4 warps.
     Interpreter (CPU): 16 x 16 tiles, unpacked, so tiny test shapes cover several query blocks, unmasked
@@ -53,8 +53,8 @@ def extend_config(q: torch.Tensor, head_dim: int, max_len_extend: int, group: in
         return LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     hopper = cap[0] >= 9
     if max_len_extend <= 64:
-        # 64 rows even when G x extend is smaller: on H200, 64 x 8 tokens over a 4096 prefix ran 297 us
-        # with 64-row packed tiles, 321 us with 32-row ones, 806 us unpacked (memory floor ~245 us).
+        # 64 rows even when G x extend is smaller: a 64-row packed tile runs closer to the memory floor
+        # over a long prefix than 32-row tiles, and far closer than unpacked ones.
         block_m = max(64, next_pow2(group)) if group > 1 else max(16, min(64, next_pow2(max_len_extend)))
         return LaunchConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=3 if hopper else 2, pack_gqa=group > 1)
     if head_dim > 128:
