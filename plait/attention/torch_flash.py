@@ -384,9 +384,11 @@ class TorchFlashAttnBackend(AttentionBackend):
         assert md is not None, "plan the batch before the forward"
         k_buf, v_buf = self.kv_pool.get_key_buffer(layer.layer_id), self.kv_pool.get_value_buffer(layer.layer_id)
         out = torch.empty_like(q3)
-        whole = md.everything is not None and (self.kernel_path == "varlen" or layer.sliding_window)
-        if whole and (not layer.sliding_window or self.varlen.has_window):  # type: ignore[union-attr]
-            self._run_varlen(md.everything, q3, k3, v3, k_buf, v_buf, layer, out)  # type: ignore[arg-type]
+        # A whole-batch layout exists only where varlen_attn does (plan_extend's want_everything).
+        everything, varlen = md.everything, self.varlen
+        whole = everything is not None and varlen is not None and (self.kernel_path == "varlen" or layer.sliding_window)
+        if whole and (not layer.sliding_window or varlen.has_window):
+            self._run_varlen(everything, q3, k3, v3, k_buf, v_buf, layer, out)
             return out.view(-1, hq * d)
         for g in md.packed:
             self._run_packed(g, q3, k3, v3, layer, out)

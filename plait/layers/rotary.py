@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 
-def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
+def rope_settings(hf_config: object) -> tuple[float, dict[str, Any]]:
     """(rope_theta, scaling dict) from a HF config, accepting both the transformers 5
     ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling`` spellings."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

@@ -31,7 +31,7 @@ from torch import nn
 from plait.forward_batch import ForwardBatch
 from plait.layers.linear import QKVParallelLinear
 from plait.layers.norm import RMSNorm
-from plait.models.llama import LlamaDecoderLayer
+from plait.models.llama import DecoderConfig, LlamaDecoderLayer
 
 
 def eagle3_capture_layers(num_target_layers: int) -> list[int]:
@@ -56,7 +56,17 @@ def iter_checkpoint(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tenso
 
 
 class _Cfg:
-    """Attribute view of a config.json dict with Llama defaults the decoder layer reads."""
+    """Attribute view of a config.json dict with Llama defaults the decoder layer reads (a
+    DecoderConfig; the fields a head's config.json lacks have no default and fail when read)."""
+
+    hidden_size: int
+    intermediate_size: int
+    max_position_embeddings: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    rms_norm_eps: float
+    vocab_size: int
 
     def __init__(self, d: dict[str, Any]) -> None:
         self.__dict__.update({"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
@@ -68,7 +78,7 @@ def load_head_config(path: str | pathlib.Path) -> _Cfg:
 
 
 class _Eagle3Layer(LlamaDecoderLayer):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__(cfg, 0, _single(), qkv_bias=False, o_bias=False)
         attn = self.self_attn
         attn.qkv_proj = QKVParallelLinear(2 * cfg.hidden_size, attn.head_dim, cfg.num_attention_heads,
@@ -126,7 +136,7 @@ def _load_into(module: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], s
 class EagleHead(nn.Module):
     """EAGLE: embeddings and LM head are the target's (passed to ``forward``)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=bool(getattr(cfg, "bias", True)))
@@ -157,7 +167,7 @@ class EagleHead(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         h = cfg.hidden_size
         target_h = getattr(cfg, "target_hidden_size", None) or h

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -35,7 +35,22 @@ class LogitsOutput:
     greedy_ids: torch.Tensor | None = None
 
 
-def sliding_window_of(cfg: Any, layer_id: int) -> int | None:
+class DecoderConfig(Protocol):
+    """The fields of a model config (Hugging Face's, or an EAGLE head's config.json) the decoder reads
+    directly. Optional ones (head_dim, sliding_window, layer_types, attention_bias, mlp_bias,
+    tie_word_embeddings, the rope settings) are read with getattr and a default."""
+
+    hidden_size: int
+    intermediate_size: int
+    max_position_embeddings: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    rms_norm_eps: float
+    vocab_size: int
+
+
+def sliding_window_of(cfg: DecoderConfig, layer_id: int) -> int | None:
     """The layer's attention window: ``layer_types`` when the config has them (Qwen2/3: only
     "sliding_attention" layers), else Mistral's model-wide ``sliding_window``."""
     window = getattr(cfg, "sliding_window", None)
@@ -45,12 +60,12 @@ def sliding_window_of(cfg: Any, layer_id: int) -> int | None:
     return window
 
 
-def head_dim_of(cfg: Any) -> int:
+def head_dim_of(cfg: DecoderConfig) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.head_dim = head_dim_of(cfg)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
@@ -77,7 +92,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup, bias: bool) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TPGroup, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias, tp=tp)
@@ -99,7 +114,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: Any, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool,
+    def __init__(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool,
                  attn_tp: TPGroup | None = None) -> None:
         super().__init__()
         # DP attention: attention runs unsharded on each rank's own tokens (attn_tp of size 1) while
@@ -126,7 +141,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup, layer_cls: type[LlamaDecoderLayer], qkv_bias: bool,
+    def __init__(self, cfg: DecoderConfig, tp: TPGroup, layer_cls: type[LlamaDecoderLayer], qkv_bias: bool,
                  o_bias: bool, attn_tp: TPGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, attn_tp or tp)
@@ -161,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: Any, tp: TPGroup = SINGLE, attn_tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TPGroup = SINGLE, attn_tp: TPGroup | None = None) -> None:
         """``attn_tp``: the group of attention, embedding and LM head when it differs from the MLP's
         ``tp`` (DP attention: size 1, each rank embeds, attends and samples its own requests)."""
         super().__init__()
@@ -175,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(cfg.vocab_size, head_tp)
 
     @staticmethod
-    def attention_biases(cfg: Any) -> tuple[bool, bool]:
+    def attention_biases(cfg: DecoderConfig) -> tuple[bool, bool]:
         bias = bool(getattr(cfg, "attention_bias", False))
         return bias, bias
 
@@ -225,5 +240,5 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def attention_biases(cfg: Any) -> tuple[bool, bool]:
+    def attention_biases(cfg: DecoderConfig) -> tuple[bool, bool]:
         return True, False  # Qwen2: q/k/v carry a bias, o_proj does not

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from plait.distributed.parallel_state import TPGroup
 from plait.layers.norm import RMSNorm
-from plait.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from plait.models.llama import DecoderConfig, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: Any, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__(cfg, layer_id, tp, qkv_bias, o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
