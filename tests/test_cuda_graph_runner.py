@@ -9,11 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from plait.executor.cuda_graph_runner import (  # noqa: E402
-    CudaGraphRunner,
-    EagerGraph,
-    capture_batch_sizes,
-)
+from plait.executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
+from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
 from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
 from tests.helpers import make_engine, prompt_ids  # noqa: E402
@@ -28,7 +25,7 @@ def engine(tiny_model_dir):
 
 @pytest.fixture
 def graph_runner(engine):
-    runner = CudaGraphRunner(engine.runner, max_bs=4, graph_factory=EagerGraph)
+    runner = CudaGraphRunner(engine.runner.capture_target(), max_bs=4, graph_factory=EagerGraph)
     engine.runner.graph_runner = runner
     return runner
 

@@ -17,7 +17,8 @@ from plait.attention.plan_check import maybe_check_plans
 from plait.attention.registry import create_attention_backend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
-from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs, graph_factory_for
+from plait.executor.cuda_graph_runner import CudaGraphRunner
+from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
 from plait.layers.hidden_capture import HiddenCapture
@@ -147,9 +148,10 @@ class ModelRunner:
         self.hidden_capture = eagle_hidden_capture(config, mc, max_bs * max([1, *widths]) if graphs else 0,
                                                    self.device)
         if graphs:
-            self.graph_runner = CudaGraphRunner(self, max_bs, graph_factory)
+            target = self.capture_target()
+            self.graph_runner = CudaGraphRunner(target, max_bs, graph_factory)
             if widths:
-                self.verify_graph_runner = VerifyGraphRunner(self, max_bs, widths, graph_factory)
+                self.verify_graph_runner = VerifyGraphRunner(target, max_bs, widths, graph_factory)
         log_device_memory("graph capture", self.device)
         logger.info(
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
@@ -157,6 +159,12 @@ class ModelRunner:
             self.max_total_tokens * MHATokenToKVPool.bytes_per_token(
                 mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim) / 2**30,
             mc.dtype, self.attn_backend.name, self.max_context_len)
+
+    def capture_target(self) -> CaptureTarget:
+        """What the graph runners record: this runner's model, backend and hidden capture."""
+        columns = max(self.model.lm_head_weight.shape[0], self.model_config.vocab_size)
+        return CaptureTarget(self.model, self.attn_backend, self.device, columns, self.max_context_len,
+                             self.hidden_capture, self.init_capture_sync)
 
     # --- forward paths --------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
