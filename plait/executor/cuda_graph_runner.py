@@ -7,8 +7,9 @@ model, so every replay rebuilds the KV indices on the device.
 
 Replay: copy the live batch into the static buffers, pad to the bucket (padded rows read the
 reserved request row 0 with the backend's seq-len fill value and write their KV into the reserved
-dummy slot 0, never a live request's), plan on a padded view unless the batch is already planned,
-replay, and slice the logits back to the live rows.
+dummy slot 0, never a live request's), plan on a padded view unless the batch is already planned
+(and mark the view, as every pre-planning site does), replay, and slice the logits back to the live
+rows.
 """
 
 from __future__ import annotations
@@ -126,5 +127,6 @@ class CudaGraphRunner:
             view = self._static_batch(padded, seq_lens_cpu)
             view.actual_forward_mode = fb.forward_mode
             self.backend.init_forward_metadata_out_graph(view)
+            view.mark_forward_metadata_ready()  # a pre-planning site marks what it planned
         self.graphs[padded].replay()
         return LogitsOutput(next_token_logits=self.outputs[padded].next_token_logits[:bs])
