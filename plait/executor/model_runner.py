@@ -18,6 +18,7 @@ from plait.attention.registry import create_attention_backend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner
+from plait.executor.forward_output import ForwardOutput, HostCopy
 from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
@@ -27,7 +28,7 @@ from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAlloc
 from plait.models.eagle import eagle3_capture_layers
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model, load_model_config, weight_bytes
-from plait.sampling import SampleOutput, Sampler
+from plait.sampling import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +207,15 @@ class ModelRunner:
         # No tokens: the model still runs (collectives of TP/DP ranks must match), on empty input.
         return self._run_model(fb)
 
-    def sample(self, logits: LogitsOutput, fb: ForwardBatch) -> SampleOutput:
-        assert fb.sampling_info is not None, "the scheduler attaches sampling_info to sampled batches"
-        return self.sampler(logits.next_token_logits, fb.sampling_info)
+    def forward_batch(self, fb: ForwardBatch) -> ForwardOutput:
+        """One scheduler step: the forward, then, when the batch samples (``fb.sampling_info``), the
+        sampler and the asynchronous host copy of its results. Nothing here waits for the device:
+        the caller reads the copy later (``HostCopy.wait``), after launching the next step."""
+        logits = self.forward(fb)
+        if fb.sampling_info is None:
+            return ForwardOutput(logits)
+        sample = self.sampler(logits.next_token_logits, fb.sampling_info)
+        return ForwardOutput(logits, sample, HostCopy.start(sample))
 
     def close(self) -> None:
         """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and
