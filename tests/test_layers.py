@@ -37,7 +37,6 @@ KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset({
 KNOWN_CYCLES: list[list[str]] = [
     ["plait.scheduler.scheduler", "plait.speculative.eagle", "plait.speculative.standalone",
      "plait.speculative.worker"],
-    ["plait.parallel.dp_attention", "plait.parallel.launch"],
 ]
 
 

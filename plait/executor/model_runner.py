@@ -107,7 +107,15 @@ def use_rank_device(config: EngineConfig, tp: TPGroup) -> str:
 
 
 class ModelRunner:
+    """One rank's executor: owns the model, the KV pools, the attention backend and the graphs, and
+    runs one ForwardBatch per call (``forward``; ``forward_batch`` adds the sampler and host copy)."""
+
+    # What ``close`` drops (the members holding device memory).
+    DEVICE_STATE = ("graph_runner", "verify_graph_runner", "attn_backend", "model", "kv_pool",
+                    "req_to_token_pool", "allocator", "hidden_capture")
+
     def __init__(self, config: EngineConfig, mc: ModelConfig, tp: TPGroup = SINGLE) -> None:
+        self.closed = False
         self.config = config
         self.model_config = mc
         self.device = use_rank_device(config, tp)
@@ -219,14 +227,11 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and
-        backends reference each other: the cycle is broken here, not left to the garbage collector)."""
-        self.graph_runner = None
-        self.verify_graph_runner = None
-        self.attn_backend = None  # type: ignore[assignment]
-        self.model = None  # type: ignore[assignment]
-        self.kv_pool = None  # type: ignore[assignment]
-        self.req_to_token_pool = None  # type: ignore[assignment]
-        self.allocator = None  # type: ignore[assignment]
+        backends reference each other: the cycle is broken here, not left to the garbage collector).
+        Idempotent; reading a dropped member afterwards raises AttributeError."""
+        self.closed = True
+        for name in self.DEVICE_STATE:
+            vars(self).pop(name, None)
         gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()
