@@ -11,10 +11,11 @@ One engine step is one lockstep round on every rank, with two control collective
   1. the round exchange (one all-gather): rank 0 sends a ``DPControl`` (new requests with their
      rank, aborts, or shut down), every other rank the progress of its previous round (new tokens,
      finishes), which rank 0 applies to its stand-ins
-  2. every rank runs ``Scheduler.step()``; its forward first all-gathers the per-rank token counts
-     (decode: requests, extend: new tokens), picks the padding mode and fills the batch's MLP-sync
-     metadata (``ForwardBatch.init_mlp_sync_metadata``). A rank that launched nothing runs an IDLE
-     batch, which joins the same collectives with zero rows, unless no rank has any work.
+  2. every rank runs ``Scheduler.step()``; its forward first all-gathers the per-rank counts
+     (decode and speculative batches: requests, extend: new tokens), picks the padding mode and
+     fills the batch's MLP-sync metadata (``ForwardBatch.init_mlp_sync_metadata``). A rank that
+     launched nothing runs an IDLE batch, which joins the same collectives with zero rows, unless no
+     rank has any work.
 
 Overlap scheduling works as on one rank: a round launches its forward and then processes the one
 launched in the previous round, so the host work of a round (the control collectives above
@@ -137,7 +138,9 @@ class MLPCountSync:
         self.rounds: deque[Round] = deque(maxlen=4096)
 
     def sync(self, fb: ForwardBatch) -> None:
-        own = fb.num_tokens
+        # ForwardBatch.init_mlp_sync_metadata reads request counts for a speculative batch (it scales
+        # them by the per-request width) and token counts otherwise (a decode has one per request).
+        own = fb.batch_size if fb.spec_info is not None else fb.num_tokens
         parts = self.control.all_gather(torch.tensor([own, int(fb.forward_mode.is_extend())], dtype=torch.int64))
         counts = [int(p[0]) for p in parts]
         extend_flags = tuple(bool(p[1]) for p in parts)
