@@ -39,7 +39,8 @@ from plait.config import EngineConfig
 from plait.distributed.copy_engine_rows import CopyEngineRows, copy_engine_rows
 from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import TPGroup
-from plait.executor.model_runner import ModelRunner, use_rank_device
+from plait.executor.model_runner import ModelRunner
+from plait.executor.sizing import use_rank_device
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
 from plait.mem.radix_cache import RadixCache
 from plait.models.llama import LogitsOutput

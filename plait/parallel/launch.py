@@ -38,7 +38,8 @@ import torch.distributed as dist
 from plait.config import EngineConfig
 from plait.distributed.p2p_all_reduce import with_p2p_all_reduce
 from plait.distributed.parallel_state import TPGroup
-from plait.executor.model_runner import ModelRunner, use_rank_device
+from plait.executor.model_runner import ModelRunner
+from plait.executor.sizing import use_rank_device
 from plait.forward_batch import ForwardBatch
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model_config

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from plait.config import EngineConfig  # noqa: E402
 from plait.executor.graph_utils import EagerGraph  # noqa: E402
-from plait.executor.model_runner import verify_graph_widths  # noqa: E402
+from plait.executor.sizing import verify_graph_widths  # noqa: E402
 from plait.executor.verify_graph_runner import VerifyGraphRunner, uniform_width  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
 from plait.speculative.tree import DraftTree  # noqa: E402
