@@ -178,8 +178,15 @@ class DataParallelScheduler:
                 self.replicas.append(Scheduler(r.config, r))
         self.owner: dict[str, tuple[int, Req]] = {}  # rid -> (replica, request), live requests only
         self.assigned: Counter[int] = Counter()  # requests sent to each replica (tests, metrics)
-        self.tree_cache = AggregateCache(self.replicas)
-        self.spec_worker = None  # speculative decoding is rejected with plain data parallelism
+        self.aggregate_cache = AggregateCache(self.replicas)
+
+    @property
+    def spec_worker(self) -> None:
+        return None  # speculative decoding is rejected with plain data parallelism
+
+    @property
+    def tree_cache(self) -> AggregateCache:
+        return self.aggregate_cache
 
     # --- balancing --------------------------------------------------------------------------------
     def loads(self) -> list[int]:

@@ -274,7 +274,10 @@ class DPAttentionScheduler:
         self._adds: list[tuple[int, NewRequest]] = []
         self._aborts: list[str] = []
         self.assigned: Counter[int] = Counter()  # requests sent to each rank (tests, metrics)
-        self.spec_worker = None  # speculative decoding is rejected with tp_size > 1
+
+    @property
+    def spec_worker(self) -> None:
+        return None  # speculative decoding is rejected with tp_size > 1
 
     # --- the Scheduler interface the Engine uses ---------------------------------------------------
     def loads(self) -> list[int]:
