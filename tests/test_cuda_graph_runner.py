@@ -9,11 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from plait.executor.cuda_graph_runner import (  # noqa: E402
-    CudaGraphRunner,
-    EagerGraph,
-    capture_batch_sizes,
-)
+from plait.executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
+from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
 from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
 from tests.helpers import make_engine, prompt_ids  # noqa: E402
@@ -28,21 +25,23 @@ def engine(tiny_model_dir):
 
 @pytest.fixture
 def graph_runner(engine):
-    runner = CudaGraphRunner(engine.runner, max_bs=4, graph_factory=EagerGraph)
+    runner = CudaGraphRunner(engine.runner.capture_target(), max_bs=4, graph_factory=EagerGraph)
     engine.runner.graph_runner = runner
     return runner
 
 
 class PlanCounter:
-    """Wraps the backend's out_graph to record the batch sizes it planned."""
+    """Wraps the backend's out_graph to record the batches (and their sizes) it planned."""
 
     def __init__(self, backend) -> None:
         self.sizes: list[int] = []
+        self.batches: list[ForwardBatch] = []
         self._inner = backend.init_forward_metadata_out_graph
         backend.init_forward_metadata_out_graph = self
 
     def __call__(self, fb, in_capture=False):
         self.sizes.append(fb.batch_size)
+        self.batches.append(fb)
         return self._inner(fb, in_capture)
 
 
@@ -106,6 +105,18 @@ def test_replay_plans_an_unplanned_batch_on_the_padded_view(engine, graph_runner
     engine.generate(prompt_ids(3), {"temperature": 0.0, "max_new_tokens": 3})
     # one extend plan (3 requests), then two decode replays planned at the padded size 4
     assert counter.sizes == [3, 4, 4]
+
+
+def test_replay_marks_the_padded_view_it_planned(engine, graph_runner):
+    """Replay is a pre-planning site: the padded view it planned carries the plan marker at that
+    padded shape, so nothing downstream plans it again."""
+    counter = PlanCounter(engine.runner.attn_backend)
+    engine.generate(prompt_ids(3), {"temperature": 0.0, "max_new_tokens": 3})
+    views = counter.batches[1:]  # after the extend plan: the decode replays' padded views
+    assert views and all(v.batch_size == 4 for v in views)
+    for view in views:
+        assert view.forward_metadata_ready and view.forward_metadata_planned_bs == 4
+        assert not view.needs_forward_metadata_init()
 
 
 def test_replay_does_not_plan_a_batch_its_pre_planner_marked(engine, graph_runner):

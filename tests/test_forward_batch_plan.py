@@ -1,4 +1,4 @@
-"""The plan marker on ForwardBatch (DESIGN 3.1) and the deprecated skip_attn_backend_init keyword."""
+"""The plan marker on ForwardBatch and the deprecated skip_attn_backend_init keyword."""
 
 from __future__ import annotations
 

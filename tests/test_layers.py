@@ -35,10 +35,8 @@ KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset({
     ("plait.scheduler.scheduler", "plait.speculative.worker"),
 })
 KNOWN_CYCLES: list[list[str]] = [
-    ["plait.executor.cuda_graph_runner", "plait.executor.model_runner", "plait.executor.verify_graph_runner"],
     ["plait.scheduler.scheduler", "plait.speculative.eagle", "plait.speculative.standalone",
      "plait.speculative.worker"],
-    ["plait.parallel.dp_attention", "plait.parallel.launch"],
 ]
 
 

@@ -2,9 +2,9 @@
 rounds (below), SM kernels for MAX_LEN ones (``CopyEngineRows.mlp_equal``, ``p2p_rows_kernels``).
 
 A SUM_LEN round (a prefill chunk on some rank) gathers every rank's rows before the sharded MLP and
-reduce-scatters the partial sums after it: at 8192 rows per rank on llama-3.1-8b, 64 MB each way
-per layer, about 590 us of NCCL per layer that nothing hides. NCCL's collectives are kernels on the
-SMs, and running them beside the GEMMs slowed the layer more than it hid (``dp_mlp``). Here the rows
+reduce-scatters the partial sums after it: at thousands of rows per rank that is tens of MB each way
+per layer, NCCL time that nothing hides. NCCL's collectives are kernels on the SMs, and running them
+beside the GEMMs slowed the layer more than it hid (``dp_mlp``). Here the rows
 move by cudaMemcpy into buffers that every rank maps (``_SymmetricMemory``): the copy engines carry
 them while the SMs compute, and a one-thread kernel signals the peer that its rows have landed.
 

@@ -1,4 +1,4 @@
-"""DP attention around the MLP (DESIGN 3.4): the tokens of every rank meet at the TP-sharded MLP.
+"""DP attention around the MLP: the tokens of every rank meet at the TP-sharded MLP.
 
 Each rank attends over its own requests; before the MLP its rows join those of the other ranks,
 the sharded MLP runs over all of them, and since the row-parallel down projection leaves partial
@@ -15,15 +15,14 @@ Both are ``TPGroup.all_gather_rows`` before the MLP and ``reduce_scatter_rows`` 
 bytes of the all-reduces that assembling a zero buffer would need (the SUM_LEN extend rounds move
 two buffers of every rank's rows per layer).
 
-The collectives are not overlapped with the GEMMs. Running the MLP of a SUM_LEN round in row slices,
-with each slice's gather and reduce-scatter in flight while another slice computes, was measured
-slower on two H200s: 8192 rows per rank, llama-3.1-8b's MLP, 4746 us whole, 4847 us in two slices,
-4959 us in four (``benchmarks/results/ddf3643-x2``). NCCL's kernels take SMs from the GEMMs they run
-beside, which costs more than the 590 us of transfers it would hide. On CUDA the rows go through
+The NCCL collectives are not overlapped with the GEMMs. Running the MLP of a SUM_LEN round in row
+slices, with each slice's gather and reduce-scatter in flight while another slice computes, was
+slower than the whole MLP, and more so with more slices: NCCL's kernels take SMs from the GEMMs they
+run beside, which costs more than the transfer time they would hide. On CUDA the rows go through
 symmetric memory instead (``fb.dp_row_exchange``, ``plait.distributed.copy_engine_rows``): SUM_LEN
 rounds by copy engine beside the GEMMs of a rank's own rows, MAX_LEN rounds (decode, and its graphs)
-by two Triton kernels that store into the peers' buffers (``p2p_rows_kernels``; 92 us per captured
-MLP layer against 116 us through NCCL at 128 rows per rank, ``benchmarks/results/221e96c-x2``).
+by two Triton kernels that store into the peers' buffers (``p2p_rows_kernels``, faster than NCCL at
+decode sizes, where NCCL's cost is mostly latency).
 
 A rank with no tokens (IDLE) passes an empty tensor and still joins every collective.
 """

@@ -3,11 +3,10 @@ round's MLP rows between DP-attention ranks, and tensor parallelism's small all-
 maps every peer's buffers, so a kernel stores straight into a peer's memory over NVLink and raises a
 flag there.
 
-Why not NCCL: a decode round moves about 1 MB each way per layer (128 rows of 4096 bf16 per rank on
-llama-3.1-8b), where NCCL's ring kernels take 16 us each, mostly latency, 32 layers and two
-collectives a round. Copy-engine copies plus signal kernels (``CopyEngineRows.mlp``) were measured
-no better at this size in a captured graph (121 against 117 us per MLP layer), and slower in the
-engine, since each copy and each signal is its own graph node.
+Why not NCCL: a decode round moves about a megabyte each way per layer, where NCCL's ring kernels
+cost mostly latency, two collectives per layer. Copy-engine copies plus signal kernels
+(``CopyEngineRows.mlp``) were no better at this size in a captured graph, and slower in the engine,
+since each copy and each signal is its own graph node.
 
 Synchronisation is blockwise, without any grid-wide barrier: program ``b`` of every rank handles the
 same span of elements (the ranks launch the same grid on the same sizes, as MAX_LEN rounds guarantee), so

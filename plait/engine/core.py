@@ -19,6 +19,7 @@ from plait.engine.frontend import RequestLimits
 from plait.engine.messages import RequestUpdate
 from plait.executor.model_runner import ModelRunner
 from plait.models.loader import ModelConfig, load_model_config
+from plait.parallel.roles import EngineRunner, EngineScheduler
 from plait.sampling.params import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
 from plait.scheduler.req import Req
@@ -35,8 +36,8 @@ class EngineCore:
     answer the same calls. The core owns both: ``close`` releases them.
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any, runner: ModelRunner,
-                 scheduler: Scheduler) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any, runner: EngineRunner,
+                 scheduler: EngineScheduler) -> None:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -80,36 +81,27 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     from plait.parallel.data_parallel import is_plain_data_parallel
 
-    plain_dp = is_plain_data_parallel(config)
-    # --- the model runner ---
-    runner: ModelRunner
-    if plain_dp:
-        # dp_size independent replicas (each with its own TP group when tp_size > 1).
-        from plait.parallel.data_parallel import DataParallelRunner
+    if is_plain_data_parallel(config):
+        # dp_size independent replicas (each with its own TP group when tp_size > 1), and a front-end
+        # balancer over the replicas' schedulers (shortest queue).
+        from plait.parallel.data_parallel import DataParallelRunner, DataParallelScheduler
 
-        runner = DataParallelRunner(config, model_config)  # type: ignore[assignment]
-    elif config.tp_size > 1:
+        replicas = DataParallelRunner(config, model_config)
+        return EngineCore(config, model_config, tokenizer, replicas, DataParallelScheduler(config, replicas))
+    runner: ModelRunner
+    if config.tp_size > 1:
         # This process is rank 0 (it schedules and samples); the other ranks are spawned from here.
+        from plait.parallel.dp_attention import DPAttentionLeader, DPAttentionScheduler
         from plait.parallel.launch import start_tensor_parallel
 
-        runner = start_tensor_parallel(config, model_config)
+        leader = start_tensor_parallel(config, model_config)
+        if isinstance(leader, DPAttentionLeader):
+            # Every rank schedules its own requests; this front end balances them over the ranks.
+            return EngineCore(config, model_config, tokenizer, leader, DPAttentionScheduler(config, leader))
+        runner = leader
     else:
         runner = ModelRunner(config, model_config)
-    # --- the scheduler ---
-    scheduler: Scheduler
-    if plain_dp:
-        # A front-end balancer over the replicas' schedulers (shortest queue).
-        from plait.parallel.data_parallel import DataParallelScheduler
-
-        scheduler = DataParallelScheduler(config, runner)  # type: ignore[assignment,arg-type]
-    elif config.enable_dp_attention:
-        # Every rank schedules its own requests; this front end balances them over the ranks.
-        from plait.parallel.dp_attention import DPAttentionScheduler
-
-        scheduler = DPAttentionScheduler(config, runner)  # type: ignore[assignment,arg-type]
-    else:
-        scheduler = Scheduler(config, runner)
-    return EngineCore(config, model_config, tokenizer, runner, scheduler)
+    return EngineCore(config, model_config, tokenizer, runner, Scheduler(config, runner))
 
 
 @dataclass

@@ -1,6 +1,10 @@
 """ModelRunner: owns the model, the KV pools and the attention backend; runs one ForwardBatch.
 
-Forward paths plan attention metadata only when the batch says it needs it (DESIGN 3.1): a batch a
+``forward_batch`` is the scheduler's one call per step: forward, sampler and the asynchronous host
+copy of the sampled ids (``ForwardOutput``). ``forward`` alone serves the callers that read logits
+themselves (speculative verify, draft mirrors, the other tensor-parallel ranks).
+
+Forward paths plan attention metadata only when the batch says it needs it: a batch a
 pre-planner marked (graph replay preparation, multi-step draft planning) is not planned again.
 """
 
@@ -18,95 +22,31 @@ from plait.attention.plan_check import maybe_check_plans
 from plait.attention.registry import create_attention_backend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
-from plait.executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs, graph_factory_for
+from plait.executor.cuda_graph_runner import CudaGraphRunner
+from plait.executor.forward_output import ForwardOutput, HostCopy
+from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
+from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
-from plait.layers.hidden_capture import HiddenCapture
 from plait.layers.radix_attention import model_sliding_window
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, log_device_memory
-from plait.models.eagle import eagle3_capture_layers
 from plait.models.llama import LogitsOutput
-from plait.models.loader import ModelConfig, load_model, load_model_config, weight_bytes
-from plait.sampling import SampleOutput, Sampler
+from plait.models.loader import ModelConfig, load_model, load_model_config
+from plait.sampling import Sampler
 
 logger = logging.getLogger(__name__)
 
-# On the CPU there is no device-memory query worth trusting: size the KV cache from this budget.
-CPU_KV_BUDGET_BYTES = 256 << 20
-
-
-def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_size: int = 1,
-                       draft: ModelConfig | None = None) -> int:
-    """KV slots from the memory budget: after the weights are loaded, ``mem_fraction_static`` of the
-    device memory (minus what is already used) goes to the KV cache; ``max_total_tokens`` caps it.
-
-    ``draft``: a STANDALONE draft model, loaded later, unsharded, with a KV pool of the same slot count
-    (its slots mirror the target's): its weights come off the budget and its per-token bytes are
-    added, so both pools fit."""
-    per_token = MHATokenToKVPool.bytes_per_token(mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(tp_size),
-                                                 mc.head_dim)
-    draft_weights = 0
-    if draft is not None:
-        per_token += MHATokenToKVPool.bytes_per_token(draft.dtype, draft.num_layers, draft.num_kv_heads,
-                                                      draft.head_dim)
-        draft_weights = weight_bytes(draft)
-    if device == "cuda":
-        # An earlier engine of this process may be unreachable but not yet collected (its runner,
-        # graph runner and backend form reference cycles), and freed blocks stay in the caching
-        # allocator: both would count as used below unless released first.
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-        budget = total * config.mem_fraction_static - used - draft_weights
-    else:
-        budget = CPU_KV_BUDGET_BYTES
-    tokens = int(budget // per_token)
-    if config.max_total_tokens is not None:
-        tokens = min(tokens, config.max_total_tokens) if device == "cuda" else config.max_total_tokens
-    if tokens < 16:
-        raise RuntimeError(
-            f"not enough memory for the KV cache ({tokens} tokens of {per_token} bytes fit); raise "
-            f"mem_fraction_static (now {config.mem_fraction_static}), use a smaller model or dtype"
-        )
-    return tokens
-
-
-def verify_graph_widths(config: EngineConfig) -> list[int]:
-    """TARGET_VERIFY widths to capture: every width a step may verify (2 .. num_draft_tokens, since
-    drafts are shortened adaptively). EAGLE engines too: the model writes the hidden states their
-    heads read into a HiddenCapture buffer, which replays write as well."""
-    if config.speculative_algorithm is None or not config.speculative_num_draft_tokens:
-        return []
-    return list(range(2, config.speculative_num_draft_tokens + 1))
-
-
-def eagle_hidden_capture(config: EngineConfig, mc: ModelConfig, static_rows: int, device: str) -> HiddenCapture | None:
-    """The target hidden states an EAGLE / EAGLE3 head reads (None for other engines): EAGLE the final
-    normed hidden, EAGLE3 the residual-stream inputs of layers [2, L // 2, L - 3]."""
-    if config.speculative_algorithm not in ("EAGLE", "EAGLE3"):
-        return None
-    if config.speculative_algorithm == "EAGLE3":
-        layers = eagle3_capture_layers(mc.num_layers)
-        if min(layers) < 0 or mc.num_layers < 3:
-            raise ValueError(f"EAGLE3 captures target layers {layers}: the target needs >= 3 layers")
-    else:
-        layers = [-1]
-    return HiddenCapture(layers, mc.hidden_size, static_rows, mc.dtype, device)
-
-
-def use_rank_device(config: EngineConfig, tp: TPGroup) -> str:
-    """The device rank ``tp.rank`` runs on; on CUDA its GPU is made current (idempotent)."""
-    device = config.resolved_device()
-    if device == "cuda":
-        # A node's ranks are consecutive: the local GPU is the rank modulo the node's GPU count.
-        # Rank r of this engine (or data-parallel replica) uses GPU base_gpu_id + r.
-        torch.cuda.set_device((config.base_gpu_id + tp.rank) % torch.cuda.device_count())
-    return device
-
 
 class ModelRunner:
+    """One rank's executor: owns the model, the KV pools, the attention backend and the graphs, and
+    runs one ForwardBatch per call (``forward``; ``forward_batch`` adds the sampler and host copy)."""
+
+    # What ``close`` drops (the members holding device memory).
+    DEVICE_STATE = ("graph_runner", "verify_graph_runner", "attn_backend", "model", "kv_pool",
+                    "req_to_token_pool", "allocator", "hidden_capture")
+
     def __init__(self, config: EngineConfig, mc: ModelConfig, tp: TPGroup = SINGLE) -> None:
+        self.closed = False
         self.config = config
         self.model_config = mc
         self.device = use_rank_device(config, tp)
@@ -148,9 +88,10 @@ class ModelRunner:
         self.hidden_capture = eagle_hidden_capture(config, mc, max_bs * max([1, *widths]) if graphs else 0,
                                                    self.device)
         if graphs:
-            self.graph_runner = CudaGraphRunner(self, max_bs, graph_factory)
+            target = self.capture_target()
+            self.graph_runner = CudaGraphRunner(target, max_bs, graph_factory)
             if widths:
-                self.verify_graph_runner = VerifyGraphRunner(self, max_bs, widths, graph_factory)
+                self.verify_graph_runner = VerifyGraphRunner(target, max_bs, widths, graph_factory)
         log_device_memory("graph capture", self.device)
         logger.info(
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
@@ -158,6 +99,12 @@ class ModelRunner:
             self.max_total_tokens * MHATokenToKVPool.bytes_per_token(
                 mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim) / 2**30,
             mc.dtype, self.attn_backend.name, self.max_context_len)
+
+    def capture_target(self) -> CaptureTarget:
+        """What the graph runners record: this runner's model, backend and hidden capture."""
+        columns = max(self.model.lm_head_weight.shape[0], self.model_config.vocab_size)
+        return CaptureTarget(self.model, self.attn_backend, self.device, columns, self.max_context_len,
+                             self.hidden_capture, self.init_capture_sync)
 
     # --- forward paths --------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
@@ -185,7 +132,7 @@ class ModelRunner:
 
     def forward_extend(self, fb: ForwardBatch) -> LogitsOutput:
         # TARGET_VERIFY of a uniform captured width replays its graph; the eager path plans inside
-        # _run_model, after the batch has its final shape (DESIGN 3.3).
+        # _run_model, after the batch has its final shape (a plan made before padding would not fit).
         if self.verify_graph_runner is not None and self.verify_graph_runner.can_run(fb):
             fb.attn_backend = self.attn_backend
             return self.verify_graph_runner.replay(fb)
@@ -199,20 +146,23 @@ class ModelRunner:
         # No tokens: the model still runs (collectives of TP/DP ranks must match), on empty input.
         return self._run_model(fb)
 
-    def sample(self, logits: LogitsOutput, fb: ForwardBatch) -> SampleOutput:
-        assert fb.sampling_info is not None, "the scheduler attaches sampling_info to sampled batches"
-        return self.sampler(logits.next_token_logits, fb.sampling_info)
+    def forward_batch(self, fb: ForwardBatch) -> ForwardOutput:
+        """One scheduler step: the forward, then, when the batch samples (``fb.sampling_info``), the
+        sampler and the asynchronous host copy of its results. Nothing here waits for the device:
+        the caller reads the copy later (``HostCopy.wait``), after launching the next step."""
+        logits = self.forward(fb)
+        if fb.sampling_info is None:
+            return ForwardOutput(logits)
+        sample = self.sampler(logits.next_token_logits, fb.sampling_info)
+        return ForwardOutput(logits, sample, HostCopy.start(sample))
 
     def close(self) -> None:
         """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and
-        backends reference each other: the cycle is broken here, not left to the garbage collector)."""
-        self.graph_runner = None
-        self.verify_graph_runner = None
-        self.attn_backend = None  # type: ignore[assignment]
-        self.model = None  # type: ignore[assignment]
-        self.kv_pool = None  # type: ignore[assignment]
-        self.req_to_token_pool = None  # type: ignore[assignment]
-        self.allocator = None  # type: ignore[assignment]
+        backends reference each other: the cycle is broken here, not left to the garbage collector).
+        Idempotent; reading a dropped member afterwards raises AttributeError."""
+        self.closed = True
+        for name in self.DEVICE_STATE:
+            vars(self).pop(name, None)
         gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()

@@ -7,42 +7,39 @@ otherwise it runs eagerly.
 
 Static buffers (shared by every graph, prefixes read): tokens ``[max_bs * max_W]`` (ids, positions,
 KV write slots), requests ``[max_bs]`` (pool rows, seq lens, prefix lens, extend lens) and the custom
-tree mask, flat, sized for the longest context (request i's block is ``W x (prefix_i + W)``, DESIGN
-5). Capture goes through the three-method contract like the decode runner: ``out_graph`` on the
-static batch outside the capture, the batch marked planned (DESIGN 3.1), ``in_graph`` as the first
-recorded step.
+tree mask, flat, sized for the longest context (request i's block is ``W x (prefix_i + W)``).
+Capture goes through the three-method contract like the decode runner: ``out_graph`` on the static
+batch outside the capture, the batch marked planned, ``in_graph`` as the first recorded step.
 
-Replay is the verify pre-planning site (DESIGN 3.3): it copies the live batch into the buffers, pads
-to the bucket (padded requests read the reserved request row with prefix 0, write their W tokens
-into the reserved dummy KV slot, and see a W x W mask of ones), plans on the padded view and marks
-it, replays, and slices the logits (and their argmax, computed in the graph) back to the live
-``bs * W`` rows.
+Replay is the verify pre-planning site: it copies the live batch into the buffers, pads to the
+bucket (padded requests read the reserved request row with prefix 0, write their W tokens into the
+reserved dummy KV slot, and see a W x W mask of ones), plans on the padded view and marks it,
+replays, and slices the logits (and their argmax, computed in the graph) back to the live ``bs * W``
+rows.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from plait.executor.cuda_graph_runner import (
+from plait.executor.graph_utils import (
+    CaptureTarget,
     CudaGraph,
     Graph,
+    GraphFactory,
     bucket_for,
     capture_batch_sizes,
-    logits_buffer,
+    stage,
     warm_and_capture,
 )
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.models.llama import LogitsOutput
 from plait.sampling.sampler import greedy_ids
-
-if TYPE_CHECKING:
-    from plait.executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +64,17 @@ def uniform_width(fb: ForwardBatch) -> int | None:
 
 
 class VerifyGraphRunner:
-    def __init__(self, runner: ModelRunner, max_bs: int, widths: Sequence[int],
-                 graph_factory: Callable[[], Graph] = CudaGraph) -> None:
+    def __init__(self, target: CaptureTarget, max_bs: int, widths: Sequence[int],
+                 graph_factory: GraphFactory = CudaGraph) -> None:
         if not widths or min(widths) < 2:
             raise ValueError(f"verify widths count the root and a guess, so each is >= 2: got {list(widths)}")
-        self.runner = runner
-        self.backend = runner.attn_backend
+        self.target = target
+        self.backend = target.backend
         self.max_bs = max_bs
         self.widths = sorted(set(widths))
         self.batch_sizes = capture_batch_sizes(max_bs)
         max_w = self.widths[-1]
-        device = runner.device
+        device = target.device
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_bs * max_w, **i64)
         self.positions = torch.zeros(max_bs * max_w, **i64)
@@ -87,8 +84,8 @@ class VerifyGraphRunner:
         self.prefix_lens = torch.zeros(max_bs, **i64)
         self.extend_lens = torch.zeros(max_bs, **i64)
         # A request's block is W x (prefix + W) and prefix + W <= the context length.
-        self.custom_mask = torch.ones(max_bs * max_w * runner.max_context_len, dtype=torch.bool, device=device)
-        self.logits_buffer = logits_buffer(runner, max_bs * max_w)  # shared by every (width, bucket) graph
+        self.custom_mask = torch.ones(max_bs * max_w * target.max_context_len, dtype=torch.bool, device=device)
+        self.logits_buffer = target.logits_buffer(max_bs * max_w)  # shared by every (width, bucket) graph
         self.backend.init_cuda_graph_state(max_bs, max_bs * max_w)
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.capture_batches: dict[tuple[int, int], ForwardBatch] = {}
@@ -113,12 +110,12 @@ class VerifyGraphRunner:
             extend_start_loc=starts,
             extend_seq_lens_cpu=[width] * bs, extend_prefix_lens_cpu=prefix_cpu, attn_backend=self.backend,
             spec_info=StaticVerifyInfo(self.custom_mask, width), next_token_logits_buffer=self.logits_buffer,
-            hidden_capture=self.runner.hidden_capture,
+            hidden_capture=self.target.hidden_capture,
         )
 
     def capture(self) -> None:
         pool = None
-        model = self.runner.model
+        model = self.target.model
         for width in reversed(self.widths):
             for bs in reversed(self.batch_sizes):
                 # Capture on padding-like rows: dummy request row, prefix 0, mask of ones.
@@ -161,22 +158,15 @@ class VerifyGraphRunner:
         n, n_pad = bs * width, padded * width
         mask = fb.spec_info.custom_mask
         m = mask.numel()
-        self.input_ids[:n].copy_(fb.input_ids)
-        self.positions[:n].copy_(fb.positions)
-        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
-        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
-        self.seq_lens[:bs].copy_(fb.seq_lens)
-        self.prefix_lens[:bs].copy_(fb.extend_prefix_lens)
+        stage(self.input_ids, fb.input_ids, n_pad, 0)
+        stage(self.positions, fb.positions, n_pad, 0)
+        stage(self.out_cache_loc, fb.out_cache_loc, n_pad, DUMMY_KV_SLOT)
+        stage(self.req_pool_indices, fb.req_pool_indices, padded, DUMMY_REQ_ROW)
+        stage(self.seq_lens, fb.seq_lens, padded, width)
+        stage(self.prefix_lens, fb.extend_prefix_lens, padded, 0)
         self.extend_lens[:padded].fill_(width)
-        self.custom_mask[:m].copy_(mask)
-        if padded > bs:
-            self.input_ids[n:n_pad].zero_()
-            self.positions[n:n_pad].zero_()
-            self.out_cache_loc[n:n_pad].fill_(DUMMY_KV_SLOT)
-            self.req_pool_indices[bs:padded].fill_(DUMMY_REQ_ROW)
-            self.seq_lens[bs:padded].fill_(width)
-            self.prefix_lens[bs:padded].zero_()
-            self.custom_mask[m : m + (padded - bs) * width * width].fill_(True)
+        # A padded request's mask block is W x (0 + W), all ones.
+        stage(self.custom_mask, mask, m + (padded - bs) * width * width, True)
         pad = padded - bs
         view = self._static_batch(width, padded, list(fb.seq_lens_cpu) + [width] * pad,
                                   list(fb.extend_prefix_lens_cpu) + [0] * pad)

@@ -29,18 +29,31 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
+from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
+from plait.executor.cuda_graph_runner import CudaGraphRunner
 from plait.executor.model_runner import ModelRunner
 from plait.models.loader import ModelConfig
+from plait.parallel.roles import LogitsObserver
 from plait.scheduler.req import Req
 from plait.scheduler.scheduler import Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-# State that belongs to one replica: the facade does not hand out replica 0's as if it were all.
-_PER_REPLICA = frozenset({"req_to_token_pool", "allocator", "kv_pool", "tp", "groups", "model"})
+
+
+class PerReplica:
+    """State that belongs to one replica: the facade does not hand out replica 0's as if it were
+    all. Reading it raises AttributeError naming ``runner.replicas[i]``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> NoReturn:
+        raise AttributeError(f"{self.name!r} is per replica under data parallelism: read "
+                             f"runner.replicas[i].{self.name}")
 
 
 def is_plain_data_parallel(config: EngineConfig) -> bool:
@@ -48,7 +61,17 @@ def is_plain_data_parallel(config: EngineConfig) -> bool:
 
 
 class DataParallelRunner:
-    """The replicas' runners. Sizes are per replica: a request must fit one replica's KV pool."""
+    """The replicas' runners. Sizes are per replica: a request must fit one replica's KV pool.
+
+    Introspection (the attention backend, the decode graphs) is replica 0's: every replica is built
+    from the same config. Per-replica state must be read from ``replicas``."""
+
+    req_to_token_pool = PerReplica()
+    allocator = PerReplica()
+    kv_pool = PerReplica()
+    tp = PerReplica()
+    groups = PerReplica()
+    model = PerReplica()
 
     def __init__(self, config: EngineConfig, mc: ModelConfig) -> None:
         import os
@@ -105,12 +128,13 @@ class DataParallelRunner:
             with self.on_replica(i):
                 runner.close()
 
-    def __getattr__(self, name: str) -> Any:
-        # Introspection (attention backend name, graph runner, ...) is replica 0's: every replica is
-        # built from the same config. Per-replica state must be read from ``replicas``.
-        if name in _PER_REPLICA or name == "replicas":
-            raise AttributeError(f"{name!r} is per replica under data parallelism: read runner.replicas[i].{name}")
-        return getattr(self.replicas[0], name)
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        return self.replicas[0].attn_backend
+
+    @property
+    def graph_runner(self) -> CudaGraphRunner | None:
+        return self.replicas[0].graph_runner
 
 
 def _start_replica(config: EngineConfig, mc: ModelConfig) -> ModelRunner:
@@ -154,8 +178,15 @@ class DataParallelScheduler:
                 self.replicas.append(Scheduler(r.config, r))
         self.owner: dict[str, tuple[int, Req]] = {}  # rid -> (replica, request), live requests only
         self.assigned: Counter[int] = Counter()  # requests sent to each replica (tests, metrics)
-        self.tree_cache = AggregateCache(self.replicas)
-        self.spec_worker = None  # speculative decoding is rejected with plain data parallelism
+        self.aggregate_cache = AggregateCache(self.replicas)
+
+    @property
+    def spec_worker(self) -> None:
+        return None  # speculative decoding is rejected with plain data parallelism
+
+    @property
+    def tree_cache(self) -> AggregateCache:
+        return self.aggregate_cache
 
     # --- balancing --------------------------------------------------------------------------------
     def loads(self) -> list[int]:
@@ -244,10 +275,10 @@ class DataParallelScheduler:
         return sum(s.kv_tokens_in_use() for s in self.replicas)
 
     @property
-    def on_logits(self) -> Any:
+    def on_logits(self) -> LogitsObserver | None:
         return self.replicas[0].on_logits
 
     @on_logits.setter
-    def on_logits(self, hook: Any) -> None:
+    def on_logits(self, hook: LogitsObserver | None) -> None:
         for s in self.replicas:  # the logits observer sees every replica's sampled steps
             s.on_logits = hook

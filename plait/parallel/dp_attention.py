@@ -11,10 +11,11 @@ One engine step is one lockstep round on every rank, with two control collective
   1. the round exchange (one all-gather): rank 0 sends a ``DPControl`` (new requests with their
      rank, aborts, or shut down), every other rank the progress of its previous round (new tokens,
      finishes), which rank 0 applies to its stand-ins
-  2. every rank runs ``Scheduler.step()``; its forward first all-gathers the per-rank token counts
-     (decode: requests, extend: new tokens), picks the padding mode and fills the batch's MLP-sync
-     metadata (``ForwardBatch.init_mlp_sync_metadata``). A rank that launched nothing runs an IDLE
-     batch, which joins the same collectives with zero rows, unless no rank has any work.
+  2. every rank runs ``Scheduler.step()``; its forward first all-gathers the per-rank counts
+     (decode and speculative batches: requests, extend: new tokens), picks the padding mode and
+     fills the batch's MLP-sync metadata (``ForwardBatch.init_mlp_sync_metadata``). A rank that
+     launched nothing runs an IDLE batch, which joins the same collectives with zero rows, unless no
+     rank has any work.
 
 Overlap scheduling works as on one rank: a round launches its forward and then processes the one
 launched in the previous round, so the host work of a round (the control collectives above
@@ -35,16 +36,21 @@ from typing import Any
 import torch
 
 from plait.config import EngineConfig
-from plait.distributed.copy_engine_rows import copy_engine_rows
+from plait.distributed.copy_engine_rows import CopyEngineRows, copy_engine_rows
 from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import TPGroup
-from plait.executor.model_runner import ModelRunner, use_rank_device
+from plait.executor.model_runner import ModelRunner
+from plait.executor.sizing import use_rank_device
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
+from plait.mem.radix_cache import RadixCache
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig
+from plait.parallel.ranks import DistGroups, SpawnedRanks, TensorParallelError
+from plait.parallel.roles import LogitsObserver
 from plait.sampling.params import SamplingParams
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
+from plait.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -117,48 +123,79 @@ class MLPSync:
 
 
 # --- the runner of every rank -------------------------------------------------------------------------
-class DPAttentionRunner(ModelRunner):
-    """A rank's ModelRunner under DP attention: exchanges token counts before every forward."""
+Round = tuple[tuple[int, ...], tuple[bool, ...], DPPaddingMode]  # counts per rank, extends per rank, mode
 
-    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: Any) -> None:
-        # The row exchange exists before the graphs are captured (ModelRunner.__init__), which record
-        # its copies and signals. A SUM_LEN round holds at most a prefill chunk plus a decode token per
-        # running request.
-        self.row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
-            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
-            mc.hidden_size, mc.dtype, use_rank_device(config, groups.tp), timedelta(seconds=config.dist_timeout))
-        # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
-        # every rank captures the same buckets in the same order, so the recorded collectives pair up.
-        super().__init__(config, mc, groups.tp)
-        self.groups = groups
-        self.forwarded = False  # this round launched a forward
-        self.padding_modes: Counter[str] = Counter()  # rounds per padding mode (tests, debugging)
-        self.idle_rounds = 0  # rounds this rank joined with an IDLE batch
-        # Recent rounds as every rank saw them: (tokens per rank, extends per rank, padding mode).
-        self.rounds: deque[tuple[tuple[int, ...], tuple[bool, ...], DPPaddingMode]] = deque(maxlen=4096)
 
-    def _sync(self, fb: ForwardBatch, own_tokens: int, extends: bool) -> None:
-        parts = self.groups.control.all_gather(torch.tensor([own_tokens, int(extends)], dtype=torch.int64))
+class MLPCountSync:
+    """One rank's side of the count exchange before every DP-attention forward: all-gather each
+    rank's count and whether it extends, pick the padding mode, and fill the batch's MLP-sync
+    metadata. Every rank calls it once per round (an IDLE batch included), so the collectives pair."""
+
+    def __init__(self, control: TPGroup, device: str, row_exchange: CopyEngineRows | None) -> None:
+        self.control = control
+        self.device = device
+        self.row_exchange = row_exchange
+        # Recent rounds as every rank saw them (tests, debugging).
+        self.rounds: deque[Round] = deque(maxlen=4096)
+
+    def sync(self, fb: ForwardBatch) -> None:
+        # ForwardBatch.init_mlp_sync_metadata reads request counts for a speculative batch (it scales
+        # them by the per-request width) and token counts otherwise (a decode has one per request).
+        own = fb.batch_size if fb.spec_info is not None else fb.num_tokens
+        parts = self.control.all_gather(torch.tensor([own, int(fb.forward_mode.is_extend())], dtype=torch.int64))
         counts = [int(p[0]) for p in parts]
         extend_flags = tuple(bool(p[1]) for p in parts)
         mode = DPPaddingMode.choose(counts, any(extend_flags))
         if any(counts):
             self.rounds.append((tuple(counts), extend_flags, mode))
+        self._fill(fb, counts, mode)
+
+    def capture(self, fb: ForwardBatch) -> None:
+        """A captured decode step: a MAX_LEN step with the bucket's rows on every rank; at replay each
+        rank pads its requests to the bucket of the largest count, so the shapes match the capture."""
+        self._fill(fb, [fb.batch_size] * self.control.size, DPPaddingMode.MAX_LEN)
+
+    def _fill(self, fb: ForwardBatch, counts: list[int], mode: DPPaddingMode) -> None:
         fb.init_mlp_sync_metadata(MLPSync(counts, counts, mode == DPPaddingMode.MAX_LEN), self.device)
         fb.dp_padding_mode = mode
         fb.dp_row_exchange = self.row_exchange
 
+
+class DPAttentionRunner(ModelRunner):
+    """A rank's ModelRunner under DP attention: exchanges counts before every forward."""
+
+    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: DistGroups) -> None:
+        # The count sync and its row exchange exist before the graphs are captured
+        # (ModelRunner.__init__), which record the exchange's copies and signals. A SUM_LEN round holds
+        # at most a prefill chunk plus a decode token per running request.
+        device = use_rank_device(config, groups.tp)
+        row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
+            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
+            mc.hidden_size, mc.dtype, device, timedelta(seconds=config.dist_timeout))
+        # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
+        # every rank captures the same buckets in the same order, so the recorded collectives pair up.
+        self.count_sync = MLPCountSync(groups.control, device, row_exchange)
+        super().__init__(config, mc, groups.tp)
+        self.groups = groups
+        self.forwarded = False  # this round launched a forward
+        self.padding_modes: Counter[str] = Counter()  # rounds per padding mode (tests, debugging)
+        self.idle_rounds = 0  # rounds this rank joined with an IDLE batch
+
+    @property
+    def rounds(self) -> deque[Round]:
+        return self.count_sync.rounds
+
+    @property
+    def row_exchange(self) -> CopyEngineRows | None:
+        """The symmetric-memory row exchange of the MLP rounds (None: NCCL collectives)."""
+        return self.count_sync.row_exchange
+
     def init_capture_sync(self, fb: ForwardBatch) -> None:
-        # A captured decode step is a MAX_LEN step with the bucket's rows on every rank; at replay each
-        # rank pads its requests to the bucket of the largest count, so the shapes match the capture.
-        rows = [fb.batch_size] * self.tp.size
-        fb.init_mlp_sync_metadata(MLPSync(rows, rows, True), self.device)
-        fb.dp_padding_mode = DPPaddingMode.MAX_LEN
-        fb.dp_row_exchange = self.row_exchange
+        self.count_sync.capture(fb)
 
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
         self.forwarded = True
-        self._sync(fb, fb.num_tokens, fb.forward_mode.is_extend())
+        self.count_sync.sync(fb)
         assert fb.dp_padding_mode is not None
         self.padding_modes[fb.dp_padding_mode.name] += 1
         return super().forward(fb, skip_attn_backend_init)
@@ -171,14 +208,14 @@ class DPAttentionRunner(ModelRunner):
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         fb = ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
                           seq_lens=empty, out_cache_loc=empty, positions=empty)
-        self._sync(fb, 0, False)
+        self.count_sync.sync(fb)
         if not any(fb.global_num_tokens_cpu or []):
             return  # no rank has work this round: nothing to join
         self.idle_rounds += 1
         self.forward_idle(fb)
 
     def close(self) -> None:
-        self.row_exchange = None  # its symmetric buffers go with the rest of the device memory
+        self.count_sync.row_exchange = None  # its symmetric buffers go with the rest of the device memory
         super().close()
 
     @torch.inference_mode()
@@ -197,40 +234,30 @@ class DPAttentionRunner(ModelRunner):
 class DPAttentionLeader(DPAttentionRunner):
     """Rank 0's runner: also watches the spawned ranks and tells them to stop."""
 
-    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: Any, store: Any,
+    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: DistGroups, store: Any,
                  procs: dict[int, Any]) -> None:
         super().__init__(config, mc, groups)
         self.store = store
-        self.procs = procs
-        self.failure: str | None = None
+        self.ranks = SpawnedRanks("DP-attention", procs, store)
+        self.procs = procs  # rank -> process, for the ranks this process spawned
+
+    @property
+    def failure(self) -> str | None:
+        return self.ranks.failure
 
     def check_ranks(self) -> None:
-        from plait.parallel.launch import TensorParallelError, dead_rank
+        self.ranks.check()
 
-        if self.failure is not None:
-            raise TensorParallelError(f"the DP-attention engine failed earlier: {self.failure}")
-        dead = dead_rank(self.procs, self.store)
-        if dead is not None:
-            self.failure = dead
-            raise TensorParallelError(dead)
-
-    def fail(self, e: Exception) -> Exception:
-        from plait.parallel.launch import TensorParallelError, dead_rank
-
-        self.failure = dead_rank(self.procs, self.store) or (
-            f"a DP-attention collective failed (a rank died or exceeded dist_timeout="
-            f"{self.config.dist_timeout:g}s): {type(e).__name__}: {e}")
-        return TensorParallelError(self.failure)
+    def fail(self, e: Exception) -> TensorParallelError:
+        return self.ranks.fail(e, self.config.dist_timeout)
 
     def close(self) -> None:
-        from plait.parallel.launch import stop_processes
-
-        if self.failure is None and self.model is not None:
+        if self.failure is None and not self.closed:
             try:
                 exchange_objects(self.groups.control, DPControl(shutdown=True))
             except Exception:  # noqa: BLE001 (a dead rank cannot be told; it is killed below)
                 logger.warning("could not tell the DP-attention ranks to shut down", exc_info=True)
-        stop_processes(self.procs, grace_s=10.0 if self.failure is None else 0.0)
+        self.ranks.stop()
         super().close()
 
 
@@ -247,13 +274,10 @@ class DPAttentionScheduler:
         self._adds: list[tuple[int, NewRequest]] = []
         self._aborts: list[str] = []
         self.assigned: Counter[int] = Counter()  # requests sent to each rank (tests, metrics)
-        self.spec_worker = None  # speculative decoding is rejected with tp_size > 1
 
-    def __getattr__(self, name: str) -> Any:
-        # Anything else of the Scheduler interface (introspection, hooks) is rank 0's scheduler's.
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
+    @property
+    def spec_worker(self) -> None:
+        return None  # speculative decoding is rejected with tp_size > 1
 
     # --- the Scheduler interface the Engine uses ---------------------------------------------------
     def loads(self) -> list[int]:
@@ -304,12 +328,24 @@ class DPAttentionScheduler:
         return list(self.local.running) + [req for _, req in self.remote.values()]
 
     @property
-    def stats(self) -> Any:
+    def stats(self) -> SchedulerStats:
         return self.local.stats  # rank 0's scheduler only
 
     @property
-    def tree_cache(self) -> Any:
+    def tree_cache(self) -> RadixCache:
         return self.local.tree_cache  # rank 0's prefix cache only
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.local.max_request_tokens  # every rank's pool is sized alike
+
+    @property
+    def on_logits(self) -> LogitsObserver | None:
+        return self.local.on_logits  # rank 0's sampled steps only
+
+    @on_logits.setter
+    def on_logits(self, hook: LogitsObserver | None) -> None:
+        self.local.on_logits = hook
 
     def kv_tokens_in_use(self) -> int:
         return self.local.kv_tokens_in_use()  # rank 0's KV pool only

@@ -26,9 +26,11 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,10 +38,21 @@ import torch.distributed as dist
 from plait.config import EngineConfig
 from plait.distributed.p2p_all_reduce import with_p2p_all_reduce
 from plait.distributed.parallel_state import TPGroup
-from plait.executor.model_runner import ModelRunner, use_rank_device
+from plait.executor.model_runner import ModelRunner
+from plait.executor.sizing import use_rank_device
 from plait.forward_batch import ForwardBatch
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model_config
+from plait.parallel.ranks import (
+    ERROR_KEY,
+    JOIN_POLL_S,
+    JOINED_KEY,
+    DistGroups,
+    SpawnedRanks,
+    TensorParallelError,
+    stop_processes,
+    worker_error,
+)
 from plait.parallel.step_sync import (
     RecordingReqToTokenPool,
     StepKind,
@@ -49,16 +62,12 @@ from plait.parallel.step_sync import (
     send_step,
 )
 
+if TYPE_CHECKING:
+    from plait.parallel.dp_attention import DPAttentionLeader
+
 logger = logging.getLogger(__name__)
 
-_ERROR_KEY = "plait/error/{rank}"
-_JOINED_KEY = "plait/joined/{rank}"
-JOIN_POLL_S = 0.05
 STARTUP_TIMEOUT_S = 600.0
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank died, hung past the collective timeout, or failed to start."""
 
 
 # --- validation ------------------------------------------------------------------------------------
@@ -90,13 +99,6 @@ def validate_tp_size(mc: ModelConfig, tp_size: int, dp_attention: bool = False) 
 
 
 # --- groups ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DistGroups:
-    tp: TPGroup  # model collectives and the device payload of each step
-    control: TPGroup  # gloo, host tensors: step headers (may be ``tp`` itself on the CPU)
-    store: Any = None  # the rendezvous store (DP attention's symmetric buffers rendezvous through it)
-
-
 def build_groups(store: Any, rank: int, world: int, device: str, timeout: timedelta) -> DistGroups:
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("plait/gloo", store), rank, world, timeout)
     control = TPGroup(rank, world, gloo)
@@ -161,27 +163,26 @@ def run_worker(rank: int, world: int, config: EngineConfig, store: Any, local_wo
         if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Ranks of one node share its cores; oversubscribed OpenMP threads slow every op.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        store.set(_JOINED_KEY.format(rank=rank), "1")
+        store.set(JOINED_KEY.format(rank=rank), "1")
         groups = build_groups(store, rank, world, device, startup_timeout(config))
         mc = load_model_config(config.model, config.dtype, device, config.context_length)
+        runner: ModelRunner
+        serve: Callable[[], None]
         if config.enable_dp_attention:
-            from plait.parallel.dp_attention import DPAttentionRunner
+            from plait.parallel.dp_attention import DPAttentionRunner, dp_worker_loop
 
-            runner: ModelRunner = DPAttentionRunner(config, mc, groups)
+            dp_runner = DPAttentionRunner(config, mc, groups)
+            runner, serve = dp_runner, partial(dp_worker_loop, config, dp_runner)
         else:
             groups = tensor_parallel_groups(groups, config, mc)
             runner = ModelRunner(config, mc, groups.tp)
+            serve = partial(worker_loop, runner, groups)
         set_collective_timeout(groups, timeout)
     except BaseException:
-        store.set(_ERROR_KEY.format(rank=rank), traceback.format_exc())
+        store.set(ERROR_KEY.format(rank=rank), traceback.format_exc())
         raise
     try:
-        if config.enable_dp_attention:
-            from plait.parallel.dp_attention import dp_worker_loop
-
-            dp_worker_loop(config, runner)  # type: ignore[arg-type]
-        else:
-            worker_loop(runner, groups)
+        serve()
     finally:
         runner.close()
 
@@ -210,76 +211,37 @@ class TPLeaderRunner(ModelRunner):
         super().__init__(config, mc, groups.tp)
         self.groups = groups
         self.store = store
+        self.ranks = SpawnedRanks("tensor-parallel", procs, store)
         self.procs = procs  # rank -> process, for the ranks this process spawned
         # Radix-cache prefixes are written into the map at admission: record them for the workers.
-        self.req_to_token_pool = RecordingReqToTokenPool.adopt(self.req_to_token_pool)
-        self.failure: str | None = None
+        self.recording_pool = RecordingReqToTokenPool.adopt(self.req_to_token_pool)
+        self.req_to_token_pool = self.recording_pool
+
+    @property
+    def failure(self) -> str | None:
+        return self.ranks.failure
 
     def check_ranks(self) -> None:
-        if self.failure is not None:
-            raise TensorParallelError(f"the tensor-parallel engine failed earlier: {self.failure}")
-        dead = self._dead_rank()
-        if dead is not None:
-            self.failure = dead
-            raise TensorParallelError(dead)
-
-    def _dead_rank(self) -> str | None:
-        return dead_rank(self.procs, self.store)
+        self.ranks.check()
 
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
         self.check_ranks()
-        assert isinstance(self.req_to_token_pool, RecordingReqToTokenPool)
         try:
-            send_step(self.groups.control, self.groups.tp, fb, self.req_to_token_pool.take_pending())
+            send_step(self.groups.control, self.groups.tp, fb, self.recording_pool.take_pending())
             return super().forward(fb, skip_attn_backend_init)
         except TensorParallelError:
             raise
         except Exception as e:  # a collective failed: a peer died (closed socket) or timed out
-            time.sleep(JOIN_POLL_S)  # a peer whose socket just closed is usually reaped by now
-            dead = self._dead_rank()
-            self.failure = dead or (f"a tensor-parallel collective failed (a rank died or exceeded "
-                                    f"dist_timeout={self.config.dist_timeout:g}s): {type(e).__name__}: {e}")
-            raise TensorParallelError(self.failure) from e
+            raise self.ranks.fail(e, self.config.dist_timeout) from e
 
     def close(self) -> None:
-        if self.failure is None and self.model is not None:
+        if self.failure is None and not self.closed:
             try:
                 send_shutdown(self.groups.control)
             except Exception:  # noqa: BLE001 (a dead rank cannot be told; it is killed below)
                 logger.warning("could not tell the tensor-parallel ranks to shut down", exc_info=True)
-        # A failed engine's ranks may be stuck in a collective: kill them without a grace period.
-        stop_processes(self.procs, grace_s=10.0 if self.failure is None else 0.0)
+        self.ranks.stop()
         super().close()
-
-
-def dead_rank(procs: dict[int, Any], store: Any) -> str | None:
-    """A message naming the first spawned rank that is no longer alive (None: all alive)."""
-    for rank, proc in procs.items():
-        if not proc.is_alive():
-            detail = _worker_error(store, rank)
-            return f"tp rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}" + (
-                f":\n{detail}" if detail else "")
-    return None
-
-
-def _worker_error(store: Any, rank: int) -> str | None:
-    key = _ERROR_KEY.format(rank=rank)
-    try:
-        if store.check([key]):
-            return store.get(key).decode()
-    except Exception:  # noqa: BLE001 (the store lives in this process; best effort anyway)
-        return None
-    return None
-
-
-def stop_processes(procs: dict[int, Any], grace_s: float = 10.0) -> None:
-    deadline = time.monotonic() + grace_s
-    for proc in procs.values():
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs.values():
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
 
 
 def launched_by_torchrun() -> bool:
@@ -316,7 +278,7 @@ def _wait_joined(store: Any, procs: dict[int, Any], world: int, timeout_s: float
     pending = [r for r in range(1, world)]
     deadline = time.monotonic() + timeout_s
     while pending:
-        pending = [r for r in pending if not store.check([_JOINED_KEY.format(rank=r)])]
+        pending = [r for r in pending if not store.check([JOINED_KEY.format(rank=r)])]
         for rank, proc in procs.items():
             if not proc.is_alive() and rank in pending:
                 raise TensorParallelError(f"tp rank {rank} exited with code {proc.exitcode} during startup")
@@ -325,7 +287,7 @@ def _wait_joined(store: Any, procs: dict[int, Any], world: int, timeout_s: float
         time.sleep(JOIN_POLL_S)
 
 
-def start_tensor_parallel(config: EngineConfig, mc: ModelConfig) -> ModelRunner:
+def start_tensor_parallel(config: EngineConfig, mc: ModelConfig) -> TPLeaderRunner | DPAttentionLeader:
     """Rank 0: validate, start the other ranks of this node, join the groups, build the runner
     (``TPLeaderRunner``, or ``DPAttentionLeader`` under DP attention)."""
     validate_tp_size(mc, config.tp_size, dp_attention=config.enable_dp_attention)
@@ -352,13 +314,13 @@ def start_tensor_parallel(config: EngineConfig, mc: ModelConfig) -> ModelRunner:
         if config.enable_dp_attention:
             from plait.parallel.dp_attention import DPAttentionLeader
 
-            runner: ModelRunner = DPAttentionLeader(config, mc, groups, store, procs)
+            runner: TPLeaderRunner | DPAttentionLeader = DPAttentionLeader(config, mc, groups, store, procs)
         else:
             groups = tensor_parallel_groups(groups, config, mc)
             runner = TPLeaderRunner(config, mc, groups, store, procs)
         set_collective_timeout(groups, timeout)
     except BaseException as e:
-        details = [d for r in procs if (d := _worker_error(store, r))]
+        details = [d for r in procs if (d := worker_error(store, r))]
         stop_processes(procs, grace_s=0.0)
         if details:
             raise TensorParallelError("a tensor-parallel rank failed to start:\n" + "\n".join(details)) from e

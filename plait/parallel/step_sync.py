@@ -117,7 +117,9 @@ def send_step(control: TPGroup, device_group: TPGroup, fb: ForwardBatch, writes:
         control.broadcast(torch.tensor(host, dtype=torch.int64))
     parts = [fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc]
     if extend:
-        parts += [fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc]  # type: ignore[list-item]
+        assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
+        assert fb.extend_start_loc is not None
+        parts += [fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc]
     if fb.logits_indices is not None:
         parts.append(fb.logits_indices)
     parts += [w.slots for w in writes]

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from plait.config import EngineConfig
+from plait.executor.forward_output import HostCopy
 from plait.executor.model_runner import ModelRunner
 from plait.mem.radix_cache import RadixCache
-from plait.sampling import SampleOutput, SamplingBatchInfo
+from plait.sampling import SamplingBatchInfo
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
 from plait.scheduler.stats import SchedulerStats
@@ -35,38 +36,6 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 RETRACT_DECODE_STEPS = 20
-
-
-@dataclass
-class HostCopy:
-    """Sampled ids (and logprobs) copied to the host asynchronously: started right after the
-    sampler, so reading them later waits for that batch only, not for a batch launched after it."""
-
-    tensors: list[torch.Tensor | None]
-    event: torch.cuda.Event | None
-
-    @classmethod
-    def start(cls, out: SampleOutput) -> HostCopy:
-        raw = [out.next_token_ids, out.logprobs, out.top_logprobs_ids, out.top_logprobs_vals]
-        if not out.next_token_ids.is_cuda:
-            return cls(raw, None)
-        host = []
-        for t in raw:
-            if t is None:
-                host.append(None)
-                continue
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            host.append(buf)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host, event)
-
-    def wait(self) -> tuple[list, list | None, list | None, list | None]:
-        if self.event is not None:
-            self.event.synchronize()
-        ids, lp, top_ids, top_vals = (t.tolist() if t is not None else None for t in self.tensors)
-        return ids, lp, top_ids, top_vals  # type: ignore[return-value]
 
 
 @dataclass
@@ -353,7 +322,7 @@ class Scheduler:
         # Sampling info depends only on each request's params, seed and step count: the next step of the
         # same requests (compared by identity, in order) reuses it.
         self._last_sampling = _LastSampling([e.req for e in sampled], fb.sampling_info) if sampled else None
-        logits = self.runner.forward(fb)
+        out = self.runner.forward_batch(fb)  # forward, sampler and host copy: no host sync
         if self.spec_worker is not None:
             self.spec_worker.after_target_forward(fb)  # a draft model mirrors the target's KV
         self.stats.forward_steps += 1
@@ -362,16 +331,16 @@ class Scheduler:
         if not sampled:
             return InFlight(sampled, None)
         if self.on_logits is not None:
-            self.on_logits([e.req for e in sampled], logits.next_token_logits)
-        out = self.runner.sample(logits, fb)
+            self.on_logits([e.req for e in sampled], out.logits.next_token_logits)
+        assert out.sample is not None and out.host_copy is not None
         for i, e in enumerate(sampled):
             req = e.req
             if not e.is_decode:
                 self.prefilling.remove(req)
                 self.running.append(req)
             req.pending += 1
-            req.future_token = (out.next_token_ids, i)
-        return InFlight(sampled, HostCopy.start(out))
+            req.future_token = (out.sample.next_token_ids, i)
+        return InFlight(sampled, out.host_copy)
 
     def _process(self, done: InFlight) -> None:
         """Read a launched batch's samples on the host: append tokens, check stops, release."""

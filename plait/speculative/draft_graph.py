@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from plait.executor.cuda_graph_runner import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
+from plait.executor.graph_utils import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.speculative.draft_backend import MultiStepDraftBackend
@@ -36,7 +36,7 @@ StepFn = Callable[[ForwardBatch, Any, "torch.Tensor | None"], "tuple[torch.Tenso
 def draft_graph_max_bs(config: Any, device: str) -> int | None:
     """The draft loop's largest captured batch (the decode graphs' bound), or None: no draft graphs
     (not on a GPU, or graphs disabled)."""
-    from plait.executor.cuda_graph_runner import default_cuda_graph_max_bs
+    from plait.executor.graph_utils import default_cuda_graph_max_bs
 
     if device != "cuda" or config.disable_cuda_graph:
         return None

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from plait.executor.cuda_graph_runner import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
+from plait.executor.graph_utils import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
 from plait.executor.verify_graph_runner import StaticVerifyInfo
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW

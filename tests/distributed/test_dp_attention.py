@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from plait.forward_batch import DPPaddingMode
-from plait.parallel.launch import TensorParallelError
+from plait.parallel.ranks import TensorParallelError
 from tests.helpers import make_engine, prompt_ids, single_rank_outputs
 
 GREEDY12 = {"temperature": 0.0, "max_new_tokens": 12}

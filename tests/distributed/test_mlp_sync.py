@@ -1,4 +1,4 @@
-"""The MLP-sync contract of DP attention (DESIGN 3.4, seed 002), as unit behaviours on the CPU."""
+"""The MLP-sync contract of DP attention, as unit behaviours on the CPU."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from plait.executor.cuda_graph_runner import CudaGraphRunner
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
 from plait.models.llama import LogitsOutput
+from plait.parallel.dp_attention import MLPCountSync
 
 
 @dataclass
@@ -121,3 +122,37 @@ def test_graph_runner_can_run_and_replay_share_the_dp_batch_size():
 ])
 def test_padding_mode_per_step(counts, any_extend, mode):
     assert DPPaddingMode.choose(counts, any_extend) == mode
+
+
+class OneRankControl:
+    """A control group of one rank: the all-gather returns this rank's tensor."""
+
+    rank, size = 0, 1
+
+    def all_gather(self, t: torch.Tensor, timeout=None) -> list[torch.Tensor]:
+        return [t.clone()]
+
+
+def _one_rank_sync() -> MLPCountSync:
+    return MLPCountSync(OneRankControl(), "cpu", None)
+
+
+def test_dp_attention_count_sync_reports_requests_for_a_verify_batch():
+    """init_mlp_sync_metadata scales request counts by the verify width: the DP-attention runner
+    must hand it requests, so the graph batch size counts requests and the MLP buffers tokens."""
+    fb = _batch(ForwardMode.TARGET_VERIFY, 3, 4, spec_info=DraftInput(num_tokens_per_req=4))
+    _one_rank_sync().sync(fb)
+    assert fb.original_global_num_tokens_cpu == [3]  # requests
+    assert fb.global_num_tokens_cpu == [12]  # tokens: 3 requests x 4
+
+
+def test_dp_attention_count_sync_reports_tokens_for_an_extend_and_requests_for_a_decode():
+    sync = _one_rank_sync()
+    extend = _batch(ForwardMode.EXTEND, 2, 5)
+    sync.sync(extend)
+    assert extend.global_num_tokens_cpu == extend.original_global_num_tokens_cpu == [10]
+    decode = _batch(ForwardMode.DECODE, 3)
+    sync.sync(decode)
+    assert decode.global_num_tokens_cpu == decode.original_global_num_tokens_cpu == [3]
+
+

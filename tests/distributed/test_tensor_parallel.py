@@ -14,7 +14,7 @@ import time
 import pytest
 
 from plait.config import EngineConfig
-from plait.parallel.launch import TensorParallelError
+from plait.parallel.ranks import TensorParallelError
 from plait.testing import TINY_ARCHS
 from tests.helpers import assert_no_leaks, make_engine, prompt_ids
 

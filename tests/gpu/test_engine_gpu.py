@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from plait.bench.shapes import SHAPES  # noqa: E402
 from plait.bench.workloads import make_engine, random_prompts  # noqa: E402
-from plait.executor.cuda_graph_runner import CudaGraph, warm_and_capture  # noqa: E402
+from plait.executor.graph_utils import CudaGraph, warm_and_capture  # noqa: E402
 from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 
 SHAPE = "llama-3.2-1b"

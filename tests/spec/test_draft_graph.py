@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from plait.executor.cuda_graph_runner import EagerGraph  # noqa: E402
+from plait.executor.graph_utils import EagerGraph  # noqa: E402
 from plait.testing import (
     make_eagle_head,  # noqa: E402
     make_tiny_model,  # noqa: E402
@@ -78,7 +78,8 @@ def test_standalone_with_draft_and_verify_graphs_accepts_everything_from_itself(
                          speculative_algorithm="STANDALONE", speculative_draft_model_path=str(one_layer))
     worker = engine.scheduler.spec_worker
     worker.draft_graphs = worker.build_draft_graphs(MAX_BS, EagerGraph)
-    engine.runner.verify_graph_runner = VerifyGraphRunner(engine.runner, MAX_BS, [4], graph_factory=EagerGraph)
+    engine.runner.verify_graph_runner = VerifyGraphRunner(engine.runner.capture_target(), MAX_BS, [4],
+                                                          graph_factory=EagerGraph)
     outs = engine.generate(PROMPTS, SHORT)
     assert [o.token_ids for o in outs] == reference
     assert _replays(worker) > 0

@@ -31,7 +31,7 @@ def test_eagle3_draft_step_reports_first_and_later_steps_against_the_floor(tmp_p
 
     pytest.importorskip("triton")
     from plait.bench.spec import eagle3_draft_step
-    from plait.executor.cuda_graph_runner import EagerGraph
+    from plait.executor.graph_utils import EagerGraph
     from plait.testing import make_tiny_model
 
     target = make_tiny_model(tmp_path / "three", "llama", seed=0, num_hidden_layers=3)

@@ -109,7 +109,7 @@ def test_the_target_as_its_own_tree_draft_accepts_full_depth(model_path, referen
 def test_the_kv_budget_holds_the_draft_pool_too(model_path, small_draft):
     """Both pools have the same slot count, so the slots are sized by target + draft bytes per token
     (the CPU budget is fixed bytes; on a GPU the draft's weights come off the budget as well)."""
-    from plait.executor.model_runner import CPU_KV_BUDGET_BYTES
+    from plait.executor.sizing import CPU_KV_BUDGET_BYTES
     from plait.mem.pools import MHATokenToKVPool
 
     engine = make_engine(model_path, max_total_tokens=None, **_standalone(small_draft))

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from plait.attention.plan_check import PlanCheckingBackend  # noqa: E402
-from plait.executor.cuda_graph_runner import EagerGraph  # noqa: E402
+from plait.executor.graph_utils import EagerGraph  # noqa: E402
 from plait.testing import (
     make_eagle_head,  # noqa: E402
     make_tiny_model,  # noqa: E402

@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("triton")
 
 from plait.config import EngineConfig  # noqa: E402
-from plait.executor.cuda_graph_runner import EagerGraph  # noqa: E402
-from plait.executor.model_runner import verify_graph_widths  # noqa: E402
+from plait.executor.graph_utils import EagerGraph  # noqa: E402
+from plait.executor.sizing import verify_graph_widths  # noqa: E402
 from plait.executor.verify_graph_runner import VerifyGraphRunner, uniform_width  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
 from plait.speculative.tree import DraftTree  # noqa: E402
@@ -30,7 +30,7 @@ def reference(one_layer):
 
 
 def _with_verify_graphs(engine, max_bs: int = 4, widths=(2, 3, 4)) -> VerifyGraphRunner:
-    runner = VerifyGraphRunner(engine.runner, max_bs, widths, graph_factory=EagerGraph)
+    runner = VerifyGraphRunner(engine.runner.capture_target(), max_bs, widths, graph_factory=EagerGraph)
     engine.runner.verify_graph_runner = runner
     return runner
 

@@ -1,0 +1,180 @@
+"""What the graph runners share: the Graph seam, bucket choice, warm-up and capture, static buffers.
+
+Every graph runner (decode, TARGET_VERIFY, and the speculative draft loops) captures one graph per
+batch-size bucket into one memory pool, largest bucket first, and replays the smallest bucket that
+holds a live batch after copying it into static buffers and padding the rest. The graph object is
+injected (a ``Graph`` factory) so the bucket, padding and plan logic runs on the CPU in tests with
+``EagerGraph``, which re-executes the recorded function on replay.
+
+A runner of the target model depends on a ``CaptureTarget`` (the model, its attention backend, the
+hidden-state capture), never on the ModelRunner that owns them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from plait import envs
+from plait.attention.base import AttentionBackend
+from plait.forward_batch import ForwardBatch
+from plait.layers.hidden_capture import HiddenCapture
+from plait.models.llama import LogitsOutput
+
+
+class Graph(Protocol):
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any: ...
+    def replay(self) -> None: ...
+    def pool(self) -> Any: ...
+
+
+GraphFactory = Callable[[], Graph]
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """One side stream per device for graph captures (a capture must not run on the default stream)."""
+    index = torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return _CAPTURE_STREAMS[index]
+
+
+class CudaGraph:
+    """A torch.cuda.CUDAGraph behind the Graph protocol."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
+        # The capture stream is the current device's: torch.cuda.graph's default is one stream for the
+        # process, made on whichever device captured first, so a second replica's capture on another
+        # GPU recorded nothing (and Triton launched onto a foreign stream).
+        with torch.cuda.graph(self.graph, pool=pool, stream=_capture_stream()):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def pool(self) -> Any:
+        return self.graph.pool()
+
+
+class EagerGraph:
+    """Stand-in for tests on the CPU: replay re-runs the recorded function into the same outputs
+    (a LogitsOutput's logits, or a plain tensor such as the draft loop's tokens)."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], Any] | None = None
+        self.out: Any = None
+        self.replays = 0
+
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        assert self.fn is not None and self.out is not None
+        with torch.inference_mode():  # the recorded outputs are inference tensors
+            new = self.fn()
+            if isinstance(self.out, torch.Tensor):
+                self.out.copy_(new)
+            else:
+                self.out.next_token_logits.copy_(new.next_token_logits)
+                if self.out.greedy_ids is not None:
+                    self.out.greedy_ids.copy_(new.greedy_ids)
+        self.replays += 1
+
+    def pool(self) -> Any:
+        return None
+
+
+def graph_factory_for(device: str) -> GraphFactory | None:
+    """The graph kind a runner on ``device`` captures with, or None (no graphs). On a CPU,
+    ``PLAIT_CPU_GRAPHS=1`` (tests) builds the graph runners over the eager stand-in, so capture, bucket
+    padding and the DP graph batch size run in real engines, spawned ranks included (they inherit it)."""
+    if device == "cuda":
+        return CudaGraph
+    return EagerGraph if envs.CPU_GRAPHS.get() else None
+
+
+def warm_and_capture(graph: Graph, run: Callable[[], Any], pool: Any, sync: bool) -> Any:
+    """Run ``run`` twice outside the capture (Triton compiles and autotuning, lazy initialisation),
+    then capture it into ``graph`` sharing ``pool`` (buckets are captured largest first, so smaller
+    ones reuse its memory). Returns the captured call's output. ``sync``: the buffers are on a GPU."""
+    for _ in range(2):
+        run()
+    if sync:
+        torch.cuda.synchronize()
+    return graph.capture(run, pool)
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to max_bs (max_bs itself included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+def bucket_for(batch_sizes: list[int], bs: int) -> int:
+    """The smallest captured batch size that holds ``bs`` (``batch_sizes`` ascending, as
+    ``capture_batch_sizes`` returns them; callers check ``bs <= batch_sizes[-1]`` first)."""
+    return batch_sizes[bisect.bisect_left(batch_sizes, bs)]
+
+
+def default_cuda_graph_max_bs(max_running_requests: int) -> int:
+    """By GPU memory: 256 on large cards (>= 80 GiB), else 160; never above the running limit."""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        by_memory = 256 if total >= 80 * 2**30 else 160
+    else:
+        by_memory = 8
+    return max(1, min(by_memory, max_running_requests))
+
+
+def stage(static: torch.Tensor, live: torch.Tensor, padded: int, pad_value: int | bool) -> None:
+    """Copy ``live`` into the first rows of the static buffer ``static`` and fill the rows after it,
+    up to ``padded``, with ``pad_value`` (a reserved row, slot or fill value: never a live one)."""
+    n = live.shape[0]
+    static[:n].copy_(live)
+    if padded > n:
+        static[n:padded].fill_(pad_value)
+
+
+class CapturedModel(Protocol):
+    """The target model as a graph records it."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> LogitsOutput: ...
+
+
+def _no_capture_sync(fb: ForwardBatch) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class CaptureTarget:
+    """What a graph runner of the target model records and replays.
+
+    ``logits_columns``: width of the static logits buffer (the LM head's rows, which may pad the
+    vocabulary). ``prepare_capture`` fills what a static batch needs beyond its buffers before it is
+    planned (DP attention: the MLP-sync metadata of a MAX_LEN step on every rank)."""
+
+    model: CapturedModel
+    backend: AttentionBackend
+    device: str
+    logits_columns: int
+    max_context_len: int
+    hidden_capture: HiddenCapture | None = None
+    prepare_capture: Callable[[ForwardBatch], None] = _no_capture_sync
+
+    def logits_buffer(self, rows: int) -> torch.Tensor:
+        """float32 [rows, logits_columns]. Graphs are replayed one at a time and each step consumes its
+        logits (sampling, acceptance) on the stream before the next replay, so buckets share it."""
+        return torch.empty(rows, self.logits_columns, dtype=torch.float32, device=self.device)
