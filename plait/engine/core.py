@@ -23,6 +23,7 @@ from plait.sampling.params import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
 from plait.scheduler.req import Req
 from plait.scheduler.scheduler import Scheduler
+from plait.speculative.factory import create_spec_worker
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
 
         scheduler = DPAttentionScheduler(config, runner)  # type: ignore[assignment,arg-type]
     else:
-        scheduler = Scheduler(config, runner)
+        scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
     return EngineCore(config, model_config, tokenizer, runner, scheduler)
 
 
