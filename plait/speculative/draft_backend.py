@@ -1,15 +1,19 @@
-"""Draft attention backends (DESIGN 3.5): a factory that names what it built.
+"""Draft attention backends: a factory that chooses the draft's backend and names what it built.
 
 ``DraftBackendFactory`` builds the draft model's backends over the draft KV pool (which shares
-``req_to_token`` with the target). Registry leaves answer their effective kernel name; the factory
+``req_to_token`` with the target). The choice of backend is made here and nowhere else
+(``draft_backend_name``): ``--speculative-draft-attention-backend`` if set, else the half of the
+target's (prefill, decode) pair that ``--speculative-attention-mode`` names (prefill by default),
+for the draft's decode steps and its extends alike. Registry leaves answer their effective kernel name; the factory
 stamps it on what it returns and, for a multi-step container (``stamps_children=True``), on every
 per-step child, so code that asks "which kernel serves draft step 2" reads the truth. Wrappers (the
 PLAIT_CHECK_PLANS checker) copy the stamp of what they wrap.
 
 ``MultiStepDraftBackend`` holds one child per draft step. All steps of a draft loop are planned
 before the loop runs (the sequence lengths of every step are known up front: step s attends to
-``prefix + s + 1`` positions), each step's batch is marked right after its plan (DESIGN 3.1), and
-the loop's forwards then run on those plans without planning again.
+``prefix + s + 1`` positions), each step's batch is marked right after its plan, and
+the loop's forwards then run on those plans without planning again (docs/architecture.md, the
+batch carries its plan).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING
 from plait.attention.base import AttentionBackend
 from plait.attention.plan_check import maybe_check_plans
 from plait.attention.registry import build_backend
+from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -52,10 +57,18 @@ class MultiStepDraftBackend:
             fb.mark_forward_metadata_ready()
 
 
+def draft_backend_name(config: EngineConfig) -> str:
+    """The backend the draft model runs on, for draft decode steps and draft extends alike."""
+    if config.speculative_draft_attention_backend is not None:
+        return config.speculative_draft_attention_backend
+    prefill, decode = config.attention_backends()
+    return decode if config.speculative_attention_mode == "decode" else prefill
+
+
 class DraftBackendFactory:
-    def __init__(self, name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,
+    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,
                  num_q_heads: int, stamps_children: bool = True) -> None:
-        self.requested = name
+        self.requested = draft_backend_name(config)
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
         self.num_q_heads = num_q_heads
