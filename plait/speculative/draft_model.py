@@ -57,7 +57,7 @@ class DraftModelWorker(BaseSpecWorker):
         super().__init__(config, runner)
         assert self.position_offset in (0, -1)
         self.kv_pool = kv_pool
-        factory = DraftBackendFactory(config, runner.req_to_token_pool, kv_pool, num_q_heads, stamps_children=True)
+        factory = DraftBackendFactory(config, runner.req_to_token_pool, kv_pool, num_q_heads)
         self.extend_backend: AttentionBackend = factory.create_extend_backend()
         self.decode_backend = factory.create_decode_backend(self.num_steps)
         self.draft_graphs: DraftLoopGraphRunner | None = None  # the chain loop (topk 1)
