@@ -24,7 +24,8 @@ import torch
 from plait.config import EngineConfig
 from plait.executor.model_runner import ModelRunner
 from plait.mem.radix_cache import RadixCache
-from plait.sampling import SampleOutput, SamplingBatchInfo
+from plait.sampling import SamplingBatchInfo
+from plait.scheduler.in_flight import HostCopy, InFlight
 from plait.scheduler.interface import SpecWorker
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
@@ -39,47 +40,9 @@ RETRACT_DECODE_STEPS = 20
 
 
 @dataclass
-class HostCopy:
-    """Sampled ids (and logprobs) copied to the host asynchronously: started right after the
-    sampler, so reading them later waits for that batch only, not for a batch launched after it."""
-
-    tensors: list[torch.Tensor | None]
-    event: torch.cuda.Event | None
-
-    @classmethod
-    def start(cls, out: SampleOutput) -> HostCopy:
-        raw = [out.next_token_ids, out.logprobs, out.top_logprobs_ids, out.top_logprobs_vals]
-        if not out.next_token_ids.is_cuda:
-            return cls(raw, None)
-        host = []
-        for t in raw:
-            if t is None:
-                host.append(None)
-                continue
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            host.append(buf)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host, event)
-
-    def wait(self) -> tuple[list, list | None, list | None, list | None]:
-        if self.event is not None:
-            self.event.synchronize()
-        ids, lp, top_ids, top_vals = (t.tolist() if t is not None else None for t in self.tensors)
-        return ids, lp, top_ids, top_vals  # type: ignore[return-value]
-
-
-@dataclass
 class _LastSampling:
     reqs: list[Req]
     info: SamplingBatchInfo
-
-
-@dataclass
-class InFlight:
-    sampled: list[BatchEntry]
-    results: HostCopy | None  # None when the batch sampled nothing (non-final prefill chunks)
 
 
 class Scheduler:
