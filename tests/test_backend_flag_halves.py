@@ -24,7 +24,7 @@ ONLY_DECODE = {"decode_attention_backend": "triton"}  # prefill half: auto -> to
 def test_every_decision_module_has_a_test_here():
     covered = {"plait.executor.model_runner", "plait.executor.cuda_graph_runner", "plait.executor.verify_graph_runner",
                "plait.attention.registry", "plait.attention.hybrid", "plait.layers.radix_attention",
-               "plait.speculative.standalone", "plait.speculative.eagle"}
+               "plait.speculative.draft_backend"}
     assert set(DECISION_MODULES) == covered
 
 
@@ -89,10 +89,16 @@ def test_kv_write_path_follows_the_serving_half(one_layer, flags, extend_stores,
     assert seen == {"EXTEND": extend_stores, "DECODE": decode_stores}
 
 
-@pytest.mark.parametrize(("flags", "draft_half"), [(ONLY_PREFILL, "torch_native"), (ONLY_DECODE, "triton")])
-def test_standalone_draft_runs_on_the_decode_half(one_layer, flags, draft_half):
-    """speculative.standalone (and eagle, the same rule): the draft backend is the decode half."""
-    engine = make_engine(one_layer, **flags, speculative_algorithm="STANDALONE",
+@pytest.mark.parametrize(("flags", "spec_mode", "draft_half"), [
+    (ONLY_PREFILL, "prefill", "triton"),
+    (ONLY_DECODE, "prefill", "torch_native"),
+    (ONLY_PREFILL, "decode", "torch_native"),
+    (ONLY_DECODE, "decode", "triton"),
+])
+def test_standalone_draft_runs_on_the_half_the_speculative_mode_names(one_layer, flags, spec_mode, draft_half):
+    """speculative.draft_backend (EAGLE and STANDALONE build through it): the draft's decode steps and
+    extends run on the half ``speculative_attention_mode`` names."""
+    engine = make_engine(one_layer, **flags, speculative_algorithm="STANDALONE", speculative_attention_mode=spec_mode,
                          speculative_draft_model_path=str(one_layer))
     worker = engine.scheduler.spec_worker
     assert worker.decode_backend.name == draft_half and worker.extend_backend.name == draft_half

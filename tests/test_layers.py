@@ -8,8 +8,6 @@ import pathlib
 import re
 from collections.abc import Iterable
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "plait"
 
@@ -29,16 +27,6 @@ FLOORS: dict[int, tuple[str, ...]] = {
     # Tests and benchmarks only: no production module may import it.
     11: ("plait.testing",),
 }
-
-# Imports that break the floors today, each to be removed. The list only shrinks.
-KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset({
-    ("plait.scheduler.scheduler", "plait.speculative.worker"),
-})
-KNOWN_CYCLES: list[list[str]] = [
-    ["plait.scheduler.scheduler", "plait.speculative.eagle", "plait.speculative.standalone",
-     "plait.speculative.worker"],
-]
-
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
@@ -148,19 +136,14 @@ def test_every_module_is_on_a_floor() -> None:
 
 def test_no_import_runs_to_a_higher_floor() -> None:
     upward = upward_imports(import_graph(PACKAGE))
-    new = upward - KNOWN_VIOLATIONS
-    assert not new, "imports of a higher floor (declare a Protocol on the lower floor instead):\n" + _fmt(new)
-    fixed = KNOWN_VIOLATIONS - upward
-    assert not fixed, "these known violations are gone: remove them from KNOWN_VIOLATIONS:\n" + _fmt(fixed)
+    assert not upward, "imports of a higher floor (declare a Protocol on the lower floor instead):\n" + _fmt(upward)
 
 
 def test_no_module_import_cycles() -> None:
-    assert cycles(import_graph(PACKAGE)) == KNOWN_CYCLES
+    assert cycles(import_graph(PACKAGE)) == []
 
 
 def test_no_package_import_cycles() -> None:
-    if KNOWN_CYCLES:
-        pytest.skip("module cycles first")
     assert cycles(package_graph(import_graph(PACKAGE))) == []
 
 

@@ -18,8 +18,7 @@ DECISION_MODULES: dict[str, str] = {
     "plait.attention.registry": "building each half by name",
     "plait.attention.hybrid": "which half serves a forward mode",
     "plait.layers.radix_attention": "KV write path (rotary kernel or backend store): the half serving the batch",
-    "plait.speculative.standalone": "the draft model's backend: the draft flag, else the decode half",
-    "plait.speculative.eagle": "the draft head's backend: the draft flag, else the decode half",
+    "plait.speculative.draft_backend": "the draft's backend: the draft flag, else the half the speculative mode names",
 }
 # Not decisions here: prefix-cache chunking (every backend extends over a cached prefix, so the
 # scheduler chunks the same way for all of them).

@@ -24,6 +24,7 @@ from plait.sampling.params import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
 from plait.scheduler.req import Req
 from plait.scheduler.scheduler import Scheduler
+from plait.speculative.factory import create_spec_worker
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         runner = leader
     else:
         runner = ModelRunner(config, model_config)
-    return EngineCore(config, model_config, tokenizer, runner, Scheduler(config, runner))
+    # --- the scheduler ---
+    scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
+    return EngineCore(config, model_config, tokenizer, runner, scheduler)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from plait.models.loader import ModelConfig
 from plait.parallel.roles import LogitsObserver
 from plait.scheduler.req import Req
 from plait.scheduler.scheduler import Scheduler, SchedulerStats
+from plait.speculative.factory import create_spec_worker
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class DataParallelScheduler:
         self.replicas: list[Scheduler] = []
         for i, r in enumerate(runner.replicas):
             with runner.on_replica(i):
-                self.replicas.append(Scheduler(r.config, r))
+                self.replicas.append(Scheduler(r.config, r, create_spec_worker(r.config, r)))
         self.owner: dict[str, tuple[int, Req]] = {}  # rid -> (replica, request), live requests only
         self.assigned: Counter[int] = Counter()  # requests sent to each replica (tests, metrics)
         self.aggregate_cache = AggregateCache(self.replicas)

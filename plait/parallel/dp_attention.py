@@ -51,6 +51,7 @@ from plait.sampling.params import SamplingParams
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 from plait.scheduler.stats import SchedulerStats
+from plait.speculative.factory import create_spec_worker
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ class DPAttentionScheduler:
         self.config = config
         self.runner = runner
         self.dp_size = config.dp_size
-        self.local = Scheduler(config, runner)
+        self.local = Scheduler(config, runner, create_spec_worker(config, runner))
         self.remote: dict[str, tuple[int, Req]] = {}  # rid -> (rank, stand-in Req)
         self._adds: list[tuple[int, NewRequest]] = []
         self._aborts: list[str] = []
@@ -407,7 +408,7 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-    scheduler = Scheduler(config, runner)
+    scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:

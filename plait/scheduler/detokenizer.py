@@ -19,7 +19,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         # Fast tokenizers: ``_decode`` is ``decode`` without its input normalisation (``to_py_obj``
-        # walks every id with isinstance checks: ~90% of the call, and two calls per generated
+        # walks every id with isinstance checks: most of the call, and two calls per generated
         # token). Same text: both end in the backend's decode plus the same clean-up rule.
         self._decode_fn = getattr(tokenizer, "_decode", None) or tokenizer.decode
         self.skip_special_tokens = skip_special_tokens

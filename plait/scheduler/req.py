@@ -23,7 +23,7 @@ class Req:
     rid: str
     origin_input_ids: list[int]
     sampling_params: SamplingParams
-    seed: int  # every request has one: its own, or drawn at creation (DESIGN: draws never depend on the batch)
+    seed: int  # every request has one: its own, or drawn at creation (draws never depend on the batch)
     detokenizer: IncrementalDetokenizer
     output_ids: list[int] = field(default_factory=list)
     # Memory: the request-pool row and how many positions of fill_ids have KV in req_to_token.

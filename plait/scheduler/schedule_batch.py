@@ -39,7 +39,7 @@ class ScheduleBatch:
     entries: list[BatchEntry]
     out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, in entry order
     token_rows: torch.Tensor | None = None  # [T] request-pool row of each new token (set by to_forward_batch)
-    # DP attention (DESIGN 3.4): every rank's token count this step (request counts for decode),
+    # DP attention (docs/architecture.md §3.4): every rank's token count this step (request counts for decode),
     # set after the ranks exchanged them; read by ForwardBatch.init_mlp_sync_metadata.
     global_num_tokens: list[int] | None = None
     global_num_tokens_for_logprob: list[int] | None = None
@@ -49,7 +49,7 @@ class ScheduleBatch:
     def forward_mode(self) -> ForwardMode:
         # A prefill whose only new token is its last (a prefix-cache hit on the whole prompt but the
         # token that gives the logits) is a decode row: such batches run as DECODE, so a CUDA graph
-        # serves them instead of an eager extend forward (which costs ~5x a replay at small batch).
+        # serves them instead of an eager extend forward (which costs several replays at small batch).
         if all(e.extend_len == 1 and e.sample for e in self.entries):
             return ForwardMode.DECODE
         has_extend = any(not e.is_decode for e in self.entries)

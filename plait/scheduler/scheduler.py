@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from plait.config import EngineConfig
-from plait.executor.forward_output import HostCopy
 from plait.executor.model_runner import ModelRunner
 from plait.mem.radix_cache import RadixCache
 from plait.sampling import SamplingBatchInfo
+from plait.scheduler.in_flight import InFlight
+from plait.scheduler.interface import SpecWorker
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
 from plait.scheduler.stats import SchedulerStats
@@ -44,14 +45,12 @@ class _LastSampling:
     info: SamplingBatchInfo
 
 
-@dataclass
-class InFlight:
-    sampled: list[BatchEntry]
-    results: HostCopy | None  # None when the batch sampled nothing (non-final prefill chunks)
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+    """``spec_worker``: the speculative decoder (None when speculation is off), built by
+    ``plait.speculative.factory.create_spec_worker``; it drives this scheduler through the
+    ``SchedulerAPI`` methods below (plait.scheduler.interface)."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, spec_worker: SpecWorker | None = None) -> None:
         self.config = config
         self.runner = runner
         self.allocator = runner.allocator
@@ -74,9 +73,7 @@ class Scheduler:
         # correctness tests and logit debugging; None costs nothing.
         self.on_logits: Callable[[list[Req], torch.Tensor], None] | None = None
         # Speculative decoding (None when off): decodes running requests through draft + verify.
-        from plait.speculative.worker import create_spec_worker
-
-        self.spec_worker = create_spec_worker(config, runner)
+        self.spec_worker = spec_worker
 
     # --- requests in and out ----------------------------------------------------------------------
     @property
@@ -164,15 +161,34 @@ class Scheduler:
         else:
             self._draining.append(req)
 
-    def _available_tokens(self) -> int:
+    # --- KV slots (SchedulerAPI) ---------------------------------------------------------------------
+    def available_kv_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
+    def alloc_kv_slots(self, n: int) -> torch.Tensor | None:
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.runner.device)
         if self.allocator.available_size() < n:
             self.tree_cache.evict(n - self.allocator.available_size())
         return self.allocator.alloc(n)
+
+    def free_kv_slots(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def map_kv_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.req_to_token_pool.req_to_token[rows, positions] = slots.to(torch.int32)
+
+    def commit_tokens(self, req: Req, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self._append_token(req, token)
+            if req.finished:
+                break  # tokens after a stop are dropped; _release frees their KV
+        if req.finished:
+            self._retire(req)
+        elif req in self.prefilling:  # its first token: it decodes from now on
+            self.prefilling.remove(req)
+            self.running.append(req)
+        self._updated.append(req)
 
     def _reserved_tokens(self) -> float:
         """KV the admitted requests are expected to still need (prefill left + decode estimate)."""
@@ -201,17 +217,17 @@ class Scheduler:
         if self._in_flight is not None and self._needs_host_state():
             self._drain()
         decodes = self._reserve_decode_slots(skip or set())
-        decode_slots = self._alloc(len(decodes)) if decodes else None
+        decode_slots = self.alloc_kv_slots(len(decodes)) if decodes else None
         entries = [BatchEntry(r, r.kv_len, 1, sample=True, is_decode=True) for r in decodes]
         locs = [decode_slots] if decode_slots is not None else []
         budget = self.config.chunked_prefill_size
-        self._admit()
+        self.admit()
         for req in self.prefilling:
             if budget <= 0:
                 break
             remaining = req.fill_len - req.kv_len
             n = min(remaining, budget)
-            slots = self._alloc(n)
+            slots = self.alloc_kv_slots(n)
             if slots is None:
                 break  # admission reserved this; only eviction races can land here: retry next step
             budget -= n
@@ -229,7 +245,7 @@ class Scheduler:
             decodes = self._schedulable_decodes(skip)
             if not decodes:
                 return []
-            if self.allocator.available_size() + self.tree_cache.evictable_size() >= len(decodes):
+            if self.available_kv_tokens() >= len(decodes):
                 self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
                 return decodes
             if self._in_flight is not None:
@@ -257,7 +273,7 @@ class Scheduler:
         logger.info("retracted request %s (%d generated tokens); new_token_ratio %.3f",
                     victim.rid, len(victim.output_ids), self.new_token_ratio)
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         """Move waiting requests to ``prefilling`` while rows, budget and reserved KV allow."""
         while self.waiting and self.num_running() < self.config.max_running_requests:
             pending_prefill = sum(r.fill_len - r.kv_len for r in self.prefilling)
@@ -271,7 +287,7 @@ class Scheduler:
             left_new = req.sampling_params.max_new_tokens - len(req.output_ids)
             cost = (len(fill) - prefix_len) + left_new * self.new_token_ratio
             # Locking the matched prefix removes it from the evictable pool: count it as spent.
-            available = self._available_tokens() - prefix_len
+            available = self.available_kv_tokens() - prefix_len
             if self.running or self.prefilling:
                 if self._reserved_tokens() + cost > available:
                     break
@@ -300,7 +316,7 @@ class Scheduler:
         # Attention reads req_to_token for the new tokens too: map them before the forward (one
         # scatter for the whole batch).
         assert batch.token_rows is not None
-        self.req_to_token_pool.req_to_token[batch.token_rows, fb.positions] = batch.out_cache_loc.to(torch.int32)
+        self.map_kv_slots(batch.token_rows, fb.positions, batch.out_cache_loc)
         sampled = batch.sampled
         prev = self._last_sampling
         if sampled and prev is not None and prev.info.reusable_next_step and len(prev.reqs) == len(sampled) and all(

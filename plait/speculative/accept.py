@@ -24,17 +24,31 @@ draws them from its counter RNG and tests from any generator.
 The engine runs the one-hot rule on the device (``one_hot_decisions``): every node's decisions are
 computed at once, as if the walk reached it, so only ``[nodes, children + 1]`` integers travel to the
 host (not full-vocabulary probability rows), and the host walk (``walk_decisions``) just reads them.
+``accept_trees`` applies the right rule to every request of a verify batch.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from plait.sampling import add_gumbel_noise_, greedy_ids
+from plait.sampling import (
+    GREEDY_TEMPERATURE_EPS,
+    Sampler,
+    SamplingBatchInfo,
+    add_gumbel_noise_,
+    counter_uniforms,
+    greedy_ids,
+)
+from plait.scheduler.req import Req
 from plait.speculative.tree import DraftTree
+from plait.transfer import ints_to_device, to_host
+
+# Counter-RNG stream of the acceptance draws (stream 0 is the sampler's Gumbel noise).
+ACCEPT_STREAM = 1
 
 
 def greedy_accept(tree: DraftTree, target_ids: list[int]) -> tuple[list[int], int]:
@@ -171,3 +185,82 @@ def walk_decisions(tree: DraftTree, decisions: np.ndarray) -> tuple[list[int], i
             return path, int(row[-1])
         path.append(nxt)
         node = nxt
+
+
+def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tensor, use_triton: bool,
+                 max_draws: int, row_widths: list[int] | None = None, greedy: torch.Tensor | None = None
+                 ) -> list[tuple[list[int], int]]:
+    """``(path, bonus)`` per request of a verify batch. ``logits``: float32 ``[rows, V]``;
+    ``row_widths``: logits rows per request when the verify batch was padded (real nodes first),
+    default the trees' widths. ``greedy``: the logits' argmax when the forward computed it already
+    (verify graphs). ``max_draws``: uniforms drawn per node for soft drafts (at least the most
+    children a node has, plus one for the bonus).
+
+    Greedy rows take the argmax; sampled rows with one-hot drafts (n-gram, top-k trees, and requests
+    riding along without a draft) decide on the device (``one_hot_decisions``); both come to the host
+    in one copy. Only drafts with a soft draft distribution bring probability rows to the host."""
+    widths = [t.width for t in trees]
+    row_starts = np.concatenate([[0], np.cumsum(row_widths or widths)]).tolist()
+    # The sampler's rule for greedy rows, so a request gets the same treatment on both paths.
+    sampled = [i for i, r in enumerate(reqs) if not (r.sampling_params.is_greedy
+                                                     or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
+    one_hot = [i for i in sampled if trees[i].draft_probs is None]
+    soft = [i for i in sampled if trees[i].draft_probs is not None]
+    parts = [greedy if greedy is not None else greedy_ids(logits)]
+    num_cols = 1
+    if one_hot:
+        num_cols = max(1, max(len(trees[i].children(n)) for i in one_hot for n in range(widths[i])))
+        rows, info = _node_rows(reqs, trees, one_hot, row_starts, logits)
+        children = ints_to_device([child_token_table([trees[i] for i in one_hot], num_cols)], logits.device)[0]
+        unif = counter_uniforms(info.seeds, info.steps, num_cols, stream=ACCEPT_STREAM)
+        decisions = one_hot_decisions(Sampler.warp(logits[rows], info), children.view(-1, num_cols), unif,
+                                      info.noise_keys, use_triton)
+        parts.append(decisions.flatten())
+    host = to_host(parts[0] if len(parts) == 1 else torch.cat(parts))
+    argmax = host[: logits.shape[0]].tolist()
+    decided: dict[int, np.ndarray] = {}
+    k = 0
+    table = host[logits.shape[0]:].reshape(-1, num_cols + 1)
+    for i in one_hot:
+        decided[i] = table[k : k + widths[i]]
+        k += widths[i]
+    probs_of: dict[int, np.ndarray] = {}
+    unif_of: dict[int, np.ndarray] = {}
+    if soft:
+        rows, info = _node_rows(reqs, trees, soft, row_starts, logits)
+        probs = to_host(torch.softmax(Sampler.warp(logits[rows], info), dim=-1).double())
+        unif_all = to_host(counter_uniforms(info.seeds, info.steps, max_draws, stream=ACCEPT_STREAM))
+        k = 0
+        for i in soft:
+            probs_of[i], unif_of[i] = probs[k : k + widths[i]], unif_all[k : k + widths[i]]
+            k += widths[i]
+    results = []
+    for i, tree in enumerate(trees):
+        if i in decided:
+            results.append(walk_decisions(tree, decided[i]))
+        elif i in probs_of:
+            assert tree.draft_probs is not None
+            results.append(tree_accept_sampled(tree, probs_of[i], unif_of[i],
+                                               tree.draft_probs.double().cpu().numpy()))
+        else:
+            results.append(greedy_accept(tree, argmax[row_starts[i] : row_starts[i] + tree.width]))
+    return results
+
+
+def _node_rows(reqs: Sequence[Req], trees: list[DraftTree], which: list[int], row_starts: list[int],
+               logits: torch.Tensor) -> tuple[torch.Tensor, SamplingBatchInfo]:
+    """Logits rows of the nodes of requests ``which`` (tree order) and their sampling info: a node
+    at depth d emits the request's token number len(output_ids) + d, which keys its draws."""
+    row_idx: list[int] = []
+    params, seeds, steps = [], [], []
+    for i in which:
+        row_idx.extend(range(row_starts[i], row_starts[i] + trees[i].width))
+        for d in trees[i].depths():
+            params.append(reqs[i].sampling_params)
+            seeds.append(reqs[i].seed)
+            steps.append(len(reqs[i].output_ids) + d)
+    # build() reads only the length of output_ids here (no penalties on speculative rows).
+    info = SamplingBatchInfo.build(params, seeds=seeds, output_ids=[range(s) for s in steps],
+                                   prompt_ids=[[] for _ in params], eos_token_ids=(),
+                                   vocab_size=logits.shape[1], device=logits.device)
+    return ints_to_device([row_idx], logits.device)[0], info

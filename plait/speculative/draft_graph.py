@@ -5,7 +5,7 @@ Step s of a chain draft is a DECODE forward of one token per request at position
 position) writing its KV into ``slots[s]``; its argmax is step s + 1's input. Inside the recorded
 function that hand-off is a device copy into the static token buffer, so the loop has no host sync.
 
-Planning goes through the multi-step draft backend (DESIGN 3.1, 3.5): at capture every step's static
+Planning goes through the multi-step draft backend (docs/architecture.md §3.1): at capture every step's static
 batch is planned on its own child (``out_graph(in_capture=True)``) and marked; the recorded function
 starts with every child's ``in_graph``. At replay the runner builds one padded view per step, plans
 them through ``MultiStepDraftBackend.plan_steps_out_graph`` (each view marked), and replays.

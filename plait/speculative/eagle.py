@@ -24,36 +24,30 @@ Drafts are argmaxes (one-hot), so sampled requests keep the target distribution 
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ForwardBatch
 from plait.mem.pools import MHATokenToKVPool
 from plait.models.eagle import Eagle3Head, EagleHead, iter_checkpoint, load_head_config
 from plait.sampling.sampler import greedy_ids
-from plait.speculative.draft_backend import DraftBackendFactory
-from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
-from plait.speculative.draft_tree import expand_on_device, trees_from_packed
+from plait.scheduler.req import Req
+from plait.speculative.draft_model import DraftModelWorker
 from plait.speculative.tree import DraftTree
-from plait.speculative.tree_draft_graph import TreeDraftGraphRunner, TreeDraftInputs, TreeStep
-from plait.speculative.worker import SpecWorker
-from plait.transfer import ints_to_device, to_device
+from plait.speculative.tree_draft_graph import TreeDraftInputs, TreeStep
+from plait.transfer import ints_to_device
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
-    from plait.scheduler.req import Req
-    from plait.scheduler.scheduler import Scheduler
-
-logger = logging.getLogger(__name__)
 
 
-class EagleWorker(SpecWorker):
+class EagleWorker(DraftModelWorker):
+    position_offset = -1  # chain step 0 recomputes the pending position (see the module docstring)
+
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
-        super().__init__(config, runner)
         algo = config.speculative_algorithm
         path = config.speculative_draft_model_path
         assert path is not None
@@ -78,12 +72,8 @@ class EagleWorker(SpecWorker):
         num_heads = cfg.num_attention_heads
         self.head_num_q_heads = num_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        self.kv_pool = MHATokenToKVPool(runner.max_total_tokens, tcfg.dtype, cfg.num_hidden_layers,
-                                        cfg.num_key_value_heads, head_dim, runner.device)
-        name = config.speculative_draft_attention_backend or config.attention_backends()[1]
-        factory = DraftBackendFactory(name, runner.req_to_token_pool, self.kv_pool, num_heads, stamps_children=True)
-        self.extend_backend: AttentionBackend = factory.create_extend_backend()
-        self.decode_backend = factory.create_decode_backend(self.num_steps)
+        kv_pool = MHATokenToKVPool(runner.max_total_tokens, tcfg.dtype, cfg.num_hidden_layers,
+                                   cfg.num_key_value_heads, head_dim, runner.device)
         # --- hidden states of the target: the model writes them (the runner's HiddenCapture) ---
         capture = runner.hidden_capture
         assert capture is not None, "the model runner makes the capture of EAGLE engines"
@@ -91,30 +81,9 @@ class EagleWorker(SpecWorker):
         self.capture_layers = [li for li in capture.layers if li >= 0]
         # row -> (position, target hidden at that position): see the module docstring.
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}
+        self._verify_hidden: torch.Tensor | None = None  # the latest verify forward's hiddens
         self.hidden_in_dim = tcfg.hidden_size * (len(self.capture_layers) if self.is_eagle3 else 1)
-        self.draft_graphs: DraftLoopGraphRunner | None = None  # the chain loop (topk 1)
-        self.tree_graphs: TreeDraftGraphRunner | None = None  # the tree expansion (topk > 1)
-        max_bs = draft_graph_max_bs(config, runner.device)
-        if max_bs is not None and self.topk == 1:
-            self.draft_graphs = self.build_draft_graphs(max_bs)
-        elif max_bs is not None:
-            self.tree_graphs = self.build_tree_graphs(max_bs)
-
-    def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
-        """Capture the chain draft loop per (steps, batch bucket): step 0 reads the pending target
-        hidden (through ``fc``), later steps the head's own output; tests pass an EagerGraph factory."""
-        extra = {} if graph_factory is None else {"graph_factory": graph_factory}
-        return DraftLoopGraphRunner(self.decode_backend, self._head, max_bs, self.num_steps, position_offset=-1,
-                                    device=self.runner.device, hidden_dim=self.hidden_in_dim,
-                                    hidden_dtype=self.runner.model_config.dtype, **extra)
-
-    def build_tree_graphs(self, max_bs: int, graph_factory: Any = None) -> TreeDraftGraphRunner:
-        """Capture the top-k tree expansion per (steps, batch bucket) on the per-step draft backends;
-        tests pass an EagerGraph factory."""
-        extra = {} if graph_factory is None else {"graph_factory": graph_factory}
-        return TreeDraftGraphRunner(self.decode_backend, self._tree_step, max_bs, self.num_steps, self.topk,
-                                    self.runner.max_context_len, self.runner.device, hidden_dim=self.hidden_in_dim,
-                                    hidden_dtype=self.runner.model_config.dtype, **extra)
+        super().__init__(config, runner, kv_pool, num_heads)
 
     # --- capture ----------------------------------------------------------------------------------
     def _take_hidden(self, num_tokens: int) -> torch.Tensor:
@@ -123,9 +92,8 @@ class EagleWorker(SpecWorker):
         return self.capture.read(num_tokens)
 
     def close(self) -> None:
-        self.tree_graphs = None
+        super().close()
         self.head = None  # type: ignore[assignment]
-        self.kv_pool = None  # type: ignore[assignment]
 
     def on_finish(self, req: Req) -> None:
         super().on_finish(req)
@@ -149,30 +117,26 @@ class EagleWorker(SpecWorker):
         logits = target.logits_processor(hidden, target.lm_head_weight, fb)
         return greedy_ids(logits), hidden
 
-    def _draft_extend(self, rows: list[int], starts: list[int], lens: list[int], ids: torch.Tensor,
+    def chain_step(self, fb: ForwardBatch, backend: AttentionBackend, hidden: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert hidden is not None
+        return self._head(fb, backend, hidden)
+
+    def can_draft(self, req: Req) -> bool:
+        """The head drafts from the pending hidden at position kv_len - 1 (none right after a
+        prefix-cache hit, for example: the request then decodes normally once)."""
+        return self.pending.get(req.req_pool_idx, (-1,))[0] == req.kv_len - 1  # type: ignore[arg-type]
+
+    def chain_hidden(self, reqs: list[Req]) -> torch.Tensor:
+        return torch.stack([self.pending[r.req_pool_idx][1] for r in reqs])  # type: ignore[index]
+
+    def _draft_extend(self, rows: list[int], starts: list[int], lens: list[int], ids: torch.Tensor | list[int],
                       hidden: torch.Tensor) -> None:
-        """DRAFT_EXTEND: request i computes positions [starts[i], starts[i] + lens[i]) from the
+        """The head over positions ``[starts[i], starts[i] + lens[i])`` of row ``rows[i]``, from the
         packed ``ids`` (token p + 1 for position p) and ``hidden`` (target hidden at p)."""
-        keep = [i for i, n in enumerate(lens) if n > 0]
-        if not keep:
-            return
-        device = self.runner.device
-        r2t = self.runner.req_to_token_pool.req_to_token
-        rows = [rows[i] for i in keep]
-        pre = [starts[i] for i in keep]
-        ext = [lens[i] for i in keep]
-        pos = to_device(torch.cat([torch.arange(p, p + n) for p, n in zip(pre, ext, strict=True)]), device)
-        row_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        token_rows = torch.repeat_interleave(row_t, torch.tensor(ext, device=device))
-        seq = [p + n for p, n in zip(pre, ext, strict=True)]
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND, batch_size=len(rows), input_ids=ids, req_pool_indices=row_t,
-            seq_lens=torch.tensor(seq, device=device), out_cache_loc=r2t[token_rows, pos].to(torch.int64),
-            positions=pos, seq_lens_cpu=seq, seq_lens_sum=sum(seq), extend_num_tokens=sum(ext),
-            extend_seq_lens=torch.tensor(ext, device=device), extend_prefix_lens=torch.tensor(pre, device=device),
-            extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))], device=device),
-            extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre)
-        self._head(fb, self.extend_backend, hidden)
+        fb = self.draft_extend_batch(rows, starts, lens, ids)
+        if fb is not None:
+            self._head(fb, self.extend_backend, hidden)
 
     def after_target_forward(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_idle():
@@ -205,18 +169,18 @@ class EagleWorker(SpecWorker):
         self._draft_extend(rows, starts, lens, torch.cat(ids_parts), torch.cat(hid_parts))
 
     # --- verify with hidden capture ---------------------------------------------------------------
-    def verify(self, sched: Scheduler, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
-        fb = self.build_verify_batch(reqs, trees, slots)
-        out = self.runner.forward(fb)
+    def graph_pad_width(self, trees: list[DraftTree]) -> None:
+        """Never padded: ``after_accept`` reads the verify hiddens in the unpadded node layout."""
+        return None
+
+    def after_verify_forward(self, fb: ForwardBatch) -> None:
         self._verify_hidden = self._take_hidden(fb.num_tokens)
-        sched.stats.forward_steps += 1
-        self.deferred_work(sched)  # the forward is queued: hide host work behind it
-        self.commit(sched, reqs, trees, slots, self.accept(reqs, trees, out.next_token_logits, greedy=out.greedy_ids))
 
     def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],
                      old_kv_lens: list[int]) -> None:
         device = self.runner.device
         hidden = self._verify_hidden
+        assert hidden is not None
         rows, starts, lens, ids, hid_idx = [], [], [], [], []
         off = 0
         for req, tree, (path, _), L in zip(reqs, trees, results, old_kv_lens, strict=True):
@@ -229,8 +193,7 @@ class EagleWorker(SpecWorker):
             self.pending[req.req_pool_idx] = (L + j, hidden[off + path[-1]].clone())
             off += tree.width
         if ids:
-            self._draft_extend(rows, starts, lens, torch.tensor(ids, dtype=torch.int64, device=device),
-                               hidden[torch.tensor(hid_idx, device=device)])
+            self._draft_extend(rows, starts, lens, ids, hidden[torch.tensor(hid_idx, device=device)])
         self._verify_hidden = None
 
     # --- drafting ---------------------------------------------------------------------------------
@@ -284,95 +247,10 @@ class EagleWorker(SpecWorker):
         below it), so the extend prefix is kv_len - 1. None: nobody can draft."""
         limit = self.runner.max_context_len
         k = max(max_depths)
-        use = [i for i, r in enumerate(reqs)
-               if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
+        use = [i for i, r in enumerate(reqs) if r.kv_len + k <= limit and self.can_draft(r)]
         if not use:
             return None
         sub = [reqs[i] for i in use]
         roots = ints_to_device([[r.output_ids[-1] for r in sub]], self.runner.device)[0]
         return TreeDraftInputs(use=use, prefix=[r.kv_len - 1 for r in sub], rows=[r.req_pool_idx for r in sub],
-                               roots=roots, max_depths=[max_depths[i] for i in use],
-                               hidden=torch.stack([self.pending[r.req_pool_idx][1] for r in sub]))
-
-    def _expand_eager(self, inp: TreeDraftInputs) -> torch.Tensor:
-        """The expansion without graphs: each step a DRAFT_EXTEND planned on the extend backend."""
-        from types import SimpleNamespace
-
-        reqs = [SimpleNamespace(kv_len=p, req_pool_idx=r) for p, r in zip(inp.prefix, inp.rows, strict=True)]
-        step_fn = self._tree_step(inp.hidden)
-
-        def step(width: int, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-            return step_fn(width, self.tree_draft_batch(reqs, tokens, ancestors), self.extend_backend, parents)
-
-        return expand_on_device(inp.roots, max(inp.max_depths), self.topk, step)
-
-    def _propose_trees(self, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        """Top-k trees, expanded on the device: the partial tree is recomputed each step with the
-        custom ancestor mask, node n at kv_len - 1 + depth(n); KV goes to the dummy slot (no tree state
-        held). One graph replay when the tree graphs take the batch, else step by step."""
-        result: list[DraftTree | None] = [None] * len(reqs)
-        inp = self._tree_inputs(reqs, max_depths)
-        if inp is None:
-            return result
-        graphs = self.tree_graphs
-        if graphs is not None and graphs.can_run(len(inp.use), max(inp.max_depths)):
-            packed = graphs.replay(inp)
-        else:
-            packed = self._expand_eager(inp)
-        for i, tree in zip(inp.use, trees_from_packed(packed, inp.max_depths, self.topk, self.num_draft_tokens),
-                           strict=True):
-            result[i] = tree
-        return result
-
-    def propose(self, sched: Scheduler, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        if self.topk > 1:
-            return self._propose_trees(reqs, max_depths)
-        k = max(max_depths)
-        limit = self.runner.max_context_len
-        out: list[DraftTree | None] = [None] * len(reqs)
-        use = [i for i, r in enumerate(reqs)
-               if r.kv_len + k <= limit and self.pending.get(r.req_pool_idx, (-1,))[0] == r.kv_len - 1]
-        if not use:
-            return out
-        bs = len(use)
-        temp = sched._alloc(bs * (k - 1)) if k > 1 else torch.empty(0, dtype=torch.int64)
-        if temp is None:
-            return out
-        device = self.runner.device
-        r2t = self.runner.req_to_token_pool.req_to_token
-        prefix = [reqs[i].kv_len for i in use]  # L: the root sits at L, step 0 at L - 1
-        rows = torch.tensor([reqs[i].req_pool_idx for i in use], dtype=torch.int64, device=device)
-        pre_t = torch.tensor(prefix, dtype=torch.int64, device=device)
-        if k > 1:
-            temp = temp.view(bs, k - 1)
-            r2t[rows[:, None], pre_t[:, None] + torch.arange(k - 1, device=device)[None, :]] = temp.to(torch.int32)
-        step0_slots = r2t[rows, pre_t - 1].to(torch.int64)
-        tokens = torch.empty(k + 1, bs, dtype=torch.int64, device=device)
-        tokens[0] = torch.tensor([reqs[i].output_ids[-1] for i in use], dtype=torch.int64)
-        hidden = torch.stack([self.pending[reqs[i].req_pool_idx][1] for i in use])
-        if self.draft_graphs is not None and self.draft_graphs.can_run(bs, k):
-            slots = torch.cat([step0_slots[None], temp.t()]) if k > 1 else step0_slots[None]
-            tokens[1:] = self.draft_graphs.replay(tokens[0], rows, prefix, pre_t, slots, hidden)
-        else:
-            self._draft_eager(tokens, rows, prefix, pre_t, step0_slots, temp, hidden)
-        if k > 1:
-            sched.allocator.free(temp.flatten())
-        guesses = tokens[1:].t().tolist()
-        for j, i in enumerate(use):
-            out[i] = DraftTree.chain(reqs[i].output_ids[-1], guesses[j][: max_depths[i]])
-        return out
-
-    def _draft_eager(self, tokens: torch.Tensor, rows: torch.Tensor, prefix: list[int], pre_t: torch.Tensor,
-                     step0_slots: torch.Tensor, temp: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The chain loop without graphs: every step planned up front, each batch marked."""
-        k, bs = tokens.shape[0] - 1, tokens.shape[1]
-        batches = []
-        for s in range(k):
-            seq = [p + s for p in prefix]
-            batches.append(ForwardBatch(
-                forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=tokens[s], req_pool_indices=rows,
-                seq_lens=pre_t + s, out_cache_loc=step0_slots if s == 0 else temp[:, s - 1].contiguous(),
-                positions=pre_t - 1 + s, seq_lens_cpu=seq, seq_lens_sum=sum(seq)))
-        self.decode_backend.plan_steps(batches)  # every step planned up front, each batch marked
-        for s, fb in enumerate(batches):
-            tokens[s + 1], hidden = self._head(fb, self.decode_backend.children[s], hidden)
+                               roots=roots, max_depths=[max_depths[i] for i in use], hidden=self.chain_hidden(sub))

@@ -5,14 +5,27 @@ No draft model: at each tree node the drafter looks for earlier occurrences of t
 node, and proposes what followed them; when the request's own tokens have no match it asks the
 global cache, built from the prompts and outputs of finished requests. The cache holds at most
 ``capacity`` n-gram keys and forgets the oldest first. It may propose nothing; the request
-then decodes normally.
+then decodes normally. ``NgramWorker`` is the speculative worker that drafts with it.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
+from plait.config import EngineConfig
+from plait.scheduler.interface import SchedulerAPI
+from plait.scheduler.req import Req
 from plait.speculative.tree import DraftTree
+from plait.speculative.worker import BaseSpecWorker
+
+if TYPE_CHECKING:
+    from plait.executor.model_runner import ModelRunner
+
+# Per-request cooling: a request whose acceptance average falls below COLD_ACCEPT drafts nothing
+# for COLD_STEPS drafting opportunities, then probes again (depth 1, from the average).
+COLD_ACCEPT = 0.3
+COLD_STEPS = 8
 
 
 class RequestIndex:
@@ -130,3 +143,57 @@ class NgramDrafter:
         if len(tree_tokens) == 1:
             return None
         return DraftTree(tree_tokens, parents)
+
+
+class NgramWorker(BaseSpecWorker):
+    joins_admissions = True
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        super().__init__(config, runner)
+        self.drafter = NgramDrafter(config.speculative_ngram_min_match_window_size,
+                                    config.speculative_ngram_max_match_window_size,
+                                    config.speculative_ngram_capacity)
+        self._cold_waits: dict[str, int] = {}  # rid -> drafting opportunities skipped while cold
+        # Finished requests' tokens, fed to the global cache as deferred work (an insert walks every
+        # n-gram of the request: on a step's critical path it delays the next verify launch).
+        self._finished: list[list[int]] = []
+
+    def propose(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
+        return [None if self._cooling(r) else self.drafter.propose(r.rid, r.fill_ids, d, self.num_draft_tokens,
+                                                                   self.topk)
+                for r, d in zip(reqs, max_depths, strict=True)]
+
+    def _cooling(self, req: Req) -> bool:
+        """Whether ``req`` skips drafting now: its guesses keep failing (acceptance average below
+        COLD_ACCEPT), so a verify row would cost more than the plain decode it replaces. Every
+        COLD_STEPS-th opportunity it probes again."""
+        if self.accept_ema.get(req.rid, float(self.num_steps)) >= COLD_ACCEPT:
+            return False
+        waited = self._cold_waits.get(req.rid, 0) + 1
+        if waited >= COLD_STEPS:
+            self._cold_waits.pop(req.rid, None)
+            return False
+        self._cold_waits[req.rid] = waited
+        return True
+
+    def on_finish(self, req: Req) -> None:
+        super().on_finish(req)
+        self._cold_waits.pop(req.rid, None)
+        self.drafter.forget(req.rid)
+        self._finished.append(req.fill_ids)
+
+    def deferred_work(self, sched: SchedulerAPI) -> None:
+        """Feed finished requests to the global cache, and index the prompts of the requests the
+        scheduler admits next (their first proposal then only indexes what they generated)."""
+        finished, self._finished = self._finished, []
+        for tokens in finished:
+            self.drafter.cache.insert(tokens)
+        # The scheduler admits waiting requests as running ones finish, often right after this
+        # verify: index at least one (beyond the free places) so its first proposal finds it ready.
+        budget = max(1, self.config.max_running_requests - sched.num_running())
+        for req in sched.waiting:
+            if budget == 0:
+                break
+            if req.rid not in self.drafter.indices:
+                self.drafter.index(req.rid, req.fill_ids)
+                budget -= 1

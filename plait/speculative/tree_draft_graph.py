@@ -18,7 +18,7 @@ Static buffers (owned by the runner; every graph reads prefixes of them):
             (``node_mask_positions`` of prefix_lens: where the ancestor matrix goes) before its forward
             and sets it back to ones after, so the prefix region is ones for every request and no
             host write of the mask is needed at replay.
-Planning (DESIGN 3.1, 3.5): step s runs on child s of the multi-step draft backend. At capture every
+Planning (docs/architecture.md §3.1): step s runs on child s of the multi-step draft backend. At capture every
 step's static batch is planned with ``out_graph(in_capture=True)`` and marked, and the recorded
 function starts with every child's ``in_graph``. At replay the runner copies the live batch in, pads
 to the bucket (padded requests: prefix 0, the reserved request row DUMMY_REQ_ROW, root token 0, KV
@@ -92,7 +92,7 @@ class TreeDraftGraphRunner:
         self.positions = [torch.zeros(max_bs * w, **i64) for w in self.widths]
         self.out_cache_loc = torch.full((max_bs * w_last,), DUMMY_KV_SLOT, **i64)
         self._depths = torch.tensor([node_depth(n, topk) for n in range(w_last)], **i64)
-        # A request's block is w x (prefix + w) and prefix + w <= the context length (DESIGN 5).
+        # A request's block is w x (prefix + w) and prefix + w <= the context length.
         self.custom_mask = torch.ones(max_bs * w_last * max_context_len, dtype=torch.bool, device=device)
         self.hidden = (torch.zeros(max_bs, hidden_dim, dtype=hidden_dtype, device=device)
                        if hidden_dim is not None else None)

@@ -1,4 +1,4 @@
-"""Speculative tests run with the plan checker on (DESIGN 3.1): a forward on a stale plan raises."""
+"""Speculative tests run with the plan checker on (docs/architecture.md §3.1): a forward on a stale plan raises."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The speculative benchmark workloads run end to end on a tiny model on the CPU (numbers are
-meaningless here; the H200 run is the lead's). `plait bench spec` exposes them."""
+meaningless here: they matter on a GPU). `plait bench spec` exposes them."""
 
 from __future__ import annotations
 

@@ -1,0 +1,119 @@
+"""The batches that run draft trees through a model: TARGET_VERIFY (the target checks every node) and
+the DRAFT_EXTEND of one device tree-expansion step (the draft recomputes a partial tree).
+
+Layout: request i's tree nodes are consecutive tokens, in tree order; node n sits at position
+``kv_len_i + depth(n)`` and attends to the request's prefix and to its own ancestors (custom mask,
+layout of ``plait.attention.base.custom_mask_of``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.mem.pools import DUMMY_KV_SLOT
+from plait.speculative.draft_tree import level_tree
+from plait.speculative.tree import DraftTree, build_verify_mask, build_verify_mask_from_ancestors
+from plait.transfer import ints_to_device
+
+
+class TreeRow(Protocol):
+    """Where one request's tree goes: its request-pool row and the positions with KV below the tree
+    (``plait.scheduler.req.Req`` satisfies it)."""
+
+    @property
+    def kv_len(self) -> int: ...
+
+    @property
+    def req_pool_idx(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """A tree row that is not a request's own: a draft tree rooted at ``kv_len`` (EAGLE's root
+    sits one position below the request's ``kv_len``)."""
+
+    kv_len: int
+    req_pool_idx: int
+
+
+@dataclass
+class VerifyInput:
+    """``ForwardBatch.spec_info`` of a TARGET_VERIFY batch."""
+
+    trees: list[DraftTree]
+    custom_mask: torch.Tensor  # flattened bool, layout of plait.attention.base.custom_mask_of
+    # Tokens verified per request (root included). The executor reads widths from here, never from
+    # a global draft width: widths differ between requests and between steps.
+    num_tokens_per_req: list[int]
+
+
+def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: torch.Tensor,
+                       device: torch.device | str, pad_width: int | None = None,
+                       input_ids: torch.Tensor | None = None, custom_mask: torch.Tensor | None = None
+                       ) -> ForwardBatch:
+    """The TARGET_VERIFY batch of ``trees`` (their nodes' KV into ``slots``, tree order).
+
+    ``pad_width``: every request's block is padded to this many tokens with dummy nodes (children
+    of the root, token 0, KV into the reserved dummy slot), so a batch of mixed widths replays
+    one captured graph. ``spec_info.trees`` stay the real trees, and request i's real nodes are
+    logits rows ``[i * pad_width, i * pad_width + width_i)``.
+
+    ``input_ids`` / ``custom_mask``: the nodes' tokens and the mask when they are on the device
+    already (draft-tree expansion); ``trees`` then give only the shape (widths and depths)."""
+    real_trees = trees
+    src: list[int] = []  # padded layout: slot j of the real layout, or len(slots) (the dummy slot)
+    if pad_width is not None:
+        trees = [DraftTree(t.tokens + [0] * (pad_width - t.width), t.parents + [0] * (pad_width - t.width))
+                 for t in trees]
+        off = 0
+        for t in real_trees:
+            src.extend(range(off, off + t.width))
+            src.extend([len(slots)] * (pad_width - t.width))
+            off += t.width
+    widths = [t.width for t in trees]
+    prefix = [r.kv_len for r in rows]
+    ids: list[int] = []
+    pos: list[int] = []
+    for t, pre in zip(trees, prefix, strict=True):
+        ids.extend(t.tokens)
+        pos.extend(pre + d for d in t.depths())
+    seq_lens = [p + w for p, w in zip(prefix, widths, strict=True)]
+    starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+    pool_rows = [r.req_pool_idx for r in rows]
+    parts = [ids, pos, pool_rows, seq_lens, widths, prefix, starts, src]
+    ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t = ints_to_device(parts, device)
+    if pad_width is not None:
+        slots = torch.cat([slots, slots.new_full((1,), DUMMY_KV_SLOT)])[src_t]
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(rows),
+        input_ids=ids_t if input_ids is None else input_ids,
+        req_pool_indices=rows_t, seq_lens=seq_t, out_cache_loc=slots, positions=pos_t,
+        seq_lens_cpu=seq_lens, seq_lens_sum=sum(seq_lens),
+        extend_num_tokens=len(ids), extend_seq_lens=ext_t, extend_prefix_lens=pre_t,
+        extend_start_loc=starts_t, extend_seq_lens_cpu=widths, extend_prefix_lens_cpu=prefix,
+    )
+    # logits_indices stays None: every node's logits are needed.
+    mask = build_verify_mask(trees, prefix, device) if custom_mask is None else custom_mask
+    fb.spec_info = VerifyInput(real_trees, mask, widths)
+    return fb
+
+
+def tree_draft_batch(rows: Sequence[TreeRow], tokens: torch.Tensor, ancestors: torch.Tensor, topk: int
+                     ) -> ForwardBatch:
+    """The DRAFT_EXTEND batch of one device tree-expansion step (``plait.speculative.draft_tree``):
+    every request's first ``width`` nodes, tokens ``[bs, width]`` and ancestor matrices
+    ``[bs, width, width]`` from the device, node n at ``kv_len + depth(n)``, KV into the dummy
+    slot (the partial tree is recomputed each step, so no slot is held)."""
+    bs, width = tokens.shape
+    slots = torch.full((bs * width,), DUMMY_KV_SLOT, dtype=torch.int64, device=tokens.device)
+    mask = build_verify_mask_from_ancestors(ancestors, [r.kv_len for r in rows])
+    fb = build_verify_batch(rows, [level_tree(width, topk)] * bs, slots, tokens.device,
+                            input_ids=tokens.reshape(-1), custom_mask=mask)
+    fb.forward_mode = ForwardMode.DRAFT_EXTEND
+    return fb
