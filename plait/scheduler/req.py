@@ -74,6 +74,12 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def row(self) -> int:
+        """The request-pool row of an admitted request (``req_pool_idx``, checked)."""
+        if self.req_pool_idx is None:
+            raise RuntimeError(f"request {self.rid} holds no request-pool row (not admitted, or retired)")
+        return self.req_pool_idx
+
     def kv_slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
-        assert self.req_pool_idx is not None
-        return req_to_token[self.req_pool_idx, : self.kv_len].to(torch.int64)
+        return req_to_token[self.row, : self.kv_len].to(torch.int64)

@@ -80,7 +80,7 @@ class ScheduleBatch:
                 future_src.append(idx)
             input_ids.extend(e.input_ids)
             positions.extend(range(e.prefix_len, e.prefix_len + e.extend_len))
-            token_rows.extend([e.req.req_pool_idx] * e.extend_len)  # type: ignore[list-item]
+            token_rows.extend([e.req.row] * e.extend_len)
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         seq_lens_cpu = [e.prefix_len + e.extend_len for e in self.entries]

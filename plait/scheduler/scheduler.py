@@ -431,9 +431,9 @@ class Scheduler:
 
     def close(self) -> None:
         """Forget the pools and the prefix cache (the engine is shutting down and frees the device)."""
-        self.tree_cache = None  # type: ignore[assignment]
-        self.allocator = None  # type: ignore[assignment]
-        self.req_to_token_pool = None  # type: ignore[assignment]
+        # Dropped, not set to None: reading one after close raises AttributeError.
+        for name in ("tree_cache", "allocator", "req_to_token_pool"):
+            vars(self).pop(name, None)
         if self.spec_worker is not None:
             self.spec_worker.close()  # a draft model and its KV pool live there
 

@@ -111,9 +111,9 @@ class DraftModelWorker(BaseSpecWorker):
     def close(self) -> None:
         self.draft_graphs = None
         self.tree_graphs = None
-        self.kv_pool = None  # type: ignore[assignment]
-        self.extend_backend = None  # type: ignore[assignment]
-        self.decode_backend = None  # type: ignore[assignment]
+        # Dropped, not set to None: reading one after close raises AttributeError.
+        for name in ("kv_pool", "extend_backend", "decode_backend"):
+            vars(self).pop(name, None)
 
     # --- catching up --------------------------------------------------------------------------------
     def draft_extend_batch(self, rows: list[int], starts: list[int], lens: list[int],

@@ -93,7 +93,7 @@ class EagleWorker(DraftModelWorker):
 
     def close(self) -> None:
         super().close()
-        self.head = None  # type: ignore[assignment]
+        vars(self).pop("head", None)
 
     def on_finish(self, req: Req) -> None:
         super().on_finish(req)
@@ -125,10 +125,10 @@ class EagleWorker(DraftModelWorker):
     def can_draft(self, req: Req) -> bool:
         """The head drafts from the pending hidden at position kv_len - 1 (none right after a
         prefix-cache hit, for example: the request then decodes normally once)."""
-        return self.pending.get(req.req_pool_idx, (-1,))[0] == req.kv_len - 1  # type: ignore[arg-type]
+        return self.pending.get(req.row, (-1,))[0] == req.kv_len - 1
 
     def chain_hidden(self, reqs: list[Req]) -> torch.Tensor:
-        return torch.stack([self.pending[r.req_pool_idx][1] for r in reqs])  # type: ignore[index]
+        return torch.stack([self.pending[r.row][1] for r in reqs])
 
     def _draft_extend(self, rows: list[int], starts: list[int], lens: list[int], ids: torch.Tensor | list[int],
                       hidden: torch.Tensor) -> None:

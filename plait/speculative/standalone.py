@@ -64,7 +64,7 @@ class StandaloneWorker(DraftModelWorker):
 
     def close(self) -> None:
         super().close()
-        self.draft_model = None  # type: ignore[assignment]
+        vars(self).pop("draft_model", None)
 
     # --- draft forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -89,7 +89,7 @@ class StandaloneWorker(DraftModelWorker):
                      old_kv_lens: list[int]) -> None:
         """DRAFT_EXTEND over the root and the accepted drafts, into their final slots."""
         ids = [t for tree, (path, _) in zip(trees, results, strict=True) for t in tree.path_tokens(path)]
-        fb = self.draft_extend_batch([r.req_pool_idx for r in reqs], old_kv_lens,  # type: ignore[misc]
+        fb = self.draft_extend_batch([r.row for r in reqs], old_kv_lens,
                                      [len(path) for path, _ in results], ids)
         if fb is not None:
             self._forward(fb, self.extend_backend, logits=False)

@@ -230,7 +230,7 @@ class BaseSpecWorker(ABC):
         start = 0
         for req, tree, (path, _) in zip(reqs, trees, results, strict=True):
             accepted.extend(start + n for n in path)
-            rows.extend([req.req_pool_idx] * len(path))  # type: ignore[list-item]
+            rows.extend([req.row] * len(path))
             cols.extend(range(req.kv_len, req.kv_len + len(path)))
             req.kv_len += len(path)
             start += tree.width
