@@ -131,6 +131,13 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scheduler_process(args: argparse.Namespace) -> int:
+    from plait.engine.scheduler_process import run
+
+    config = EngineConfig.from_kwargs(**json.loads(args.config_json))
+    return run(config, args.requests_addr, args.outputs_addr, args.max_queued_requests)
+
+
 def _generate_flags(parser: argparse.ArgumentParser, prompt_required: bool) -> None:
     _engine_parser(parser)
     parser.add_argument("--prompt", required=prompt_required, default="")
@@ -149,7 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "--node-rank, --dist-init-addr), or one rank under torchrun (rank 0 runs generate)")
     _generate_flags(node, prompt_required=False)
     node.set_defaults(func=cmd_node)
-    bench = sub.add_parser("bench", help="benchmarks (DESIGN 7 workloads)")
+    # Started by `plait serve` (plait.server.scheduler_client), not by hand.
+    sched = sub.add_parser("scheduler-process")
+    sched.add_argument("--config-json", required=True, help="EngineConfig fields as a JSON object")
+    sched.add_argument("--requests-addr", required=True)
+    sched.add_argument("--outputs-addr", required=True)
+    sched.add_argument("--max-queued-requests", type=int, default=None)
+    sched.set_defaults(func=cmd_scheduler_process)
+    bench = sub.add_parser("bench", help="benchmarks (the named workloads of docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from plait.bench.cli import add_bench_parsers
 

@@ -17,9 +17,9 @@ from typing import Any, Literal
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_flash")
 # ``auto`` (and an unset --attention-backend): the measured-best (prefill, decode) pair per device.
 # CPU: torch_native (triton there is the interpreter, for tests; torch_flash needs CUDA).
-# CUDA: triton for both halves until the ``backends`` stage of benchmarks/run_h200.sh (JSON under
-# benchmarks/results/, table in README "Attention backends") shows a pair with torch_flash ahead end to
-# end; torch_flash's prefill kernel alone is faster, but its decode is not graph-safe.
+# CUDA: triton for both halves, since no pair with torch_flash is ahead end to end
+# (docs/attention-backends.md): torch_flash's prefill kernel alone is faster, but its decode is not
+# graph-safe.
 AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")

@@ -24,14 +24,11 @@ time, to notice a dead parent).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import dataclasses
-import json
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 
@@ -212,21 +209,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="plait scheduler process (started by `plait serve`)")
-    parser.add_argument("--config-json", required=True, help="EngineConfig fields as a JSON object")
-    parser.add_argument("--requests-addr", required=True)
-    parser.add_argument("--outputs-addr", required=True)
-    parser.add_argument("--max-queued-requests", type=int, default=None)
-    args = parser.parse_args(argv)
+def run(config: EngineConfig, requests_addr: str, outputs_addr: str, max_queued_requests: int | None) -> int:
+    """The scheduler process's body (``plait scheduler-process``, started by ``plait serve``): load,
+    report Ready, serve until told to stop. Returns the exit code."""
     _die_with_parent()
     # SIGINT goes to the whole process group on Ctrl-C; the server decides when this process ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = EngineConfig.from_kwargs(**json.loads(args.config_json))
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s scheduler %(name)s %(levelname)s %(message)s")
     _leave_a_core_for_the_server(config)
-    proc = SchedulerProcess(config, args.requests_addr, args.outputs_addr, args.max_queued_requests)
+    proc = SchedulerProcess(config, requests_addr, outputs_addr, max_queued_requests)
     code = 0
     try:
         t0 = time.perf_counter()
@@ -241,12 +233,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.close()
     return code
-
-
-
-if __name__ == "__main__":
-    # Re-import under the package name: the message classes must pickle as
-    # plait.engine.messages.X, not __main__.X, for the server process to read them.
-    from plait.engine.scheduler_process import main as _main
-
-    sys.exit(_main())

@@ -4,7 +4,7 @@ Process model::
 
     plait serve (HTTP process: FastAPI on uvicorn, one asyncio loop)
       ├─ tokenize + validate (plait.engine.frontend), build OpenAI responses, /metrics
-      └─ ZMQ over IPC ──► python -m plait.engine.scheduler_process (one per GPU rank; one on the CPU)
+      └─ ZMQ over IPC ──► plait scheduler-process (one per GPU rank; one on the CPU)
                            model, KV pool, Scheduler.step() loop, detokenization, stop strings
 
 SIGTERM (or the first Ctrl-C): uvicorn stops accepting connections; requests already in flight get

@@ -1,7 +1,7 @@
 """The HTTP process's side of the scheduler process: spawn it, talk to it over ZMQ, watch it.
 
-One ``SchedulerClient`` per server. It owns the child process (started with ``python -m
-plait.engine.scheduler_process``, so no multiprocessing helper processes exist besides it), two ZMQ sockets
+One ``SchedulerClient`` per server. It owns the child process (started as ``python -m plait
+scheduler-process``, so no multiprocessing helper processes exist besides it), two ZMQ sockets
 bound on IPC paths in a private temporary directory, and a table rid -> asyncio.Queue through which
 a background task hands each request's updates to the coroutine that serves it.
 
@@ -97,7 +97,7 @@ class SchedulerClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(outputs_addr)
-        cmd = [sys.executable, "-m", "plait.engine.scheduler_process", "--config-json", config_to_json(self.config),
+        cmd = [sys.executable, "-m", "plait", "scheduler-process", "--config-json", config_to_json(self.config),
                "--requests-addr", requests_addr, "--outputs-addr", outputs_addr]
         if self.max_queued_requests is not None:
             cmd += ["--max-queued-requests", str(self.max_queued_requests)]
