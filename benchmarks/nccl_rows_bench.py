@@ -108,7 +108,7 @@ def _mlp_round(group: TPGroup, rows: int, mode: DPPaddingMode) -> tuple[LlamaMLP
     empty = torch.empty(0, dtype=torch.int64, device="cuda")
     fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=0, input_ids=empty, req_pool_indices=empty,
                       seq_lens=empty, out_cache_loc=empty, positions=empty)
-    fb.global_num_tokens_cpu, fb.dp_padding_mode = [rows] * group.size, mode
+    fb.mlp_sync.global_num_tokens_cpu, fb.mlp_sync.padding_mode = [rows] * group.size, mode
     return mlp, torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16), fb
 
 

@@ -5,9 +5,12 @@ executor all read it. It carries its own attention-plan state: a pre-planner rec
 that it planned, and forward paths ask the batch whether to plan, instead of trusting a
 ``skip_attn_backend_init`` flag threaded through call levels.
 
-The objects higher floors wire onto a batch (the attention backend, the hidden-state capture, the
-sampling state) are typed here by Protocols of what is reached through the batch, so this module
-imports nothing above it.
+The core fields stay flat, with SGLang's names; the rest is grouped into typed parts: ``extend``
+(an ExtendInfo, None for DECODE/IDLE), ``spec_info`` (a SpecInput, None without speculation) and
+``mlp_sync`` (the DP-attention MLP-sync metadata, empty without DP attention). The objects higher
+floors wire onto a batch (the attention backend, the hidden-state capture, the sampling state, the
+DP row exchange) and the speculative input are typed here by Protocols of what is reached through
+the batch, so this module imports nothing above it.
 
 Shapes (T = number of tokens in this forward, bs = number of requests):
   input_ids, positions, out_cache_loc: [T]; req_pool_indices, seq_lens: [bs].
@@ -20,7 +23,7 @@ import enum
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -120,6 +123,114 @@ class ForwardMode(enum.IntEnum):
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
 
 
+class SpecInput(Protocol):
+    """What floors 1-4 read from ``fb.spec_info``, the speculative input of a batch (the verify
+    trees of plait.speculative.verify_batch.VerifyInput, a graph runner's static verify input).
+
+    A draft input may also carry ``hidden_states`` ([tokens, hidden], None while not yet
+    materialised); ``pad_inputs_to_size`` pads them with the tokens when present. That member is
+    optional, so it is read by name and not declared here."""
+
+    @property
+    def num_tokens_per_req(self) -> int | Sequence[int]:
+        """Tokens per request (root included): one width, or one per request (widths differ
+        between requests and steps)."""
+        ...
+
+    @property
+    def custom_mask(self) -> torch.Tensor:
+        """Flattened bool tree mask, layout of plait.attention.base.custom_mask_of."""
+        ...
+
+
+class ShardedMLP(Protocol):
+    """A TP-sharded MLP whose row-parallel output can be reduced by the caller."""
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums of the output rows of ``x``, bias not yet added."""
+        ...
+
+    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The output of rows whose partial sums were reduced over the ranks."""
+        ...
+
+
+class RowExchange(Protocol):
+    """The DP-attention runner's symmetric-memory row exchange around the MLP
+    (plait.distributed.copy_engine_rows.CopyEngineRows), as plait.distributed.dp_mlp uses it."""
+
+    def fits(self, counts: list[int]) -> bool:
+        """Whether per-rank row counts ``counts`` fit the exchange's buffers."""
+        ...
+
+    def mlp(self, mlp: ShardedMLP, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The MLP over every rank's rows (uneven ``counts``, SUM_LEN); this rank's output rows."""
+        ...
+
+    def mlp_equal(self, mlp: ShardedMLP, hidden: torch.Tensor) -> torch.Tensor:
+        """The MLP over every rank's rows, each rank holding as many as ``hidden`` (MAX_LEN)."""
+        ...
+
+
+class MLPSyncSource(Protocol):
+    """What ``init_mlp_sync_metadata`` reads: the step's exchanged per-rank counts (a ScheduleBatch,
+    the DP-attention runner's per-step counts, or what a custom worker builds)."""
+
+    @property
+    def global_num_tokens(self) -> list[int] | None:
+        """Every rank's count this step (request counts for decode and verify); None: no DP sync."""
+        ...
+
+    @property
+    def global_num_tokens_for_logprob(self) -> list[int] | None: ...
+
+    @property
+    def can_run_dp_cuda_graph(self) -> bool: ...
+
+
+class LogitsRows(Protocol):
+    """The rows ``post_forward_mlp_sync_batch`` slices back (plait.models.llama.LogitsOutput)."""
+
+    next_token_logits: torch.Tensor  # [rows, vocab]
+    hidden_states: torch.Tensor | None  # [rows, hidden] when the model returns them
+
+
+LogitsT = TypeVar("LogitsT", bound=LogitsRows)
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendInfo:
+    """The extend part of a batch (modes that run the extend kernels): per request, the new-token
+    counts and cached-prefix lengths, on the device and their host copies. Every field is set
+    together: a batch either extends, with all of them, or has ``extend = None``."""
+
+    num_tokens: int  # sum of seq_lens
+    seq_lens: torch.Tensor  # [bs] new tokens per request
+    prefix_lens: torch.Tensor  # [bs] cached tokens before them
+    start_loc: torch.Tensor  # [bs] offset of each request's first new token in the batch
+    seq_lens_cpu: list[int]  # host copies: backends plan from them without a device sync
+    prefix_lens_cpu: list[int]
+
+
+@dataclass(slots=True)
+class MLPSyncMetadata:
+    """DP attention's per-step MLP-sync state, filled by ``ForwardBatch.init_mlp_sync_metadata``
+    (all None / False without DP attention)."""
+
+    # Per-rank token counts as the MLP sync uses them (scaled by the per-request width under
+    # speculative decoding), and the raw per-rank counts (request counts for decode and verify).
+    global_num_tokens_cpu: list[int] | None = None
+    global_num_tokens_gpu: torch.Tensor | None = None
+    global_num_tokens_for_logprob_cpu: list[int] | None = None
+    global_num_tokens_for_logprob_gpu: torch.Tensor | None = None
+    original_global_num_tokens_cpu: list[int] | None = None
+    can_run_dp_cuda_graph: bool = False
+    padding_mode: DPPaddingMode | None = None  # chosen per step from the global counts
+    # Real sizes before pad_inputs_to_size; post_forward_mlp_sync_batch slices back to them.
+    unpadded_batch_size: int | None = None
+    unpadded_num_tokens: int | None = None
+
+
 @dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
@@ -132,47 +243,32 @@ class ForwardBatch:
     # Host copy of seq_lens: backends plan from it without a device sync.
     seq_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_sum: int = 0
-    # Extend-only (None for DECODE/IDLE): per-request new-token counts and cached-prefix lengths.
-    extend_num_tokens: int | None = None
-    extend_seq_lens: torch.Tensor | None = None
-    extend_prefix_lens: torch.Tensor | None = None
-    extend_start_loc: torch.Tensor | None = None
-    extend_seq_lens_cpu: list[int] | None = None
-    extend_prefix_lens_cpu: list[int] | None = None
     # Rows of the hidden states whose logits are needed ([num_sampled], indices into T). None means
     # every row (decode). Only these rows go through the LM head.
     logits_indices: torch.Tensor | None = None
-    # Wiring owned by the model runner: the backend that serves this forward.
+    # During graph replay the padded view runs in the captured mode; this is the runtime mode.
+    actual_forward_mode: ForwardMode | None = None
+    # The extend part; None for DECODE/IDLE.
+    extend: ExtendInfo | None = None
+    # Speculative decoding input (draft tree, custom mask); None for plain decoding.
+    spec_info: SpecInput | None = None
+    # DP attention's MLP sync; empty without DP attention.
+    mlp_sync: MLPSyncMetadata = field(default_factory=MLPSyncMetadata)
+
+    # --- wiring owned by the model runner ---
+    # The backend that serves this forward.
     attn_backend: BatchAttentionBackend | None = None
     sampling_info: BatchSamplingInfo | None = None
-    # Speculative decoding input (draft tree, custom mask); None for plain decoding.
-    spec_info: Any = None
     # Graph runners' static float32 [>= rows, >= vocab] buffer the LM head writes the logits into:
     # every captured graph of a runner then shares one output (a logits tensor per graph, over every
     # decode and verify bucket, grows with the vocabulary to many GiB). None: a new tensor.
     next_token_logits_buffer: torch.Tensor | None = None
     # Target hidden states an EAGLE head reads (the model writes them; see plait.layers.hidden_capture).
-    # Wiring owned by the model runner, like attn_backend; None for engines without EAGLE.
+    # None for engines without EAGLE.
     hidden_capture: BatchHiddenCapture | None = None
-    # During graph replay the padded view runs in the captured mode; this is the runtime mode.
-    actual_forward_mode: ForwardMode | None = None
-
-    # --- MLP sync under DP attention, filled by init_mlp_sync_metadata ---
-    # Per-rank token counts as the MLP sync uses them (scaled by the per-request width under
-    # speculative decoding), and the raw per-rank counts (request counts for decode and verify).
-    global_num_tokens_cpu: list[int] | None = None
-    global_num_tokens_gpu: torch.Tensor | None = None
-    global_num_tokens_for_logprob_cpu: list[int] | None = None
-    global_num_tokens_for_logprob_gpu: torch.Tensor | None = None
-    original_global_num_tokens_cpu: list[int] | None = None
-    can_run_dp_cuda_graph: bool = False
-    dp_padding_mode: DPPaddingMode | None = None  # chosen per step from the global counts
-    # Wiring owned by the DP-attention runner, like attn_backend: its symmetric-memory row exchange
-    # (plait.distributed.copy_engine_rows); None: NCCL collectives.
-    dp_row_exchange: Any = None
-    # Real sizes before pad_inputs_to_size; post_forward_mlp_sync_batch slices back to them.
-    unpadded_batch_size: int | None = None
-    unpadded_num_tokens: int | None = None
+    # The DP-attention runner's symmetric-memory row exchange (plait.distributed.copy_engine_rows);
+    # None: NCCL collectives.
+    dp_row_exchange: RowExchange | None = None
 
     # --- attention plan marker ---
     forward_metadata_ready: bool = False
@@ -214,12 +310,11 @@ class ForwardBatch:
         self.forward_metadata_replan_equivalent = False
 
     # --- MLP sync ----------------------------------------------------------------------------------
-    def init_mlp_sync_metadata(self, batch: Any, device: torch.device | str) -> None:
-        """Fill the DP-attention MLP-sync counts from ``batch`` (a ScheduleBatch, or any object a
-        custom worker builds with ``global_num_tokens``, ``global_num_tokens_for_logprob`` and
-        ``can_run_dp_cuda_graph``). The one entry for this: ``ScheduleBatch.to_forward_batch`` calls
-        it, and so do workers that build a ForwardBatch themselves. No-op without global counts."""
-        if getattr(batch, "global_num_tokens", None) is None:
+    def init_mlp_sync_metadata(self, batch: MLPSyncSource, device: torch.device | str) -> None:
+        """Fill the DP-attention MLP-sync counts (``self.mlp_sync``) from ``batch``. The one entry
+        for this: ``ScheduleBatch.to_forward_batch`` calls it, and so do workers that build a
+        ForwardBatch themselves. No-op without global counts."""
+        if batch.global_num_tokens is None:
             return
         assert batch.global_num_tokens_for_logprob is not None, "global counts come in pairs"
         if self.spec_info is not None:
@@ -227,13 +322,14 @@ class ForwardBatch:
                 self.spec_info, batch.global_num_tokens, batch.global_num_tokens_for_logprob)
         else:
             tokens, for_logprob = list(batch.global_num_tokens), list(batch.global_num_tokens_for_logprob)
+        sync = self.mlp_sync
         # Raw counts size the DP graph batch; scaled counts size the MLP-sync buffers.
-        self.original_global_num_tokens_cpu = list(batch.global_num_tokens)
-        self.global_num_tokens_cpu = tokens
-        self.global_num_tokens_gpu, self.global_num_tokens_for_logprob_gpu = ints_to_device([tokens, for_logprob],
+        sync.original_global_num_tokens_cpu = list(batch.global_num_tokens)
+        sync.global_num_tokens_cpu = tokens
+        sync.global_num_tokens_gpu, sync.global_num_tokens_for_logprob_gpu = ints_to_device([tokens, for_logprob],
                                                                                             device)
-        self.global_num_tokens_for_logprob_cpu = for_logprob
-        self.can_run_dp_cuda_graph = bool(batch.can_run_dp_cuda_graph)
+        sync.global_num_tokens_for_logprob_cpu = for_logprob
+        sync.can_run_dp_cuda_graph = bool(batch.can_run_dp_cuda_graph)
 
     def pad_inputs_to_size(self, num_tokens: int, bs: int) -> None:
         """Pad to ``num_tokens`` tokens and ``bs`` requests (DP MAX_LEN, graph buckets). Padded rows
@@ -243,8 +339,9 @@ class ForwardBatch:
         if pad_t < 0 or pad_b < 0:
             raise ValueError(f"cannot pad {self.num_tokens} tokens / {self.batch_size} requests down to "
                              f"{num_tokens} / {bs}")
-        if self.unpadded_batch_size is None:
-            self.unpadded_batch_size, self.unpadded_num_tokens = self.batch_size, self.num_tokens
+        sync = self.mlp_sync
+        if sync.unpadded_batch_size is None:
+            sync.unpadded_batch_size, sync.unpadded_num_tokens = self.batch_size, self.num_tokens
         self.input_ids = _pad_rows(self.input_ids, pad_t, 0)
         self.positions = _pad_rows(self.positions, pad_t, 0)
         self.out_cache_loc = _pad_rows(self.out_cache_loc, pad_t, DUMMY_KV_SLOT)
@@ -253,17 +350,19 @@ class ForwardBatch:
         self.seq_lens_cpu = list(self.seq_lens_cpu) + [1] * pad_b
         self.seq_lens_sum += pad_b
         self.batch_size = bs
-        hidden = getattr(self.spec_info, "hidden_states", None)
+        hidden = getattr(self.spec_info, "hidden_states", None)  # an optional member: see SpecInput
         if hidden is not None:
             self.spec_info.hidden_states = _pad_rows(hidden, num_tokens - hidden.shape[0], 0)
 
-    def post_forward_mlp_sync_batch(self, logits_output: Any) -> Any:
+    def post_forward_mlp_sync_batch(self, logits_output: LogitsT) -> LogitsT:
         """Undo ``pad_inputs_to_size`` on the outputs: keep the rows of the real requests. A
         target-verify batch has ``num_tokens_per_req`` rows per request (never a fixed draft width)."""
-        bs = self.unpadded_batch_size
+        sync = self.mlp_sync
+        bs = sync.unpadded_batch_size
         if bs is None:
             return logits_output
         if self.forward_mode.is_target_verify():
+            assert self.spec_info is not None, "a target-verify batch carries its spec input"
             rows = spec_num_tokens(self.spec_info, bs)
         elif self.forward_mode.is_decode() or self.forward_mode.is_idle():
             rows = bs
@@ -272,14 +371,14 @@ class ForwardBatch:
         logits_output.next_token_logits = logits_output.next_token_logits[:rows]
         if logits_output.hidden_states is not None:
             logits_output.hidden_states = logits_output.hidden_states[:rows]
-        n = self.unpadded_num_tokens
+        n = sync.unpadded_num_tokens
         self.input_ids, self.positions, self.out_cache_loc = (
             self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n])
         self.req_pool_indices, self.seq_lens = self.req_pool_indices[:bs], self.seq_lens[:bs]
         self.seq_lens_cpu = self.seq_lens_cpu[:bs]
         self.seq_lens_sum = sum(self.seq_lens_cpu)
         self.batch_size = bs
-        self.unpadded_batch_size = self.unpadded_num_tokens = None
+        sync.unpadded_batch_size = sync.unpadded_num_tokens = None
         return logits_output
 
 
@@ -299,7 +398,7 @@ class DPPaddingMode(enum.IntEnum):
         return cls.MAX_LEN if total * 2 >= longest * len(global_num_tokens) else cls.SUM_LEN
 
 
-def spec_request_width(spec_info: Any) -> int:
+def spec_request_width(spec_info: SpecInput) -> int:
     """Tokens per request of a speculative batch, from ``spec_info.num_tokens_per_req`` (an int, or
     a per-request list that must be uniform to scale other ranks' request counts)."""
     width = spec_info.num_tokens_per_req
@@ -312,13 +411,13 @@ def spec_request_width(spec_info: Any) -> int:
     return widths.pop() if widths else 1
 
 
-def spec_num_tokens(spec_info: Any, bs: int) -> int:
+def spec_num_tokens(spec_info: SpecInput, bs: int) -> int:
     """Tokens of the first ``bs`` requests of a speculative batch."""
     width = spec_info.num_tokens_per_req
     return bs * width if isinstance(width, int) else sum(width[:bs])
 
 
-def spec_scale_global_num_tokens(spec_info: Any, global_num_tokens: list[int],
+def spec_scale_global_num_tokens(spec_info: SpecInput, global_num_tokens: list[int],
                                  global_num_tokens_for_logprob: list[int]) -> tuple[list[int], list[int]]:
     """Per-rank request counts -> token counts, by the per-request width."""
     w = spec_request_width(spec_info)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
 
@@ -47,9 +47,10 @@ def extend_batch(pool: ReqToTokenPool, g: torch.Generator, prefix: list[int], ex
         req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(lens, device=dev),
         out_cache_loc=torch.cat(new_slots).to(dev),
         positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext, strict=True)]).to(dev),
-        seq_lens_cpu=lens, seq_lens_sum=sum(lens), extend_num_tokens=t, extend_seq_lens=torch.tensor(ext, device=dev),
-        extend_prefix_lens=torch.tensor(prefix, device=dev), extend_start_loc=torch.tensor(starts, device=dev),
-        extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=prefix)
+        seq_lens_cpu=lens, seq_lens_sum=sum(lens),
+        extend=ExtendInfo(num_tokens=t, seq_lens=torch.tensor(ext, device=dev),
+                          prefix_lens=torch.tensor(prefix, device=dev), start_loc=torch.tensor(starts, device=dev),
+                          seq_lens_cpu=ext, prefix_lens_cpu=prefix))
 
 
 def run(backend, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay,

@@ -1,5 +1,6 @@
 """ForwardBatch types what higher floors wire onto it by Protocols declared beside it; the real
-attention backend, hidden capture and sampling state provide every member those Protocols name."""
+attention backend, hidden capture, sampling state, speculative inputs, row exchange, schedule batch
+and logits output provide every member those Protocols name."""
 
 from __future__ import annotations
 
@@ -9,9 +10,22 @@ import inspect
 import torch
 
 from plait.attention.base import AttentionBackend
-from plait.forward_batch import BatchAttentionBackend, BatchHiddenCapture, BatchSamplingInfo
+from plait.distributed.copy_engine_rows import CopyEngineRows
+from plait.executor.verify_graph_runner import StaticVerifyInfo
+from plait.forward_batch import (
+    BatchAttentionBackend,
+    BatchHiddenCapture,
+    BatchSamplingInfo,
+    LogitsRows,
+    MLPSyncSource,
+    RowExchange,
+    SpecInput,
+)
 from plait.layers.hidden_capture import HiddenCapture
+from plait.models.llama import LogitsOutput
 from plait.sampling import SamplingBatchInfo
+from plait.scheduler.schedule_batch import ScheduleBatch
+from plait.speculative.verify_batch import VerifyInput
 
 
 def _members(protocol: type) -> set[str]:
@@ -36,3 +50,25 @@ def test_the_backend_methods_take_the_protocol_parameters():
     for name in ("forward", "rope_kv_store_target"):
         wanted = list(inspect.signature(getattr(BatchAttentionBackend, name)).parameters)
         assert list(inspect.signature(getattr(AttentionBackend, name)).parameters) == wanted
+
+
+def test_the_speculative_inputs_have_every_member_of_the_spec_protocol():
+    for spec_input in (VerifyInput, StaticVerifyInfo):
+        fields = {f.name for f in dataclasses.fields(spec_input)}
+        assert _members(SpecInput) <= fields, spec_input.__name__
+
+
+def test_the_row_exchange_has_every_method_of_the_batch_protocol_with_its_parameters():
+    for name in _members(RowExchange):
+        wanted = list(inspect.signature(getattr(RowExchange, name)).parameters)
+        assert list(inspect.signature(getattr(CopyEngineRows, name)).parameters) == wanted, name
+
+
+def test_the_schedule_batch_provides_what_mlp_sync_reads():
+    fields = {f.name for f in dataclasses.fields(ScheduleBatch)}
+    assert _members(MLPSyncSource) <= fields
+
+
+def test_the_logits_output_has_the_rows_post_forward_mlp_sync_slices():
+    fields = {f.name for f in dataclasses.fields(LogitsOutput)}
+    assert set(LogitsRows.__annotations__) <= fields

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from plait.attention.torch_native import TorchNativeAttnBackend
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
 HQ, HKV, D = 4, 2, 8
@@ -32,7 +32,9 @@ def setup(prefix: int, ext: int, seed: int = 0):
         forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.zeros(ext, dtype=torch.long),
         req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([prefix + ext]),
         out_cache_loc=slots[prefix:], positions=torch.arange(prefix, prefix + ext),
-        seq_lens_cpu=[prefix + ext], extend_seq_lens_cpu=[ext], extend_prefix_lens_cpu=[prefix])
+        seq_lens_cpu=[prefix + ext], seq_lens_sum=prefix + ext,
+        extend=ExtendInfo(num_tokens=ext, seq_lens=torch.tensor([ext]), prefix_lens=torch.tensor([prefix]),
+                          start_loc=torch.tensor([0]), seq_lens_cpu=[ext], prefix_lens_cpu=[prefix]))
     return backend, fb, q, k, v, slots
 
 

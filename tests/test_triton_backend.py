@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from plait.attention.hybrid import HybridAttnBackend  # noqa: E402
 from plait.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
 from plait.speculative.tree import DraftTree, build_verify_mask  # noqa: E402
 from tests.attn_cases import (  # noqa: E402
@@ -248,11 +248,11 @@ def test_target_verify_padding_rows_are_harmless():
         seq_lens=torch.cat([live.seq_lens, torch.tensor([w])]),
         out_cache_loc=torch.cat([live.out_cache_loc, torch.full((w,), DUMMY_KV_SLOT)]),
         positions=torch.cat([live.positions, torch.zeros(w, dtype=torch.long)]),
-        seq_lens_cpu=[*live.seq_lens_cpu, w], seq_lens_sum=live.seq_lens_sum + w, extend_num_tokens=3 * w,
-        extend_seq_lens=torch.tensor([w] * 3), extend_prefix_lens=torch.cat([live.extend_prefix_lens,
-                                                                              torch.tensor([0])]),
-        extend_start_loc=torch.arange(3) * w, extend_seq_lens_cpu=[w] * 3,
-        extend_prefix_lens_cpu=[*live.extend_prefix_lens_cpu, 0])
+        seq_lens_cpu=[*live.seq_lens_cpu, w], seq_lens_sum=live.seq_lens_sum + w,
+        extend=ExtendInfo(num_tokens=3 * w, seq_lens=torch.tensor([w] * 3),
+                          prefix_lens=torch.cat([live.extend.prefix_lens, torch.tensor([0])]),
+                          start_loc=torch.arange(3) * w, seq_lens_cpu=[w] * 3,
+                          prefix_lens_cpu=[*live.extend.prefix_lens_cpu, 0]))
     as_target_verify(padded, torch.cat([live.spec_info.custom_mask, torch.ones(w * w, dtype=torch.bool)]))
     got = run(triton_be, padded, torch.cat([q, pad_q]), torch.cat([k, pad_k]), torch.cat([v, pad_v]), lay)
     n = live.num_tokens

@@ -296,10 +296,10 @@ class TorchFlashAttnBackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         if not fb.forward_mode.is_extend():
             return None  # decode reads seq_lens at the call: nothing to plan
-        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        assert fb.extend is not None
         want_everything = self.kernel_path == "varlen" or (bool(self.sliding_window) and self._windowed_varlen())
         self.extend_md = plan_extend(
-            list(fb.extend_seq_lens_cpu), list(fb.extend_prefix_lens_cpu), fb.req_pool_indices.tolist(),
+            list(fb.extend.seq_lens_cpu), list(fb.extend.prefix_lens_cpu), fb.req_pool_indices.tolist(),
             custom_mask_of(fb), self.device, pack=self.kernel_path != "varlen",
             want_everything=want_everything and self.varlen is not None)
 

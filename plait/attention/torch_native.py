@@ -48,12 +48,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         if save_kv_cache:
             self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        assert fb.extend is not None
         mask = custom_mask_of(fb)
         rows = fb.req_pool_indices.tolist()
         out = torch.empty_like(q)
         start, mask_start = 0, 0
-        for i, (ext, pre) in enumerate(zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, strict=True)):
+        for i, (ext, pre) in enumerate(zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu, strict=True)):
             # Prefix from the cache, new tokens from k/v (correct with save_kv_cache=False too).
             pk, pv = self._kv_of(layer, rows[i], pre)
             keys = torch.cat([pk.to(k.dtype), k[start : start + ext]])

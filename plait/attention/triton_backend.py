@@ -152,7 +152,7 @@ class TritonAttnBackend(AttentionBackend):
         self.graph_verify_buffers: VerifyBuffers | None = None
         self.graph_max_bs = 0
         # Data pointers of the graph runner's static tensors that in_graph reads, recorded at capture:
-        # (req_pool_indices, seq_lens) for decode; (req_pool_indices, extend_prefix_lens) for verify,
+        # (req_pool_indices, seq_lens) for decode; (req_pool_indices, extend.prefix_lens) for verify,
         # plus (out_cache_loc, custom mask) when it builds decode rows. in_graph checks it reads those
         # (a replay cannot feed it anything else).
         self._capture_input_ptrs: tuple[int, ...] | None = None
@@ -238,8 +238,7 @@ class TritonAttnBackend(AttentionBackend):
                                   MAX_KV_SPLITS, self.num_sms, num_kv_heads)
             self.decode_md = (bufs, bs)
             return
-        assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
-        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        assert fb.extend is not None
         mask = custom_mask_of(fb)
         if fb.forward_mode.is_target_verify():
             self._plan_verify(fb, mask, in_capture)
@@ -254,13 +253,13 @@ class TritonAttnBackend(AttentionBackend):
         self.verify_md = None
         mask_indptr = None
         if mask is not None:
-            sizes = [e * (e + p) for e, p in zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, strict=True)]
+            sizes = [e * (e + p) for e, p in zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu, strict=True)]
             mask_indptr = _indptr(torch.tensor(sizes, dtype=torch.int64, device=self.device))
         self.extend_md = ExtendMetadata(
-            qo_indptr=_indptr(fb.extend_seq_lens),
-            kv_indptr=_indptr(fb.extend_prefix_lens),
-            kv_indices=torch.empty(max(1, sum(fb.extend_prefix_lens_cpu)), dtype=torch.int32, device=self.device),
-            max_len_extend=max(fb.extend_seq_lens_cpu),
+            qo_indptr=_indptr(fb.extend.seq_lens),
+            kv_indptr=_indptr(fb.extend.prefix_lens),
+            kv_indices=torch.empty(max(1, sum(fb.extend.prefix_lens_cpu)), dtype=torch.int32, device=self.device),
+            max_len_extend=max(fb.extend.seq_lens_cpu),
             custom_mask=mask,
             mask_indptr=mask_indptr,
         )
@@ -271,11 +270,10 @@ class TritonAttnBackend(AttentionBackend):
         need it, the extend plan (``extend_md``). A batch that fits the graph buffers plans into them,
         eager or replayed, so a graph captured on them sees every later plan. Device ops only on the
         per-request indptrs: no host sync. ``allow_rows=False`` (tree-draft steps): extend plan only."""
-        assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
-        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        assert fb.extend is not None
         bs = fb.batch_size
-        num_rows = sum(fb.extend_seq_lens_cpu)
-        max_width = max(fb.extend_seq_lens_cpu)
+        num_rows = sum(fb.extend.seq_lens_cpu)
+        max_width = max(fb.extend.seq_lens_cpu)
         static = self.graph_verify_buffers
         use_rows = allow_rows and self.verify_via_decode and bs <= VERIFY_ROWS_MAX_BS  # bs: the padded bucket
         if static is not None and (bs > self.graph_max_bs or (
@@ -286,7 +284,7 @@ class TritonAttnBackend(AttentionBackend):
         # qo / kv / mask indptrs from the host lists, in one pinned copy (a verify step's planning runs
         # while the GPU idles: one copy, not three cumsums and their stores). Request b's mask block
         # is ext_b x (prefix_b + ext_b).
-        ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        ext, pre = fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu
         packed = static.packed if static is not None else torch.empty(3, bs + 1, dtype=torch.int32,
                                                                       device=self.device)
         host = np.zeros(tuple(packed.shape), dtype=np.int32)
@@ -314,7 +312,7 @@ class TritonAttnBackend(AttentionBackend):
                 bufs, row_lens = static.rows, static.row_lens[:num_rows]
             else:
                 # Row b,i holds at most prefix_b + ext_b slots: the mask size bounds the total.
-                kv_tokens = sum(e * (p + e) for e, p in zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu,
+                kv_tokens = sum(e * (p + e) for e, p in zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu,
                                                             strict=True))
                 bufs = self._decode_buffers(num_rows, kv_tokens, VERIFY_MAX_KV_SPLITS)
                 row_lens = torch.empty(num_rows, dtype=torch.int32, device=self.device)
@@ -326,8 +324,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def _verify_input_ptrs(self, fb: ForwardBatch) -> tuple[int, ...]:
         """The tensors of ``fb`` that in_graph reads for a verify plan (see ``_capture_input_ptrs``)."""
-        assert fb.extend_prefix_lens is not None
-        ptrs: tuple[int, ...] = (fb.req_pool_indices.data_ptr(), fb.extend_prefix_lens.data_ptr())
+        assert fb.extend is not None
+        ptrs: tuple[int, ...] = (fb.req_pool_indices.data_ptr(), fb.extend.prefix_lens.data_ptr())
         if self.verify_md is not None:
             mask = custom_mask_of(fb)
             ptrs += (fb.out_cache_loc.data_ptr(), mask.data_ptr() if mask is not None else 0)
@@ -336,7 +334,7 @@ class TritonAttnBackend(AttentionBackend):
     def _check_capture_inputs(self, ptrs: tuple[int, ...]) -> None:
         if self._capture_input_ptrs is not None and ptrs != self._capture_input_ptrs:
             raise RuntimeError("init_forward_metadata_in_graph must read the graph runner's static buffers "
-                               "(req_pool_indices / seq_lens or extend_prefix_lens, and for verify rows "
+                               "(req_pool_indices / seq_lens or extend.prefix_lens, and for verify rows "
                                "out_cache_loc / the custom mask), not a per-step tensor")
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
@@ -354,19 +352,19 @@ class TritonAttnBackend(AttentionBackend):
                 build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, lens, win.kv_indptr,
                                  win.kv_indices, kv_start_idx=fb.seq_lens - lens)
             return
-        assert fb.extend_prefix_lens is not None
+        assert fb.extend is not None
         if fb.forward_mode.is_target_verify():
             self._check_capture_inputs(self._verify_input_ptrs(fb))
         else:
-            self._check_capture_inputs((fb.req_pool_indices.data_ptr(), fb.extend_prefix_lens.data_ptr()))
+            self._check_capture_inputs((fb.req_pool_indices.data_ptr(), fb.extend.prefix_lens.data_ptr()))
         md = self.extend_md
         assert md is not None or self.verify_md is not None, "out_graph plans before in_graph"
         if md is not None:
-            build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
+            build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend.prefix_lens,
                              md.kv_indptr, md.kv_indices)
         rows = self.verify_md
         if rows is not None:
-            build_verify_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
+            build_verify_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend.prefix_lens,
                                     rows.qo_indptr, fb.out_cache_loc, custom_mask_of(fb), rows.mask_indptr,
                                     rows.max_width, rows.row_lens, rows.bufs.kv_indptr, rows.bufs.kv_indices)
             # From the row lengths just built: in the graph, so a replay recomputes them too.

@@ -29,38 +29,24 @@ A rank with no tokens (IDLE) passes an empty tensor and still joins every collec
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from plait.distributed.parallel_state import TPGroup
-from plait.forward_batch import DPPaddingMode, ForwardBatch
-
-
-class ShardedMLP(Protocol):
-    """A TP-sharded MLP whose row-parallel output can be reduced by the caller."""
-
-    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sums of the output rows of ``x``, bias not yet added."""
-        ...
-
-    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
-        """The output of rows whose partial sums were reduced over the ranks."""
-        ...
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ShardedMLP
 
 
 def dp_gathered_mlp(mlp: ShardedMLP, hidden: torch.Tensor, fb: ForwardBatch, group: TPGroup) -> torch.Tensor:
-    counts = fb.global_num_tokens_cpu
-    if counts is None or fb.dp_padding_mode is None:
+    counts = fb.mlp_sync.global_num_tokens_cpu
+    if counts is None or fb.mlp_sync.padding_mode is None:
         raise RuntimeError("a DP-attention forward needs its MLP-sync metadata (init_mlp_sync_metadata) and "
                            "padding mode")
     n = hidden.shape[0]
     if n != counts[group.rank]:
         raise RuntimeError(f"rank {group.rank} has {n} tokens but the step's counts say {counts[group.rank]}")
     exchange = fb.dp_row_exchange
-    if fb.dp_padding_mode == DPPaddingMode.SUM_LEN and exchange is not None and exchange.fits(counts):
+    if fb.mlp_sync.padding_mode == DPPaddingMode.SUM_LEN and exchange is not None and exchange.fits(counts):
         return exchange.mlp(mlp, hidden, counts)
-    if fb.dp_padding_mode == DPPaddingMode.MAX_LEN:
+    if fb.mlp_sync.padding_mode == DPPaddingMode.MAX_LEN:
         longest = max(counts)
         if n < longest:
             padded = hidden.new_zeros(longest, hidden.shape[1])

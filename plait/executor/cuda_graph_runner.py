@@ -93,21 +93,21 @@ class CudaGraphRunner:
     def max_dp_batch_size(fb: ForwardBatch) -> int:
         """The DP graph batch size: the largest raw per-rank count (requests, for decode and verify
         batches), so every rank replays the same bucket. can_run and replay both ask here."""
-        if fb.original_global_num_tokens_cpu is None:
+        if fb.mlp_sync.original_global_num_tokens_cpu is None:
             raise RuntimeError("DP graph batch size needs original_global_num_tokens_cpu: call "
                                "ForwardBatch.init_mlp_sync_metadata before the graph runner")
-        return max(fb.original_global_num_tokens_cpu)
+        return max(fb.mlp_sync.original_global_num_tokens_cpu)
 
     def graph_batch_size(self, fb: ForwardBatch) -> int:
-        return self.max_dp_batch_size(fb) if fb.global_num_tokens_cpu is not None else fb.batch_size
+        return self.max_dp_batch_size(fb) if fb.mlp_sync.global_num_tokens_cpu is not None else fb.batch_size
 
     def can_run(self, fb: ForwardBatch) -> bool:
         if fb.spec_info is not None:
             return False
-        if fb.global_num_tokens_cpu is not None:
+        if fb.mlp_sync.global_num_tokens_cpu is not None:
             # DP attention: the graphs hold the MLP collectives, so every rank must decide alike, from
             # the global counts only. A rank with no requests (IDLE) replays the bucket on padding rows.
-            return (fb.can_run_dp_cuda_graph and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle())
+            return (fb.mlp_sync.can_run_dp_cuda_graph and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle())
                     and 0 < self.max_dp_batch_size(fb) <= self.max_bs)
         return fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs
 

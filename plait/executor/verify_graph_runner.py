@@ -36,7 +36,7 @@ from plait.executor.graph_utils import (
     stage,
     warm_and_capture,
 )
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.models.llama import LogitsOutput
 from plait.sampling.sampler import greedy_ids
@@ -105,10 +105,10 @@ class VerifyGraphRunner:
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=self.input_ids[:n],
             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
             out_cache_loc=self.out_cache_loc[:n], positions=self.positions[:n], seq_lens_cpu=seq_lens_cpu,
-            seq_lens_sum=sum(seq_lens_cpu), extend_num_tokens=n, extend_seq_lens=self.extend_lens[:bs],
-            extend_prefix_lens=self.prefix_lens[:bs],
-            extend_start_loc=starts,
-            extend_seq_lens_cpu=[width] * bs, extend_prefix_lens_cpu=prefix_cpu, attn_backend=self.backend,
+            seq_lens_sum=sum(seq_lens_cpu),
+            extend=ExtendInfo(num_tokens=n, seq_lens=self.extend_lens[:bs], prefix_lens=self.prefix_lens[:bs],
+                              start_loc=starts, seq_lens_cpu=[width] * bs, prefix_lens_cpu=prefix_cpu),
+            attn_backend=self.backend,
             spec_info=StaticVerifyInfo(self.custom_mask, width), next_token_logits_buffer=self.logits_buffer,
             hidden_capture=self.target.hidden_capture,
         )
@@ -140,7 +140,7 @@ class VerifyGraphRunner:
 
     # --- replay -----------------------------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
-        if not fb.forward_mode.is_target_verify() or fb.global_num_tokens_cpu is not None:
+        if not fb.forward_mode.is_target_verify() or fb.mlp_sync.global_num_tokens_cpu is not None:
             return False  # DP attention pads verify batches itself: eager
         if fb.logits_indices is not None or not 0 < fb.batch_size <= self.max_bs:
             return False
@@ -152,7 +152,7 @@ class VerifyGraphRunner:
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
         width = uniform_width(fb)
-        assert width is not None and fb.extend_prefix_lens is not None and fb.extend_prefix_lens_cpu is not None
+        assert width is not None and fb.extend is not None
         bs = fb.batch_size
         padded = self.bucket(bs)
         n, n_pad = bs * width, padded * width
@@ -163,13 +163,13 @@ class VerifyGraphRunner:
         stage(self.out_cache_loc, fb.out_cache_loc, n_pad, DUMMY_KV_SLOT)
         stage(self.req_pool_indices, fb.req_pool_indices, padded, DUMMY_REQ_ROW)
         stage(self.seq_lens, fb.seq_lens, padded, width)
-        stage(self.prefix_lens, fb.extend_prefix_lens, padded, 0)
+        stage(self.prefix_lens, fb.extend.prefix_lens, padded, 0)
         self.extend_lens[:padded].fill_(width)
         # A padded request's mask block is W x (0 + W), all ones.
         stage(self.custom_mask, mask, m + (padded - bs) * width * width, True)
         pad = padded - bs
         view = self._static_batch(width, padded, list(fb.seq_lens_cpu) + [width] * pad,
-                                  list(fb.extend_prefix_lens_cpu) + [0] * pad)
+                                  list(fb.extend.prefix_lens_cpu) + [0] * pad)
         view.actual_forward_mode = fb.forward_mode
         if fb.needs_forward_metadata_init():
             self.backend.init_forward_metadata_out_graph(view)

@@ -158,7 +158,7 @@ class MLPCountSync:
 
     def _fill(self, fb: ForwardBatch, counts: list[int], mode: DPPaddingMode) -> None:
         fb.init_mlp_sync_metadata(MLPSync(counts, counts, mode == DPPaddingMode.MAX_LEN), self.device)
-        fb.dp_padding_mode = mode
+        fb.mlp_sync.padding_mode = mode
         fb.dp_row_exchange = self.row_exchange
 
 
@@ -197,8 +197,8 @@ class DPAttentionRunner(ModelRunner):
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
         self.forwarded = True
         self.count_sync.sync(fb)
-        assert fb.dp_padding_mode is not None
-        self.padding_modes[fb.dp_padding_mode.name] += 1
+        assert fb.mlp_sync.padding_mode is not None
+        self.padding_modes[fb.mlp_sync.padding_mode.name] += 1
         return super().forward(fb, skip_attn_backend_init)
 
     def finish_round(self) -> None:
@@ -210,7 +210,7 @@ class DPAttentionRunner(ModelRunner):
         fb = ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
                           seq_lens=empty, out_cache_loc=empty, positions=empty)
         self.count_sync.sync(fb)
-        if not any(fb.global_num_tokens_cpu or []):
+        if not any(fb.mlp_sync.global_num_tokens_cpu or []):
             return  # no rank has work this round: nothing to join
         self.idle_rounds += 1
         self.forward_idle(fb)

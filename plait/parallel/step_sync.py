@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 
 from plait.distributed.parallel_state import TPGroup
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import ReqToTokenPool
 
 HEADER_LEN = 8
@@ -80,9 +80,9 @@ class StepMessage:
 
 def _token_rows(fb: ForwardBatch) -> torch.Tensor:
     """Request-pool row of every new token (the rows of the req_to_token scatter)."""
-    if fb.extend_seq_lens is None:
+    if fb.extend is None:
         return fb.req_pool_indices
-    return torch.repeat_interleave(fb.req_pool_indices, fb.extend_seq_lens, output_size=fb.num_tokens)
+    return torch.repeat_interleave(fb.req_pool_indices, fb.extend.seq_lens, output_size=fb.num_tokens)
 
 
 def apply_step_writes(pool: ReqToTokenPool, fb: ForwardBatch, writes: list[PoolWrite]) -> None:
@@ -102,7 +102,7 @@ def send_shutdown(control: TPGroup) -> None:
 
 def send_step(control: TPGroup, device_group: TPGroup, fb: ForwardBatch, writes: list[PoolWrite]) -> None:
     """Rank 0: broadcast ``fb``'s inputs (and the pending pool writes)."""
-    extend = fb.extend_seq_lens is not None
+    extend = fb.extend is not None
     n_logits = -1 if fb.logits_indices is None else int(fb.logits_indices.numel())
     n_slots = sum(int(w.slots.numel()) for w in writes)
     header = torch.tensor([StepKind.FORWARD, int(fb.forward_mode), fb.batch_size, fb.num_tokens, n_logits,
@@ -110,16 +110,15 @@ def send_step(control: TPGroup, device_group: TPGroup, fb: ForwardBatch, writes:
     control.broadcast(header)
     host: list[int] = list(fb.seq_lens_cpu)
     if extend:
-        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
-        host += list(fb.extend_seq_lens_cpu) + list(fb.extend_prefix_lens_cpu)
+        assert fb.extend is not None
+        host += list(fb.extend.seq_lens_cpu) + list(fb.extend.prefix_lens_cpu)
     host += [w.row for w in writes] + [w.start for w in writes] + [int(w.slots.numel()) for w in writes]
     if host:
         control.broadcast(torch.tensor(host, dtype=torch.int64))
     parts = [fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc]
     if extend:
-        assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
-        assert fb.extend_start_loc is not None
-        parts += [fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc]
+        assert fb.extend is not None
+        parts += [fb.extend.seq_lens, fb.extend.prefix_lens, fb.extend.start_loc]
     if fb.logits_indices is not None:
         parts.append(fb.logits_indices)
     parts += [w.slots for w in writes]
@@ -142,8 +141,8 @@ def recv_step(control: TPGroup, device_group: TPGroup, device: torch.device | st
         control.broadcast(h)
         host = h.tolist()
     seq_lens_cpu, host = host[:bs], host[bs:]
-    ext_cpu: list[int] | None = None
-    pre_cpu: list[int] | None = None
+    ext_cpu: list[int] = []
+    pre_cpu: list[int] = []
     if extend:
         ext_cpu, pre_cpu, host = host[:bs], host[bs : 2 * bs], host[2 * bs :]
     w_rows, w_starts, w_lens = host[:n_writes], host[n_writes : 2 * n_writes], host[2 * n_writes :]
@@ -158,9 +157,8 @@ def recv_step(control: TPGroup, device_group: TPGroup, device: torch.device | st
                       seq_lens=seq_lens, out_cache_loc=out_loc, positions=pos, seq_lens_cpu=seq_lens_cpu,
                       seq_lens_sum=sum(seq_lens_cpu))
     if extend:
-        fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = rest[:3]
-        fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = ext_cpu, pre_cpu
-        fb.extend_num_tokens = T
+        fb.extend = ExtendInfo(num_tokens=T, seq_lens=rest[0], prefix_lens=rest[1], start_loc=rest[2],
+                               seq_lens_cpu=ext_cpu, prefix_lens_cpu=pre_cpu)
         rest = rest[3:]
     if n_logits >= 0:
         fb.logits_indices, rest = rest[0], rest[1:]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.scheduler.req import Req
 from plait.transfer import ints_to_device
 
@@ -110,9 +110,8 @@ class ScheduleBatch:
         self.token_rows = rows
         fb.init_mlp_sync_metadata(self, device)
         if mode != ForwardMode.DECODE:
-            fb.extend_num_tokens = len(input_ids)
-            fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = ext_t, pre_t, starts_t
-            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = ext, pre
+            fb.extend = ExtendInfo(num_tokens=len(input_ids), seq_lens=ext_t, prefix_lens=pre_t, start_loc=starts_t,
+                                   seq_lens_cpu=ext, prefix_lens_cpu=pre)
             # Decode rows sample every step; chunks that do not finish a prefill sample nothing.
             fb.logits_indices = logits_t
         return fb

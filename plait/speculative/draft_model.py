@@ -26,7 +26,7 @@ import torch
 
 from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool
 from plait.scheduler.interface import SchedulerAPI
 from plait.scheduler.req import Req
@@ -140,8 +140,8 @@ class DraftModelWorker(BaseSpecWorker):
             forward_mode=ForwardMode.DRAFT_EXTEND, batch_size=len(rows),
             input_ids=ids if isinstance(ids, torch.Tensor) else ids_t, req_pool_indices=rows_t,
             seq_lens=seq_t, out_cache_loc=slots, positions=pos_t, seq_lens_cpu=seq, seq_lens_sum=sum(seq),
-            extend_num_tokens=len(pos), extend_seq_lens=ext_t, extend_prefix_lens=pre_t, extend_start_loc=loc_t,
-            extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre)
+            extend=ExtendInfo(num_tokens=len(pos), seq_lens=ext_t, prefix_lens=pre_t, start_loc=loc_t,
+                              seq_lens_cpu=ext, prefix_lens_cpu=pre))
 
     # --- drafting -----------------------------------------------------------------------------------
     def propose(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:

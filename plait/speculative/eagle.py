@@ -148,8 +148,8 @@ class EagleWorker(DraftModelWorker):
             ext = [1] * len(rows)
             pre = [s - 1 for s in fb.seq_lens_cpu]
         else:
-            assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
-            ext, pre = list(fb.extend_seq_lens_cpu), list(fb.extend_prefix_lens_cpu)
+            assert fb.extend is not None
+            ext, pre = list(fb.extend.seq_lens_cpu), list(fb.extend.prefix_lens_cpu)
         ids_parts, hid_parts, starts, lens = [], [], [], []
         off = 0
         for row, a, e in zip(rows, pre, ext, strict=True):

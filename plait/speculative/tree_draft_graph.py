@@ -41,7 +41,7 @@ import torch
 
 from plait.executor.graph_utils import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
 from plait.executor.verify_graph_runner import StaticVerifyInfo
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.speculative.draft_backend import MultiStepDraftBackend
 from plait.speculative.draft_tree import expand_on_device, node_depth
@@ -119,9 +119,9 @@ class TreeDraftGraphRunner:
             forward_mode=ForwardMode.DRAFT_EXTEND, batch_size=bs, input_ids=self.input_ids[s][: bs * w],
             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[s, :bs],
             out_cache_loc=self.out_cache_loc[: bs * w], positions=self.positions[s][: bs * w],
-            seq_lens_cpu=seq_cpu, seq_lens_sum=sum(seq_cpu), extend_num_tokens=bs * w,
-            extend_seq_lens=self.extend_lens[s, :bs], extend_prefix_lens=self.prefix_lens[:bs],
-            extend_start_loc=starts, extend_seq_lens_cpu=[w] * bs, extend_prefix_lens_cpu=prefix_cpu,
+            seq_lens_cpu=seq_cpu, seq_lens_sum=sum(seq_cpu),
+            extend=ExtendInfo(num_tokens=bs * w, seq_lens=self.extend_lens[s, :bs], prefix_lens=self.prefix_lens[:bs],
+                              start_loc=starts, seq_lens_cpu=[w] * bs, prefix_lens_cpu=prefix_cpu),
             attn_backend=self.multi.children[s], spec_info=StaticVerifyInfo(self.custom_mask, w))
 
     @torch.inference_mode()

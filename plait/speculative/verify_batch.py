@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT
 from plait.speculative.draft_tree import level_tree
 from plait.speculative.tree import DraftTree, build_verify_mask, build_verify_mask_from_ancestors
@@ -95,8 +95,8 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
         input_ids=ids_t if input_ids is None else input_ids,
         req_pool_indices=rows_t, seq_lens=seq_t, out_cache_loc=slots, positions=pos_t,
         seq_lens_cpu=seq_lens, seq_lens_sum=sum(seq_lens),
-        extend_num_tokens=len(ids), extend_seq_lens=ext_t, extend_prefix_lens=pre_t,
-        extend_start_loc=starts_t, extend_seq_lens_cpu=widths, extend_prefix_lens_cpu=prefix,
+        extend=ExtendInfo(num_tokens=len(ids), seq_lens=ext_t, prefix_lens=pre_t, start_loc=starts_t,
+                          seq_lens_cpu=widths, prefix_lens_cpu=prefix),
     )
     # logits_indices stays None: every node's logits are needed.
     mask = build_verify_mask(trees, prefix, device) if custom_mask is None else custom_mask

@@ -54,8 +54,8 @@ def test_dp_attention_engine_captures_decode_graphs(engine):
     graphs = engine.runner.graph_runner
     assert graphs is not None and graphs.batch_sizes[-1] == graphs.max_bs
     captured = graphs.capture_batches[graphs.max_bs]
-    assert captured.dp_padding_mode == DPPaddingMode.MAX_LEN
-    assert captured.global_num_tokens_cpu == [graphs.max_bs, graphs.max_bs]
+    assert captured.mlp_sync.padding_mode == DPPaddingMode.MAX_LEN
+    assert captured.mlp_sync.global_num_tokens_cpu == [graphs.max_bs, graphs.max_bs]
 
 
 def test_mixed_lengths_replay_when_counts_fit_a_bucket_and_match_a_single_rank(engine, reference):

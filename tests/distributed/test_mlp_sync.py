@@ -39,22 +39,22 @@ def _batch(mode: ForwardMode, bs: int, tokens_per_req: int = 1, spec_info=None) 
 def test_init_mlp_sync_metadata_scales_speculative_request_width():
     fb = _batch(ForwardMode.TARGET_VERIFY, 3, 4, spec_info=DraftInput(num_tokens_per_req=4))
     fb.init_mlp_sync_metadata(SyncedBatch([3, 1], [3, 1], can_run_dp_cuda_graph=True), "cpu")
-    assert fb.original_global_num_tokens_cpu == [3, 1]  # raw: requests per rank
-    assert fb.global_num_tokens_cpu == [12, 4]  # what the MLP sync moves: tokens per rank
-    assert fb.global_num_tokens_for_logprob_cpu == [12, 4]
-    assert fb.global_num_tokens_gpu.tolist() == [12, 4]
-    assert fb.global_num_tokens_for_logprob_gpu.tolist() == [12, 4]
-    assert fb.can_run_dp_cuda_graph
+    assert fb.mlp_sync.original_global_num_tokens_cpu == [3, 1]  # raw: requests per rank
+    assert fb.mlp_sync.global_num_tokens_cpu == [12, 4]  # what the MLP sync moves: tokens per rank
+    assert fb.mlp_sync.global_num_tokens_for_logprob_cpu == [12, 4]
+    assert fb.mlp_sync.global_num_tokens_gpu.tolist() == [12, 4]
+    assert fb.mlp_sync.global_num_tokens_for_logprob_gpu.tolist() == [12, 4]
+    assert fb.mlp_sync.can_run_dp_cuda_graph
 
 
 def test_init_mlp_sync_metadata_without_spec_keeps_counts_and_without_counts_does_nothing():
     fb = _batch(ForwardMode.DECODE, 2)
     fb.init_mlp_sync_metadata(SyncedBatch([2, 5], [2, 5], can_run_dp_cuda_graph=False), "cpu")
-    assert fb.global_num_tokens_cpu == fb.original_global_num_tokens_cpu == [2, 5]
-    assert not fb.can_run_dp_cuda_graph
+    assert fb.mlp_sync.global_num_tokens_cpu == fb.mlp_sync.original_global_num_tokens_cpu == [2, 5]
+    assert not fb.mlp_sync.can_run_dp_cuda_graph
     plain = _batch(ForwardMode.DECODE, 2)
     plain.init_mlp_sync_metadata(SyncedBatch(None, None), "cpu")
-    assert plain.global_num_tokens_cpu is None and plain.original_global_num_tokens_cpu is None
+    assert plain.mlp_sync.global_num_tokens_cpu is None and plain.mlp_sync.original_global_num_tokens_cpu is None
 
 
 def test_non_uniform_request_widths_cannot_scale_other_ranks_counts():
@@ -107,9 +107,9 @@ def test_graph_runner_can_run_and_replay_share_the_dp_batch_size():
     assert runner.graph_batch_size(fb) == 5  # every rank replays the bucket of the largest rank
     assert runner.bucket(runner.graph_batch_size(fb)) == 8
     assert runner.can_run(fb)
-    fb.original_global_num_tokens_cpu = [2, 9]  # another rank is past the largest graph
+    fb.mlp_sync.original_global_num_tokens_cpu = [2, 9]  # another rank is past the largest graph
     assert not runner.can_run(fb)
-    fb.original_global_num_tokens_cpu, fb.can_run_dp_cuda_graph = [2, 5], False  # a SUM_LEN step
+    fb.mlp_sync.original_global_num_tokens_cpu, fb.mlp_sync.can_run_dp_cuda_graph = [2, 5], False  # a SUM_LEN step
     assert not runner.can_run(fb)
 
 
@@ -142,17 +142,17 @@ def test_dp_attention_count_sync_reports_requests_for_a_verify_batch():
     must hand it requests, so the graph batch size counts requests and the MLP buffers tokens."""
     fb = _batch(ForwardMode.TARGET_VERIFY, 3, 4, spec_info=DraftInput(num_tokens_per_req=4))
     _one_rank_sync().sync(fb)
-    assert fb.original_global_num_tokens_cpu == [3]  # requests
-    assert fb.global_num_tokens_cpu == [12]  # tokens: 3 requests x 4
+    assert fb.mlp_sync.original_global_num_tokens_cpu == [3]  # requests
+    assert fb.mlp_sync.global_num_tokens_cpu == [12]  # tokens: 3 requests x 4
 
 
 def test_dp_attention_count_sync_reports_tokens_for_an_extend_and_requests_for_a_decode():
     sync = _one_rank_sync()
     extend = _batch(ForwardMode.EXTEND, 2, 5)
     sync.sync(extend)
-    assert extend.global_num_tokens_cpu == extend.original_global_num_tokens_cpu == [10]
+    assert extend.mlp_sync.global_num_tokens_cpu == extend.mlp_sync.original_global_num_tokens_cpu == [10]
     decode = _batch(ForwardMode.DECODE, 3)
     sync.sync(decode)
-    assert decode.global_num_tokens_cpu == decode.original_global_num_tokens_cpu == [3]
+    assert decode.mlp_sync.global_num_tokens_cpu == decode.mlp_sync.original_global_num_tokens_cpu == [3]
 
 

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from plait.bench.shapes import SHAPES  # noqa: E402
 from plait.bench.workloads import make_engine, random_prompts  # noqa: E402
 from plait.executor.graph_utils import CudaGraph, warm_and_capture  # noqa: E402
-from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode  # noqa: E402
 
 SHAPE = "llama-3.2-1b"
 VOCAB = SHAPES[SHAPE]["vocab_size"]
@@ -44,11 +44,12 @@ def teacher_forced_logits(engine, sequences: list[list[int]], prompt_len: int) -
         forward_mode=ForwardMode.EXTEND, batch_size=bs, input_ids=ids.flatten(),
         req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.full((bs,), prompt_len, device=dev),
         out_cache_loc=slots[:, :prompt_len].flatten(), positions=torch.arange(prompt_len, device=dev).repeat(bs),
-        seq_lens_cpu=[prompt_len] * bs, seq_lens_sum=bs * prompt_len, extend_num_tokens=bs * prompt_len,
-        extend_seq_lens=torch.full((bs,), prompt_len, device=dev), extend_prefix_lens=torch.zeros(bs, dtype=torch.long,
-                                                                                                 device=dev),
-        extend_start_loc=torch.arange(bs, device=dev) * prompt_len, extend_seq_lens_cpu=[prompt_len] * bs,
-        extend_prefix_lens_cpu=[0] * bs, logits_indices=torch.arange(1, bs + 1, device=dev) * prompt_len - 1)
+        seq_lens_cpu=[prompt_len] * bs, seq_lens_sum=bs * prompt_len,
+        extend=ExtendInfo(num_tokens=bs * prompt_len, seq_lens=torch.full((bs,), prompt_len, device=dev),
+                          prefix_lens=torch.zeros(bs, dtype=torch.long, device=dev),
+                          start_loc=torch.arange(bs, device=dev) * prompt_len, seq_lens_cpu=[prompt_len] * bs,
+                          prefix_lens_cpu=[0] * bs),
+        logits_indices=torch.arange(1, bs + 1, device=dev) * prompt_len - 1)
     out = [runner.forward(fb).next_token_logits.float().clone()]
     for t in range(prompt_len, total):
         fb = ForwardBatch(
@@ -178,7 +179,7 @@ def _copy_engine_rank(port: int, rank: int) -> None:
         empty = torch.empty(0, dtype=torch.int64, device=device)
         fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=0, input_ids=empty, req_pool_indices=empty,
                           seq_lens=empty, out_cache_loc=empty, positions=empty)
-        fb.global_num_tokens_cpu, fb.dp_padding_mode = counts, DPPaddingMode.SUM_LEN
+        fb.mlp_sync.global_num_tokens_cpu, fb.mlp_sync.padding_mode = counts, DPPaddingMode.SUM_LEN
         x = torch.randn(counts[rank], 256, generator=gen, device=device, dtype=torch.bfloat16)
         nccl, copied = x, x
         for mlp in layers:
@@ -209,7 +210,8 @@ def _copy_engine_graph_rank(port: int, rank: int) -> None:
     def stack(x: torch.Tensor, counts: list[int], via: Any) -> torch.Tensor:
         fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=0, input_ids=empty, req_pool_indices=empty,
                           seq_lens=empty, out_cache_loc=empty, positions=empty)
-        fb.global_num_tokens_cpu, fb.dp_padding_mode, fb.dp_row_exchange = counts, DPPaddingMode.MAX_LEN, via
+        fb.mlp_sync.global_num_tokens_cpu, fb.mlp_sync.padding_mode = counts, DPPaddingMode.MAX_LEN
+        fb.dp_row_exchange = via
         for mlp in layers:
             x = dp_gathered_mlp(mlp, x, fb, group)
         return x

@@ -16,7 +16,7 @@ from plait.attention.registry import build_backend
 from plait.executor.cuda_graph_runner import CudaGraphRunner
 from plait.executor.graph_utils import EagerGraph
 from plait.executor.verify_graph_runner import VerifyGraphRunner
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.layers.hidden_capture import HiddenCapture
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 from plait.speculative.tree import DraftTree
@@ -58,9 +58,9 @@ def _chain_from_scratch(target, worker, context: list[int], k: int) -> list[int]
     backend = build_backend("torch_native", pool, kv, worker.head_num_q_heads)
     pool.write(1, 0, torch.arange(1, n + 1))
     fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, 1, torch.tensor(context[1:]), torch.tensor([1]), torch.tensor([L]),
-                      torch.arange(1, L + 1), torch.arange(L), seq_lens_cpu=[L], seq_lens_sum=L, extend_num_tokens=L,
-                      extend_seq_lens=torch.tensor([L]), extend_prefix_lens=torch.tensor([0]),
-                      extend_start_loc=torch.tensor([0]), extend_seq_lens_cpu=[L], extend_prefix_lens_cpu=[0])
+                      torch.arange(1, L + 1), torch.arange(L), seq_lens_cpu=[L], seq_lens_sum=L,
+                      extend=ExtendInfo(num_tokens=L, seq_lens=torch.tensor([L]), prefix_lens=torch.tensor([0]),
+                                        start_loc=torch.tensor([0]), seq_lens_cpu=[L], prefix_lens_cpu=[0]))
     ids, h = worker._head(fb, backend, hidden)
     out = [int(ids[-1])]
     h = h[-1:]

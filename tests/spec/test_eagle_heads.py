@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plait.attention.registry import build_backend
-from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 from plait.models.eagle import Eagle3Head, EagleHead, eagle3_capture_layers, iter_checkpoint, load_head_config
 from plait.models.eagle_heads import eagle_head_manifest, make_eagle_head
@@ -72,8 +72,8 @@ def test_heads_run_a_forward_through_the_attention_backend(tiny_model_dir, tmp_p
     pool.write(1, 0, slots)
     fb = ForwardBatch(ForwardMode.EXTEND, 1, torch.zeros(n, dtype=torch.int64), torch.tensor([1]),
                       torch.tensor([n]), slots, torch.arange(n), seq_lens_cpu=[n], seq_lens_sum=n,
-                      extend_num_tokens=n, extend_seq_lens=torch.tensor([n]), extend_prefix_lens=torch.tensor([0]),
-                      extend_start_loc=torch.tensor([0]), extend_seq_lens_cpu=[n], extend_prefix_lens_cpu=[0],
+                      extend=ExtendInfo(num_tokens=n, seq_lens=torch.tensor([n]), prefix_lens=torch.tensor([0]),
+                                        start_loc=torch.tensor([0]), seq_lens_cpu=[n], prefix_lens_cpu=[0]),
                       attn_backend=backend)
     embeds = torch.randn(n, h)
     with torch.inference_mode():
