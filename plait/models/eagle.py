@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+import types
 from collections.abc import Iterator
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
@@ -55,26 +56,13 @@ def iter_checkpoint(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tenso
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
-class _Cfg:
-    """Attribute view of a config.json dict with Llama defaults the decoder layer reads (a
-    DecoderConfig; the fields a head's config.json lacks have no default and fail when read)."""
-
-    hidden_size: int
-    intermediate_size: int
-    max_position_embeddings: int
-    num_attention_heads: int
-    num_hidden_layers: int
-    num_key_value_heads: int
-    rms_norm_eps: float
-    vocab_size: int
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update({"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
-                              "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 4096, **d})
-
-
-def load_head_config(path: str | pathlib.Path) -> _Cfg:
-    return _Cfg(json.loads((pathlib.Path(path) / "config.json").read_text()))
+def load_head_config(path: str | pathlib.Path) -> DecoderConfig:
+    """A head's config.json as attributes, with the Llama defaults the decoder layer reads; a field
+    the file lacks and no default covers fails when read."""
+    defaults = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
+                "mlp_bias": False, "max_position_embeddings": 4096}
+    fields = {**defaults, **json.loads((pathlib.Path(path) / "config.json").read_text())}
+    return cast(DecoderConfig, types.SimpleNamespace(**fields))
 
 
 class _Eagle3Layer(LlamaDecoderLayer):
