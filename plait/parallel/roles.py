@@ -16,16 +16,14 @@ contract there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from plait.models.loader import ModelConfig
+from plait.scheduler.interface import SpecWorker
 from plait.scheduler.req import Req
 from plait.scheduler.stats import SchedulerStats
-
-if TYPE_CHECKING:
-    from plait.speculative.worker import SpecWorker
 
 # Observer of every sampled step: (the requests, their float32 logits rows).
 LogitsObserver = Callable[[list[Req], torch.Tensor], None]
