@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 WORKLOADS: dict[str, dict[str, Any]] = {
-    # DESIGN 7 decode-bs1: one request, 128 in / 256 out, greedy; decode tokens/s, prefill excluded.
+    # decode-bs1 (docs/benchmarks.md): one request, 128 in / 256 out, greedy; decode tokens/s, prefill excluded.
     "decode-bs1-1b": {"shape": "llama-3.2-1b", "kind": "decode", "max_total_tokens": 16384},
     "decode-bs1-8b": {"shape": "llama-3.1-8b", "kind": "decode", "max_total_tokens": 16384},
     # offline-throughput: 256 requests, 512 in / 128 out, ignore_eos; output tokens/s, fresh prompts

@@ -1,4 +1,4 @@
-"""The three-method attention contract (DESIGN 3.2) and who plans when (DESIGN 3.1)."""
+"""The three-method attention contract and who plans when (docs/architecture.md 3.2 and 3.1)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import json
 
 from plait.cli import main
 
-DESIGN_7_KEYS = {"workload", "shape", "device", "commit", "date", "versions", "metric", "plait", "peer_name",
+RESULT_KEYS = {"workload", "shape", "device", "commit", "date", "versions", "metric", "plait", "peer_name",
                  "peer", "ratio_vs_peer", "floor", "fraction_of_floor", "config"}
 
 
@@ -17,7 +17,7 @@ def test_bench_serve_writes_the_serving_result_with_zero_errors_and_no_kv_left(s
     assert code == 0
     [path] = tmp_path.glob("*-serving-tiny-llama-cpu.json")
     result = json.loads(path.read_text())
-    assert DESIGN_7_KEYS <= set(result)
+    assert RESULT_KEYS <= set(result)
     assert result["workload"] == "serving" and result["device"] == "cpu" and result["metric"] == "output_tok_s"
     assert result["peer"] is None and set(result["versions"]) == {"torch", "triton", "transformers"}
     assert result["completed"] == 24 and result["errors"] == 0
