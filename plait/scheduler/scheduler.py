@@ -27,6 +27,7 @@ from plait.mem.radix_cache import RadixCache
 from plait.sampling import SamplingBatchInfo
 from plait.scheduler.in_flight import InFlight
 from plait.scheduler.interface import SpecWorker
+from plait.scheduler.kv_cache import KVCacheManager
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
 from plait.scheduler.stats import SchedulerStats
@@ -53,9 +54,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, spec_worker: SpecWorker | None = None) -> None:
         self.config = config
         self.runner = runner
-        self.allocator = runner.allocator
-        self.req_to_token_pool = runner.req_to_token_pool
-        self.tree_cache = RadixCache(runner.allocator, disable=config.disable_radix_cache, device=runner.device)
+        self.kv = KVCacheManager(runner.req_to_token_pool, runner.allocator, runner.max_total_tokens,
+                                 config.disable_radix_cache, runner.device)
         self.eos_token_ids = runner.model_config.eos_token_ids
         self.vocab_size = runner.model_config.vocab_size
         self.waiting: deque[Req] = deque()
@@ -157,32 +157,28 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.pending == 0:
-            self._release(req)
+            self.kv.release(req)
         else:
             self._draining.append(req)
 
     # --- KV slots (SchedulerAPI) ---------------------------------------------------------------------
     def available_kv_tokens(self) -> int:
-        return self.allocator.available_size() + self.tree_cache.evictable_size()
+        return self.kv.available_tokens()
 
     def alloc_kv_slots(self, n: int) -> torch.Tensor | None:
-        if n == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.runner.device)
-        if self.allocator.available_size() < n:
-            self.tree_cache.evict(n - self.allocator.available_size())
-        return self.allocator.alloc(n)
+        return self.kv.alloc(n)
 
     def free_kv_slots(self, slots: torch.Tensor) -> None:
-        self.allocator.free(slots)
+        self.kv.free(slots)
 
     def map_kv_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        self.req_to_token_pool.req_to_token[rows, positions] = slots.to(torch.int32)
+        self.kv.map(rows, positions, slots)
 
     def commit_tokens(self, req: Req, tokens: Sequence[int]) -> None:
         for token in tokens:
             self._append_token(req, token)
             if req.finished:
-                break  # tokens after a stop are dropped; _release frees their KV
+                break  # tokens after a stop are dropped; releasing the request frees their KV
         if req.finished:
             self._retire(req)
         elif req in self.prefilling:  # its first token: it decodes from now on
@@ -260,7 +256,7 @@ class Scheduler:
         pool = self.prefilling if (len(self.running) <= 1 and self.prefilling) else self.running
         victim = min(pool, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         pool.remove(victim)
-        self._release(victim)
+        self.kv.release(victim)
         victim.kv_len = 0
         victim.prefix_len = 0
         victim.num_retractions += 1
@@ -282,7 +278,7 @@ class Scheduler:
             req = self.waiting[0]
             fill = req.fill_ids
             # Leave at least one token to compute: its logits give the next token.
-            match = self.tree_cache.match_prefix(fill[: len(fill) - 1])
+            match = self.kv.match_prefix(fill[: len(fill) - 1])
             prefix_len = int(match.kv_indices.numel())
             left_new = req.sampling_params.max_new_tokens - len(req.output_ids)
             cost = (len(fill) - prefix_len) + left_new * self.new_token_ratio
@@ -293,17 +289,9 @@ class Scheduler:
                     break
             elif len(fill) - prefix_len > available:
                 break
-            row = self.req_to_token_pool.alloc()
-            if row is None:
-                break
+            if not self.kv.admit(req, match):
+                break  # no request-pool row free
             self.waiting.popleft()
-            self.tree_cache.inc_lock_ref(match.last_node)
-            req.req_pool_idx = row
-            req.last_node = match.last_node
-            req.prefix_len = prefix_len
-            req.kv_len = prefix_len
-            if prefix_len:
-                self.req_to_token_pool.write(row, 0, match.kv_indices)
             if req.num_retractions == 0:
                 req.cached_tokens = min(prefix_len, len(req.origin_input_ids))
                 self.stats.cached_tokens += req.cached_tokens
@@ -372,7 +360,7 @@ class Scheduler:
                 # Finished while this batch was in flight (stop token, abort): drop the extra token.
                 if req.pending == 0 and req in self._draining:
                     self._draining.remove(req)
-                    self._release(req)
+                    self.kv.release(req)
                 continue
             self._append_token(req, next_ids[i])
             if req.sampling_params.logprobs and logprobs is not None:
@@ -409,35 +397,19 @@ class Scheduler:
         if reason == FinishReason.ABORT:
             self.stats.num_aborts += 1
 
-    def _release(self, req: Req) -> None:
-        """Hand the request's KV to the prefix cache (or free it) and return its pool row."""
-        if req.req_pool_idx is None:
-            return
-        slots = req.kv_slots(self.req_to_token_pool.req_to_token)
-        # A token computed after the request finished (overlap) has KV but no place in fill_ids.
-        cached = min(req.kv_len, req.fill_len)
-        if self.tree_cache.enabled:
-            already = self.tree_cache.insert(req.fill_ids[:cached], slots[:cached])
-            # [0, prefix_len) belongs to the tree already (our locked match); [prefix_len, already)
-            # duplicates what another request cached meanwhile; the tree took the rest.
-            self.allocator.free(slots[req.prefix_len : already])
-            self.allocator.free(slots[cached:])
-            self.tree_cache.dec_lock_ref(req.last_node)
-        else:
-            self.allocator.free(slots)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.last_node = None
-
     def close(self) -> None:
         """Forget the pools and the prefix cache (the engine is shutting down and frees the device)."""
-        # Dropped, not set to None: reading one after close raises AttributeError.
-        for name in ("tree_cache", "allocator", "req_to_token_pool"):
-            vars(self).pop(name, None)
+        # Dropped, not set to None: reading it after close raises AttributeError.
+        vars(self).pop("kv", None)
         if self.spec_worker is not None:
             self.spec_worker.close()  # a draft model and its KV pool live there
 
     # --- introspection (tests, metrics) -----------------------------------------------------------
     def kv_tokens_in_use(self) -> int:
         """Slots neither free nor evictable: held by live requests (0 when idle)."""
-        return self.runner.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return self.kv.tokens_in_use()
+
+    @property
+    def tree_cache(self) -> RadixCache:
+        """The prefix cache (front ends read its sizes; benchmarks reset it)."""
+        return self.kv.tree_cache
