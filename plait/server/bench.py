@@ -25,17 +25,21 @@ import math
 import pathlib
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from plait.bench.results import git_commit
+from plait.bench.shapes import SHAPES, write_shape_dir
 
 WORKLOAD = "serving"
 METRIC = "output_tok_s"
@@ -79,6 +83,24 @@ def make_requests(n: int, input_len: int, output_len: int, range_ratio: float, v
     return out
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an event stream, split on bytes at CRLF, LF or CR only (the SSE line ends).
+    Splitting decoded text instead (``aiter_lines``) also breaks at U+0085, U+2028 and U+2029, which
+    are legal raw inside the JSON of a data line."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        while True:
+            cut = min((i for i in (buf.find(b"\r"), buf.find(b"\n")) if i >= 0), default=-1)
+            if cut < 0 or (buf[cut:cut + 1] == b"\r" and cut == len(buf) - 1):
+                break  # no line end yet, or a CR that may be the first half of a CRLF
+            end = cut + 2 if buf[cut:cut + 2] == b"\r\n" else cut + 1
+            yield buf[:cut].decode("utf-8")
+            buf = buf[end:]
+    if buf:
+        yield buf.rstrip(b"\r").decode("utf-8")
+
+
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
                timeout: float) -> RequestResult:
     res = RequestResult(len(prompt), output_len)
@@ -92,7 +114,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                 await r.aread()
                 res.error = f"HTTP {r.status_code}: {r.text[:200]}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_bytes()):
                 if not line.startswith("data: "):
                     continue
                 data = line[len("data: "):]
@@ -245,18 +267,57 @@ def _shape_name(info: dict[str, Any]) -> str:
     return "demo-tiny-llama" if model.name == "demo-model" else model.name
 
 
+# The fields that make a checkpoint the named shape.
+SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size")
+
+
+def shape_mismatch(shape: str, model_dir: str | None) -> str | None:
+    """Why the checkpoint at ``model_dir`` is not ``shape`` (None when it is)."""
+    config_path = pathlib.Path(model_dir or "") / "config.json"
+    if model_dir is None or not config_path.is_file():
+        return f"its config.json cannot be read here ({model_dir!r})"
+    config = json.loads(config_path.read_text())
+    wrong = [f"{k} {config.get(k)!r} (the shape has {SHAPES[shape][k]!r})" for k in SHAPE_FIELDS
+             if config.get(k) != SHAPES[shape][k]]
+    return ", ".join(wrong) or None
+
+
+def resolve_shape(args: argparse.Namespace, engine_options: dict[str, Any], root: str
+                  ) -> tuple[str | None, dict[str, Any]]:
+    """The model and engine options to serve. ``--shape`` without ``--model`` / ``--base-url`` serves
+    that shape with dummy weights (as ``plait bench latency`` and ``offline`` do). With a model, a shape
+    name of the named benchmarks must be what the model is; any other name only labels the result."""
+    if args.shape is None or args.model is not None or args.base_url is not None:
+        return args.model, engine_options
+    if args.shape not in SHAPES:
+        raise ValueError(f"--shape {args.shape!r} is not a benchmark shape ({sorted(SHAPES)}): without "
+                         "--model it names the model to build with dummy weights; to label a run of "
+                         "another model, pass --model (or --base-url) too")
+    dummy = {"load_format": "dummy", "dtype": "bfloat16", **engine_options}
+    return str(write_shape_dir(root, args.shape)), dummy
+
+
+def check_served_shape(args: argparse.Namespace, info: dict[str, Any]) -> None:
+    if args.shape in SHAPES and (why := shape_mismatch(args.shape, info.get("model"))):
+        raise ValueError(f"--shape {args.shape} does not describe the served model {info.get('model')!r}: {why}")
+
+
 def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     proc: subprocess.Popen[bytes] | None = None
     base_url = args.base_url
+    shape_root = tempfile.mkdtemp(prefix="plait-shapes-")
+    model, engine_options = resolve_shape(args, engine_options, shape_root)
     if base_url is None:
         port = _free_port()
         base_url = f"http://127.0.0.1:{port}"
         print(f"starting plait serve on {base_url}", file=sys.stderr)
-        proc = subprocess.Popen(_serve_argv(args.model, engine_options, port))
+        proc = subprocess.Popen(_serve_argv(model, engine_options, port))
     try:
         if proc is not None:
             _wait_healthy(base_url, proc)
         info = httpx.get(base_url + "/server_info", timeout=30).json()
+        check_served_shape(args, info)
         model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
         vocab = min(info["scheduler"]["vocab_size"], info.get("tokenizer_vocab_size") or 1 << 62)
         requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
@@ -283,6 +344,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(shape_root, ignore_errors=True)
 
 
 def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[str, Any]) -> pathlib.Path:

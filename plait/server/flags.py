@@ -36,6 +36,9 @@ def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--range-ratio", type=float, default=1.0,
                        help="lengths uniform in [ratio * len, len]; 1.0 = fixed lengths")
     group.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times")
-    group.add_argument("--shape", default=None, help="shape name for the result (default: from the model)")
+    group.add_argument("--shape", default=None,
+                       help="a benchmark shape (llama-3.2-1b, llama-3.1-8b, qwen3-0.6b): without --model, serve "
+                       "it with dummy weights; with --model / --base-url it must be what the model is (other "
+                       "names only label the result; default: from the model)")
     group.add_argument("--out", default="benchmarks/results", help="directory for the result JSON")
     group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")

@@ -26,3 +26,61 @@ def test_bench_serve_writes_the_serving_result_with_zero_errors_and_no_kv_left(s
     for name in ("ttft", "itl", "e2e"):
         assert 0 <= result[f"{name}_p50_ms"] <= result[f"{name}_p99_ms"]
     assert result["config"]["bench"]["num_prompts"] == 24
+
+
+def _lines(chunks: list[bytes]) -> list[str]:
+    import asyncio
+
+    from plait.server.bench import sse_lines
+
+    async def feed():
+        for c in chunks:
+            yield c
+
+    async def collect() -> list[str]:
+        return [line async for line in sse_lines(feed())]
+
+    return asyncio.run(collect())
+
+
+def test_sse_lines_keep_unicode_line_separators_inside_a_data_line():
+    event = 'data: {"text": "a\u2028b\x85c\u2029d"}'.encode()
+    assert _lines([event + b"\n\n", b"data: [DONE]\n\n"]) == [event.decode(), "", "data: [DONE]", ""]
+
+
+def test_sse_lines_join_lines_and_characters_split_across_chunks():
+    raw = 'data: {"text": "é\u2028"}\r\n\r\ndata: [DONE]\r\n'.encode()
+    chunks = [raw[i:i + 3] for i in range(0, len(raw), 3)]  # cuts a CRLF and multi-byte characters
+    assert _lines(chunks) == ['data: {"text": "é\u2028"}', "", "data: [DONE]"]
+
+
+def test_shape_without_a_model_that_is_no_benchmark_shape_is_refused_before_any_server_starts(tmp_path, capsys):
+    code = main(["bench", "serve", "--shape", "tiny-llama", "--num-prompts", "1", "--out", str(tmp_path)])
+    assert code == 2
+    assert "--shape 'tiny-llama' is not a benchmark shape" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shape_without_a_model_builds_that_shape_with_dummy_weights(tmp_path):
+    import argparse
+
+    from plait.bench.shapes import SHAPES
+    from plait.server.bench import resolve_shape, shape_mismatch
+
+    args = argparse.Namespace(shape="llama-3.2-1b", model=None, base_url=None)
+    model, options = resolve_shape(args, {"max_total_tokens": 4096}, str(tmp_path))
+    assert options == {"load_format": "dummy", "dtype": "bfloat16", "max_total_tokens": 4096}
+    assert shape_mismatch("llama-3.2-1b", model) is None
+    assert json.loads((tmp_path / "llama-3.2-1b" / "config.json").read_text()) == SHAPES["llama-3.2-1b"]
+
+
+def test_a_benchmark_shape_that_the_served_model_is_not_is_refused(server):
+    import argparse
+
+    import pytest
+
+    from plait.server.bench import check_served_shape
+
+    with pytest.raises(ValueError, match="--shape llama-3.1-8b does not describe the served model"):
+        check_served_shape(argparse.Namespace(shape="llama-3.1-8b"), {"model": server.model})
+    check_served_shape(argparse.Namespace(shape="tiny-llama"), {"model": server.model})  # a label only
