@@ -116,13 +116,6 @@ def tree_accept_sampled(tree: DraftTree, probs: np.ndarray, uniforms: np.ndarray
         node = accepted
 
 
-def chain_accept_sampled(tree: DraftTree, probs: np.ndarray, draft_probs: np.ndarray,
-                         uniforms: np.ndarray) -> tuple[list[int], int]:
-    """A chain sampled from a draft model: the classic min(1, p/q) rule (a tree with one child per
-    node). ``draft_probs[i]`` (i >= 1): the draft distribution node i was drawn from."""
-    return tree_accept_sampled(tree, probs, uniforms, draft_probs)
-
-
 def child_token_table(trees: list[DraftTree], num_cols: int) -> list[int]:
     """Row-major ``[sum(widths), num_cols]`` table of each node's children's tokens, in sibling order,
     -1 where there is no child. A token repeated among siblings is -1 too: the walk zeroed p(x) at
