@@ -43,9 +43,6 @@ class Engine:
         self._closed = False
 
     # --- requests ---------------------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        return self.frontend.tokenize(prompt)
-
     def make_request(self, prompt: Prompt, params: ParamsLike = None, rid: str | None = None) -> Req:
         """Tokenize and validate; raises ValueError naming the field and the limit. Nothing is
         scheduled here, so a bad request affects no other."""
