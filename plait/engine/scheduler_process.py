@@ -167,7 +167,7 @@ class SchedulerProcess:
             num_running=len(s.prefilling) + len(s.running), num_waiting=len(s.waiting),
             kv_slots_in_use=s.kv_tokens_in_use(),
             # Data parallel: the sum of the replicas' pools (kv_tokens_in_use sums them too).
-            max_total_tokens=getattr(self.runner, "total_kv_tokens", self.runner.max_total_tokens),
+            max_total_tokens=self.runner.total_kv_tokens,
             evictable_tokens=s.tree_cache.evictable_size(), counters=dataclasses.replace(st))
 
     def close(self) -> None:

@@ -167,6 +167,11 @@ class ModelRunner:
         if self.device == "cuda":
             torch.cuda.empty_cache()
 
+    @property
+    def total_kv_tokens(self) -> int:
+        """KV slots of this runner's one pool (data-parallel replicas report their sum)."""
+        return self.max_total_tokens
+
     def info(self) -> dict[str, Any]:
         return {"max_total_tokens": self.max_total_tokens, "attention_backend": serving_backend_name(self.attn_backend),
                 "dtype": str(self.model_config.dtype), "device": self.device}

@@ -105,9 +105,13 @@ class DataParallelRunner:
             raise
         self.max_context_len = min(r.max_context_len for r in self.replicas)
         self.max_total_tokens = min(r.max_total_tokens for r in self.replicas)  # what one request may use
-        self.total_kv_tokens = sum(r.max_total_tokens for r in self.replicas)  # every replica's pool
         logger.info("data parallel: %d replicas x tp %d, KV pools of %s tokens", config.dp_size, config.tp_size,
                     [r.max_total_tokens for r in self.replicas])
+
+    @property
+    def total_kv_tokens(self) -> int:
+        """Every replica's pool together."""
+        return sum(r.max_total_tokens for r in self.replicas)
 
     def on_replica(self, i: int) -> contextlib.AbstractContextManager[Any]:
         """The device context every call into replica ``i`` runs under."""

@@ -37,6 +37,11 @@ class EngineRunner(Protocol):
     max_context_len: int
     max_total_tokens: int  # KV slots one request may use (one replica's pool)
 
+    @property
+    def total_kv_tokens(self) -> int:
+        """KV slots over every pool of the layout (the replicas' sum; one pool otherwise)."""
+        ...
+
     def info(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
