@@ -89,3 +89,11 @@ def hf_greedy(path: pathlib.Path, prompt_ids: list[int], n: int) -> Reference:
 @pytest.fixture(scope="session")
 def hf_reference():
     return hf_greedy
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> pathlib.Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (fetched and converted once, then cached)."""
+    from plait.testing.real_model import smollm2_hf_dir
+
+    return smollm2_hf_dir()
