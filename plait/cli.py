@@ -73,7 +73,8 @@ def collect(args: argparse.Namespace, cls: type, skip: Sequence[str] = ()) -> di
 
 
 def _engine_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: demo model)")
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory or GGUF file "
+                        "(default: the demo model, SmolLM2-135M-Instruct)")
     # EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
     add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP)
     # SGLang's short forms of the parallelism flags.
@@ -98,9 +99,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     options = engine_options(args)
     params = collect(args, SamplingParams)
-    if args.model is None:
-        print("plait: no --model given; using the built-in demo model (tiny, random weights)", file=sys.stderr)
-    with Engine(model=args.model, **options) as engine:
+    model = args.model
+    if model is None:
+        from plait.models.demo import demo_model
+
+        demo = demo_model()
+        model = str(demo.path)
+        print(f"plait: no --model given; using the built-in demo model, {demo.description}", file=sys.stderr)
+    with Engine(model=model, **options) as engine:
         if args.stream:
             for chunk in engine.generate_stream(args.prompt, params):
                 print(chunk.delta_text, end="", flush=True)

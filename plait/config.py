@@ -22,7 +22,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_
 # graph-safe.
 AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
-LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
 
 
 def auto_backends(device_type: str) -> tuple[str, str]:
@@ -118,7 +118,8 @@ def resolve_speculative(values: Mapping[str, Any]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to start. ``model`` is a Hugging Face checkpoint directory."""
+    """Everything the engine needs to start. ``model`` is a Hugging Face checkpoint directory or a GGUF
+    file (or a directory holding one: ``load_format`` ``auto`` reads it as ``gguf``)."""
 
     model: str
     tokenizer: str | None = None

@@ -1,5 +1,5 @@
-"""Read a Hugging Face checkpoint directory: config, dtype, and weights (safetensors, sharded or not,
-or random ``dummy`` weights built from config.json alone)."""
+"""Read a checkpoint: a Hugging Face directory (config, dtype, safetensors weights, sharded or not, or
+random ``dummy`` weights built from config.json alone) or a GGUF file (plait.models.gguf_loader)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.distributed.sharded_load import LazySlice
+from plait.models.gguf_loader import find_gguf, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
 from plait.models.llama import head_dim_of
 from plait.models.registry import MODEL_REGISTRY, supported_architectures
 
@@ -38,6 +39,8 @@ class ModelConfig:
     head_dim: int
     hidden_size: int
     eos_token_ids: tuple[int, ...]
+    # "safetensors" (a Hugging Face directory; ``path`` is the directory) or "gguf" (``path`` is the file).
+    checkpoint_format: str = "safetensors"
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         return max(1, self.num_kv_heads // tp_size)
@@ -87,13 +90,17 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
                       context_length: int | None = None) -> ModelConfig:
     from transformers import AutoConfig
 
-    root = Path(path)
-    if not (root / "config.json").exists():
+    gguf_file = find_gguf(path)
+    root = gguf_file or Path(path)
+    if gguf_file is not None:
+        hf_config = gguf_hf_config(gguf_file)
+    elif not (root / "config.json").exists():
         raise FileNotFoundError(
-            f"{path!r} is not a Hugging Face checkpoint directory (no config.json); pass --model PATH "
-            "to a local directory (plait never downloads weights)"
+            f"{path!r} is not a Hugging Face checkpoint directory (no config.json) nor a GGUF file; pass "
+            "--model PATH to a local directory or .gguf file (plait never downloads weights)"
         )
-    hf_config = AutoConfig.from_pretrained(root)
+    else:
+        hf_config = AutoConfig.from_pretrained(root)
     quant = getattr(hf_config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else type(quant).__name__
@@ -120,8 +127,20 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
         num_kv_heads=int(hf_config.num_key_value_heads),
         head_dim=head_dim_of(hf_config),
         hidden_size=int(hf_config.hidden_size),
-        eos_token_ids=_eos_ids(root, hf_config),
+        eos_token_ids=_eos_ids(root.parent if gguf_file else root, hf_config),
+        checkpoint_format="gguf" if gguf_file else "safetensors",
     )
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a checkpoint directory, or the one stored in a GGUF file's metadata (``path``
+    the file or a directory holding it)."""
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -165,9 +184,21 @@ def dummy_checkpoint(mc: ModelConfig, device: torch.device | str, seed: int) -> 
         yield name, torch.empty(p.shape, dtype=mc.dtype, device=device).uniform_(-scale, scale, generator=gen)
 
 
+def _checkpoint_weights(mc: ModelConfig, load_format: str, lazy: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors for ``load_format``: ``auto`` reads what the path holds, ``gguf`` and
+    ``safetensors`` insist on it."""
+    if load_format not in ("auto", mc.checkpoint_format):
+        raise ValueError(f"load_format {load_format!r} does not match {mc.path!r}, a {mc.checkpoint_format} "
+                         f"checkpoint: use load_format 'auto' or {mc.checkpoint_format!r}")
+    if mc.checkpoint_format == "gguf":
+        return iter_gguf_weights(mc.path, mc.hf_config)
+    return iter_safetensors(mc.path, lazy=lazy)
+
+
 def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGroup = SINGLE,
                seed: int = 0, attn_tp: TPGroup | None = None) -> nn.Module:
     cls = MODEL_REGISTRY[mc.architecture]
+    weights = None if load_format == "dummy" else _checkpoint_weights(mc, load_format, lazy=tp.size > 1)
     # Build in place on the device with the model dtype as default: weights are torch.empty (no init
     # cost); the rotary cache asks for float32 explicitly and stays float32.
     previous = torch.get_default_dtype()
@@ -177,10 +208,10 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
             model = cls(mc.hf_config, tp, attn_tp=attn_tp)
     finally:
         torch.set_default_dtype(previous)
-    if load_format == "dummy":
+    if weights is None:
         loaded = model.load_weights(dummy_checkpoint(mc, next(model.parameters()).device, seed))
     else:
-        loaded = model.load_weights(iter_safetensors(mc.path, lazy=tp.size > 1))
+        loaded = model.load_weights(weights)
     missing = set(dict(model.named_parameters())) - loaded
     if missing:
         raise ValueError(f"checkpoint {mc.path!r} ({load_format}) lacks weights for {sorted(missing)[:8]}")

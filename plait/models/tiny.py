@@ -386,19 +386,21 @@ def make_tiny_model(
     return out
 
 
-def _cache_root() -> pathlib.Path:
+def cache_root() -> pathlib.Path:
+    """plait's cache directory (``PLAIT_CACHE``, else ~/.cache/plait): the demo models live here."""
     env = envs.CACHE.get()
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "plait"
 
 
 def demo_model_path() -> pathlib.Path:
-    """Return the shared llama demo checkpoint, building it on first use.
+    """Return the tiny random-weight llama demo checkpoint (the demo's offline fallback, see
+    plait.models.demo), building it on first use.
 
     Built into a temporary sibling directory and renamed into place, so a crash or a concurrent
     builder never leaves a half-written model where readers look; a reader that loses the rename
     race simply uses the winner's copy.
     """
-    target = _cache_root() / "demo-model"
+    target = cache_root() / "demo-model"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
