@@ -18,6 +18,15 @@ from tests.helpers import make_engine
 PROMPT = [5, 17, 42, 99, 7, 123, 64, 250]
 
 
+@pytest.fixture(autouse=True)
+def own_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizers converted from the tests' files are cached in a temporary plait cache, not the user's
+    (the SmolLM2 test reads the real cache, where the demo model lives)."""
+    if "smollm2" not in request.node.name:
+        monkeypatch.setenv("PLAIT_CACHE", str(tmp_path_factory.mktemp("plait-cache")))
+
+
 @pytest.fixture(scope="module")
 def two_layer_llama(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     from plait.testing import make_tiny_model
@@ -145,6 +154,23 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(two_layer_llama, tmp
     assert rendered.startswith("<|im_start|>user\n")
 
 
+def test_the_cached_tokenizer_is_the_one_built_from_the_file(two_layer_llama, tmp_path):
+    from plait.models.gguf_loader import load_gguf_tokenizer
+
+    path = _gguf(two_layer_llama, tmp_path)
+    built = load_gguf_tokenizer(path)
+    first = load_gguf_tokenizer(path, tmp_path / "tok-cache")  # builds and saves
+    (saved,) = (tmp_path / "tok-cache").iterdir()
+    again = load_gguf_tokenizer(path, tmp_path / "tok-cache")  # reads the saved copy
+    text = "<|im_start|>user\nThe quick brown fox, café 你好 🙂<|im_end|>"
+    chat = [{"role": "user", "content": "hi"}]
+    for tok in (first, again):
+        assert tok.encode(text) == built.encode(text)
+        assert tok.apply_chat_template(chat, tokenize=False) == built.apply_chat_template(chat, tokenize=False)
+        assert (tok.eos_token, tok.bos_token, len(tok)) == (built.eos_token, built.bos_token, len(built))
+    assert sorted(p.name for p in (tmp_path / "tok-cache").iterdir()) == [saved.name]  # no temporary left
+
+
 def test_an_unsupported_tensor_type_fails_naming_the_type_and_the_tensor(two_layer_llama, tmp_path):
     path = _gguf(two_layer_llama, tmp_path, tensor_types={"blk.1.ffn_gate.weight": "Q5_0"})
     with pytest.raises(ValueError, match=r"'blk\.1\.ffn_gate\.weight' has type Q5_0.*supported types: F32"):
@@ -185,7 +211,7 @@ def test_dequantized_shapes_follow_hf_order(two_layer_llama, tmp_path):
 
 def test_plait_on_smollm2s_gguf_gives_transformers_greedy_tokens(monkeypatch):
     """The demo model's own file (a llama.cpp Q4_1 conversion), fp32: plait reads and runs it as
-    transformers does, q/k permutation included."""
+    transformers does, q/k permutation and chat template included, and answers in English."""
     from transformers import AutoModelForCausalLM
 
     import plait
@@ -193,16 +219,14 @@ def test_plait_on_smollm2s_gguf_gives_transformers_greedy_tokens(monkeypatch):
 
     monkeypatch.delenv("PLAIT_DEMO_MODEL", raising=False)
     path = demo_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     with plait.Engine(dtype="float32", max_total_tokens=512) as engine:  # no model: the demo model
         assert pathlib.Path(engine.model_config.path) == path
-        chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                                    tokenize=False, add_generation_prompt=True)
-        prompts = ["The capital of France is", chat]
-        outs = engine.generate(prompts, {"max_new_tokens": 16, "temperature": 0})
-        ids = [engine.tokenizer.encode(p) for p in prompts]
-    for prompt_ids, out in zip(ids, outs, strict=True):
-        with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=len(out.token_ids), do_sample=False)
-        assert out.token_ids == ref[0, len(prompt_ids):].tolist()
-    assert "Paris" in outs[0].text and "Paris" in outs[1].text
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        prompt_ids = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)
+        out = engine.generate(prompt_ids, {"max_new_tokens": 10, "temperature": 0})
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=len(out.token_ids), do_sample=False)
+    assert out.token_ids == ref[0, len(prompt_ids):].tolist()
+    assert "Paris" in out.text

@@ -17,8 +17,13 @@ The ``gguf`` package parses the file. Three things differ from a Hugging Face di
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,7 +88,15 @@ def find_gguf(path: str | Path) -> Path | None:
 
 
 def _reader(path: str) -> Any:
-    """A memory-mapped reader (tensor data is read when a tensor is dequantized)."""
+    """A memory-mapped reader (tensor data is read when a tensor is dequantized). Parsing the metadata
+    is slow (the reader unpacks every vocabulary string), so one reader serves the config and the
+    weights of a start; a rewritten file (new size or mtime) gets a new one."""
+    st = os.stat(path)
+    return _cached_reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, size: int, mtime_ns: int) -> Any:
     import gguf
 
     return gguf.GGUFReader(path)
@@ -262,8 +275,31 @@ def iter_gguf_weights(path: str | Path, hf_config: Any) -> Iterator[tuple[str, t
         yield name, torch.from_numpy(np.ascontiguousarray(values))
 
 
-def load_gguf_tokenizer(path: Path) -> Any:
-    """The tokenizer (vocabulary, merges, special tokens, chat template) stored in the file's metadata."""
+def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None) -> Any:
+    """The tokenizer (vocabulary, merges, special tokens, chat template) stored in the file's metadata.
+
+    transformers builds it from the file (seconds: it parses the whole vocabulary). With ``cache_dir``
+    the result is saved there once, under a key of the file's path, size and mtime, and later starts
+    load the saved copy. It is written to a temporary sibling and renamed into place, so a concurrent
+    start never reads a partial copy."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if cache_dir is None:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir / f"{path.stem}-{key}"
+    if (target / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(target))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "tokenizer_config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer

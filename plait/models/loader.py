@@ -19,6 +19,7 @@ from plait.distributed.sharded_load import LazySlice
 from plait.models.gguf_loader import find_gguf, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
 from plait.models.llama import head_dim_of
 from plait.models.registry import MODEL_REGISTRY, supported_architectures
+from plait.models.tiny import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def load_tokenizer(path: str) -> Any:
     the file or a directory holding it)."""
     gguf_file = find_gguf(path)
     if gguf_file is not None:
-        return load_gguf_tokenizer(gguf_file)
+        return load_gguf_tokenizer(gguf_file, cache_root() / "gguf-tokenizers")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
