@@ -22,7 +22,7 @@ def rope_settings(hf_config: object) -> tuple[float, dict[str, Any]]:
     return theta, merged
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = float(scaling["factor"])
     low = float(scaling["low_freq_factor"])
     high = float(scaling["high_freq_factor"])
@@ -50,7 +50,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         if rope_type == "linear":
             positions = positions / float(scaling["factor"])

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from plait.layers.rotary import llama3_inv_freq
+
 GGUF_SUFFIX = ".gguf"
 
 # GGUF's general.architecture -> the Hugging Face architecture plait builds for it.
@@ -63,12 +65,9 @@ LAYER_TENSORS = {
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
-# Llama 3 rope frequencies: llama.cpp stores the llama3 scaling as a per-frequency divisor tensor.
-_ROPE_FREQS = "rope_freqs.weight"
-# The llama3 rope settings of the published Llama 3.1 / 3.2 releases (only the factor differs); a
-# rope_freqs tensor is matched against these.
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-_LLAMA3_FACTORS = (8.0, 16.0, 32.0)
+# Llama 3 rope: llama.cpp stores the llama3 scaling as a tensor of per-frequency divisors, not as
+# metadata; the settings are recovered from it (see _llama3_rope).
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -127,32 +126,50 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
-def _llama3_rope(freqs: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
-    """The llama3 rope settings whose per-frequency divisors equal ``freqs`` (a rope_freqs tensor)."""
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's rope_freqs tensor for llama3 ``scaling``: per rotary frequency, the divisor that
+    turns the base inverse frequency into the scaled one (1 for high frequencies, ``factor`` for low)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return (inv_freq / llama3_inv_freq(inv_freq, scaling)).numpy()
+
+
+def _llama3_rope(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """The llama3 rope settings whose divisors are ``factors`` (a rope_freqs tensor).
+
+    Between the two flat regions a divisor is ``1 / ((1 - s) / factor + s)`` with
+    ``s = (orig / wavelen - low) / (high - low)``, linear in ``1 / wavelen``: a line fit through the
+    smooth region gives its slope and intercept, and every (orig, low, high) with those two gives the
+    same frequencies, so ``low = 1`` is taken. With fewer than two smooth points, Llama 3.1's
+    settings (low 1, high 4, original context 8192) are tried. The result is checked against
+    ``factors``."""
+    factors = factors.astype(np.float64)
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return {"rope_type": "default"}
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    for factor in _LLAMA3_FACTORS:
-        p = _LLAMA3_ROPE
-        low_wl = p["original_max_position_embeddings"] / p["low_freq_factor"]
-        high_wl = p["original_max_position_embeddings"] / p["high_freq_factor"]
-        smooth = (p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"]) / (
-            p["high_freq_factor"] - p["low_freq_factor"])
-        divisor = np.where(wavelen < high_wl, 1.0,
-                           np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)))
-        if divisor.shape == freqs.shape and np.allclose(divisor, freqs, rtol=1e-3):
-            return {"rope_type": "llama3", "factor": factor, **p}
-    raise ValueError(
-        f"GGUF tensor {_ROPE_FREQS!r} holds rope frequency factors that match no llama3 rope scaling plait "
-        f"knows (factor in {_LLAMA3_FACTORS}, {_LLAMA3_ROPE})")
+    smooth = (factors > 1.0 + 1e-4) & (factors < factor * (1 - 1e-4))
+    scaling: dict[str, Any] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if smooth.sum() >= 2:
+        s = (1.0 / factors[smooth] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(inv_freq[smooth] / (2 * math.pi), s, 1)
+        orig = -slope / intercept
+        scaling["high_freq_factor"] = round(1.0 - 1.0 / intercept, 4)
+        scaling["original_max_position_embeddings"] = round(orig) if abs(orig - round(orig)) < 1e-2 * orig else orig
+    if factors.shape != (head_dim // 2,) or not np.allclose(
+            llama3_rope_factors(theta, head_dim, scaling), factors, rtol=1e-3):
+        raise ValueError(f"GGUF tensor {ROPE_FREQS!r} holds rope frequency divisors that match no llama3 rope "
+                         f"scaling (closest: {scaling})")
+    return scaling
 
 
 def _rope_parameters(meta: dict[str, Any], arch: str, reader: Any, head_dim: int) -> dict[str, Any]:
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
-    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
         if scaling not in ("none", "llama3"):
-            raise ValueError(f"GGUF rope scaling {scaling!r} together with a {_ROPE_FREQS!r} tensor is not supported")
+            raise ValueError(f"GGUF rope scaling {scaling!r} together with a {ROPE_FREQS!r} tensor is not supported")
         return {"rope_theta": theta, **_llama3_rope(np.asarray(freqs.data, dtype=np.float64), theta, head_dim)}
     if scaling == "none":
         return {"rope_type": "default", "rope_theta": theta}
@@ -265,7 +282,7 @@ def iter_gguf_weights(path: str | Path, hf_config: Any) -> Iterator[tuple[str, t
     check_tensor_types(reader)
     arch = str(reader.fields["general.architecture"].contents())
     for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
+        if t.name == ROPE_FREQS:
             continue  # folded into hf_config's rope_parameters
         name = hf_tensor_name(t.name)
         values = dequantized(t)

@@ -4,7 +4,7 @@ llama.cpp's converter lays it out, for the tests of plait.models.gguf_loader.
 What llama.cpp does and this writer repeats: the metadata under ``{arch}.*`` keys, the byte-level BPE
 vocabulary under ``tokenizer.ggml.*`` (tokens by id, types, merges, special ids, chat template),
 tensors under GGUF names with Llama's ``attn_q`` / ``attn_k`` rows permuted for GGML's interleaved
-rope, each tensor in a chosen type. ``gguf`` quantizes F16, BF16, Q8_0, Q4_0, Q4_1 and Q5_0 itself;
+rope, each tensor in a chosen type, and Llama 3's rope scaling as a ``rope_freqs`` tensor. ``gguf`` quantizes F16, BF16, Q8_0, Q4_0, Q4_1 and Q5_0 itself;
 it has no K-quant quantizer, so Q4_K / Q5_K / Q6_K tensors are written as random blocks with finite
 fp16 scales (their values then come from the bytes, not from the checkpoint).
 """
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 from safetensors import safe_open
 
-from plait.models.gguf_loader import GLOBAL_TENSORS, LAYER_TENSORS
+from plait.models.gguf_loader import GLOBAL_TENSORS, LAYER_TENSORS, ROPE_FREQS, llama3_rope_factors
 
 K_QUANTS: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K")
 # Byte offsets of the fp16 scales inside one block of each K-quant (ggml's block_q4_K / q5_K / q6_K).
@@ -123,12 +123,16 @@ def write_gguf(src: str | pathlib.Path, dest: str | pathlib.Path, tensor_types: 
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
+    rope = config["rope_parameters"]
+    w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     _write_tokenizer(w, src, config, config["vocab_size"])
 
+    if rope.get("rope_type") == "llama3":
+        # llama.cpp writes the llama3 scaling as per-frequency divisors, not as metadata.
+        w.add_tensor(ROPE_FREQS, llama3_rope_factors(float(rope["rope_theta"]), head_dim, rope).astype(np.float32))
     with safe_open(str(src / "model.safetensors"), framework="np") as f:
         for k, hf_name in enumerate(sorted(f.keys())):
             if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
