@@ -154,8 +154,9 @@ def _llama3_rope(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, 
         s = (1.0 / factors[smooth] - 1.0 / factor) / (1.0 - 1.0 / factor)
         slope, intercept = np.polyfit(inv_freq[smooth] / (2 * math.pi), s, 1)
         orig = -slope / intercept
-        scaling["high_freq_factor"] = round(1.0 - 1.0 / intercept, 4)
-        scaling["original_max_position_embeddings"] = round(orig) if abs(orig - round(orig)) < 1e-2 * orig else orig
+        scaling["high_freq_factor"] = round(float(1.0 - 1.0 / intercept), 4)
+        scaling["original_max_position_embeddings"] = int(round(orig)) if abs(orig - round(orig)) < 1e-2 * orig \
+            else float(orig)
     if factors.shape != (head_dim // 2,) or not np.allclose(
             llama3_rope_factors(theta, head_dim, scaling), factors, rtol=1e-3):
         raise ValueError(f"GGUF tensor {ROPE_FREQS!r} holds rope frequency divisors that match no llama3 rope "

@@ -4,9 +4,10 @@ llama.cpp's converter lays it out, for the tests of plait.models.gguf_loader.
 What llama.cpp does and this writer repeats: the metadata under ``{arch}.*`` keys, the byte-level BPE
 vocabulary under ``tokenizer.ggml.*`` (tokens by id, types, merges, special ids, chat template),
 tensors under GGUF names with Llama's ``attn_q`` / ``attn_k`` rows permuted for GGML's interleaved
-rope, each tensor in a chosen type, and Llama 3's rope scaling as a ``rope_freqs`` tensor. ``gguf`` quantizes F16, BF16, Q8_0, Q4_0, Q4_1 and Q5_0 itself;
-it has no K-quant quantizer, so Q4_K / Q5_K / Q6_K tensors are written as random blocks with finite
-fp16 scales (their values then come from the bytes, not from the checkpoint).
+rope, each tensor in a chosen type, and Llama 3's rope scaling as a ``rope_freqs`` tensor. ``gguf``
+quantizes F16, BF16, Q8_0, Q4_0, Q4_1 and Q5_0 itself; it has no K-quant quantizer, so Q4_K / Q5_K /
+Q6_K tensors are written as random blocks with finite fp16 scales (their values then come from the
+bytes, not from the checkpoint).
 """
 
 from __future__ import annotations
