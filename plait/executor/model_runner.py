@@ -53,7 +53,8 @@ class ModelRunner:
         self.tp = tp
         # DP attention: attention (and its KV cache) is unsharded on each rank; only the MLP is split.
         attn_tp = SINGLE if config.enable_dp_attention else tp
-        self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp)
+        self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp,
+                                ep_size=config.ep_size)
         log_device_memory("the weights", self.device)
         # Rank 0 schedules KV slots for every rank: all ranks take the smallest capacity.
         draft = None
