@@ -378,6 +378,12 @@ class TritonAttnBackend(AttentionBackend):
                               self.kv_pool.num_kv_heads)
 
     # --- compute ----------------------------------------------------------------------------------
+    def _sinks(self, layer: AttentionLayer) -> torch.Tensor | None:
+        """The layer's sinks in fp32 (plait.attention.sinks): converted inside a capture, else cached."""
+        if layer.sinks is None:
+            return None
+        return self.sinks_fp32.get(layer.sinks, capturing=self._planned_for_capture)
+
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
