@@ -1,10 +1,10 @@
 """Launch configurations of the fused MoE kernels, stored as data and read at run time.
 
 ``benchmarks/tune_fused_moe.py`` writes one JSON file per expert shape and device under
-``configs/``, named ``E={E},N={N},device_name={device}.json`` (N is the intermediate size per rank,
-``w2.shape[2]``; spaces in the device name become ``_``). Each maps a batch bucket M (tokens, as a
-string) to a config; a call takes the bucket nearest its token count. Without a file, a default
-that depends on how many tokens each expert receives on average.
+``configs/``, named ``E{E}_N{N}_{device}.json`` (N is the intermediate size per rank, ``w2.shape[2]``;
+in the device name every character other than a letter, digit or ``-`` becomes ``_``). Each maps a
+batch bucket M (tokens, as a string) to a config; a call takes the bucket nearest its token count.
+Without a file, a default that depends on how many tokens each expert receives on average.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import re
 from dataclasses import asdict, dataclass
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
@@ -47,7 +48,8 @@ class MoeKernelConfig:
 
 
 def config_file_name(num_experts: int, intermediate: int, device_name: str) -> str:
-    return f"E={num_experts},N={intermediate},device_name={device_name.replace(' ', '_')}.json"
+    device = re.sub(r"[^A-Za-z0-9-]", "_", device_name)
+    return f"E{num_experts}_N{intermediate}_{device}.json"
 
 
 @functools.cache
