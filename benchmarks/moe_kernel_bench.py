@@ -44,8 +44,14 @@ from tune_fused_moe import (  # noqa: E402
 
 from plait.bench.results import write_result  # noqa: E402
 from plait.layers.moe.align import moe_align_block_size  # noqa: E402
-from plait.layers.moe.fused_moe_triton import fused_experts_triton, fused_experts_with_config  # noqa: E402
-from plait.layers.moe.kernel_config import get_config, load_configs  # noqa: E402
+from plait.layers.moe.fused_moe_triton import (  # noqa: E402
+    fused_experts_triton,
+    fused_experts_with_config,
+    invoke_fused_moe_kernel,
+    moe_activation,
+    moe_sum,
+)
+from plait.layers.moe.kernel_config import MoeKernelConfig, get_config, load_configs  # noqa: E402
 from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
 
 ROTATIONS = 8
@@ -92,6 +98,33 @@ def expert_bytes(shape: MoeShape) -> int:
     return params * 2
 
 
+def stage_times_us(shape: MoeShape, experts: tuple, inputs: list, cfg: MoeKernelConfig) -> dict[str, float]:
+    """Each launch of the pipeline timed alone (graph replays over the rotating routings), on
+    alignments and buffers prepared outside the timed region."""
+    w13, w2, b13, b2 = experts
+    prepared = []
+    for x, w, ids in inputs:
+        align = moe_align_block_size(ids, cfg.block_m, shape.num_experts)
+        pairs = ids.numel()
+        gate_up = torch.empty(pairs, 2 * shape.inter, dtype=x.dtype, device=x.device)
+        act = torch.empty(pairs, shape.inter, dtype=x.dtype, device=x.device)
+        pair_out = torch.empty(pairs, shape.hidden, dtype=x.dtype, device=x.device)
+        prepared.append((x, w.reshape(-1).float().contiguous(), ids, align, gate_up, act, pair_out))
+    out = torch.empty(inputs[0][0].shape, dtype=inputs[0][0].dtype, device="cuda")
+    gemm1 = [lambda p=p: invoke_fused_moe_kernel(
+        p[0], w13, p[5] if cfg.fuse_activation else p[4], b13, None, *p[3], a_row_div=shape.top_k,
+        activation=shape.activation if cfg.fuse_activation else None, config=cfg) for p in prepared]
+    times = {"gate_up_gemm" + ("_with_activation" if cfg.fuse_activation else ""): graph_time_us(gemm1, replays=10)}
+    if not cfg.fuse_activation:
+        times["activation"] = graph_time_us([lambda p=p: moe_activation(p[4], p[5], p[2], shape.num_experts,
+                                                                        shape.activation) for p in prepared], 10)
+    times["down_gemm"] = graph_time_us([lambda p=p: invoke_fused_moe_kernel(
+        p[5], w2, p[6], b2, p[1], *p[3], a_row_div=1, activation=None, config=cfg) for p in prepared], replays=10)
+    times["topk_sum"] = graph_time_us([lambda p=p: moe_sum(p[6], p[2], out, shape.num_experts)
+                                       for p in prepared], replays=10)
+    return times
+
+
 def bench_shape(name: str, batch_sizes: list[int], bandwidth: float, peak: float, out_dir: str) -> list[dict]:
     shape = MOE_KERNEL_SHAPES[name]
     w13, w2, b13, b2 = make_weights(shape)
@@ -117,6 +150,7 @@ def bench_shape(name: str, batch_sizes: list[int], bandwidth: float, peak: float
             x, w13, w2, w, i, shape.activation, b13, b2, c) for x, w, i in inputs], replays=10)
         align_us = graph_time_us([lambda i=i, bm=cfg.block_m: moe_align_block_size(i, bm, shape.num_experts)
                                   for _, _, i in inputs], replays=10)
+        stages = stage_times_us(shape, (w13, w2, b13, b2), inputs, cfg)
         x, w, i = inputs[0]
         fused_experts_reference(x, w13, w2, w, i, shape.activation, b13, b2)  # warm up
         torch.cuda.synchronize()
@@ -133,12 +167,13 @@ def bench_shape(name: str, batch_sizes: list[int], bandwidth: float, peak: float
             "distinct_experts": distinct, "bytes": nbytes, "flops": flops,
             "achieved_TB_per_s": nbytes / us / 1e6, "achieved_TFLOP_per_s": flops / us / 1e6,
             "kernel_config": cfg.to_json(), "flipped_fuse_activation_us": flipped_us, "align_us": align_us,
-            "reference_loop_us": ref_us,
+            "reference_loop_us": ref_us, "stage_us": stages,
         }
         rows.append(row)
         print(f"{name} bs={m}: {us:.1f} us, ceiling {ceiling_us:.1f} us ({row['binding']}), "
               f"{100 * ceiling_us / us:.0f}% | fuse={cfg.fuse_activation} other {flipped_us:.1f} us | "
-              f"align {align_us:.1f} us | reference loop {ref_us:.0f} us", flush=True)
+              f"align {align_us:.1f} us | reference loop {ref_us:.0f} us | "
+              + " ".join(f"{k} {v:.1f}" for k, v in stages.items()), flush=True)
     # One result per shape: the headline batch (256 where measured) in the record's fields, every
     # batch size under "rows".
     head = next((r for r in rows if r["batch_size"] == HEADLINE_BATCH), rows[-1])
