@@ -59,11 +59,11 @@ DTYPE = torch.bfloat16
 # (block_n, block_k, num_warps, num_stages) per block_m; group_m is 1 for 16-row blocks (an expert
 # rarely has two) and 16 above.
 _TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
-    16: ((32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 5), (64, 64, 4, 5), (128, 64, 4, 4), (128, 128, 4, 3),
-         (128, 128, 8, 4), (256, 64, 8, 3)),
+    16: ((32, 64, 4, 6), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (64, 64, 4, 5),
+         (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (256, 64, 8, 3)),
     32: ((64, 128, 4, 4), (64, 64, 4, 5), (128, 64, 4, 4), (128, 128, 8, 3)),
-    64: ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3)),
-    128: ((128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3)),
+    64: ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4)),
+    128: ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)),
 }
 
 
@@ -84,7 +84,7 @@ def candidate_configs(block_ms: tuple[int, ...] = (16, 32, 64, 128)) -> list[Moe
 def block_ms_for(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
     """Row-block sizes worth trying: a block much taller than an expert's average run is mostly padding."""
     per_expert = num_tokens * shape.top_k / shape.num_experts
-    return tuple(bm for bm in (16, 32, 64, 128) if bm == 16 or per_expert >= 0.75 * bm)
+    return tuple(bm for bm in (16, 32, 64, 128) if bm == 16 or per_expert >= 0.5 * bm)
 
 
 def make_weights(shape: MoeShape, num_experts: int | None = None, seed: int = 0):
