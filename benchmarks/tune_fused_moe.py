@@ -13,12 +13,13 @@ Triton's on-disk cache (the kernels do not specialise on the token count, so one
 config and shape serves every M).
 
   python benchmarks/tune_fused_moe.py --shape qwen3-30b-a3b --shape gpt-oss-20b \\
-      [--batch-sizes 1,2,4,...] [--out-dir plait/layers/moe/configs] [--budget-s 300] [--jobs 12]
+      [--batch-sizes 1,2,4,...] [--out-dir plait/layers/moe/configs] [--budget-s 300] [--jobs 12] [--tp 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -141,11 +142,10 @@ def graph_time_us(fns: list[Callable[[], object]], replays: int = 5) -> float:
     return statistics.median(times)
 
 
-def _precompile(args: tuple[str, list[dict]]) -> int:
+def _precompile(args: tuple[MoeShape, list[dict]]) -> int:
     """Worker: run each config once on a small expert set so Triton writes it to the disk cache
     (E = 16 keeps the same integer specialisation as the real E, a multiple of 16)."""
-    name, configs = args
-    shape = MOE_KERNEL_SHAPES[name]
+    shape, configs = args
     w13, w2, b13, b2 = make_weights(shape, num_experts=16)
     x, weights, ids = make_inputs(shape, 4, seed=0, num_experts=16)
     done = 0
@@ -164,11 +164,11 @@ def precompile(names: list[str], jobs: int) -> None:
     work = [(name, cfg.to_json()) for name in names for cfg in candidate_configs()]
     if jobs <= 1 or not work:
         return
-    chunks: list[tuple[str, list[dict]]] = []
+    chunks: list[tuple[MoeShape, list[dict]]] = []
     for name in names:
         cfgs = [c for n, c in work if n == name]
         per = max(1, -(-len(cfgs) * len(names) // jobs))
-        chunks += [(name, cfgs[i:i + per]) for i in range(0, len(cfgs), per)]
+        chunks += [(MOE_KERNEL_SHAPES[name], cfgs[i:i + per]) for i in range(0, len(cfgs), per)]
     t0 = time.perf_counter()
     try:
         with mp.get_context("spawn").Pool(min(jobs, len(chunks))) as pool:
@@ -229,10 +229,18 @@ def main() -> None:
                     help="processes that precompile the candidates (1: compile lazily)")
     ap.add_argument("--rotations", type=int, default=4, help="random routings each timing rotates through")
     ap.add_argument("--report", help="also write the per-bucket timings here (JSON)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size: tune each rank's shard (intermediate / tp), the shape it runs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_fused_moe.py needs a CUDA GPU")
     names = args.shape or sorted(MOE_KERNEL_SHAPES)
+    if args.tp > 1:
+        for name in names:
+            shape = MOE_KERNEL_SHAPES[name]
+            if shape.inter % args.tp:
+                raise SystemExit(f"--tp {args.tp} does not divide {name}'s intermediate size {shape.inter}")
+            MOE_KERNEL_SHAPES[name] = dataclasses.replace(shape, inter=shape.inter // args.tp)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
