@@ -13,7 +13,7 @@ Triton's on-disk cache (the kernels do not specialise on the token count, so one
 config and shape serves every M).
 
   python benchmarks/tune_fused_moe.py --shape qwen3-30b-a3b --shape gpt-oss-20b \\
-      [--batch-sizes 1,2,4,...] [--out-dir plait/layers/moe/configs] [--budget-s 300] [--jobs 12] [--tp 2]
+      [--batch-sizes 1,2,4,...] [--out-dir plait/layers/moe/configs] [--budget-s 300] [--jobs 12] [--tp 2] [--ep 2]
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
 
 @dataclass(frozen=True)
 class MoeShape:
-    """One MoE layer's experts: E experts, top-k, hidden H, intermediate I (per rank)."""
+    """One MoE layer's experts: E experts, top-k, hidden H, intermediate I (per rank); under expert
+    parallelism (``ep`` > 1) this rank holds the first E / ep experts and the rest route to -1."""
 
     num_experts: int
     top_k: int
@@ -48,6 +49,11 @@ class MoeShape:
     inter: int
     activation: str
     bias: bool
+    ep: int = 1
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep
 
 
 MOE_KERNEL_SHAPES: dict[str, MoeShape] = {
@@ -90,7 +96,7 @@ def block_ms_for(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
 
 def make_weights(shape: MoeShape, num_experts: int | None = None, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    e = num_experts or shape.num_experts
+    e = num_experts or shape.local_experts
     h, i = shape.hidden, shape.inter
     w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).to(DTYPE)
     w2 = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).to(DTYPE)
@@ -100,12 +106,14 @@ def make_weights(shape: MoeShape, num_experts: int | None = None, seed: int = 0)
 
 
 def make_inputs(shape: MoeShape, num_tokens: int, seed: int, num_experts: int | None = None):
-    """Random hidden states and a random top-k routing (softmax of random logits, normalised over k)."""
+    """Random hidden states and a random top-k routing over all experts (softmax of random logits,
+    normalised over k); ids of experts this rank does not hold (``ep`` > 1) become -1."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     e = num_experts or shape.num_experts
     x = torch.randn(num_tokens, shape.hidden, device="cuda", generator=g).to(DTYPE)
     logits = torch.randn(num_tokens, e, device="cuda", generator=g)
     weights, ids = torch.topk(logits.softmax(-1), shape.top_k, dim=-1)
+    ids = torch.where(ids < e // shape.ep, ids, -1)
     return x, weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
 
 
@@ -183,7 +191,7 @@ def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float,
     shape = MOE_KERNEL_SHAPES[name]
     w13, w2, b13, b2 = make_weights(shape)
     device = torch.cuda.get_device_name()
-    path = os.path.join(out_dir, config_file_name(shape.num_experts, shape.inter, device))
+    path = os.path.join(out_dir, config_file_name(shape.local_experts, shape.inter, device))
     best: dict[str, dict] = {}
     report: dict[str, dict] = {}
     for m in batch_sizes:
@@ -231,16 +239,18 @@ def main() -> None:
     ap.add_argument("--report", help="also write the per-bucket timings here (JSON)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size: tune each rank's shard (intermediate / tp), the shape it runs")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel size: tune one rank's E / ep experts, the other pairs routed away")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_fused_moe.py needs a CUDA GPU")
     names = args.shape or sorted(MOE_KERNEL_SHAPES)
-    if args.tp > 1:
-        for name in names:
-            shape = MOE_KERNEL_SHAPES[name]
-            if shape.inter % args.tp:
-                raise SystemExit(f"--tp {args.tp} does not divide {name}'s intermediate size {shape.inter}")
-            MOE_KERNEL_SHAPES[name] = dataclasses.replace(shape, inter=shape.inter // args.tp)
+    for name in names:
+        shape = MOE_KERNEL_SHAPES[name]
+        if shape.inter % args.tp or shape.num_experts % args.ep:
+            raise SystemExit(f"--tp {args.tp} must divide {name}'s intermediate size {shape.inter} and --ep "
+                             f"{args.ep} its {shape.num_experts} experts")
+        MOE_KERNEL_SHAPES[name] = dataclasses.replace(shape, inter=shape.inter // args.tp, ep=args.ep)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     deadline = time.monotonic() + args.budget_s

@@ -198,6 +198,17 @@ def test_tuned_config_of_the_nearest_bucket_is_read(tmp_path, monkeypatch):
         kernel_config.load_configs.cache_clear()
 
 
+def test_shipped_tuned_configs_parse_and_cover_the_benchmark_shapes():
+    for experts, inter in ((128, 768), (32, 2880)):  # qwen3-30b-a3b, gpt-oss-20b experts
+        table = kernel_config.load_configs(experts, inter, "NVIDIA H200")
+        assert table is not None and min(table) == 1 and max(table) >= 4096
+        assert all(isinstance(cfg, MoeKernelConfig) for cfg in table.values())
+    for path in kernel_config.CONFIG_DIR.glob("*.json"):
+        raw = json.loads(path.read_text())
+        assert all(int(m) > 0 for m in raw)
+        assert all(MoeKernelConfig.from_json(cfg).to_json() == cfg for cfg in raw.values())
+
+
 def test_config_validates_block_sizes():
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         MoeKernelConfig(block_m=16, block_n=48, block_k=16)
