@@ -70,10 +70,6 @@ def resolve_speculative(values: Mapping[str, Any]) -> dict[str, int]:
         return {}
     _check(algo in SPECULATIVE_ALGORITHMS,
            f"{_flag('speculative_algorithm')} must be one of {SPECULATIVE_ALGORITHMS} (or unset), got {algo!r}")
-    # The speculative step runs its forwards from the scheduler's process only.
-    _check(values["tp_size"] == 1,
-           f"{_flag('speculative_algorithm')} is not supported with --tp-size > 1 yet: set --tp-size 1 "
-           f"or drop {_flag('speculative_algorithm')}")
     if algo == "NGRAM":
         _check(values["speculative_draft_model_path"] is None,
                f"{_flag('speculative_algorithm')} NGRAM uses no draft model: drop "
@@ -250,6 +246,9 @@ class EngineConfig:
                f"tbo_min_split_tokens must be >= 1, got {self.tbo_min_split_tokens}")
         _check(not (self.enable_two_batch_overlap and self.enable_dp_attention),
                "enable_two_batch_overlap does not split DP-attention batches yet: drop one of the two flags")
+        _check(not (self.speculative_algorithm and self.enable_dp_attention),
+               "speculative decoding with --enable-dp-attention is not supported yet: drop "
+               "--enable-dp-attention (speculation runs with --tp-size > 1) or --speculative-algorithm")
         _check(not self.enable_dp_attention or self.tp_size > 1,
                "enable_dp_attention needs several ranks (tp_size = dp_size >= 2)")
         _check(not self.enable_dp_attention or self.dp_size == self.tp_size,
