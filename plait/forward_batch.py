@@ -278,6 +278,9 @@ class ForwardBatch:
     forward_metadata_planned_bs: int | None = None
     forward_metadata_planned_num_tokens: int | None = None
     forward_metadata_replan_equivalent: bool = False
+    # Two-batch overlap: the two micro-batches this batch runs as (plait.two_batch_overlap builds
+    # them; each has its own attention backend and plan). None: the batch runs whole.
+    tbo_children: tuple[ForwardBatch, ForwardBatch] | None = None
 
     @property
     def num_tokens(self) -> int:
