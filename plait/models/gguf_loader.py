@@ -22,8 +22,6 @@ import hashlib
 import math
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 
 from plait.layers.rotary import llama3_inv_freq
+from plait.models.tiny import build_in_place
 
 GGUF_SUFFIX = ".gguf"
 
@@ -297,9 +296,8 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None) -> Any:
     """The tokenizer (vocabulary, merges, special tokens, chat template) stored in the file's metadata.
 
     transformers builds it from the file (seconds: it parses the whole vocabulary). With ``cache_dir``
-    the result is saved there once, under a key of the file's path, size and mtime, and later starts
-    load the saved copy. It is written to a temporary sibling and renamed into place, so a concurrent
-    start never reads a partial copy."""
+    the result is saved there once (``build_in_place``), under a key of the file's path, size and
+    mtime, and later starts load the saved copy."""
     from transformers import AutoTokenizer
 
     if cache_dir is None:
@@ -307,17 +305,8 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None) -> Any:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir / f"{path.stem}-{key}"
-    if (target / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(target))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
-    try:
-        tokenizer.save_pretrained(str(tmp))
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "tokenizer_config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
+    if not (target / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        build_in_place(target, lambda d: tokenizer.save_pretrained(str(d)), "tokenizer_config.json")
+        return tokenizer
+    return AutoTokenizer.from_pretrained(str(target))
