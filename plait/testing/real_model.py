@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
