@@ -60,6 +60,12 @@ class RequestUpdate:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     finish_message: str | None = None
+    # finish_reason "stop": the stop token id or stop string that ended the request (SGLang's "matched").
+    matched_stop: int | str | None = None
+    # Prompt-token logprobs produced since the previous update (logprob_start_len >= 0): None for the
+    # first prompt token, and the top ones per token (None there too).
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

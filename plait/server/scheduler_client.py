@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from plait.config import EngineConfig
 from plait.engine.frontend import Frontend, PreparedRequest, RequestLimits
+from plait.engine.generation_config import sampling_defaults
 from plait.engine.messages import (
     AbortRequest,
     Fatal,
@@ -142,7 +143,8 @@ class SchedulerClient:
         self.tokenizer = await tokenizer_task
         ready = self.ready
         self.frontend = Frontend(self.tokenizer, RequestLimits(ready.vocab_size, ready.max_context_len,
-                                                               ready.max_total_tokens), seed=self.config.seed)
+                                                               ready.max_total_tokens), seed=self.config.seed,
+                                 sampling_defaults=sampling_defaults(self.config))
         self._tasks.append(asyncio.create_task(self._recv_loop()))
         self._tasks.append(asyncio.create_task(self._watchdog()))
         if self.state == State.STARTING:
