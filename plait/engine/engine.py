@@ -184,7 +184,7 @@ class Engine:
         if sp.logprobs:
             lists = LogprobLists(req.output_logprobs, req.output_top_logprobs, req.input_token_logprobs,
                                  req.input_top_logprobs, req.origin_input_ids[max(sp.logprob_start_len, 0):],
-                                 with_input=sp.wants_input_logprobs, with_top=sp.top_logprobs > 0)
+                                 with_top=sp.top_logprobs > 0)
             meta.update(lists.entries(req.output_ids, token_text))
         return meta
 

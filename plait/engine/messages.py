@@ -1,8 +1,9 @@
 """Wire messages between the HTTP process and the scheduler process (pickled over ZMQ).
 
-HTTP process -> scheduler process: ``GenerateRequest``, ``AbortRequest``, ``ShutdownRequest``.
-Scheduler process -> HTTP process: ``Ready`` once the model is loaded, then ``UpdateBatch`` per step
-with finished or progressed requests, or ``Fatal`` when the loop dies.
+HTTP process -> scheduler process: ``GenerateRequest``, ``AbortRequest``, ``FlushCacheRequest``,
+``ShutdownRequest``. Scheduler process -> HTTP process: ``Ready`` once the model is loaded, then
+``UpdateBatch`` per step with finished or progressed requests, ``FlushCacheReply`` for each flush,
+or ``Fatal`` when the loop dies.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ class AbortRequest:
 @dataclass
 class ShutdownRequest:
     pass
+
+
+@dataclass
+class FlushCacheRequest:
+    """Empty the prefix cache (SGLang's /flush_cache): only while no request runs or waits."""
+
+
+@dataclass
+class FlushCacheReply:
+    success: bool
+    message: str
 
 
 @dataclass

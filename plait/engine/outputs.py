@@ -58,17 +58,17 @@ class LogprobLists:
     input: Sequence[float | None] = ()
     input_top: Sequence[TopPairs | None] = ()
     input_ids: Sequence[int] = ()  # the prompt tokens ``input`` scores (from logprob_start_len)
-    with_input: bool = False
     with_top: bool = False
 
     def entries(self, output_ids: Sequence[int], text: TokenText) -> dict[str, Any]:
-        out: dict[str, Any] = {"output_token_logprobs": logprob_entries(self.output, output_ids, text)}
+        """The four logprob fields of meta_info (the top ones only when asked for); the input ones
+        are empty unless logprob_start_len asked for prompt scoring."""
+        out: dict[str, Any] = {
+            "input_token_logprobs": logprob_entries(self.input, self.input_ids[: len(self.input)], text),
+            "output_token_logprobs": logprob_entries(self.output, output_ids, text)}
         if self.with_top:
+            out["input_top_logprobs"] = top_logprob_entries(self.input_top, text)
             out["output_top_logprobs"] = top_logprob_entries(self.output_top, text)
-        if self.with_input:
-            out["input_token_logprobs"] = logprob_entries(self.input, self.input_ids[: len(self.input)], text)
-            if self.with_top:
-                out["input_top_logprobs"] = top_logprob_entries(self.input_top, text)
         return out
 
 
