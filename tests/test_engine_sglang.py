@@ -252,3 +252,14 @@ def test_generation_config_can_come_from_another_directory(model_with_defaults, 
 def test_sampling_defaults_openai_with_a_generation_config_directory_is_refused(one_layer):
     with pytest.raises(ValueError, match="--sampling-defaults openai ignores them: drop one of the two"):
         EngineConfig(model=str(one_layer), sampling_defaults="openai", generation_config="/somewhere")
+
+
+def test_sampling_default_flags_parse_to_the_config(one_layer):
+    from plait.cli import build_parser, engine_options
+
+    args = build_parser().parse_args(["serve", "--model", str(one_layer), "--sampling-defaults", "openai",
+                                      "--generation-config", "vllm"])
+    config = EngineConfig.from_kwargs(model=str(one_layer), **engine_options(args))
+    assert (config.sampling_defaults, config.generation_config) == ("openai", "vllm")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--sampling-defaults", "hf"])
