@@ -144,3 +144,12 @@ async def read_acknowledgements(gen: AsyncGenerator[tuple[int, RequestUpdate], N
         await gen.aclose()
         raise
     return buffered
+
+
+async def replayed(primed: list[tuple[int, RequestUpdate]], gen: AsyncGenerator[tuple[int, RequestUpdate], None],
+                   ) -> AsyncGenerator[tuple[int, RequestUpdate], None]:
+    """The updates ``read_acknowledgements`` read, then the rest of ``gen``."""
+    for item in primed:
+        yield item
+    async for item in gen:
+        yield item

@@ -39,7 +39,7 @@ from plait.engine.outputs import LogprobLists, TokenText, finish_reason_dict
 from plait.sampling.params import MAX_TOP_LOGPROBS, SamplingParams, seed_to_int64
 from plait.server import protocol
 from plait.server.errors import APIError, bad_request, unsupported
-from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, sse, unless_disconnected
+from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, replayed, sse, unless_disconnected
 from plait.server.scheduler_client import SchedulerClient, State
 
 # SGLang's bound on /health_generate's probe (HEALTH_CHECK_TIMEOUT).
@@ -338,14 +338,8 @@ class NativeServing:
 
     async def _stream(self, gen: Any, primed: list[tuple[int, RequestUpdate]], outputs: list[_Output],
                       single: bool, text: TokenText, groups: list[str]) -> AsyncIterator[str]:
-        async def updates() -> AsyncIterator[tuple[int, RequestUpdate]]:
-            for item in primed:
-                yield item
-            async for item in gen:
-                yield item
-
         try:
-            async for i, upd in updates():
+            async for i, upd in replayed(primed, gen):
                 out = outputs[i]
                 out.add(upd)
                 if upd.text or upd.token_ids or upd.finish_reason is not None:

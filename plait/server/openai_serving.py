@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,7 +20,7 @@ from plait.engine.messages import RequestUpdate
 from plait.sampling.params import SamplingParams, seed_to_int64
 from plait.server import protocol
 from plait.server.errors import APIError, bad_request
-from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, sse, unless_disconnected
+from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, replayed, sse, unless_disconnected
 from plait.server.logprobs import LogprobsRenderer, TopLogprobs, TopPairs
 from plait.server.scheduler_client import SchedulerClient
 
@@ -293,17 +293,11 @@ class OpenAIServing:
                     choice["prompt_token_ids"] = job.prompt_ids[i // job.n]
             return sse({**head, "choices": [choice]})
 
-        async def updates() -> AsyncIterator[tuple[int, RequestUpdate]]:
-            for item in primed:
-                yield item
-            async for item in gen:
-                yield item
-
         try:
             if chat:
                 for i in range(len(choices)):
                     yield chunk(i, None, None, first=True)
-            async for i, upd in updates():
+            async for i, upd in replayed(primed, gen):
                 choices[i].add(upd)
                 has_content = bool(upd.text or upd.token_ids)
                 if chat:
