@@ -126,6 +126,17 @@ def test_model_path_is_accepted_and_outputs_read_as_dicts(one_layer):
         assert meta["e2e_latency"] > 0
 
 
+def test_generate_takes_sglangs_keywords(engine):
+    params = {**GREEDY, "max_new_tokens": 3}
+    by_ids = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    assert engine.generate(prompt=PROMPTS[0], sampling_params=params).token_ids == by_ids.token_ids
+    batch = engine.generate(input_ids=PROMPTS[:2], sampling_params=params, return_logprob=True, top_logprobs_num=1)
+    assert batch[0].token_ids == by_ids.token_ids
+    assert all(len(o["meta_info"]["output_top_logprobs"][0]) == 1 for o in batch)
+    with pytest.raises(ValueError, match="pass exactly one of prompt .* and input_ids"):
+        engine.generate(PROMPTS[0], input_ids=PROMPTS[0])
+
+
 def test_model_and_model_path_must_agree(one_layer):
     with pytest.raises(ValueError, match="model .* and model_path .* name the same setting"):
         plait.Engine(model=str(one_layer), model_path="/elsewhere", device="cpu")

@@ -68,7 +68,7 @@ class Engine:
         return self.core.new_request(rid or uuid.uuid4().hex, prepared.input_ids, prepared.sampling_params,
                                      prepared.seed)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt] | None = None,
+    def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,
                  sampling_params: ParamsLike | Sequence[ParamsLike] = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  return_logprob: bool | None = None, logprob_start_len: int | None = None,
@@ -76,14 +76,14 @@ class Engine:
                  stream: bool = False) -> RequestOutput | list[RequestOutput] | Iterator[StreamChunk]:
         """One prompt (text or token ids) -> one RequestOutput; a list of prompts -> a list.
 
-        SGLang's keywords work too: ``input_ids`` instead of a prompt, ``return_logprob``,
+        SGLang's signature: ``prompt`` (one or a list), ``sampling_params`` (one or a list), and its
+        keywords: ``input_ids`` instead of a prompt, ``return_logprob``,
         ``logprob_start_len`` (prompt-token logprobs from that index), ``top_logprobs_num``,
         ``return_text_in_logprobs`` (name each token in the logprob entries) and ``stream=True``,
         which returns ``generate_stream``'s iterator (one prompt only)."""
-        if (prompts is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompts (text or token ids) and input_ids")
-        if prompts is None:
-            prompts = input_ids  # type: ignore[assignment]
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt (text or token ids, or a list of them) and input_ids")
+        prompts = prompt if prompt is not None else input_ids
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int))
         prompt_list: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
