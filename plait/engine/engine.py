@@ -144,7 +144,8 @@ class Engine:
 
     def _abort_now(self, req: Req) -> None:
         """Abort ``req`` and step until the scheduler has finished and released it."""
-        self.scheduler.abort(req.rid)
+        if not self.scheduler.abort(req.rid):
+            return  # not scheduled (anymore): nothing holds its KV
         while not req.finished:
             self.scheduler.step()
         self.scheduler.flush()
