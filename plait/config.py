@@ -23,6 +23,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_
 AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
+SAMPLING_DEFAULTS: tuple[str, ...] = ("model", "openai")
 
 
 def auto_backends(device_type: str) -> tuple[str, str]:
@@ -179,6 +180,11 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     disable_overlap_schedule: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Defaults of sampling parameters a request leaves unset (plait.engine.generation_config):
+    # SGLang's sampling_defaults ("model": the checkpoint's generation_config.json, "openai": plait's
+    # own) and vLLM's generation_config ("auto": the model directory, "vllm": none, or a directory).
+    sampling_defaults: str = "model"
+    generation_config: str = "auto"
     # Speculative decoding (SGLang's flag names). ``from_kwargs`` fills the unset numbers of
     # SPECULATIVE_DERIVED_FIELDS with the algorithm's defaults (resolve_speculative, which also
     # validates every combination); a constructed config with an algorithm has all three set.
@@ -269,6 +275,13 @@ class EngineConfig:
             _check(self.speculative_algorithm is None,
                    f"speculative decoding with dp_size {self.dp_size} (data parallel replicas) is not supported "
                    "yet; use dp_size 1")
+        _check(self.sampling_defaults in SAMPLING_DEFAULTS,
+               f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
+        _check(bool(self.generation_config),
+               "generation_config must be 'auto', 'vllm' or a directory holding generation_config.json")
+        _check(self.sampling_defaults == "model" or self.generation_config in ("auto", "vllm"),
+               f"--generation-config {self.generation_config} reads sampling defaults from that directory but "
+               "--sampling-defaults openai ignores them: drop one of the two")
         for name, value in resolve_speculative(vars(self)).items():
             given = getattr(self, name)
             _check(given == value,

@@ -25,7 +25,7 @@ from plait.attention.tbo_backend import TboAttnBackend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner
-from plait.executor.forward_output import ForwardOutput, HostCopy
+from plait.executor.forward_output import ForwardOutput, HostCopy, score_prompt_rows
 from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
 from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
@@ -166,10 +166,13 @@ class ModelRunner:
         sampler and the asynchronous host copy of its results. Nothing here waits for the device:
         the caller reads the copy later (``HostCopy.wait``), after launching the next step."""
         logits = self.forward(fb)
+        scored = None
+        if fb.input_logprobs is not None:
+            scored, logits = score_prompt_rows(logits, fb.input_logprobs)
         if fb.sampling_info is None:
-            return ForwardOutput(logits)
+            return ForwardOutput(logits, input_logprobs=scored)
         sample = self.sampler(logits.next_token_logits, fb.sampling_info)
-        return ForwardOutput(logits, sample, HostCopy.start(sample))
+        return ForwardOutput(logits, sample, HostCopy.start(sample), scored)
 
     def close(self) -> None:
         """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and
