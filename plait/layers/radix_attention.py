@@ -20,6 +20,10 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.logit_cap = logit_cap
         self.sliding_window = sliding_window
+        # FP8 KV cache multipliers (stored = k / k_scale), from the checkpoint when it has them
+        # (plait.layers.quantization.kv_cache); read by the KV pool only when it stores FP8.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                 rope: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.distributed.sharded_load import LazySlice
+from plait.layers.quantization.fp8 import Fp8Config, finish_quantization, quantize_linear_layers, resolve_fp8_config
 from plait.models.llama import head_dim_of
 from plait.models.registry import MODEL_REGISTRY, supported_architectures
 
@@ -38,6 +39,8 @@ class ModelConfig:
     head_dim: int
     hidden_size: int
     eos_token_ids: tuple[int, ...]
+    # FP8 linear layers (from the checkpoint's quantization_config, or --quantization fp8); None: dense
+    quantization: Fp8Config | None = None
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         return max(1, self.num_kv_heads // tp_size)
@@ -84,7 +87,7 @@ def _eos_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
 
 
 def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
-                      context_length: int | None = None) -> ModelConfig:
+                      context_length: int | None = None, quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
 
     root = Path(path)
@@ -95,12 +98,9 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
         )
     hf_config = AutoConfig.from_pretrained(root)
     quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else type(quant).__name__
-        raise ValueError(
-            f"quantized checkpoint ({method}) is not supported yet; plait loads unquantized "
-            f"float32/float16/bfloat16 checkpoints of {supported_architectures()}"
-        )
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {"quant_method": type(quant).__name__}
+    fp8 = resolve_fp8_config(quant, quantization)  # raises for formats plait does not run, naming them
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in MODEL_REGISTRY), None)
     if arch is None:
@@ -121,6 +121,7 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
         head_dim=head_dim_of(hf_config),
         hidden_size=int(hf_config.hidden_size),
         eos_token_ids=_eos_ids(root, hf_config),
+        quantization=fp8,
     )
 
 
@@ -175,6 +176,8 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     try:
         with torch.device(device):
             model = cls(mc.hf_config, tp, attn_tp=attn_tp)
+        quantized = (quantize_linear_layers(model, mc.quantization, getattr(cls, "packed_modules_mapping", {}))
+                     if mc.quantization is not None else [])
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
@@ -184,6 +187,7 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     missing = set(dict(model.named_parameters())) - loaded
     if missing:
         raise ValueError(f"checkpoint {mc.path!r} ({load_format}) lacks weights for {sorted(missing)[:8]}")
+    finish_quantization(quantized)
     model.eval()
     return model
 
