@@ -49,3 +49,10 @@ def model_sliding_window(model: nn.Module) -> int | None:
     if len(windows) > 1:
         raise ValueError(f"layers with different sliding windows {sorted(windows)} are not supported")
     return windows.pop() if windows else None
+
+
+def model_kv_scales(model: nn.Module) -> tuple[list[float], list[float]]:
+    """Per-layer ``(k_scales, v_scales)`` of the model's attention layers, by layer id (the FP8 KV
+    pool's multipliers: the checkpoint's, or 1.0)."""
+    layers = sorted((m for m in model.modules() if isinstance(m, RadixAttention)), key=lambda m: m.layer_id)
+    return [m.k_scale for m in layers], [m.v_scale for m in layers]
