@@ -385,6 +385,7 @@ class TorchFlashAttnBackend(AttentionBackend):
             self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k3, v3)
         if layer.logit_cap > 0:
             return self.reference.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+        k3, v3 = self.kv_pool.as_stored(layer.layer_id, k3, v3)
         md = self.extend_md
         assert md is not None, "plan the batch before the forward"
         k_buf, v_buf = self.kv_pool.get_key_buffer(layer.layer_id), self.kv_pool.get_value_buffer(layer.layer_id)

@@ -56,6 +56,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         if save_kv_cache:
             self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k, v = self.kv_pool.as_stored(layer.layer_id, k, v)
         assert fb.extend is not None
         mask = custom_mask_of(fb)
         rows = fb.req_pool_indices.tolist()

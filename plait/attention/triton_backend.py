@@ -413,6 +413,7 @@ class TritonAttnBackend(AttentionBackend):
         k_scale, v_scale = self.kv_pool.kv_scales_of(layer.layer_id)
         if save_kv_cache:
             store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3, k_scale, v_scale)
+        k3, v3 = self.kv_pool.as_stored(layer.layer_id, k3, v3)
         q3 = q.view(-1, hq, d)
         o = torch.empty_like(q3)
         rows = self.verify_md

@@ -124,6 +124,17 @@ class MHATokenToKVPool:
             return stored.to(dtype)
         return (stored.float() * scale).to(dtype)
 
+    def as_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens' K/V as a reader of the cache sees them (an FP8 round trip; unchanged otherwise).
+        Extends attend to their own tokens through this, so a token's attention reads the same K/V
+        whether it comes from this batch or from the cache: chunking a prompt, reusing a cached
+        prefix or recomputing a retracted request changes no value."""
+        if not self.is_fp8:
+            return k, v
+        k_scale, v_scale = self.kv_scales_of(layer_id)
+        return (self.dequantize(self._encode(k, k_scale), k_scale, k.dtype),
+                self.dequantize(self._encode(v, v_scale), v_scale, v.dtype))
+
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V ([T, num_kv_heads, head_dim]) at slots ``loc`` ([T])."""
         k_scale, v_scale = self.kv_scales_of(layer_id)
