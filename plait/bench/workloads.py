@@ -65,9 +65,12 @@ def timed(fn: Any) -> tuple[Any, float]:
 
 
 # --- floors -------------------------------------------------------------------------------------
-def decode_step_bytes(shape: str, contexts: list[int]) -> float:
-    """Bytes one decode step must read: every matmul weight (bf16) plus the KV cache of the batch."""
-    return 2 * param_counts(shape)["matmul"] + kv_bytes_per_token(shape) * sum(contexts)
+def decode_step_bytes(shape: str, contexts: list[int], weight_bytes: float | None = None,
+                      kv_dtype_bytes: int = 2) -> float:
+    """Bytes one decode step must read: every matmul weight (bf16, or ``weight_bytes`` in all as a
+    quantized model stores them) plus the KV cache of the batch (``kv_dtype_bytes`` per element)."""
+    weights = 2 * param_counts(shape)["matmul"] if weight_bytes is None else weight_bytes
+    return weights + kv_bytes_per_token(shape, kv_dtype_bytes) * sum(contexts)
 
 
 def decode_step_flops(shape: str, contexts: list[int]) -> float:
@@ -80,14 +83,17 @@ def prefill_flops(shape: str, prompt_lens: list[int]) -> float:
     return sum(2 * p["layers"] * n + 2 * p["lm_head"] + attention_flops(shape, n, n) for n in prompt_lens)
 
 
-def throughput_floor_seconds(shape: str, prompt_lens: list[int], output_lens: list[int], lim: Limits) -> float:
+def throughput_floor_seconds(shape: str, prompt_lens: list[int], output_lens: list[int], lim: Limits,
+                             weight_bytes: float | None = None, kv_dtype_bytes: int = 2) -> float:
     """Sum over steps of max(FLOPs / matmul rate, bytes / copy bandwidth): all prefill compute-bound,
-    then one decode step per output position over the requests still running."""
+    then one decode step per output position over the requests still running. ``weight_bytes`` /
+    ``kv_dtype_bytes``: a quantized run's storage (decode_step_bytes); ``lim.matmul_rate`` is the
+    ceiling of the run's matmul type (FP8 for FP8 weights)."""
     seconds = prefill_flops(shape, prompt_lens) / lim.matmul_rate
     for step in range(1, max(output_lens)):
         contexts = [p + step for p, o in zip(prompt_lens, output_lens, strict=True) if o > step]
         seconds += max(decode_step_flops(shape, contexts) / lim.matmul_rate,
-                       decode_step_bytes(shape, contexts) / lim.copy_bw)
+                       decode_step_bytes(shape, contexts, weight_bytes, kv_dtype_bytes) / lim.copy_bw)
     return seconds
 
 

@@ -21,8 +21,8 @@ from plait.layers.activation import SiluAndMul
 from plait.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plait.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from plait.layers.logits import LogitsProcessor
-from plait.layers.quantization.kv_cache import load_kv_scale
 from plait.layers.norm import RMSNorm
+from plait.layers.quantization.kv_cache import load_kv_scale
 from plait.layers.radix_attention import RadixAttention
 from plait.layers.rotary import RotaryEmbedding, rope_settings
 

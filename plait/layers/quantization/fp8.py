@@ -209,8 +209,8 @@ class Fp8LinearMethod:
         bn = self.block[0]
         fused = len(_shard_ids(layer)) > 1
         if (fused or layer.tp.size > 1) and (offset % bn or size % bn):
-            raise ValueError(f"block-quantized {type(layer).__name__}: shard {shard_id!r} (rows {offset}..{offset + size}"
-                             f") is not aligned to the {bn}-row scale block")
+            raise ValueError(f"block-quantized {type(layer).__name__}: shard {shard_id!r} (rows {offset}.."
+                             f"{offset + size}) is not aligned to the {bn}-row scale block")
         blocks = -(-size // bn)
         param.data.narrow(0, offset // bn, blocks).copy_(loaded.narrow(0, rank * size // bn, blocks))
 

@@ -183,7 +183,7 @@ def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple
     _fp8_gemv_kernel[grid](
         x, q, scale, partial, m, n, k, x.stride(0), q.stride(0), scale.stride(0) if block is not None else 0,
         k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=block is not None,
-        BN_SCALE=bn_s, BK_SCALE=bk_s, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BN_SCALE=bn_s, BK_SCALE=bk_s, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=warps)
     out = partial[0] if split_k == 1 else partial.sum(dim=0)
     return out.to(x.dtype)
