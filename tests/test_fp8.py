@@ -19,6 +19,7 @@ from plait.layers.quantization.fp8_kernels import (
     dequantize_weight,
     fp8_gemv,
     quantize_rows,
+    quantize_rows_triton,
     quantize_weight_per_channel,
     reference_fp8_linear,
     w8a8_block_matmul,
@@ -106,6 +107,15 @@ def test_block_scaled_gemm_equals_the_reference():
     out = w8a8_block_matmul(xq, xs, q, s, (128, 128), torch.float32, config=(16, 128, 4, 1))
     ref = reference_fp8_linear(x, q, s, (128, 128), None)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_triton_activation_quantizer_equals_the_torch_one(group):
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(7)) * 4
+    q, s = quantize_rows_triton(x, group)
+    q_ref, s_ref = quantize_rows(x, group)
+    torch.testing.assert_close(s, s_ref)
+    assert torch.equal(q.float(), q_ref.float())
 
 
 def test_online_quantization_error_is_within_the_e4m3_step():

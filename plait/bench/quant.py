@@ -54,13 +54,15 @@ def fp8_weight_bytes(shape: str, block: bool = False) -> float:
     return p["layers"] + scales * c["num_hidden_layers"] + 2 * (p["lm_head"] + c["hidden_size"])
 
 
-def _limits(with_fp8: bool) -> tuple[Limits, float]:
-    from plait.bench.cli import measure_limits
-    from plait.bench.hardware import fp8_matmul_rate
+def _limits() -> tuple[Limits, float]:
+    """The run's ceilings: copy and read bandwidth, bf16 matmul and FP8 _scaled_mm 8192^3 rates."""
+    from plait.bench.hardware import bf16_matmul_rate, fp8_matmul_rate, hbm_bandwidth
 
-    lim = measure_limits()
-    rate = fp8_matmul_rate() if with_fp8 else 0.0
-    print(f"measured: fp8 _scaled_mm {rate / 1e12:.0f} TFLOP/s")
+    bw = hbm_bandwidth()
+    lim = Limits(copy_bw=bw["copy_bytes_per_s"], read_bw=bw["read_bytes_per_s"], matmul_rate=bf16_matmul_rate())
+    rate = fp8_matmul_rate()
+    print(f"measured: copy {lim.copy_bw / 1e12:.2f} TB/s, read {lim.read_bw / 1e12:.2f} TB/s, bf16 matmul "
+          f"{lim.matmul_rate / 1e12:.0f} TFLOP/s, fp8 _scaled_mm {rate / 1e12:.0f} TFLOP/s")
     return lim, rate
 
 
@@ -233,7 +235,7 @@ def cmd_gemm(args: argparse.Namespace, lim: Limits, fp8_rate: float) -> None:
 
 
 def cmd_quant(args: argparse.Namespace) -> int:
-    lim, fp8_rate = _limits(True)
+    lim, fp8_rate = _limits()
     shape_dir = str(write_shape_dir(tempfile.mkdtemp(prefix="plait-shapes-"), SHAPE))
     for workload in args.workload:
         if workload == "gemm":

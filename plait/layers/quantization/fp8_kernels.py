@@ -39,9 +39,51 @@ GEMV_MAX_TOKENS = 16
 
 
 # --- quantizers (torch; shared by the GPU GEMM path and the reference) ----------------------------
+@triton.jit
+def _quantize_groups_kernel(X, Q, S, K, stride_xm, stride_qm, stride_sm, FP8_MAX_V: tl.constexpr,
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr, MIN_S: tl.constexpr):
+    """Program (row, group): scale = max|x| / FP8_MAX over columns [g * GROUP, (g + 1) * GROUP) of the
+    row, then q = x / scale saturated. Two passes over the group (max, then quantize), BLOCK at a time."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    lo = g * GROUP
+    hi = tl.minimum(lo + GROUP, K)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_xm + offs, mask=offs < hi, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_V, MIN_S)
+    for k0 in range(lo, hi, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_xm + offs, mask=offs < hi, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX_V, FP8_MAX_V)
+        tl.store(Q + row * stride_qm + offs, q.to(Q.dtype.element_ty), mask=offs < hi)
+    tl.store(S + row * stride_sm + g, scale)
+
+
+def quantize_rows_triton(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` in one launch: a program per (row, group)."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    g = k if group is None else group
+    groups = -(-k // g)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups_kernel[(m, groups)](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+                                             FP8_MAX_V=FP8_MAX, GROUP=g, BLOCK=min(1024, triton.next_power_of_2(g)),
+                                             MIN_S=MIN_SCALE, num_warps=4)
+    return q, scale
+
+
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric FP8 quantization of ``x [M, K]``: per row (``group`` None: scale ``[M, 1]``)
-    or per row and ``group``-column group (scale ``[M, ceil(K / group)]``). ``x ~= q * scale``."""
+    or per row and ``group``-column group (scale ``[M, ceil(K / group)]``). ``x ~= q * scale``.
+    One Triton launch on a GPU (``quantize_rows_triton``); torch ops on the CPU."""
+    if x.device.type == "cuda":
+        return quantize_rows_triton(x, group)
     m, k = x.shape
     xf = x.float()
     if group is None:
@@ -123,6 +165,9 @@ def _fp8_gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # BLOCK_M == 1: products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile, reduced over K once
+    # at the end (no cross-thread reduction per K step).
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -130,15 +175,21 @@ def _fp8_gemv_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0)
-        if BLOCK_M == 1:
-            part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-        else:  # the weight converted to the activations' dtype (exact for e4m3 in bf16/fp16/fp32)
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION)
         if BLOCK_SCALES:
             # BLOCK_K divides BK_SCALE: the tile lies in one K block; the scale varies along N only.
             s = tl.load(S + (offs_n // BN_SCALE) * stride_sn + k0 // BK_SCALE, mask=mask_n, other=0.0)
-            part = part * s[None, :]
-        acc += part
+        if BLOCK_M == 1:
+            prod = w.to(tl.float32) * x.to(tl.float32)
+            if BLOCK_SCALES:
+                prod = prod * s[:, None]
+            acc2 += prod
+        else:  # the weight converted to the activations' dtype (exact for e4m3 in bf16/fp16/fp32)
+            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION)
+            if BLOCK_SCALES:
+                part = part * s[None, :]
+            acc += part
+    if BLOCK_M == 1:
+        acc += tl.sum(acc2, axis=1)[None, :]
     if not BLOCK_SCALES:
         s = tl.load(S + offs_n, mask=mask_n, other=0.0)
         acc = acc * s[None, :]
@@ -153,15 +204,28 @@ def _num_sms(t: torch.Tensor) -> int:
 
 
 def gemv_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps) for an ``m``-token FP8 GEMV: enough programs
-    (N tiles x K slices) for several per SM, each K slice a whole number of 128-column blocks."""
-    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    block_n, block_k = (64, 128) if m == 1 else (32, 128)
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps) for an ``m``-token FP8 GEMV: N tiles x K slices
+    about four programs per SM, each K slice a whole number of 128-column blocks (the H200 sweep of
+    ``plait bench quant --sweep`` at the llama-3.1-8b shapes)."""
+    if m == 1:
+        block_m, block_n, warps = 1, 128, 8
+    else:
+        block_m, block_n, warps = max(16, triton.next_power_of_2(m)), 64, 4
+    block_k = 128
     n_tiles = triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    want = max(1, (4 * num_sms) // n_tiles)
-    split_k = min(k_blocks, triton.next_power_of_2(want))
-    return block_m, block_n, block_k, split_k, 4
+    split_k = max(1, min(triton.cdiv(k, block_k), round(4 * num_sms / n_tiles)))
+    return block_m, block_n, block_k, split_k, warps
+
+
+@triton.jit
+def _sum_splits_kernel(Partial, Out, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Out[i] = sum over the K slices of Partial[:, i], cast to Out's dtype (one pass)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(Partial + s * MN + offs, mask=mask, other=0.0)
+    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
 
 def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -185,8 +249,9 @@ def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple
         k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=block is not None,
         BN_SCALE=bn_s, BK_SCALE=bk_s, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=warps)
-    out = partial[0] if split_k == 1 else partial.sum(dim=0)
-    return out.to(x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=1024)
+    return out
 
 
 # --- block-scaled W8A8 GEMM ------------------------------------------------------------------------
