@@ -116,26 +116,38 @@ def hf_simulation(path: pathlib.Path, scheme: str | None, activations: bool = Tr
     return model
 
 
+def fp8_kv_cache(kv_dtype: torch.dtype = E4M3):
+    """A transformers cache that stores K/V in ``kv_dtype`` (scale 1, saturated) and hands attention
+    the stored values back in fp32: every position, the current ones included, as plait's FP8 pool
+    does."""
+    from transformers import DynamicCache
+
+    fmax = torch.finfo(kv_dtype).max
+
+    def rt(t: torch.Tensor) -> torch.Tensor:
+        return t.float().clamp(-fmax, fmax).to(kv_dtype).float()
+
+    class Fp8SimCache(DynamicCache):
+        def update(self, key_states, value_states, *args, **kwargs):  # type: ignore[override]
+            return super().update(rt(key_states), rt(value_states), *args, **kwargs)
+
+    return Fp8SimCache()
+
+
 @torch.inference_mode()
 def hf_teacher_forced(model: nn.Module, ids: list[int], chunk: int | None = None,
                       kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits ``[len(ids), vocab]`` (fp32) of each position, the text fed ``chunk`` tokens at a time;
-    ``kv_dtype`` (fp8): between chunks the cached K/V are stored-and-read in that dtype (scale 1), as
-    an FP8 KV cache does; a chunk's own K/V stay exact, as in plait's extend."""
+    ``kv_dtype`` (fp8): attention reads K/V stored in that dtype (``fp8_kv_cache``)."""
     from transformers import DynamicCache
 
     chunk = chunk or len(ids)
-    cache = DynamicCache()
+    cache = DynamicCache() if kv_dtype is None else fp8_kv_cache(kv_dtype)
     out = []
     for start in range(0, len(ids), chunk):
         piece = torch.tensor([ids[start : start + chunk]])
         res = model(piece, past_key_values=cache, use_cache=True)
         out.append(res.logits[0].float())
-        if kv_dtype is not None:
-            fmax = torch.finfo(kv_dtype).max
-            for layer in cache.layers:
-                layer.keys = layer.keys.clamp(-fmax, fmax).to(kv_dtype).float()
-                layer.values = layer.values.clamp(-fmax, fmax).to(kv_dtype).float()
     return torch.cat(out)
 
 

@@ -25,6 +25,8 @@ Paths (``fp8_linear`` picks one):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -197,10 +199,15 @@ def _fp8_gemv_kernel(
     tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
+@functools.lru_cache(maxsize=8)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(t: torch.Tensor) -> int:
     if t.device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(t.device).multi_processor_count
+        return 8  # the interpreter: any positive value
+    return _cuda_num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def gemv_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
