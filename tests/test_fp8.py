@@ -220,17 +220,46 @@ def test_real_model_online_fp8_agrees_with_the_fp32_simulation(real_model_dir, t
     assert abs(a.ppl_change) < 0.01
 
 
-def test_real_model_fp8_weights_against_bf16_reported(real_model_dir, text_ids):
+@pytest.fixture(scope="module")
+def real_bf16_logits(real_model_dir, text_ids) -> torch.Tensor:
+    engine = plait.Engine(model=str(real_model_dir), dtype="bfloat16", max_total_tokens=1024)
+    out = plait_teacher_forced(engine, text_ids)
+    engine.shutdown()
+    return out
+
+
+def _against_bf16(real_model_dir, text_ids, real_bf16_logits, what: str, **options):
+    engine = plait.Engine(model=str(real_model_dir), dtype="bfloat16", max_total_tokens=1024, **options)
+    got = plait_teacher_forced(engine, text_ids)
+    engine.shutdown()
+    a = agreement(got, real_bf16_logits, text_ids)
+    print(f"\nreal model, {what} vs bf16: top-1 {a.top1:.4f}, ppl {a.ppl:.3f} vs {a.ppl_ref:.3f} "
+          f"({100 * a.ppl_change:+.2f}%)")
+    return a
+
+
+def test_real_model_fp8_weights_against_bf16_reported(real_model_dir, text_ids, real_bf16_logits):
     """Reported (docs/quantization.md): top-1 agreement and perplexity change of FP8 weights against
     bf16 on the fixed English text. Asserted only loosely: the 135M model is sensitive."""
-    bf16 = plait.Engine(model=str(real_model_dir), dtype="bfloat16", max_total_tokens=1024)
-    ref = plait_teacher_forced(bf16, text_ids)
-    bf16.shutdown()
-    fp8 = plait.Engine(model=str(real_model_dir), dtype="bfloat16", quantization="fp8", max_total_tokens=1024)
-    got = plait_teacher_forced(fp8, text_ids)
-    fp8.shutdown()
-    a = agreement(got, ref, text_ids)
-    print(f"\nreal model, FP8 weights vs bf16: top-1 {a.top1:.4f}, ppl {a.ppl:.3f} vs {a.ppl_ref:.3f} "
-          f"({100 * a.ppl_change:+.2f}%)")
+    a = _against_bf16(real_model_dir, text_ids, real_bf16_logits, "FP8 weights (online)", quantization="fp8")
+    assert a.top1 >= 0.8
+    assert a.ppl_change < 0.1
+
+
+def test_real_model_fp8_kv_agrees_with_the_fp32_simulation(real_model_dir, text_ids):
+    engine = plait.Engine(model=str(real_model_dir), dtype="float32", kv_cache_dtype="fp8_e4m3",
+                          max_total_tokens=1024)
+    got = plait_teacher_forced(engine, text_ids)
+    engine.shutdown()
+    sim = hf_teacher_forced(hf_simulation(real_model_dir, None), text_ids, kv_dtype=torch.float8_e4m3fn)
+    a = agreement(got, sim, text_ids)
+    print(f"\nreal model, plait FP8 KV (e4m3) vs fp32 simulation: top-1 {a.top1:.4f}, "
+          f"ppl {a.ppl:.3f} vs {a.ppl_ref:.3f}")
+    assert a.top1 >= 0.99
+    assert abs(a.ppl_change) < 0.01
+
+
+def test_real_model_fp8_kv_against_bf16_reported(real_model_dir, text_ids, real_bf16_logits):
+    a = _against_bf16(real_model_dir, text_ids, real_bf16_logits, "FP8 KV cache (e4m3)", kv_cache_dtype="fp8_e4m3")
     assert a.top1 >= 0.8
     assert a.ppl_change < 0.1

@@ -15,7 +15,8 @@ from plait.models.loader import load_model_config
 from tests.helpers import GREEDY, assert_no_leaks, make_engine, prompt_ids
 from tests.quant_helpers import plait_teacher_forced, write_fp8_checkpoint
 
-PROMPTS = prompt_ids(8)
+PROMPTS = prompt_ids(6)  # 3 to 20 tokens
+PARAMS = {**GREEDY, "max_new_tokens": 16}
 FP8_KV = {"kv_cache_dtype": "fp8_e4m3"}
 
 
@@ -28,7 +29,7 @@ def model_path(tiny_model_dir):
 def fp8_reference(model_path) -> list[list[int]]:
     """The FP8-KV engine's own greedy tokens, without chunking, prefix hits or retraction."""
     engine = make_engine(model_path, disable_radix_cache=True, **FP8_KV)
-    outs = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    outs = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
     engine.shutdown()
     return outs
 
@@ -67,7 +68,7 @@ def test_checkpoint_kv_scales_reach_the_fp8_pool_and_only_it(model_path, tmp_pat
     path = write_fp8_checkpoint(model_path, tmp_path / "ckpt", "ct-channel", kv_scales={0: (0.5, 0.25), 1: (2.0, 4.0)})
     fp8 = plait.Engine(model=str(path), max_total_tokens=128, **FP8_KV)
     assert fp8.runner.kv_pool.k_scales == [0.5, 2.0] and fp8.runner.kv_pool.v_scales == [0.25, 4.0]
-    out = fp8.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 4})
+    out = fp8.generate(PROMPTS[0], {**PARAMS, "max_new_tokens": 4})
     fp8.shutdown()
     auto = plait.Engine(model=str(path), max_total_tokens=128)
     assert auto.runner.kv_pool.k_scales == [1.0, 1.0]  # a model-dtype pool ignores them
@@ -105,22 +106,23 @@ def test_fp8_kv_changes_the_logits(one_layer):
 
 def test_chunked_prefill_with_fp8_kv_keeps_outputs(model_path, fp8_reference):
     engine = make_engine(model_path, chunked_prefill_size=4, disable_radix_cache=True, **FP8_KV)
-    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == fp8_reference
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == fp8_reference
     assert_no_leaks(engine)
 
 
 def test_prefix_reuse_with_fp8_kv_keeps_outputs(model_path, fp8_reference):
     engine = make_engine(model_path, **FP8_KV)
-    engine.generate(PROMPTS, GREEDY)
-    again = engine.generate(PROMPTS, GREEDY)
+    engine.generate(PROMPTS, PARAMS)
+    again = engine.generate(PROMPTS, PARAMS)
     assert all(o.meta_info["cached_tokens"] > 0 for o in again)
     assert [o.token_ids for o in again] == fp8_reference
     assert_no_leaks(engine)
 
 
 def test_retraction_with_fp8_kv_keeps_outputs(model_path, fp8_reference):
-    engine = make_engine(model_path, max_total_tokens=200, disable_radix_cache=True, **FP8_KV)
-    outs = engine.generate(PROMPTS, GREEDY)
+    # 6 requests need up to 56 + 6 * 16 tokens; 64 slots cannot hold them all at once.
+    engine = make_engine(model_path, max_total_tokens=64, disable_radix_cache=True, **FP8_KV)
+    outs = engine.generate(PROMPTS, PARAMS)
     assert engine.scheduler.stats.num_retractions >= 1
     assert [o.token_ids for o in outs] == fp8_reference
     assert_no_leaks(engine)
