@@ -81,7 +81,7 @@ def cmd_decode(args: argparse.Namespace, lim: Limits, fp8_rate: float, shape_dir
     fp8 = plait_decode_bs1(SHAPE, shape_dir, prompt, new, quantization="fp8", kv_cache_dtype=kv)
     contexts = [128 + new // 2]
     kv_bytes = 1 if kv != "auto" else 2
-    step_bytes = decode_step_bytes(SHAPE, contexts, fp8_weight_bytes(SHAPE), kv_bytes)
+    step_bytes = decode_step_bytes(SHAPE, contexts, weight_bytes=fp8_weight_bytes(SHAPE), kv_dtype_bytes=kv_bytes)
     write_result(
         args.out, "decode-bs1", SHAPE, "decode_tok_s", fp8["tok_s"], "plait bf16", bf16["tok_s"],
         lim.copy_bw / step_bytes,

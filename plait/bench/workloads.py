@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from plait.bench.shapes import attention_flops, kv_bytes_per_token, param_counts
+from plait.bench.shapes import (
+    attention_flops,
+    expected_distinct_experts,
+    is_moe,
+    kv_bytes_per_token,
+    moe_counts,
+    param_counts,
+)
 
 
 @dataclass(frozen=True)
@@ -65,12 +72,20 @@ def timed(fn: Any) -> tuple[Any, float]:
 
 
 # --- floors -------------------------------------------------------------------------------------
-def decode_step_bytes(shape: str, contexts: list[int], weight_bytes: float | None = None,
-                      kv_dtype_bytes: int = 2) -> float:
-    """Bytes one decode step must read: every matmul weight (bf16, or ``weight_bytes`` in all as a
-    quantized model stores them) plus the KV cache of the batch (``kv_dtype_bytes`` per element)."""
-    weights = 2 * param_counts(shape)["matmul"] if weight_bytes is None else weight_bytes
-    return weights + kv_bytes_per_token(shape, kv_dtype_bytes) * sum(contexts)
+def decode_step_bytes(shape: str, contexts: list[int], distinct_experts: float | None = None,
+                      weight_bytes: float | None = None, kv_dtype_bytes: int = 2) -> float:
+    """Bytes one decode step must read: every matmul weight (bf16) plus the KV cache of the batch. A
+    mixture of experts reads its dense weights plus, per sparse layer, the experts the step routes to:
+    ``distinct_experts`` per layer, by default the expectation under uniform routing. ``weight_bytes``:
+    the weights in all as a quantized model stores them; ``kv_dtype_bytes``: bytes per KV element."""
+    kv = kv_bytes_per_token(shape, kv_dtype_bytes) * sum(contexts)
+    if weight_bytes is not None:
+        return weight_bytes + kv
+    if not is_moe(shape):
+        return 2 * param_counts(shape)["matmul"] + kv
+    m = moe_counts(shape)
+    routed = expected_distinct_experts(shape, len(contexts)) if distinct_experts is None else distinct_experts
+    return 2 * (param_counts(shape)["dense_matmul"] + m["sparse_layers"] * routed * m["per_expert"]) + kv
 
 
 def decode_step_flops(shape: str, contexts: list[int]) -> float:
@@ -93,7 +108,8 @@ def throughput_floor_seconds(shape: str, prompt_lens: list[int], output_lens: li
     for step in range(1, max(output_lens)):
         contexts = [p + step for p, o in zip(prompt_lens, output_lens, strict=True) if o > step]
         seconds += max(decode_step_flops(shape, contexts) / lim.matmul_rate,
-                       decode_step_bytes(shape, contexts, weight_bytes, kv_dtype_bytes) / lim.copy_bw)
+                       decode_step_bytes(shape, contexts, weight_bytes=weight_bytes,
+                                         kv_dtype_bytes=kv_dtype_bytes) / lim.copy_bw)
     return seconds
 
 

@@ -11,7 +11,11 @@ from plait.layers.rotary import RotaryEmbedding
 
 class RadixAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scaling: float, logit_cap: float = 0.0, sliding_window: int | None = None) -> None:
+                 scaling: float, logit_cap: float = 0.0, sliding_window: int | None = None,
+                 sinks: bool = False) -> None:
+        """``sinks``: the layer has per-head attention sinks (gpt-oss), a learned logit per query head
+        on this rank (``sinks`` [num_heads], in the model dtype) that joins the softmax denominator
+        and attends to nothing."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -24,6 +28,9 @@ class RadixAttention(nn.Module):
         # (plait.layers.quantization.kv_cache); read by the KV pool only when it stores FP8.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.sinks: nn.Parameter | None
+        self.register_parameter(
+            "sinks", nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                 rope: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,3 +63,8 @@ def model_kv_scales(model: nn.Module) -> tuple[list[float], list[float]]:
     pool's multipliers: the checkpoint's, or 1.0)."""
     layers = sorted((m for m in model.modules() if isinstance(m, RadixAttention)), key=lambda m: m.layer_id)
     return [m.k_scale for m in layers], [m.v_scale for m in layers]
+
+
+def model_has_sinks(model: nn.Module) -> bool:
+    """Whether any attention layer of the model has attention sinks."""
+    return any(isinstance(m, RadixAttention) and m.sinks is not None for m in model.modules())

@@ -54,6 +54,10 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start : start + slots.numel()] = slots.to(torch.int32)
 
+    def scatter(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """``req_to_token[rows, positions] = slots`` (broadcast like tensor indexing; one scatter)."""
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
+
 
 KV_CACHE_FP8_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
