@@ -65,7 +65,7 @@ def test_unsupported_architecture_fails_with_the_supported_list(tmp_path, tiny_m
         load_model_config(str(tmp_path))
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes"])
 def test_quantized_checkpoint_of_an_unsupported_format_fails_at_start(tmp_path, tiny_model_dir, method):
     cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": method, "bits": 4}
