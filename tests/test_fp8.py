@@ -87,6 +87,15 @@ def test_fp8_gemv_equals_the_dequantized_weight_product(m, layout):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_the_gemv_takes_bf16_weights_too():
+    """The kernel is generic in the weight dtype (Triton specialises on it): bf16 weights with unit
+    channel scales are a plain bf16 GEMV."""
+    w = _weight(64, 256, seed=8).to(torch.bfloat16)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(9))
+    out = fp8_gemv(x, w, torch.ones(64), None, config=(1, 32, 128, 2, 4))
+    torch.testing.assert_close(out, x @ w.float().t(), rtol=1e-4, atol=1e-4)
+
+
 def test_block_scaled_gemm_equals_the_reference():
     m, n, k = 20, 256, 384
     w = _weight(n, k, seed=2)
