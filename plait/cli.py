@@ -17,7 +17,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from plait.config import ATTENTION_BACKENDS, SAMPLING_DEFAULTS, EngineConfig
+from plait.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SAMPLING_DEFAULTS, EngineConfig
 from plait.sampling import SamplingParams
 
 logger = logging.getLogger("plait")
@@ -41,7 +41,7 @@ def _flag_type(tp: Any) -> Any:
 # Flags with a closed set of values: argparse lists them in --help and rejects others before start-up.
 FLAG_CHOICES: dict[str, tuple[str, ...]] = {name: ATTENTION_BACKENDS for name in (
     "attention_backend", "prefill_attention_backend", "decode_attention_backend",
-    "speculative_draft_attention_backend")}
+    "speculative_draft_attention_backend")} | {"quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 
 

@@ -76,7 +76,8 @@ class EngineCore:
 def build_engine_core(config: EngineConfig) -> EngineCore:
     """Load the model's config and tokenizer and build the runner and the scheduler for ``config``'s
     layout. The one place either is constructed for a front end."""
-    model_config = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length)
+    model_config = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length,
+                                     config.quantization)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     from plait.parallel.data_parallel import is_plain_data_parallel
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.distributed.sharded_load import LazySlice
+from plait.layers.quantization.fp8 import Fp8Config, finish_quantization, quantize_linear_layers, resolve_fp8_config
 from plait.models.gguf_loader import find_gguf, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
 from plait.models.llama import head_dim_of
 from plait.models.moe import moe_mlp_params
@@ -43,6 +44,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # "safetensors" (a Hugging Face directory; ``path`` is the directory) or "gguf" (``path`` is the file).
     checkpoint_format: str = "safetensors"
+    # FP8 linear layers (from the checkpoint's quantization_config, or --quantization fp8); None: dense
+    quantization: Fp8Config | None = None
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         return max(1, self.num_kv_heads // tp_size)
@@ -91,7 +94,7 @@ def _eos_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
 
 
 def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
-                      context_length: int | None = None) -> ModelConfig:
+                      context_length: int | None = None, quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
 
     gguf_file = find_gguf(path)
@@ -112,14 +115,12 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
             getattr(hf_config, f, None) for f in MOE_CONFIG_FIELDS) else "architecture"
         raise ValueError(f"{kind} {archs} is not supported; supported: {supported_architectures()}")
     quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else type(quant).__name__
-        if method not in DEQUANTIZED_AT_LOAD.get(arch, ()):
-            raise ValueError(
-                f"quantized checkpoint ({method}) is not supported yet; plait loads unquantized "
-                f"float32/float16/bfloat16 checkpoints of {supported_architectures()} (and dequantizes "
-                f"{DEQUANTIZED_AT_LOAD} at load)"
-            )
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {"quant_method": type(quant).__name__}
+    if quant and quant.get("quant_method") in DEQUANTIZED_AT_LOAD.get(arch, ()):
+        quant = None  # the architecture's loader dequantizes it (plait.models.registry)
+    # FP8 checkpoints, or --quantization fp8; any other format raises, naming it.
+    fp8 = resolve_fp8_config(quant, quantization)
     max_ctx = int(hf_config.max_position_embeddings)
     if context_length is not None and context_length > max_ctx:
         raise ValueError(
@@ -137,6 +138,7 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
         hidden_size=int(hf_config.hidden_size),
         eos_token_ids=_eos_ids(root.parent if gguf_file else root, hf_config),
         checkpoint_format="gguf" if gguf_file else "safetensors",
+        quantization=fp8,
     )
 
 
@@ -236,6 +238,8 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     try:
         with torch.device(device):
             model = cls(mc.hf_config, tp, attn_tp=attn_tp, **moe_kwargs)
+        quantized = (quantize_linear_layers(model, mc.quantization, getattr(cls, "packed_modules_mapping", {}))
+                     if mc.quantization is not None else [])
     finally:
         torch.set_default_dtype(previous)
     if weights is None:
@@ -245,6 +249,7 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     missing = set(dict(model.named_parameters())) - loaded
     if missing:
         raise ValueError(f"checkpoint {mc.path!r} ({load_format}) lacks weights for {sorted(missing)[:8]}")
+    finish_quantization(quantized)
     model.eval()
     return model
 
