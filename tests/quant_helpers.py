@@ -89,9 +89,12 @@ def hf_simulation(path: pathlib.Path, scheme: str | None, activations: bool = Tr
     quantize-dequantized (``channel`` / ``block`` / ``tensor``, or ``dequantized`` for a checkpoint
     already holding FP8: its own dequantized weights), activations per token (channel), per token
     and 128 columns (block) or with a static scale (``input_scales``: module name -> scale)."""
-    from transformers import AutoModelForCausalLM
+    import copy
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from tests.conftest import hf_model
+
+    # A copy of the session's fp32 model of ``path`` (loaded once): the simulation edits its weights.
+    model = copy.deepcopy(hf_model(path))
     for name, mod in model.named_modules():
         if not is_quantized_linear(name, mod) or scheme is None:
             continue

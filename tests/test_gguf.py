@@ -212,11 +212,12 @@ def test_dequantized_shapes_follow_hf_order(two_layer_llama, tmp_path):
 
 def test_plait_on_smollm2s_gguf_gives_transformers_greedy_tokens(monkeypatch):
     """The demo model's own file (a llama.cpp Q4_1 conversion), fp32: plait reads and runs it as
-    transformers does, q/k permutation and chat template included, and answers in English."""
-    from transformers import AutoModelForCausalLM
-
+    transformers does, q/k permutation and chat template included, and answers in English.
+    transformers' reading of the file is its fp32 dequantization, cached once per machine."""
     import plait
     from plait.models.demo import demo_gguf_path
+    from plait.testing.real_model import smollm2_gguf_fp32_dir
+    from tests.conftest import hf_model
 
     monkeypatch.delenv("PLAIT_DEMO_MODEL", raising=False)
     path = demo_gguf_path()
@@ -226,7 +227,7 @@ def test_plait_on_smollm2s_gguf_gives_transformers_greedy_tokens(monkeypatch):
         prompt_ids = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
                                                           return_dict=False)
         out = engine.generate(prompt_ids, {"max_new_tokens": 10, "temperature": 0})
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_model(smollm2_gguf_fp32_dir())
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=len(out.token_ids), do_sample=False)
     assert out.token_ids == ref[0, len(prompt_ids):].tolist()

@@ -7,14 +7,15 @@ import pathlib
 import torch
 
 import plait
+from tests.conftest import hf_model
 
 
 def test_real_model_greedy_continuation_matches_transformers(real_model_dir: pathlib.Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     prompt = "The capital of France is"
     tok = AutoTokenizer.from_pretrained(real_model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32)
+    hf = hf_model(real_model_dir)  # the session's fp32 transformers model (shared with test_fp8)
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         ref = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
