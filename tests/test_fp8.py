@@ -218,19 +218,26 @@ def test_real_model_online_fp8_agrees_with_the_fp32_simulation(real_model_dir, t
     assert abs(a.ppl_change) < 0.01
 
 
+# The bf16 comparisons (reported, loosely asserted) score the text's first 128 tokens: bf16 runs
+# slowest on a CPU, and their bounds do not need the whole text; the fp32 simulation tests, whose
+# 99% / 1% bounds do, score all of it.
+BF16_TOKENS = 128
+
+
 @pytest.fixture(scope="module")
 def real_bf16_logits(real_model_dir, text_ids) -> torch.Tensor:
     engine = plait.Engine(model=str(real_model_dir), dtype="bfloat16", max_total_tokens=1024)
-    out = plait_teacher_forced(engine, text_ids)
+    out = plait_teacher_forced(engine, text_ids[:BF16_TOKENS])
     engine.shutdown()
     return out
 
 
 def _against_bf16(real_model_dir, text_ids, real_bf16_logits, what: str, **options):
+    ids = text_ids[:BF16_TOKENS]
     engine = plait.Engine(model=str(real_model_dir), dtype="bfloat16", max_total_tokens=1024, **options)
-    got = plait_teacher_forced(engine, text_ids)
+    got = plait_teacher_forced(engine, ids)
     engine.shutdown()
-    a = agreement(got, real_bf16_logits, text_ids)
+    a = agreement(got, real_bf16_logits, ids)
     print(f"\nreal model, {what} vs bf16: top-1 {a.top1:.4f}, ppl {a.ppl:.3f} vs {a.ppl_ref:.3f} "
           f"({100 * a.ppl_change:+.2f}%)")
     return a
