@@ -252,9 +252,6 @@ class EngineConfig:
                f"tbo_min_split_tokens must be >= 1, got {self.tbo_min_split_tokens}")
         _check(not (self.enable_two_batch_overlap and self.enable_dp_attention),
                "enable_two_batch_overlap does not split DP-attention batches yet: drop one of the two flags")
-        _check(not (self.speculative_algorithm and self.enable_dp_attention),
-               "speculative decoding with --enable-dp-attention is not supported yet: drop "
-               "--enable-dp-attention (speculation runs with --tp-size > 1) or --speculative-algorithm")
         _check(not self.enable_dp_attention or self.tp_size > 1,
                "enable_dp_attention needs several ranks (tp_size = dp_size >= 2)")
         _check(not self.enable_dp_attention or self.dp_size == self.tp_size,
@@ -265,9 +262,6 @@ class EngineConfig:
             _check(self.nnodes == 1 and not self.dist_init_addr,
                    f"dp_size {self.dp_size} without enable_dp_attention runs its replicas on one machine: "
                    "nnodes and dist_init_addr are not supported with it")
-            _check(self.speculative_algorithm is None,
-                   f"speculative decoding with dp_size {self.dp_size} (data parallel replicas) is not supported "
-                   "yet; use dp_size 1")
         for name, value in resolve_speculative(vars(self)).items():
             given = getattr(self, name)
             _check(given == value,
