@@ -117,6 +117,15 @@ class Progress:
 
 
 @dataclass
+class RankReport:
+    """What a rank > 0 sends in a round exchange: its requests' progress since the last report, and
+    how many KV slots its scheduler holds outside the prefix cache (leak checks read it on rank 0)."""
+
+    progress: list[Progress]
+    kv_tokens_in_use: int
+
+
+@dataclass
 class MLPSync:
     """The per-step global counts, in the shape ``ForwardBatch.init_mlp_sync_metadata`` reads: request
     counts in a speculative phase (it scales them by the per-request width), token counts otherwise."""
@@ -179,8 +188,10 @@ class MLPCountSync:
         self.control = control
         self.device = device
         self.row_exchange = row_exchange
-        # Recent rounds as every rank saw them (tests, debugging).
+        # Recent rounds as every rank saw them (tests, debugging), and the request counts per rank of
+        # the recent speculative phases any rank verified in.
         self.rounds: deque[Round] = deque(maxlen=4096)
+        self.spec_rounds: deque[tuple[int, ...]] = deque(maxlen=4096)
 
     def sync(self, fb: ForwardBatch) -> None:
         own = rank_counts(fb)
@@ -198,6 +209,8 @@ class MLPCountSync:
         mode = DPPaddingMode.choose(tokens, any(extend_flags))
         if any(tokens):
             self.rounds.append((tuple(counts), extend_flags, mode))
+            if speculative:
+                self.spec_rounds.append(tuple(counts))
         self._fill(fb, counts, mode, graphs=not speculative)
         if fb.mlp_sync.global_num_tokens_cpu != tokens:
             raise RuntimeError(f"DP-attention token counts {fb.mlp_sync.global_num_tokens_cpu} differ from the "
@@ -364,6 +377,8 @@ class DPAttentionScheduler:
         self._adds: list[tuple[int, NewRequest]] = []
         self._aborts: list[str] = []
         self.assigned: Counter[int] = Counter()  # requests sent to each rank (tests, metrics)
+        # rank > 0 -> KV slots its scheduler held at its latest report (a round behind)
+        self.remote_kv_tokens_in_use: dict[int, int] = {}
 
     @property
     def spec_worker(self) -> SpecWorker | None:
@@ -453,7 +468,9 @@ class DPAttentionScheduler:
         self._adds, self._aborts = [], []
         try:
             reports = exchange_objects(self.runner.groups.control, msg)
-            updated = [self._apply(p) for report in reports[1:] for p in report]
+            for rank, report in enumerate(reports[1:], start=1):
+                self.remote_kv_tokens_in_use[rank] = report.kv_tokens_in_use
+            updated = [self._apply(p) for report in reports[1:] for p in report.progress]
             updated += self.local.step()
             self.runner.finish_round()
         except Exception as e:
@@ -501,7 +518,8 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:
-        msg: DPControl = exchange_objects(control, _progress(live), timeout=IDLE_WAIT)[0]
+        report = RankReport(_progress(live), scheduler.kv_tokens_in_use())
+        msg: DPControl = exchange_objects(control, report, timeout=IDLE_WAIT)[0]
         if msg.shutdown:
             return
         for rank, new in msg.adds:
