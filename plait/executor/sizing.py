@@ -64,9 +64,8 @@ def verify_graph_widths(config: EngineConfig) -> list[int]:
     if config.speculative_algorithm is None or not config.speculative_num_draft_tokens:
         return []
     if config.enable_dp_attention:
-        # DP-attention verify rounds run eagerly: a captured verify would hold the MLP collectives,
-        # and a rank with nothing to verify would have to replay the same graph on padding rows.
-        return []
+        # DP attention pads every verify block to num_draft_tokens (one width on every rank).
+        return [config.speculative_num_draft_tokens]
     return list(range(2, config.speculative_num_draft_tokens + 1))
 
 

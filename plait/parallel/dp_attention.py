@@ -153,10 +153,12 @@ class RankCounts:
     # Tokens per request of a speculative phase's batch (the verify width, the same on every rank);
     # 0 outside a speculative phase.
     request_width: int
-    is_extend: bool
+    # Rows of varying length per request (a prefill chunk, a mixed batch): the round pads SUM_LEN. A
+    # verify batch runs the extend kernels but its blocks have one width: it pads like a decode.
+    is_prefill: bool
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.num_requests, self.num_tokens, self.request_width, int(self.is_extend)],
+        return torch.tensor([self.num_requests, self.num_tokens, self.request_width, int(self.is_prefill)],
                             dtype=torch.int64)
 
     @classmethod
@@ -167,12 +169,12 @@ class RankCounts:
 
 def rank_counts(fb: ForwardBatch) -> RankCounts:
     if fb.spec_info is None:
-        return RankCounts(fb.batch_size, fb.num_tokens, 0, fb.forward_mode.is_extend())
+        return RankCounts(fb.batch_size, fb.num_tokens, 0, fb.forward_mode.is_extend())  # an IDLE: False
     width = spec_request_width(fb.spec_info)
     if fb.num_tokens != fb.batch_size * width:
         raise RuntimeError(f"a speculative DP-attention batch has {fb.batch_size} requests of width {width} "
                            f"but {fb.num_tokens} tokens: its rows must be padded to one width")
-    return RankCounts(fb.batch_size, fb.num_tokens, width, fb.forward_mode.is_extend())
+    return RankCounts(fb.batch_size, fb.num_tokens, width, False)
 
 
 # --- the runner of every rank -------------------------------------------------------------------------
@@ -204,27 +206,27 @@ class MLPCountSync:
         # batch of a speculative phase carries the width too) and takes token counts otherwise.
         speculative = fb.spec_info is not None
         counts = [r.num_requests if speculative else r.num_tokens for r in ranks]
-        extend_flags = tuple(r.is_extend for r in ranks)
+        extend_flags = tuple(r.is_prefill for r in ranks)
         tokens = [r.num_tokens for r in ranks]
         mode = DPPaddingMode.choose(tokens, any(extend_flags))
         if any(tokens):
             self.rounds.append((tuple(counts), extend_flags, mode))
             if speculative:
                 self.spec_rounds.append(tuple(counts))
-        self._fill(fb, counts, mode, graphs=not speculative)
+        self._fill(fb, counts, mode)
         if fb.mlp_sync.global_num_tokens_cpu != tokens:
             raise RuntimeError(f"DP-attention token counts {fb.mlp_sync.global_num_tokens_cpu} differ from the "
                                f"ranks' own {tokens}")
 
     def capture(self, fb: ForwardBatch) -> None:
-        """A captured decode step: a MAX_LEN step with the bucket's rows on every rank; at replay each
-        rank pads its requests to the bucket of the largest count, so the shapes match the capture."""
+        """A captured decode or verify step: a MAX_LEN step with the bucket's requests on every rank (a
+        verify's static batch carries its width, which scales them to tokens); at replay each rank pads
+        its requests to the bucket of the largest count, so the shapes match the capture."""
         self._fill(fb, [fb.batch_size] * self.control.size, DPPaddingMode.MAX_LEN)
 
-    def _fill(self, fb: ForwardBatch, counts: list[int], mode: DPPaddingMode, graphs: bool = True) -> None:
-        # Speculative phases run eagerly on every rank (no DP verify graphs are captured), so no
-        # rank may replay a decode graph in them: ``graphs`` is the same on every rank of a phase.
-        fb.init_mlp_sync_metadata(MLPSync(counts, counts, graphs and mode == DPPaddingMode.MAX_LEN), self.device)
+    def _fill(self, fb: ForwardBatch, counts: list[int], mode: DPPaddingMode) -> None:
+        # A round may replay graphs (decode graphs in MAIN, verify graphs in SPEC) only as MAX_LEN.
+        fb.init_mlp_sync_metadata(MLPSync(counts, counts, mode == DPPaddingMode.MAX_LEN), self.device)
         fb.mlp_sync.padding_mode = mode
         fb.dp_row_exchange = self.row_exchange
 
@@ -323,6 +325,11 @@ class DPAttentionRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward_idle(self, fb: ForwardBatch) -> LogitsOutput:
+        verify_graphs = self.verify_graph_runner
+        if fb.spec_info is not None and verify_graphs is not None and verify_graphs.can_run(fb):
+            # The other ranks replay a verify graph: join it with a bucket of padding requests.
+            fb.attn_backend = self.attn_backend
+            return verify_graphs.replay(fb)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             # The other ranks replay a decode graph: join it with a bucket of padding rows only.
             fb.attn_backend = self.attn_backend
