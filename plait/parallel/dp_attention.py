@@ -17,6 +17,13 @@ One engine step is one lockstep round on every rank, with two control collective
      launched nothing runs an IDLE batch, which joins the same collectives with zero rows, unless no
      rank has any work.
 
+With speculative decoding each rank drafts and verifies its own requests (its own worker, a
+replicated draft model or head), and a round has two phases (``RoundPhase``): SPEC, the verify
+forward, then MAIN, the scheduler's own batch. Each phase has its own count exchange and every rank
+joins it, with an IDLE batch when it has nothing there. In SPEC the ranks exchange request counts,
+which ``init_mlp_sync_metadata`` scales by the request width (verify blocks are padded to
+``speculative_num_draft_tokens`` on every rank, and an IDLE batch of the phase carries that width).
+
 Overlap scheduling works as on one rank: a round launches its forward and then processes the one
 launched in the previous round, so the host work of a round (the control collectives above
 included) runs while the device computes, and the progress a rank reports is that of the previous
