@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from plait.config import EngineConfig
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import DPPaddingMode, ExtendInfo, ForwardBatch, ForwardMode
 from plait.parallel.dp_attention import DPAttentionScheduler, IdleSpecInput, MLPCountSync, RankCounts
@@ -172,6 +173,12 @@ def test_dp_attention_verify_rounds_replay_graphs_every_rank_alike(graph_engine,
     assert graph_engine.runner.idle_rounds > idle_before
     assert _verify_replays(graph_engine) > replays  # rank 0 joined rank 1's verify graphs idle
     _check_no_leaks(graph_engine)
+
+
+def test_config_accepts_speculation_with_dp_attention_and_with_replicas():
+    for layout in LAYOUTS.values():
+        cfg = EngineConfig.from_kwargs(model="m", **layout, **NGRAM_CHAIN)
+        assert cfg.speculative_algorithm == "NGRAM" and cfg.dp_size == 2
 
 
 # --- the count exchange and the graph decision, without an engine ------------------------------------
