@@ -54,29 +54,17 @@ SHAPES: dict[str, dict[str, Any]] = {
                             "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
         "bos_token_id": None, "eos_token_id": 200002, "dtype": "bfloat16", "hidden_act": "silu",
     },
-    # CPU smoke runs of the MoE benchmark path (tests/test_bench_moe.py): the two real MoE shapes' layouts,
-    # tiny (2 layers, hidden 64, 8 experts of 32, top 2).
-    "tiny-qwen3-moe": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
-        "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
-        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 4096,
-        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "bos_token_id": None,
-        "eos_token_id": 0, "dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
-    },
-    "tiny-gpt-oss": {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
-        "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 4096,
-        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
-        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
-        "attention_bias": True, "swiglu_limit": 7.0,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                            "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
-        "bos_token_id": None, "eos_token_id": 0, "dtype": "bfloat16", "hidden_act": "silu",
-    },
 }
+
+# CPU smoke runs of the MoE benchmark path (tests/test_bench_moe.py): the two real MoE shapes' layouts
+# (routing, sinks, alternating windows, biases) at a tiny size: 2 layers, hidden 64, 8 experts of 32, top 2.
+_TINY_MOE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "vocab_size": 4096, "max_position_embeddings": 4096, "num_experts_per_tok": 2,
+             "eos_token_id": 0}
+SHAPES["tiny-qwen3-moe"] = {**SHAPES["qwen3-30b-a3b"], **_TINY_MOE, "intermediate_size": 128,
+                            "moe_intermediate_size": 32, "num_experts": 8}
+SHAPES["tiny-gpt-oss"] = {**SHAPES["gpt-oss-20b"], **_TINY_MOE, "intermediate_size": 32, "num_local_experts": 8,
+                          "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
 
 
 def is_moe(shape: str) -> bool:

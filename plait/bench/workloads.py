@@ -48,6 +48,8 @@ def make_engine(shape_dir: str, count_experts: bool = False, **options: Any):
     options.setdefault("load_format", "dummy")
     options.setdefault("dtype", bench_dtype())
     options.setdefault("context_length", 4096)
+    if not torch.cuda.is_available():  # CPU smoke runs: a pool sized from host memory costs seconds per step
+        options.setdefault("max_total_tokens", 16384)
     if not count_experts:
         return Engine(model=shape_dir, **options)
     # Read while the engine builds its model (and inherited by spawned ranks), before graph capture.
