@@ -101,9 +101,12 @@ def compute_split_seq_index(forward_mode: ForwardMode, num_tokens: int, extend_l
             raise ValueError(f"an IDLE batch has no tokens, got {num_tokens}")
         return 0
     if forward_mode.is_decode() or forward_mode.is_target_verify():
-        if not token_num_per_seq:
+        if token_num_per_seq is None and forward_mode.is_target_verify() and extend_lens is not None:
+            index = len(extend_lens) // 2  # trees of different widths: half the requests
+        elif not token_num_per_seq:
             return None
-        index = (num_tokens // token_num_per_seq) // 2
+        else:
+            index = (num_tokens // token_num_per_seq) // 2
         return index if index > 0 else None
     if _is_extend_like(forward_mode):
         if extend_lens is None:
@@ -124,7 +127,9 @@ def compute_split_token_index(split_seq_index: int, forward_mode: ForwardMode, e
             raise ValueError("an IDLE batch splits at 0")
         return 0
     if forward_mode.is_decode() or forward_mode.is_target_verify():
-        assert token_num_per_seq is not None
+        if token_num_per_seq is None:
+            assert extend_seq_lens is not None, "a verify batch of mixed widths splits by its widths"
+            return sum(extend_seq_lens[:split_seq_index])
         return split_seq_index * token_num_per_seq
     if _is_extend_like(forward_mode):
         if extend_seq_lens is None:
@@ -156,11 +161,11 @@ def plan_split(fb: ForwardBatch, threshold: float = DEFAULT_TOKEN_DISTRIBUTION_T
     if mode.is_idle():
         return None
     per_seq = token_num_per_seq(mode, fb.spec_info)
-    lens = fb.extend.seq_lens_cpu if fb.extend is not None and _is_extend_like(mode) else None
+    lens = fb.extend.seq_lens_cpu if fb.extend is not None else None
     seq = compute_split_seq_index(mode, fb.num_tokens, lens, per_seq, threshold)
     if seq is None:
         return None
-    two_chunk = lens is not None and is_two_chunk_split(lens, threshold)
+    two_chunk = lens is not None and _is_extend_like(mode) and is_two_chunk_split(lens, threshold)
     token = compute_split_token_index(seq, mode, lens, per_seq, threshold)
     if token <= 0 or token >= fb.num_tokens:
         return None
@@ -189,6 +194,7 @@ FIELD_RULES: dict[str, Rule] = {
     "seq_lens_cpu": Rule.RECOMPUTED,
     "seq_lens_sum": Rule.RECOMPUTED,
     "logits_indices": Rule.RECOMPUTED,  # the parent selects the rows it samples after the children
+    "input_logprobs": Rule.RECOMPUTED,  # the parent scores prompt rows after the children: None
     "actual_forward_mode": Rule.SHARED,
     "extend": Rule.RECOMPUTED,
     "spec_info": Rule.RECOMPUTED,
@@ -215,16 +221,27 @@ def check_field_rules(cls: type = ForwardBatch) -> None:
                         f"fields that do not exist {stale}: give each field a Rule in FIELD_RULES")
 
 
-def _split_spec_info(spec_info: SpecInput | None, seq_start: int, seq_end: int, token_start: int,
-                     token_end: int) -> SpecInput | None:
+def slice_tree_mask(mask: torch.Tensor, widths: Sequence[int], seq_lens_cpu: Sequence[int], start: int,
+                    end: int) -> torch.Tensor:
+    """Requests [start, end) of a flattened verify tree mask: request i's block is
+    [width_i, seq_len_i] (its tree nodes against its prefix and nodes; seq_len_i = prefix + width),
+    the blocks back to back (the layout of plait.attention.base.custom_mask_of)."""
+    sizes = [w * n for w, n in zip(widths, seq_lens_cpu, strict=True)]
+    lo = sum(sizes[:start])
+    return mask[lo : lo + sum(sizes[start:end])]
+
+
+def _split_spec_info(spec_info: SpecInput | None, seq_start: int, seq_end: int,
+                     seq_lens_cpu: Sequence[int]) -> SpecInput | None:
     """A verify batch's spec input restricted to requests [seq_start, seq_end): the spec input
-    slices itself (``SpecInput.split``), since only it knows its layout (tree masks, widths)."""
+    slices itself (an optional ``split(start, end, seq_lens_cpu)`` member, read by name), since only
+    it knows what else it holds (the draft trees on rank 0)."""
     if spec_info is None:
         return None
     split = getattr(spec_info, "split", None)
     if split is None:
         raise TypeError(f"{type(spec_info).__name__} cannot be split for two-batch overlap (it has no split())")
-    return split(seq_start, seq_end, token_start, token_end)
+    return split(seq_start, seq_end, seq_lens_cpu)
 
 
 def _child(fb: ForwardBatch, seq_start: int, seq_end: int, token_start: int, token_end: int,
@@ -250,7 +267,7 @@ def _child(fb: ForwardBatch, seq_start: int, seq_end: int, token_start: int, tok
         seq_lens_cpu=seq_lens_cpu,
         seq_lens_sum=sum(seq_lens_cpu),
         extend=extend,
-        spec_info=_split_spec_info(fb.spec_info, seq_start, seq_end, token_start, token_end),
+        spec_info=_split_spec_info(fb.spec_info, seq_start, seq_end, fb.seq_lens_cpu),
         mlp_sync=MLPSyncMetadata(),
         attn_backend=attn_backend,
     )

@@ -14,15 +14,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        from plait.triton_utils import patch_interpreter_for_numpy
+        from plait.triton_utils import patch_interpreter_for_numpy, patch_interpreter_fp8_casts
 
         patch_interpreter_for_numpy()
+        patch_interpreter_fp8_casts()
     except ImportError:  # triton not installed: the Triton tests skip themselves
         pass
 
 from plait.testing import make_tiny_model
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# pytest-xdist workers share the cores: each takes its share, so the workers never oversubscribe them.
+torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ SPLIT_CASES = [
     pytest.param(V, 24, None, 4, 0.48, (3, 12), id="verify-6x4"),
     pytest.param(V, 12, None, 4, 0.48, (1, 4), id="verify-3x4"),
     pytest.param(V, 4, None, 4, 0.48, (None, None), id="verify-one-request"),
+    pytest.param(V, 10, [3, 2, 4, 1], None, 0.48, (2, 5), id="verify-mixed-widths"),
     pytest.param(E, 360, [100, 50, 30, 80, 40, 60], None, 0.48, (3, 180), id="balanced-boundary"),
     pytest.param(E, 2, [1, 1], None, 0.48, (1, 1), id="two-one-token-extends"),
     pytest.param(E, 600, [10, 20, 30, 500, 40], None, 0.48, (3, 300), id="two-chunk-inside-request"),
@@ -146,7 +147,7 @@ def test_tbo_backend_plans_each_child_for_its_own_rows():
                          lambda fb: choose_split(fb, has_communication=True, min_tokens=1))
     fb = _extend_batch([3, 2, 4], [0, 1, 0])
     tbo.init_forward_metadata(fb)
-    assert fb.tbo_children is not None and tbo.num_split_batches == 1
+    assert fb.tbo_children is not None and tbo.split_counts == {"EXTEND": 1}
     for child, backend in zip(fb.tbo_children, children, strict=True):
         assert child.attn_backend is backend
         assert backend._plan_shape == (child.batch_size, child.num_tokens)
@@ -166,17 +167,18 @@ def test_one_rank_never_splits(tiny_model_dir):
     """Nothing to hide on one rank: the batch always runs whole."""
     with make_engine(tiny_model_dir("llama"), enable_two_batch_overlap=True, tbo_min_split_tokens=1) as engine:
         engine.generate(prompt_ids(4), GREEDY)
-        assert engine.runner.attn_backend.num_split_batches == 0
+        assert not engine.runner.attn_backend.split_counts
 
 
 def test_tp2_tokens_equal_with_two_batch_overlap_on_and_off(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("PLAIT_CHECK_PLANS", "1")
     path = tiny_model_dir("llama")
     prompts = prompt_ids(6)
-    opts = dict(chunked_prefill_size=24, tp_size=2, dist_timeout=60)
-    with make_engine(path, **opts) as engine:
-        expected = [o.token_ids for o in engine.generate(prompts, GREEDY)]
-    with make_engine(path, enable_two_batch_overlap=True, tbo_min_split_tokens=1, **opts) as engine:
+    # TBO off at tp 2 gives one rank's tokens (tests/distributed/test_tensor_parallel.py): so must on.
+    reference = single_rank_outputs(path, prompts, GREEDY)
+    expected = [reference[tuple(p)] for p in prompts]
+    with make_engine(path, enable_two_batch_overlap=True, tbo_min_split_tokens=1, chunked_prefill_size=24,
+                     tp_size=2, dist_timeout=60) as engine:
         assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
         # Again: radix-cached prefixes, so the children's extends start after cached tokens.
         again = engine.generate(prompts, GREEDY)
@@ -184,7 +186,7 @@ def test_tp2_tokens_equal_with_two_batch_overlap_on_and_off(tiny_model_dir, monk
         assert sum(o.meta_info["cached_tokens"] for o in again) > 0
         tbo = engine.runner.attn_backend
         tbo = getattr(tbo, "inner", tbo)
-        assert tbo.num_split_batches > 0
+        assert tbo.split_counts["EXTEND"] > 0 and tbo.split_counts["DECODE"] > 0
         assert_no_leaks(engine)
 
 
@@ -203,4 +205,41 @@ def test_tp2_graph_replays_run_the_split_decode(one_layer, monkeypatch):
         outs = engine.generate(prompts, params)
         assert {tuple(p): o.token_ids for p, o in zip(prompts, outs, strict=True)} == expected
         assert sum(g.replays for g in graphs.graphs.values()) > 0
+        assert_no_leaks(engine)
+
+
+def test_verify_children_carry_their_own_trees_and_mask_blocks():
+    from plait.speculative.tree import DraftTree
+    from plait.speculative.verify_batch import DraftRow, build_verify_batch
+
+    rows = [DraftRow(kv_len=k, req_pool_idx=i + 1) for i, k in enumerate([3, 5, 2, 4])]
+    trees = [DraftTree([7, 8, 9], [-1, 0, 0]), DraftTree([1, 2], [-1, 0]), DraftTree([4, 5, 6, 3], [-1, 0, 1, 1]),
+             DraftTree([6], [-1])]
+    fb = build_verify_batch(rows, trees, torch.arange(10) + 1, "cpu")
+    split = plan_split(fb)
+    assert split == TboSplit(seq_index=2, token_index=5, two_chunk=False)
+    a, b = split_forward_batch(fb, split)
+    for child, lo, hi in ((a, 0, 2), (b, 2, 4)):
+        first, last = sum(t.width for t in trees[:lo]), sum(t.width for t in trees[:hi])
+        alone = build_verify_batch(rows[lo:hi], trees[lo:hi], fb.out_cache_loc[first:last], "cpu")
+        assert torch.equal(child.spec_info.custom_mask, alone.spec_info.custom_mask)
+        assert child.spec_info.num_tokens_per_req == alone.spec_info.num_tokens_per_req
+        assert child.spec_info.trees == trees[lo:hi]
+        assert child.positions.tolist() == alone.positions.tolist()
+
+
+def test_tp2_speculative_verify_splits_and_keeps_greedy_tokens(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("PLAIT_CHECK_PLANS", "1")
+    path = tiny_model_dir("llama")
+    prompts = prompt_ids(6)
+    expected = single_rank_outputs(path, prompts, GREEDY)
+    ngram = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1,
+             "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}
+    with make_engine(path, tp_size=2, dist_timeout=60, enable_two_batch_overlap=True, tbo_min_split_tokens=1,
+                     **ngram) as engine:
+        for _ in range(2):  # the second pass drafts from the first one's answers
+            outs = engine.generate(prompts, GREEDY)
+            assert {tuple(p): o.token_ids for p, o in zip(prompts, outs, strict=True)} == expected
+        tbo = engine.runner.attn_backend
+        assert getattr(tbo, "inner", tbo).split_counts["TARGET_VERIFY"] > 0
         assert_no_leaks(engine)

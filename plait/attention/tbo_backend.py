@@ -11,6 +11,7 @@ forward reaches the primary.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -30,7 +31,8 @@ class TboAttnBackend(AttentionBackend):
         self.children = children
         self.split_policy = split_policy
         self.name = primary.name
-        self.num_split_batches = 0  # batches planned as two micro-batches (server info, tests)
+        # Batches planned as two micro-batches, by forward mode name (server info, tests).
+        self.split_counts: Counter[str] = Counter()
 
     def serving_backend(self, mode: ForwardMode) -> AttentionBackend:
         return self.primary.serving_backend(mode)
@@ -40,7 +42,7 @@ class TboAttnBackend(AttentionBackend):
             split = self.split_policy(fb)
             if split is not None:
                 fb.tbo_children = split_forward_batch(fb, split, self.children)
-                self.num_split_batches += 1
+                self.split_counts[fb.forward_mode.name] += 1
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self._split(fb)

@@ -161,7 +161,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     options = {"max_running_requests": args.num_requests, **backend_options(args)}
     result = plait_throughput(shape_dir, prompts, params, count_experts=is_moe(shape), **options)
     distinct = result.get("distinct_experts_by_tokens")
-    floor_s = throughput_floor_seconds(shape, [len(p) for p in prompts], out_lens, lim, distinct)
+    floor_s = throughput_floor_seconds(shape, [len(p) for p in prompts], out_lens, lim, distinct_by_tokens=distinct)
     floor = sum(out_lens) / floor_s
     details: dict[str, Any] = {}
     if args.workload == "offline-throughput" and args.overlap_check:
@@ -207,3 +207,6 @@ def add_bench_parsers(bench_sub: Any) -> None:
     from plait.bench.spec import add_spec_parser
 
     add_spec_parser(bench_sub)  # spec-overhead / spec-ngram-repeat / spec-ngram-miss
+    from plait.bench.quant import add_quant_parser
+
+    add_quant_parser(bench_sub)  # FP8: decode-bs1, offline-throughput, gemm

@@ -30,6 +30,7 @@ other collective runs under the group's timeout.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -38,6 +39,7 @@ import torch
 from plait.distributed.parallel_state import TPGroup
 from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import ReqToTokenPool
+from plait.two_batch_overlap import slice_tree_mask
 
 HEADER_LEN = 9
 IDLE_WAIT = timedelta(days=30)
@@ -99,6 +101,11 @@ class VerifyInputCopy:
 
     num_tokens_per_req: list[int]
     custom_mask: torch.Tensor  # flattened bool, layout of plait.attention.base.custom_mask_of
+
+    def split(self, start: int, end: int, seq_lens_cpu: Sequence[int]) -> VerifyInputCopy:
+        """Requests [start, end) (a two-batch-overlap child)."""
+        return VerifyInputCopy(self.num_tokens_per_req[start:end], slice_tree_mask(
+            self.custom_mask, self.num_tokens_per_req, seq_lens_cpu, start, end))
 
 
 @dataclass
