@@ -39,7 +39,7 @@ def _time(fn, iters: int) -> float:
 
 def hbm_bandwidth(num_bytes: int | None = None) -> dict[str, float]:
     """Copy bandwidth (bytes read + written per second) and read-only bandwidth (a reduction)."""
-    num_bytes = num_bytes or (4 << 30 if torch.cuda.is_available() else 64 << 20)
+    num_bytes = num_bytes or (4 << 30 if torch.cuda.is_available() else 16 << 20)
     x = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=bench_device()).uniform_()
     y = torch.empty_like(x)
     copy_s = _time(lambda: y.copy_(x), 20)
@@ -49,7 +49,7 @@ def hbm_bandwidth(num_bytes: int | None = None) -> dict[str, float]:
 
 def bf16_matmul_rate(n: int | None = None) -> float:
     """FLOP/s of an n^3 bf16 matmul."""
-    n = n or (8192 if torch.cuda.is_available() else 512)
+    n = n or (8192 if torch.cuda.is_available() else 256)
     a = torch.randn(n, n, dtype=torch.bfloat16, device=bench_device())
     b = torch.randn(n, n, dtype=torch.bfloat16, device=bench_device())
     seconds = _time(lambda: a @ b, 20 if torch.cuda.is_available() else 3)

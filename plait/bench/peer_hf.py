@@ -69,7 +69,7 @@ def decode_bs1(shape: str, prompt: list[int], new_tokens: int, compiled: bool) -
     # Warm-up. A static cache is sized by prompt + max_new_tokens, so the compiled form compiles (and
     # records its CUDA graphs) once per length: warm up exactly the two timed lengths, or the timed
     # calls would include compilation.
-    for n in ((new_tokens, 1) if compiled else (16,)):
+    for n in ((new_tokens, 1) if compiled else (min(16, new_tokens),)):
         for _ in range(2):
             _timed_generate(model, ids, n, **kwargs)
     warmup_s = time.perf_counter() - t_compile

@@ -153,7 +153,7 @@ def plait_decode_bs1(shape: str, shape_dir: str, prompt: list[int], new_tokens: 
     moe = is_moe(shape)
     engine = make_engine(shape_dir, count_experts=moe, disable_radix_cache=True, max_running_requests=8, **options)
     params = {"temperature": 0.0, "ignore_eos": True}
-    engine.generate(prompt, {**params, "max_new_tokens": 32})  # warm-up
+    engine.generate(prompt, {**params, "max_new_tokens": min(32, new_tokens)})  # warm-up
     t_one = min(timed(lambda: engine.generate(prompt, {**params, "max_new_tokens": 1}))[1] for _ in range(3))
     if moe:
         routed_expert_counter(engine).reset()
