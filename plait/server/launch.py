@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 # After SIGTERM, uvicorn itself gives up on connections this long after our own deadline.
 _UVICORN_GRACE_S = 10.0
+# Kernel send buffer of every connection (inherited from the listening socket; fixing it turns the
+# kernel's growth up to tcp_wmem's maximum off). With --max-stream-buffer this bounds what a client
+# that stops reading a stream can make the server hold before its request is aborted.
+SOCKET_SEND_BUFFER_BYTES = 128 * 1024
 
 
 class PlaitServer(uvicorn.Server):
@@ -97,7 +101,9 @@ def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
     server = PlaitServer(uv_config, app.state.client, sargs.shutdown_timeout)
     holder["server"] = server
     try:
-        server.run()
+        sock = uv_config.bind_socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER_BYTES)
+        server.run(sockets=[sock])
     finally:
         app.state.client.close()  # idempotent; covers exits that skipped the lifespan shutdown
     if not server.started and server.exit_code == 0:
