@@ -99,8 +99,11 @@ def test_an_engine_without_chunking_prefills_a_long_prompt_in_one_step(tiny_mode
         assert engine.core.scheduler.stats.forward_steps - before == 1
 
 
-@pytest.mark.parametrize(("typo", "closest"), [("--model-pth", "--model-path"), ("--max-model-length", "--max-model-len"),
-                                               ("--api-keys", "--api-key"), ("--serve-model-name", "--served-model-name")])
+TYPOS = [("--model-pth", "--model-path"), ("--max-model-length", "--max-model-len"), ("--api-keys", "--api-key"),
+         ("--serve-model-name", "--served-model-name")]
+
+
+@pytest.mark.parametrize(("typo", "closest"), TYPOS)
 def test_an_unknown_flag_fails_at_parse_time_naming_the_closest_flag(typo, closest, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", typo, "x"])
