@@ -150,6 +150,9 @@ class EngineConfig:
     # rank 0 and the store at dist_init_addr). dist_timeout: seconds a collective may wait before
     # a dead or hung rank ends the engine with an error.
     tp_size: int = 1
+    # Expert parallelism (mixture-of-experts models): the tp_size ranks form ep_size groups, each
+    # holding num_experts / ep_size whole experts sharded over its tp_size / ep_size ranks.
+    ep_size: int = 1
     dp_size: int = 1
     enable_dp_attention: bool = False
     nnodes: int = 1
@@ -227,6 +230,9 @@ class EngineConfig:
             f"cuda_graph_max_bs must be >= 1 (or unset for the default), got {self.cuda_graph_max_bs}",
         )
         _check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        _check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
+               f"ep_size ({self.ep_size}) must be >= 1 and divide tp_size ({self.tp_size}): expert parallelism "
+               "splits the tensor-parallel ranks into ep_size groups")
         _check(self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): each node runs "
                "tp_size / nnodes ranks")

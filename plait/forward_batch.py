@@ -41,6 +41,9 @@ class AttentionLayer(Protocol):
     scaling: float
     logit_cap: float
     sliding_window: int | None  # W: a query at position i sees keys at j > i - W; None = full
+    # [num_heads] per-head sink logits in the model dtype (gpt-oss): they join each softmax
+    # denominator and attend to nothing; None = no sinks
+    sinks: torch.Tensor | None
 
 
 class BatchAttentionBackend(Protocol):

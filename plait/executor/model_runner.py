@@ -28,7 +28,7 @@ from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs,
 from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
-from plait.layers.radix_attention import model_sliding_window
+from plait.layers.radix_attention import model_has_sinks, model_sliding_window
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, log_device_memory
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model, load_model_config
@@ -53,7 +53,8 @@ class ModelRunner:
         self.tp = tp
         # DP attention: attention (and its KV cache) is unsharded on each rank; only the MLP is split.
         attn_tp = SINGLE if config.enable_dp_attention else tp
-        self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp)
+        self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp,
+                                ep_size=config.ep_size)
         log_device_memory("the weights", self.device)
         # Rank 0 schedules KV slots for every rank: all ranks take the smallest capacity.
         draft = None
@@ -73,7 +74,8 @@ class ModelRunner:
         log_device_memory("the weights and the KV pool", self.device)
         self.attn_backend: AttentionBackend = create_attention_backend(
             config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // attn_tp.size,
-            config.speculative_attention_mode, sliding_window=model_sliding_window(self.model))
+            config.speculative_attention_mode, sliding_window=model_sliding_window(self.model),
+            has_sinks=model_has_sinks(self.model))
         # PLAIT_CHECK_PLANS=1 (debug; the speculative tests run with it): raise on a forward whose
         # plan does not match its batch. Off, this returns the backend itself.
         self.attn_backend = maybe_check_plans(self.attn_backend)

@@ -65,6 +65,10 @@ def head_dim_of(cfg: DecoderConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
+    # Per-head attention sinks (gpt-oss): a learned logit per query head that joins the softmax
+    # denominator; the RadixAttention holds the parameter.
+    has_sinks = False
+
     def __init__(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.head_dim = head_dim_of(cfg)
@@ -79,7 +83,8 @@ class LlamaAttention(nn.Module):
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
         self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   scaling=self.head_dim**-0.5, sliding_window=sliding_window_of(cfg, layer_id))
+                                   scaling=self.head_dim**-0.5, sliding_window=sliding_window_of(cfg, layer_id),
+                                   sinks=self.has_sinks)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook before rotary (Qwen3 normalizes each head here)."""
@@ -92,11 +97,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, tp: TPGroup, bias: bool) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TPGroup, bias: bool, intermediate_size: int | None = None) -> None:
+        """``intermediate_size``: another width than the config's (a MoE model's shared expert)."""
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, tp=tp)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, tp=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +117,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj.add_bias(reduced)
 
 
+class ShardedMLPModule(Protocol):
+    """A decoder layer's MLP: called whole (it reduces over its TP group itself), or as this rank's
+    partial sums plus ``add_bias`` (DP attention reduces them its own way)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor: ...
+    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor: ...
+
+
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
@@ -122,9 +137,13 @@ class LlamaDecoderLayer(nn.Module):
         attn_tp = attn_tp or tp
         self.dp_group = tp if attn_tp.size != tp.size else None
         self.self_attn = self.attention_cls(cfg, layer_id, attn_tp, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(cfg, tp, bias=bool(getattr(cfg, "mlp_bias", False)))
+        self.mlp = self.build_mlp(cfg, layer_id, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def build_mlp(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup) -> ShardedMLPModule:
+        """The layer's MLP (mixture-of-experts decoders build theirs here)."""
+        return LlamaMLP(cfg, tp, bias=bool(getattr(cfg, "mlp_bias", False)))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
