@@ -191,16 +191,16 @@ class OpenAIServing:
         kwargs["tokenize"] = False
         try:
             text = tok.apply_chat_template(protocol.chat_messages(req), **kwargs)
-            check_rendered(text, self.max_rendered_chars)
-            # The template writes the special tokens (BOS, turn markers) itself.
-            ids = encode_bounded(self.frontend, text, add_special_tokens=False)
-        except PromptTooLong as e:
-            raise bad_request(str(e), "messages", "context_length_exceeded") from None
         except Exception as e:  # a template or its kwargs rejected these messages: the client's input
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from None
         try:
+            check_rendered(text, self.max_rendered_chars)
+            # The template writes the special tokens (BOS, turn markers) itself.
+            ids = encode_bounded(self.frontend, text, add_special_tokens=False)
             self.frontend.check_input_ids(ids)
+        except PromptTooLong as e:
+            raise bad_request(str(e), "messages", "context_length_exceeded") from None
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         return ids

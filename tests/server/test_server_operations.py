@@ -359,3 +359,41 @@ def test_request_log_level_2_cuts_long_prompts(tokenizer, caplog):
         RequestLog(3, tokenizer).write(rec)
     partial, full = (r.getMessage() for r in caplog.records)
     assert PARTIAL_CHARS < len(partial) < PARTIAL_CHARS + 1000 < len(full)
+
+
+# --- the prompt bounds themselves ---------------------------------------------------------------
+@pytest.fixture
+def small_frontend(tokenizer):
+    from plait.engine.frontend import Frontend, RequestLimits
+
+    return Frontend(tokenizer, RequestLimits(vocab_size=len(tokenizer), max_context_len=256, max_total_tokens=4096))
+
+
+def test_a_text_far_over_the_limit_is_refused_on_its_prefix(small_frontend):
+    from plait.server.prompt_work import PREFIX_CHARS_PER_TOKEN, PromptTooLong, encode_bounded
+
+    text = "All work and no play makes Jack a dull boy. " * 100_000  # 4.4 MB
+    t0 = time.monotonic()
+    with pytest.raises(PromptTooLong, match="maximum context length is 256 tokens") as exc:
+        encode_bounded(small_frontend, text, add_special_tokens=True)
+    assert time.monotonic() - t0 < 1.0
+    assert exc.value.min_tokens > 256
+    assert f"first {256 * PREFIX_CHARS_PER_TOKEN} characters" in str(exc.value)
+
+
+def test_texts_within_the_bound_tokenize_exactly(small_frontend, tokenizer):
+    from plait.server.prompt_work import encode_bounded
+
+    # Short; and over the token limit but under the prefix bound, so tokenized whole (the length
+    # check then refuses it with the exact count).
+    for text in ("Hello there", "x " * 1000):
+        assert encode_bounded(small_frontend, text, add_special_tokens=True) == tokenizer.encode(text)
+    assert len(tokenizer.encode("x " * 1000)) > 256
+
+
+def test_a_rendering_over_the_body_limit_is_refused():
+    from plait.server.prompt_work import check_rendered
+
+    check_rendered("x" * 100, 100)
+    with pytest.raises(ValueError, match="rendered 101 characters, over the limit of 100"):
+        check_rendered("x" * 101, 100)
