@@ -89,7 +89,8 @@ class PlaitServer(uvicorn.Server):
 
 
 def server_args_from(args: argparse.Namespace) -> ServerArgs:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
+    # Every ServerArgs field is the flag of the same name (a field without a flag keeps its default).
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs) if hasattr(args, f.name)}
     return ServerArgs(**{**values, "allowed_origins": flatten_origins(args.allowed_origins)})
 
 

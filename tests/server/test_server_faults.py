@@ -178,6 +178,9 @@ def test_killed_scheduler_fails_open_requests_at_once_turns_health_503_and_exits
         plain = pool.submit(srv.post, "/v1/completions", json=long_body)
         time.sleep(0.1)
         scheduler = srv.scheduler_pid()
+        ended: list[float] = []  # when each in-flight request came back
+        for future in (plain, streamed):
+            future.add_done_callback(lambda _: ended.append(time.monotonic()))
         os.kill(scheduler, signal.SIGKILL)
         killed_at = time.monotonic()
         while httpx.get(srv.url + "/health").status_code == 200:
@@ -191,8 +194,7 @@ def test_killed_scheduler_fails_open_requests_at_once_turns_health_503_and_exits
         # In-flight requests end with an error: the plain one with a 500, the stream in-band.
         plain_r = plain.result(timeout=10)
         status, events = streamed.result(timeout=10)
-        ended = time.monotonic() - killed_at
-    assert ended < 1.0
+    assert len(ended) == 2 and max(ended) - killed_at < 2.0  # at once (a loaded CPU adds its lag)
     assert plain_r.status_code == 500
     assert "scheduler process died" in plain_r.json()["error"]["message"]
     assert status == 200 and events[-1] == "[DONE]"
