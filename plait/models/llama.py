@@ -22,6 +22,7 @@ from plait.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plait.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from plait.layers.logits import LogitsProcessor
 from plait.layers.norm import RMSNorm
+from plait.layers.overlap import LayerOps, run_overlapped
 from plait.layers.radix_attention import RadixAttention
 from plait.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -95,6 +96,13 @@ class LlamaAttention(nn.Module):
         q, k = self.qk_transform(q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions))
 
+    def forward_partial(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """This rank's unreduced, bias-free output projection (the caller reduces, then adds
+        ``o_proj.add_bias``)."""
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_transform(q, k)
+        return self.o_proj.partial(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, tp: TPGroup, bias: bool, intermediate_size: int | None = None) -> None:
@@ -136,6 +144,7 @@ class LlamaDecoderLayer(nn.Module):
         # the MLP is sharded over all ranks, so the tokens of every rank meet around it.
         attn_tp = attn_tp or tp
         self.dp_group = tp if attn_tp.size != tp.size else None
+        self.tp = tp  # the group of both sums of forward_ops (o_proj's and down_proj's)
         self.self_attn = self.attention_cls(cfg, layer_id, attn_tp, qkv_bias, o_bias)
         self.mlp = self.build_mlp(cfg, layer_id, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -157,6 +166,23 @@ class LlamaDecoderLayer(nn.Module):
         if self.dp_group is not None:
             return dp_gathered_mlp(self.mlp, hidden, fb, self.dp_group), residual
         return self.mlp(hidden), residual
+
+    def forward_ops(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                    fb: ForwardBatch) -> LayerOps:
+        """The same forward cut at its two tensor-parallel sums: yields each unreduced partial
+        sum and is sent the reduced tensor (``plait.layers.overlap`` runs two batches' ops
+        interleaved, one's sum in flight while the other computes)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        reduced = yield self.self_attn.forward_partial(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj.add_bias(reduced), residual)
+        if self.dp_group is not None:
+            raise RuntimeError("two-batch overlap does not split DP-attention batches")
+        reduced = yield self.mlp.forward_partial(hidden)
+        return self.mlp.add_bias(reduced), residual
 
 
 class LlamaModel(nn.Module):
@@ -182,6 +208,29 @@ class LlamaModel(nn.Module):
         if cap is not None and -1 in cap.slots:
             cap.store(-1, hidden)
         return hidden
+
+    def forward_two_batches(self, fb: ForwardBatch) -> torch.Tensor:
+        """``forward`` over ``fb``'s two TBO children, layer by layer: child A's layer, then child
+        B's (B's first request may continue A's last: A's KV of each layer is stored before B
+        attends). Returns the parent's hidden states [T, H], the children's rows concatenated."""
+        assert fb.tbo_children is not None
+        a, b = fb.tbo_children
+        hidden = [self.embed_tokens(a.input_ids), self.embed_tokens(b.input_ids)]
+        residual: list[torch.Tensor | None] = [None, None]
+        cap = fb.hidden_capture
+        if cap is not None:
+            cap.begin(fb.num_tokens)
+        for i, layer in enumerate(self.layers):
+            if cap is not None and i in cap.slots:
+                cap.store(i, torch.cat([h if r is None else h + r for h, r in zip(hidden, residual, strict=True)]))
+            (hidden[0], residual[0]), (hidden[1], residual[1]) = run_overlapped(
+                layer.forward_ops(a.positions, hidden[0], residual[0], a),
+                layer.forward_ops(b.positions, hidden[1], residual[1], b), layer.tp)
+        assert residual[0] is not None and residual[1] is not None, "a model has at least one layer"
+        out, _ = self.norm(torch.cat(hidden), torch.cat([residual[0], residual[1]]))
+        if cap is not None and -1 in cap.slots:
+            cap.store(-1, out)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -219,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
-        hidden = self.model(input_ids, positions, fb)
+        hidden = self.model(input_ids, positions, fb) if fb.tbo_children is None else self.model.forward_two_batches(fb)
         logits = self.logits_processor(hidden, self.lm_head_weight, fb)
         return LogitsOutput(next_token_logits=logits)
 

@@ -186,6 +186,21 @@ def dummy_checkpoint(mc: ModelConfig, device: torch.device | str, seed: int) -> 
         yield name, torch.empty(p.shape, dtype=mc.dtype, device=device).uniform_(-scale, scale, generator=gen)
 
 
+def load_full_tensors(mc: ModelConfig, names: set[str], load_format: str, seed: int,
+                      device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The named checkpoint tensors whole (not sharded), in the model dtype: for a part of the model
+    that one rank runs by itself while the rest is sharded (a speculative head's embedding and LM
+    head under tensor parallelism). Dummy weights are the same draws ``load_model`` shards."""
+    source = (dummy_checkpoint(mc, device, seed) if load_format == "dummy"
+              else iter_safetensors(mc.path, lazy=True))
+    found: dict[str, torch.Tensor] = {}
+    for name, tensor in source:
+        if name in names:
+            full = tensor.materialize() if isinstance(tensor, LazySlice) else tensor
+            found[name] = full.to(device=device, dtype=mc.dtype)
+    return found
+
+
 def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGroup = SINGLE,
                seed: int = 0, attn_tp: TPGroup | None = None, ep_size: int = 1) -> nn.Module:
     """``ep_size``: expert parallelism over ``tp``'s ranks (mixture-of-experts models only)."""
