@@ -128,7 +128,8 @@ def build_app(config: EngineConfig, args: ServerArgs,
     async def server_info() -> Response:
         return JSONResponse(_server_info(client, serving, args))
 
-    native = NativeServing(client, config, serving.model_name, lambda: _server_info(client, serving, args))
+    native = NativeServing(client, config, serving.model_name, lambda: _server_info(client, serving, args),
+                           serving.prompt_work)
     add_native_routes(app, native, guarded)
 
     @app.exception_handler(RequestValidationError)

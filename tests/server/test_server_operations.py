@@ -242,13 +242,16 @@ def health_latencies_while(srv, work) -> tuple[object, float]:
         return future.result(), worst
 
 
-def test_a_15_mb_prompt_does_not_block_health_and_is_refused_quickly(ops):
+@pytest.mark.parametrize("route", ["/v1/completions", "/generate"])
+def test_a_15_mb_prompt_does_not_block_health_and_is_refused_quickly(ops, route):
     prompt = "All work and no play makes Jack a dull boy. " * 350_000  # 15.4 MB
-    payload = json.dumps(completion_body(ops.model, prompt)).encode()
+    body = completion_body(ops.model, prompt) if route == "/v1/completions" else {
+        "text": prompt, "sampling_params": {"max_new_tokens": 3}}
+    payload = json.dumps(body).encode()
 
     def send():
         t0 = time.monotonic()
-        r = httpx.post(ops.url + "/v1/completions", content=payload, timeout=HTTP_TIMEOUT,
+        r = httpx.post(ops.url + route, content=payload, timeout=HTTP_TIMEOUT,
                        headers={"Content-Type": "application/json", **AUTH})
         return r, time.monotonic() - t0
 
