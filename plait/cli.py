@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from plait.cli_aliases import ALIASED_FIELDS, PlaitArgumentParser, add_engine_alias_flags
-from plait.config import ATTENTION_BACKENDS, SAMPLING_DEFAULTS, EngineConfig
+from plait.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SAMPLING_DEFAULTS, EngineConfig
 from plait.sampling import SamplingParams
 
 logger = logging.getLogger("plait")
@@ -42,7 +42,7 @@ def _flag_type(tp: Any) -> Any:
 # Flags with a closed set of values: argparse lists them in --help and rejects others before start-up.
 FLAG_CHOICES: dict[str, tuple[str, ...]] = {name: ATTENTION_BACKENDS for name in (
     "attention_backend", "prefill_attention_backend", "decode_attention_backend",
-    "speculative_draft_attention_backend")}
+    "speculative_draft_attention_backend")} | {"quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 
 
@@ -98,9 +98,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     options = engine_options(args)
     params = collect(args, SamplingParams)
-    if args.model is None:
-        print("plait: no --model given; using the built-in demo model (tiny, random weights)", file=sys.stderr)
-    with Engine(model=args.model, **options) as engine:
+    model = args.model
+    if model is None:
+        from plait.models.demo import demo_model
+
+        demo = demo_model()
+        model = str(demo.path)
+        print(f"plait: no --model given; using the built-in demo model, {demo.description}", file=sys.stderr)
+    with Engine(model=model, **options) as engine:
         if args.stream:
             for chunk in engine.generate_stream(args.prompt, params):
                 print(chunk.delta_text, end="", flush=True)

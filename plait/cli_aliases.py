@@ -78,7 +78,8 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
     """The engine flags that have other spellings (SGLang's first, then vLLM's)."""
     group = parser.add_argument_group("engine flags with SGLang / vLLM spellings")
     group.add_argument("--model", "--model-path", dest="model", default=None,
-                       help="Hugging Face checkpoint directory (default: the built-in demo model)")
+                       help="Hugging Face checkpoint directory or GGUF file (default: the demo model, "
+                       "SmolLM2-135M-Instruct)")
     group.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
                        help="tokenizer directory (default: the --model directory)")
     group.add_argument("--dtype", type=dtype_type, default=None, metavar="{" + ",".join(DTYPE_ALIASES) + "}",

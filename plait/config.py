@@ -22,7 +22,12 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_
 # graph-safe.
 AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
-LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
+# --quantization: the weight formats plait runs (plait.layers.quantization). ``fp8`` quantizes a
+# bf16/fp16 checkpoint at load and is implied by an FP8 checkpoint's quantization_config.
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# --kv-cache-dtype: ``auto`` stores K/V in the model dtype; ``fp8`` is vLLM's alias of ``fp8_e4m3``.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SAMPLING_DEFAULTS: tuple[str, ...] = ("model", "openai")
 
 
@@ -115,13 +120,16 @@ def resolve_speculative(values: Mapping[str, Any]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to start. ``model`` is a Hugging Face checkpoint directory."""
+    """Everything the engine needs to start. ``model`` is a Hugging Face checkpoint directory or a GGUF
+    file (or a directory holding one: ``load_format`` ``auto`` reads it as ``gguf``)."""
 
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # Attention: one base field plus optional per-phase overrides. Decision code reads
     # ``attention_backends()``, never ``attention_backend`` directly.
@@ -205,6 +213,11 @@ class EngineConfig:
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
         )
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS,
+               f"quantization must be one of {QUANTIZATIONS} (or unset for the checkpoint's own format), got "
+               f"{self.quantization!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
             value = getattr(self, name)
             _check(

@@ -197,3 +197,6 @@ def add_bench_parsers(bench_sub: Any) -> None:
     from plait.bench.spec import add_spec_parser
 
     add_spec_parser(bench_sub)  # spec-overhead / spec-ngram-repeat / spec-ngram-miss
+    from plait.bench.quant import add_quant_parser
+
+    add_quant_parser(bench_sub)  # FP8: decode-bs1, offline-throughput, gemm

@@ -407,12 +407,11 @@ class DPAttentionScheduler:
 # --- ranks > 0 ----------------------------------------------------------------------------------------
 def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     """Serve the requests rank 0 assigns to this rank, one lockstep round per engine step."""
-    from transformers import AutoTokenizer
-
+    from plait.models.loader import load_tokenizer
     from plait.parallel.step_sync import IDLE_WAIT
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
     scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)

@@ -117,9 +117,10 @@ def cmd_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     """Entry of ``plait serve`` (the CLI parses; engine flags arrive as EngineConfig options)."""
     model = args.model
     if model is None:
-        from plait.models.tiny import demo_model_path
+        from plait.models.demo import demo_model
 
-        model = str(demo_model_path())
-        logger.info("no --model given: serving the built-in demo model at %s (tiny, random weights)", model)
+        demo = demo_model()
+        model = str(demo.path)
+        logger.info("no --model given: serving the built-in demo model, %s, at %s", demo.description, model)
     config = EngineConfig.from_kwargs(model=model, **engine_options)
     return run_server(config, server_args_from(args))

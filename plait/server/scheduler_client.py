@@ -124,9 +124,9 @@ class SchedulerClient:
         self._tasks.append(asyncio.create_task(self._startup()))
 
     def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer  # slow first import: keep it off the event loop
+        from plait.models.loader import load_tokenizer  # slow first import: keep it off the event loop
 
-        return AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        return load_tokenizer(self.config.tokenizer or self.config.model)
 
     async def _startup(self) -> None:
         try:
