@@ -174,7 +174,7 @@ class DPAttentionRunner(ModelRunner):
         # at most a prefill chunk plus a decode token per running request.
         device = use_rank_device(config, groups.tp)
         row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
-            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
+            groups.tp, groups.store, config.prefill_token_budget(mc.context_length) + config.max_running_requests,
             mc.hidden_size, mc.dtype, device, timedelta(seconds=config.dist_timeout))
         # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
         # every rank captures the same buckets in the same order, so the recorded collectives pair up.
