@@ -144,7 +144,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     # Scheduling
     # Prefill tokens per step (decode tokens of running requests come on top); longer prompts are
-    # split into chunks of at most this many tokens.
+    # split into chunks of at most this many tokens. -1 (SGLang's): no chunking, see prefill_token_budget.
     chunked_prefill_size: int = 8192
     schedule_conservativeness: float = 1.0
     # Parallelism. tp_size ranks, one process each (rank 0 is the engine's process).
@@ -241,8 +241,8 @@ class EngineConfig:
             f"context_length must be >= 2 (or unset to use the model's), got {self.context_length}",
         )
         _check(
-            self.chunked_prefill_size >= 1,
-            f"chunked_prefill_size must be >= 1 token, got {self.chunked_prefill_size}",
+            self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1,
+            f"chunked_prefill_size must be >= 1 token (or -1 to turn chunking off), got {self.chunked_prefill_size}",
         )
         _check(
             self.schedule_conservativeness > 0,
@@ -306,6 +306,11 @@ class EngineConfig:
         prefill = self.prefill_attention_backend or base
         decode = self.decode_attention_backend or base
         return (auto[0] if prefill == "auto" else prefill, auto[1] if decode == "auto" else decode)
+
+    def prefill_token_budget(self, max_context_len: int) -> int:
+        """Prefill tokens one step may carry: ``chunked_prefill_size``, or with -1 (chunking off) the
+        whole context, so that every prompt is prefilled in one step."""
+        return max_context_len if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
     def resolved_device(self) -> str:
         if self.device != "auto":

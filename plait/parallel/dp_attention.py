@@ -260,7 +260,7 @@ class DPAttentionRunner(ModelRunner):
         # at most a prefill chunk plus a decode token per running request (a verify round at most
         # num_draft_tokens per running request).
         device = use_rank_device(config, groups.tp)
-        rows = max(config.chunked_prefill_size + config.max_running_requests,
+        rows = max(config.prefill_token_budget(mc.context_length) + config.max_running_requests,
                    config.max_running_requests * (config.speculative_num_draft_tokens or 1))
         row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
             groups.tp, groups.store, rows, mc.hidden_size, mc.dtype, device, timedelta(seconds=config.dist_timeout))
