@@ -17,6 +17,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from plait.cli_aliases import ALIASED_FIELDS, PlaitArgumentParser, add_engine_alias_flags
 from plait.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SAMPLING_DEFAULTS, EngineConfig
 from plait.sampling import SamplingParams
 
@@ -74,13 +75,10 @@ def collect(args: argparse.Namespace, cls: type, skip: Sequence[str] = ()) -> di
 
 
 def _engine_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory or GGUF file "
-                        "(default: the demo model, SmolLM2-135M-Instruct)")
-    # EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
-    add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP)
-    # SGLang's short forms of the parallelism flags.
-    parser.add_argument("--tp", dest="tp_size", type=int, default=None, help="alias of --tp-size")
-    parser.add_argument("--dp", dest="dp_size", type=int, default=None, help="alias of --dp-size")
+    # --model and the fields with SGLang / vLLM spellings (plait.cli_aliases); the rest come from the
+    # dataclass. EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
+    add_engine_alias_flags(parser)
+    add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP + ALIASED_FIELDS)
     parser.add_argument("--random-seed", type=int, default=None, help="EngineConfig.seed (dummy weights, "
                         "seeds of unseeded requests)")
 
@@ -154,7 +152,7 @@ def _generate_flags(parser: argparse.ArgumentParser, prompt_required: bool) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description="plait: a compact LLM serving engine")
+    parser = PlaitArgumentParser(prog="plait", description="plait: a compact LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt")
     _generate_flags(gen, prompt_required=True)

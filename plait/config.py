@@ -144,7 +144,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     # Scheduling
     # Prefill tokens per step (decode tokens of running requests come on top); longer prompts are
-    # split into chunks of at most this many tokens.
+    # split into chunks of at most this many tokens. -1 (SGLang's): no chunking, see prefill_token_budget.
     chunked_prefill_size: int = 8192
     schedule_conservativeness: float = 1.0
     # Parallelism. tp_size ranks, one process each (rank 0 is the engine's process).
@@ -241,8 +241,8 @@ class EngineConfig:
             f"context_length must be >= 2 (or unset to use the model's), got {self.context_length}",
         )
         _check(
-            self.chunked_prefill_size >= 1,
-            f"chunked_prefill_size must be >= 1 token, got {self.chunked_prefill_size}",
+            self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1,
+            f"chunked_prefill_size must be >= 1 token (or -1 to turn chunking off), got {self.chunked_prefill_size}",
         )
         _check(
             self.schedule_conservativeness > 0,
@@ -271,9 +271,6 @@ class EngineConfig:
                f"tbo_min_split_tokens must be >= 1, got {self.tbo_min_split_tokens}")
         _check(not (self.enable_two_batch_overlap and self.enable_dp_attention),
                "enable_two_batch_overlap does not split DP-attention batches yet: drop one of the two flags")
-        _check(not (self.speculative_algorithm and self.enable_dp_attention),
-               "speculative decoding with --enable-dp-attention is not supported yet: drop "
-               "--enable-dp-attention (speculation runs with --tp-size > 1) or --speculative-algorithm")
         _check(not self.enable_dp_attention or self.tp_size > 1,
                "enable_dp_attention needs several ranks (tp_size = dp_size >= 2)")
         _check(not self.enable_dp_attention or self.dp_size == self.tp_size,
@@ -284,9 +281,6 @@ class EngineConfig:
             _check(self.nnodes == 1 and not self.dist_init_addr,
                    f"dp_size {self.dp_size} without enable_dp_attention runs its replicas on one machine: "
                    "nnodes and dist_init_addr are not supported with it")
-            _check(self.speculative_algorithm is None,
-                   f"speculative decoding with dp_size {self.dp_size} (data parallel replicas) is not supported "
-                   "yet; use dp_size 1")
         _check(self.sampling_defaults in SAMPLING_DEFAULTS,
                f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
         _check(bool(self.generation_config),
@@ -312,6 +306,11 @@ class EngineConfig:
         prefill = self.prefill_attention_backend or base
         decode = self.decode_attention_backend or base
         return (auto[0] if prefill == "auto" else prefill, auto[1] if decode == "auto" else decode)
+
+    def prefill_token_budget(self, max_context_len: int) -> int:
+        """Prefill tokens one step may carry: ``chunked_prefill_size``, or with -1 (chunking off) the
+        whole context, so that every prompt is prefilled in one step."""
+        return max_context_len if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -25,6 +25,7 @@ from plait.executor.graph_utils import (
     GraphFactory,
     bucket_for,
     capture_batch_sizes,
+    dp_graph_batch_size,
     stage,
     warm_and_capture,
 )
@@ -89,14 +90,8 @@ class CudaGraphRunner:
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
 
     # --- replay -----------------------------------------------------------------------------------
-    @staticmethod
-    def max_dp_batch_size(fb: ForwardBatch) -> int:
-        """The DP graph batch size: the largest raw per-rank count (requests, for decode and verify
-        batches), so every rank replays the same bucket. can_run and replay both ask here."""
-        if fb.mlp_sync.original_global_num_tokens_cpu is None:
-            raise RuntimeError("DP graph batch size needs original_global_num_tokens_cpu: call "
-                               "ForwardBatch.init_mlp_sync_metadata before the graph runner")
-        return max(fb.mlp_sync.original_global_num_tokens_cpu)
+    # The DP graph batch size (can_run and replay both ask it), shared with the verify graphs.
+    max_dp_batch_size = staticmethod(dp_graph_batch_size)
 
     def graph_batch_size(self, fb: ForwardBatch) -> int:
         return self.max_dp_batch_size(fb) if fb.mlp_sync.global_num_tokens_cpu is not None else fb.batch_size

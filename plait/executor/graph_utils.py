@@ -139,6 +139,17 @@ def default_cuda_graph_max_bs(max_running_requests: int) -> int:
     return max(1, min(by_memory, max_running_requests))
 
 
+def dp_graph_batch_size(fb: ForwardBatch) -> int:
+    """The DP graph batch size: the largest raw per-rank count (requests, for decode and verify
+    batches: ``original_global_num_tokens_cpu``, never the width-scaled token counts), so every rank
+    replays the same bucket. The decode and verify graph runners' ``can_run`` and ``replay`` all ask
+    here."""
+    if fb.mlp_sync.original_global_num_tokens_cpu is None:
+        raise RuntimeError("DP graph batch size needs original_global_num_tokens_cpu: call "
+                           "ForwardBatch.init_mlp_sync_metadata before the graph runner")
+    return max(fb.mlp_sync.original_global_num_tokens_cpu)
+
+
 def stage(static: torch.Tensor, live: torch.Tensor, padded: int, pad_value: int | bool) -> None:
     """Copy ``live`` into the first rows of the static buffer ``static`` and fill the rows after it,
     up to ``padded``, with ``pad_value`` (a reserved row, slot or fill value: never a live one)."""

@@ -64,6 +64,9 @@ def verify_graph_widths(config: EngineConfig) -> list[int]:
     heads read into a HiddenCapture buffer, which replays write as well."""
     if config.speculative_algorithm is None or not config.speculative_num_draft_tokens:
         return []
+    if config.enable_dp_attention:
+        # DP attention pads every verify block to num_draft_tokens (one width on every rank).
+        return [config.speculative_num_draft_tokens]
     return list(range(2, config.speculative_num_draft_tokens + 1))
 
 

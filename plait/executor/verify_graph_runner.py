@@ -33,6 +33,7 @@ from plait.executor.graph_utils import (
     GraphFactory,
     bucket_for,
     capture_batch_sizes,
+    dp_graph_batch_size,
     stage,
     warm_and_capture,
 )
@@ -122,6 +123,7 @@ class VerifyGraphRunner:
                 self.extend_lens[:bs].fill_(width)
                 self.seq_lens[:bs].fill_(width)
                 fb = self._static_batch(width, bs, [width] * bs, [0] * bs)
+                self.target.prepare_capture(fb)  # DP attention: a MAX_LEN verify of the bucket on every rank
                 self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
                 fb.mark_forward_metadata_ready()
                 self.capture_batches[(width, bs)] = fb
@@ -140,21 +142,41 @@ class VerifyGraphRunner:
 
     # --- replay -----------------------------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
-        if not fb.forward_mode.is_target_verify() or fb.mlp_sync.global_num_tokens_cpu is not None:
-            return False  # DP attention pads verify batches itself: eager
+        if fb.mlp_sync.global_num_tokens_cpu is not None:
+            return self._can_run_dp(fb)
+        if not fb.forward_mode.is_target_verify():
+            return False
         if fb.logits_indices is not None or not 0 < fb.batch_size <= self.max_bs:
             return False
         width = uniform_width(fb)
         return width in self.widths and fb.num_tokens == width * fb.batch_size
+
+    def _can_run_dp(self, fb: ForwardBatch) -> bool:
+        """DP attention: the graphs hold the MLP collectives, so every rank decides alike, from the
+        round's global counts only (MAX_LEN, the largest rank's request count within a bucket). A
+        rank with nothing to verify (an IDLE batch carrying the round's width) replays the bucket on
+        padding rows."""
+        if not (fb.forward_mode.is_target_verify() or fb.forward_mode.is_idle()) or fb.spec_info is None:
+            return False
+        width = uniform_width(fb)
+        if not (fb.mlp_sync.can_run_dp_cuda_graph and width in self.widths
+                and 0 < dp_graph_batch_size(fb) <= self.max_bs):
+            return False
+        # What every rank's batch of such a round is (one padded width, all logits rows): a rank whose
+        # batch were not would leave the others waiting in the collectives, so it fails loudly here.
+        if fb.logits_indices is not None or fb.num_tokens != (width or 0) * fb.batch_size:
+            raise RuntimeError("a DP-attention verify batch must have one width and every logits row")
+        return True
 
     def bucket(self, bs: int) -> int:
         return bucket_for(self.batch_sizes, bs)
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
         width = uniform_width(fb)
-        assert width is not None and fb.extend is not None
+        assert width is not None and (fb.extend is not None or fb.forward_mode.is_idle())
         bs = fb.batch_size
-        padded = self.bucket(bs)
+        dp = fb.mlp_sync.global_num_tokens_cpu is not None
+        padded = self.bucket(dp_graph_batch_size(fb) if dp else bs)
         n, n_pad = bs * width, padded * width
         mask = fb.spec_info.custom_mask
         m = mask.numel()
@@ -163,13 +185,15 @@ class VerifyGraphRunner:
         stage(self.out_cache_loc, fb.out_cache_loc, n_pad, DUMMY_KV_SLOT)
         stage(self.req_pool_indices, fb.req_pool_indices, padded, DUMMY_REQ_ROW)
         stage(self.seq_lens, fb.seq_lens, padded, width)
-        stage(self.prefix_lens, fb.extend.prefix_lens, padded, 0)
+        prefix_lens = fb.extend.prefix_lens if fb.extend is not None else self.prefix_lens[:0]
+        prefix_cpu = fb.extend.prefix_lens_cpu if fb.extend is not None else []
+        stage(self.prefix_lens, prefix_lens, padded, 0)
         self.extend_lens[:padded].fill_(width)
         # A padded request's mask block is W x (0 + W), all ones.
         stage(self.custom_mask, mask, m + (padded - bs) * width * width, True)
         pad = padded - bs
         view = self._static_batch(width, padded, list(fb.seq_lens_cpu) + [width] * pad,
-                                  list(fb.extend.prefix_lens_cpu) + [0] * pad)
+                                  list(prefix_cpu) + [0] * pad)
         view.actual_forward_mode = fb.forward_mode
         if fb.needs_forward_metadata_init():
             self.backend.init_forward_metadata_out_graph(view)

@@ -93,6 +93,19 @@ def _eos_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _refuse_remote_code(root: Path) -> None:
+    """A checkpoint whose architecture plait does not implement and that ships its own modelling code
+    (``auto_map``) fails here, naming the architecture: plait never runs a checkpoint's code, with
+    ``--trust-remote-code`` or without (read before transformers, which would ask for that flag)."""
+    raw = json.loads((root / "config.json").read_text())
+    archs = list(raw.get("architectures") or [])
+    if raw.get("auto_map") and not any(a in MODEL_REGISTRY for a in archs):
+        raise ValueError(
+            f"architecture {archs} needs remote code (config.json has auto_map), and plait runs no code from "
+            f"checkpoints, even with --trust-remote-code; supported architectures: {supported_architectures()}"
+        )
+
+
 def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
                       context_length: int | None = None, quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
@@ -107,6 +120,7 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
             "--model PATH to a local directory or .gguf file (plait never downloads weights)"
         )
     else:
+        _refuse_remote_code(root)
         hf_config = AutoConfig.from_pretrained(root)
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in MODEL_REGISTRY), None)

@@ -37,9 +37,11 @@ from plait.executor.cuda_graph_runner import CudaGraphRunner
 from plait.executor.model_runner import ModelRunner
 from plait.models.loader import ModelConfig
 from plait.parallel.roles import LogitsObserver
+from plait.scheduler.interface import SpecWorker
 from plait.scheduler.req import Req
 from plait.scheduler.scheduler import Scheduler, SchedulerStats
 from plait.speculative.factory import create_spec_worker
+from plait.speculative.worker import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +173,29 @@ class AggregateCache:
             s.tree_cache.reset()
 
 
+class ReplicaSpecWorkers:
+    """The replicas' speculative workers as one (what the engine and benchmarks read): their
+    statistics summed, their logs one per replica. Driving a worker stays with its replica's
+    scheduler."""
+
+    def __init__(self, workers: list[SpecWorker]) -> None:
+        self.workers = workers
+
+    @property
+    def stats(self) -> SpecStats:
+        total = SpecStats()
+        for w in self.workers:
+            ws = w.stats  # type: ignore[attr-defined]  (BaseSpecWorker's counters)
+            total.verify_steps += ws.verify_steps
+            total.verified_requests += ws.verified_requests
+            total.accept_histogram.update(ws.accept_histogram)
+        return total
+
+    def log_stats(self) -> None:
+        for w in self.workers:
+            w.log_stats()
+
+
 class DataParallelScheduler:
     """The Scheduler interface over the replicas' schedulers, with a shortest-queue balancer."""
 
@@ -186,8 +211,11 @@ class DataParallelScheduler:
         self.aggregate_cache = AggregateCache(self.replicas)
 
     @property
-    def spec_worker(self) -> None:
-        return None  # speculative decoding is rejected with plain data parallelism
+    def spec_worker(self) -> ReplicaSpecWorkers | None:
+        """Every replica's speculative worker (each drafts and verifies for its own requests), as the
+        engine reads them: statistics summed. None when speculation is off."""
+        workers = [s.spec_worker for s in self.replicas if s.spec_worker is not None]
+        return ReplicaSpecWorkers(workers) if workers else None
 
     @property
     def tree_cache(self) -> AggregateCache:

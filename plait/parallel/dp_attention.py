@@ -17,6 +17,13 @@ One engine step is one lockstep round on every rank, with two control collective
      launched nothing runs an IDLE batch, which joins the same collectives with zero rows, unless no
      rank has any work.
 
+With speculative decoding each rank drafts and verifies its own requests (its own worker, a
+replicated draft model or head), and a round has two phases (``RoundPhase``): SPEC, the verify
+forward, then MAIN, the scheduler's own batch. Each phase has its own count exchange and every rank
+joins it, with an IDLE batch when it has nothing there. In SPEC the ranks exchange request counts,
+which ``init_mlp_sync_metadata`` scales by the request width (verify blocks are padded to
+``speculative_num_draft_tokens`` on every rank, and an IDLE batch of the phase carries that width).
+
 Overlap scheduling works as on one rank: a round launches its forward and then processes the one
 launched in the previous round, so the host work of a round (the control collectives above
 included) runs while the device computes, and the progress a rank reports is that of the previous
@@ -26,6 +33,7 @@ processed it (rank 0 steps while a stand-in is live, so the last report always a
 
 from __future__ import annotations
 
+import enum
 import logging
 import pickle
 from collections import Counter, deque
@@ -41,13 +49,14 @@ from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import TPGroup
 from plait.executor.model_runner import ModelRunner
 from plait.executor.sizing import use_rank_device
-from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode, spec_request_width
 from plait.mem.radix_cache import RadixCache
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig
 from plait.parallel.ranks import DistGroups, SpawnedRanks, TensorParallelError
 from plait.parallel.roles import LogitsObserver
 from plait.sampling.params import SamplingParams
+from plait.scheduler.interface import SpecWorker
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 from plait.scheduler.stats import SchedulerStats
@@ -118,12 +127,64 @@ class Progress:
 
 
 @dataclass
+class RankReport:
+    """What a rank > 0 sends in a round exchange: its requests' progress since the last report, and
+    how many KV slots its scheduler holds outside the prefix cache (leak checks read it on rank 0)."""
+
+    progress: list[Progress]
+    kv_tokens_in_use: int
+
+
+@dataclass
 class MLPSync:
-    """The per-step global counts, in the shape ``ForwardBatch.init_mlp_sync_metadata`` reads."""
+    """The per-step global counts, in the shape ``ForwardBatch.init_mlp_sync_metadata`` reads: request
+    counts in a speculative phase (it scales them by the per-request width), token counts otherwise."""
 
     global_num_tokens: list[int]
     global_num_tokens_for_logprob: list[int]
     can_run_dp_cuda_graph: bool
+
+
+class RoundPhase(enum.IntEnum):
+    """The forwards of one DP-attention round, in order. Every rank joins every phase of a round (with
+    an IDLE batch when it has nothing to run there), so the MLP collectives of the ranks pair up
+    although one rank verifies drafts and another prefills in the same engine step."""
+
+    SPEC = 0  # the speculative worker's TARGET_VERIFY (engines with speculation only)
+    MAIN = 1  # the scheduler's own batch (prefill chunk, decode, mixed)
+
+
+@dataclass(frozen=True)
+class RankCounts:
+    """One rank's side of a phase's count exchange, named by unit."""
+
+    num_requests: int
+    num_tokens: int
+    # Tokens per request of a speculative phase's batch (the verify width, the same on every rank);
+    # 0 outside a speculative phase.
+    request_width: int
+    # Rows of varying length per request (a prefill chunk, a mixed batch): the round pads SUM_LEN. A
+    # verify batch runs the extend kernels but its blocks have one width: it pads like a decode.
+    is_prefill: bool
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.num_requests, self.num_tokens, self.request_width, int(self.is_prefill)],
+                            dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> RankCounts:
+        r, n, w, e = (int(x) for x in t.tolist())
+        return cls(r, n, w, bool(e))
+
+
+def rank_counts(fb: ForwardBatch) -> RankCounts:
+    if fb.spec_info is None:
+        return RankCounts(fb.batch_size, fb.num_tokens, 0, fb.forward_mode.is_extend())  # an IDLE: False
+    width = spec_request_width(fb.spec_info)
+    if fb.num_tokens != fb.batch_size * width:
+        raise RuntimeError(f"a speculative DP-attention batch has {fb.batch_size} requests of width {width} "
+                           f"but {fb.num_tokens} tokens: its rows must be padded to one width")
+    return RankCounts(fb.batch_size, fb.num_tokens, width, False)
 
 
 # --- the runner of every rank -------------------------------------------------------------------------
@@ -132,58 +193,91 @@ Round = tuple[tuple[int, ...], tuple[bool, ...], DPPaddingMode]  # counts per ra
 
 class MLPCountSync:
     """One rank's side of the count exchange before every DP-attention forward: all-gather each
-    rank's count and whether it extends, pick the padding mode, and fill the batch's MLP-sync
-    metadata. Every rank calls it once per round (an IDLE batch included), so the collectives pair."""
+    rank's counts (``RankCounts``), pick the padding mode, and fill the batch's MLP-sync metadata.
+    Every rank calls it once per phase of a round (an IDLE batch included), so the collectives pair."""
 
     def __init__(self, control: TPGroup, device: str, row_exchange: CopyEngineRows | None) -> None:
         self.control = control
         self.device = device
         self.row_exchange = row_exchange
-        # Recent rounds as every rank saw them (tests, debugging).
+        # Recent rounds as every rank saw them (tests, debugging), and the request counts per rank of
+        # the recent speculative phases any rank verified in.
         self.rounds: deque[Round] = deque(maxlen=4096)
+        self.spec_rounds: deque[tuple[int, ...]] = deque(maxlen=4096)
 
     def sync(self, fb: ForwardBatch) -> None:
-        # ForwardBatch.init_mlp_sync_metadata reads request counts for a speculative batch (it scales
-        # them by the per-request width) and token counts otherwise (a decode has one per request).
-        own = fb.batch_size if fb.spec_info is not None else fb.num_tokens
-        parts = self.control.all_gather(torch.tensor([own, int(fb.forward_mode.is_extend())], dtype=torch.int64))
-        counts = [int(p[0]) for p in parts]
-        extend_flags = tuple(bool(p[1]) for p in parts)
-        mode = DPPaddingMode.choose(counts, any(extend_flags))
-        if any(counts):
+        own = rank_counts(fb)
+        ranks = [RankCounts.from_tensor(p) for p in self.control.all_gather(own.to_tensor())]
+        widths = {r.request_width for r in ranks}
+        if len(widths) > 1:
+            raise RuntimeError(f"the ranks' batches of one DP-attention phase have request widths "
+                               f"{[r.request_width for r in ranks]}: a phase is speculative on every rank or on none")
+        # init_mlp_sync_metadata scales request counts by the width of a speculative batch (an IDLE
+        # batch of a speculative phase carries the width too) and takes token counts otherwise.
+        speculative = fb.spec_info is not None
+        counts = [r.num_requests if speculative else r.num_tokens for r in ranks]
+        extend_flags = tuple(r.is_prefill for r in ranks)
+        tokens = [r.num_tokens for r in ranks]
+        mode = DPPaddingMode.choose(tokens, any(extend_flags))
+        if any(tokens):
             self.rounds.append((tuple(counts), extend_flags, mode))
+            if speculative:
+                self.spec_rounds.append(tuple(counts))
         self._fill(fb, counts, mode)
+        if fb.mlp_sync.global_num_tokens_cpu != tokens:
+            raise RuntimeError(f"DP-attention token counts {fb.mlp_sync.global_num_tokens_cpu} differ from the "
+                               f"ranks' own {tokens}")
 
     def capture(self, fb: ForwardBatch) -> None:
-        """A captured decode step: a MAX_LEN step with the bucket's rows on every rank; at replay each
-        rank pads its requests to the bucket of the largest count, so the shapes match the capture."""
+        """A captured decode or verify step: a MAX_LEN step with the bucket's requests on every rank (a
+        verify's static batch carries its width, which scales them to tokens); at replay each rank pads
+        its requests to the bucket of the largest count, so the shapes match the capture."""
         self._fill(fb, [fb.batch_size] * self.control.size, DPPaddingMode.MAX_LEN)
 
     def _fill(self, fb: ForwardBatch, counts: list[int], mode: DPPaddingMode) -> None:
+        # A round may replay graphs (decode graphs in MAIN, verify graphs in SPEC) only as MAX_LEN.
         fb.init_mlp_sync_metadata(MLPSync(counts, counts, mode == DPPaddingMode.MAX_LEN), self.device)
         fb.mlp_sync.padding_mode = mode
         fb.dp_row_exchange = self.row_exchange
 
 
+@dataclass
+class IdleSpecInput:
+    """``spec_info`` of a rank's IDLE batch in a speculative phase: no rows, but the phase's request
+    width, so its count exchange scales the other ranks' request counts as they do."""
+
+    num_tokens_per_req: int
+    custom_mask: torch.Tensor
+
+
 class DPAttentionRunner(ModelRunner):
-    """A rank's ModelRunner under DP attention: exchanges counts before every forward."""
+    """A rank's ModelRunner under DP attention: exchanges counts before every forward, and joins every
+    phase of a round (``RoundPhase``) it launched nothing in with an IDLE batch."""
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, groups: DistGroups) -> None:
         # The count sync and its row exchange exist before the graphs are captured
         # (ModelRunner.__init__), which record the exchange's copies and signals. A SUM_LEN round holds
-        # at most a prefill chunk plus a decode token per running request.
+        # at most a prefill chunk plus a decode token per running request (a verify round at most
+        # num_draft_tokens per running request).
         device = use_rank_device(config, groups.tp)
+        rows = max(config.prefill_token_budget(mc.context_length) + config.max_running_requests,
+                   config.max_running_requests * (config.speculative_num_draft_tokens or 1))
         row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
-            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
-            mc.hidden_size, mc.dtype, device, timedelta(seconds=config.dist_timeout))
+            groups.tp, groups.store, rows, mc.hidden_size, mc.dtype, device, timedelta(seconds=config.dist_timeout))
         # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
         # every rank captures the same buckets in the same order, so the recorded collectives pair up.
         self.count_sync = MLPCountSync(groups.control, device, row_exchange)
         super().__init__(config, mc, groups.tp)
         self.groups = groups
+        # The phases of a round: a speculative engine verifies before the scheduler's own batch.
+        self.phases = [RoundPhase.SPEC, RoundPhase.MAIN] if config.speculative_algorithm else [RoundPhase.MAIN]
+        # Verify batches are padded to this width on every rank (the speculative workers pad them).
+        self.spec_width = config.speculative_num_draft_tokens or 0
+        self.joined: set[RoundPhase] = set()  # the phases of this round this rank has joined
         self.forwarded = False  # this round launched a forward
         self.padding_modes: Counter[str] = Counter()  # rounds per padding mode (tests, debugging)
         self.idle_rounds = 0  # rounds this rank joined with an IDLE batch
+        self.phase_forwards: Counter[str] = Counter()  # forwards per round phase (tests, debugging)
 
     @property
     def rounds(self) -> deque[Round]:
@@ -198,32 +292,54 @@ class DPAttentionRunner(ModelRunner):
         self.count_sync.capture(fb)
 
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:
+        phase = RoundPhase.SPEC if fb.forward_mode.is_target_verify() else RoundPhase.MAIN
+        if phase not in self.phases or phase in self.joined:
+            raise RuntimeError(f"a second {phase.name} forward in one DP-attention round (phases joined: "
+                               f"{sorted(p.name for p in self.joined)}): the ranks' collectives would not pair")
+        for earlier in self.phases[: self.phases.index(phase)]:
+            if earlier not in self.joined:
+                self._join_idle(earlier)
+        self.joined.add(phase)
         self.forwarded = True
+        self.phase_forwards[phase.name] += 1
         self.count_sync.sync(fb)
         assert fb.mlp_sync.padding_mode is not None
         self.padding_modes[fb.mlp_sync.padding_mode.name] += 1
         return super().forward(fb, skip_attn_backend_init)
 
     def finish_round(self) -> None:
-        """After the scheduler's step: a rank that launched nothing joins with an IDLE batch."""
-        if self.forwarded:
-            self.forwarded = False
-            return
+        """After the scheduler's step: every phase this rank launched nothing in is joined with an
+        IDLE batch."""
+        for phase in self.phases:
+            if phase not in self.joined:
+                self._join_idle(phase)
+        self.joined.clear()
+        self.forwarded = False
+
+    def _join_idle(self, phase: RoundPhase) -> None:
+        self.joined.add(phase)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        spec = None
+        if phase == RoundPhase.SPEC:
+            spec = IdleSpecInput(self.spec_width, torch.empty(0, dtype=torch.bool, device=self.device))
         fb = ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
-                          seq_lens=empty, out_cache_loc=empty, positions=empty)
+                          seq_lens=empty, out_cache_loc=empty, positions=empty, spec_info=spec)
         self.count_sync.sync(fb)
         if not any(fb.mlp_sync.global_num_tokens_cpu or []):
-            return  # no rank has work this round: nothing to join
+            return  # no rank has work in this phase: nothing to join
         self.idle_rounds += 1
         self.forward_idle(fb)
-
     def close(self) -> None:
         self.count_sync.row_exchange = None  # its symmetric buffers go with the rest of the device memory
         super().close()
 
     @torch.inference_mode()
     def forward_idle(self, fb: ForwardBatch) -> LogitsOutput:
+        verify_graphs = self.verify_graph_runner
+        if fb.spec_info is not None and verify_graphs is not None and verify_graphs.can_run(fb):
+            # The other ranks replay a verify graph: join it with a bucket of padding requests.
+            fb.attn_backend = self.attn_backend
+            return verify_graphs.replay(fb)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             # The other ranks replay a decode graph: join it with a bucket of padding rows only.
             fb.attn_backend = self.attn_backend
@@ -278,10 +394,12 @@ class DPAttentionScheduler:
         self._adds: list[tuple[int, NewRequest]] = []
         self._aborts: list[str] = []
         self.assigned: Counter[int] = Counter()  # requests sent to each rank (tests, metrics)
+        # rank > 0 -> KV slots its scheduler held at its latest report (a round behind)
+        self.remote_kv_tokens_in_use: dict[int, int] = {}
 
     @property
-    def spec_worker(self) -> None:
-        return None  # speculative decoding is rejected with tp_size > 1
+    def spec_worker(self) -> SpecWorker | None:
+        return self.local.spec_worker  # rank 0's (each rank drafts and verifies its own requests)
 
     # --- the Scheduler interface the Engine uses ---------------------------------------------------
     def loads(self) -> list[int]:
@@ -367,7 +485,9 @@ class DPAttentionScheduler:
         self._adds, self._aborts = [], []
         try:
             reports = exchange_objects(self.runner.groups.control, msg)
-            updated = [self._apply(p) for report in reports[1:] for p in report]
+            for rank, report in enumerate(reports[1:], start=1):
+                self.remote_kv_tokens_in_use[rank] = report.kv_tokens_in_use
+            updated = [self._apply(p) for report in reports[1:] for p in report.progress]
             updated += self.local.step()
             self.runner.finish_round()
         except Exception as e:
@@ -416,7 +536,8 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:
-        msg: DPControl = exchange_objects(control, _progress(live), timeout=IDLE_WAIT)[0]
+        report = RankReport(_progress(live), scheduler.kv_tokens_in_use())
+        msg: DPControl = exchange_objects(control, report, timeout=IDLE_WAIT)[0]
         if msg.shutdown:
             return
         for rank, new in msg.adds:

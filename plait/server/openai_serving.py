@@ -22,6 +22,7 @@ from plait.server import protocol
 from plait.server.errors import APIError, bad_request
 from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, replayed, sse, unless_disconnected
 from plait.server.logprobs import LogprobsRenderer, TopLogprobs, TopPairs
+from plait.server.prompt_work import PromptTooLong, PromptWork, check_rendered, encode_bounded, tokenize_prompt
 from plait.server.scheduler_client import SchedulerClient
 
 # OpenAI's default max_tokens for /v1/completions; chat completions default to the rest of the context.
@@ -91,10 +92,15 @@ class _Job:
 class OpenAIServing:
     """/v1/completions, /v1/chat/completions and the model card, over one SchedulerClient."""
 
-    def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig) -> None:
+    def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig, *,
+                 trust_request_chat_template: bool = False, max_rendered_chars: int = 16 * 2**20) -> None:
         self.client = client
         self.model_name = model_name
         self.config = config
+        self.trust_request_chat_template = trust_request_chat_template
+        self.max_rendered_chars = max_rendered_chars
+        # Tokenization and templating run here, off the event loop (plait.server.prompt_work).
+        self.prompt_work = PromptWork()
         self.created = int(time.time())
         self._renderer: LogprobsRenderer | None = None
 
@@ -153,7 +159,9 @@ class OpenAIServing:
         out = []
         for p in prompts:
             try:
-                out.append(self.frontend.tokenize(p))
+                out.append(tokenize_prompt(self.frontend, p))
+            except PromptTooLong as e:
+                raise bad_request(str(e), "prompt", "context_length_exceeded") from None
             except ValueError as e:
                 raise bad_request(str(e), "prompt") from None
         return out
@@ -175,7 +183,7 @@ class OpenAIServing:
         top = req.logprobs or 0
         # echo with logprobs scores the prompt too (OpenAI lists its tokens first).
         sp = self._sampling(req, max_new, req.logprobs is not None, top, "max_tokens", 0 if req.echo else -1)
-        prompt_ids = self._completion_prompts(req.prompt)
+        prompt_ids = await self.prompt_work.run(self._completion_prompts, req.prompt)
         for ids in prompt_ids:
             self._check_length(ids, sp, "prompt")
         echo_texts = self._echo_texts(req.prompt, prompt_ids) if req.echo else None
@@ -187,21 +195,30 @@ class OpenAIServing:
     # --- /v1/chat/completions ---
     def _chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
         tok = self.client.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
         kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
                                   "continue_final_message": req.continue_final_message}
         kwargs.update(req.chat_template_kwargs or {})
+        if req.chat_template is not None:
+            kwargs["chat_template"] = req.chat_template
+        if "chat_template" in kwargs and not self.trust_request_chat_template:
+            # A template is code the server runs (and can render without bound): only the operator's.
+            raise bad_request("a chat template supplied by the request is refused: this server renders only its "
+                              "own (start it with --trust-request-chat-template to allow them)", "chat_template")
+        if not getattr(tok, "chat_template", None) and "chat_template" not in kwargs:
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
         kwargs["tokenize"] = False
         try:
             text = tok.apply_chat_template(protocol.chat_messages(req), **kwargs)
         except Exception as e:  # a template or its kwargs rejected these messages: the client's input
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from None
-        # The template writes the special tokens (BOS, turn markers) itself.
-        ids = tok.encode(text, add_special_tokens=False)
         try:
+            check_rendered(text, self.max_rendered_chars)
+            # The template writes the special tokens (BOS, turn markers) itself.
+            ids = encode_bounded(self.frontend, text, add_special_tokens=False)
             self.frontend.check_input_ids(ids)
+        except PromptTooLong as e:
+            raise bad_request(str(e), "messages", "context_length_exceeded") from None
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         return ids
@@ -211,7 +228,7 @@ class OpenAIServing:
         protocol.check_chat(req)
         self.check_model(req.model)
         self.client.check_accepting()
-        ids = self._chat_prompt(req)
+        ids = await self.prompt_work.run(self._chat_prompt, req)
         if req.max_completion_tokens is not None:
             max_name, max_new = "max_completion_tokens", req.max_completion_tokens
         elif req.max_tokens is not None:

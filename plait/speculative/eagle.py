@@ -54,7 +54,8 @@ def target_vocab_parts(config: EngineConfig, runner: ModelRunner
     rank alone: the target's own on one rank, whole copies loaded from the checkpoint under tensor
     parallelism."""
     target = runner.model
-    if runner.tp.size == 1:
+    # DP attention keeps the embedding and LM head whole on every rank (only the MLP is sharded).
+    if runner.tp.size == 1 or config.enable_dp_attention:
         return target.model.embed_tokens, target.lm_head_weight, target.logits_processor
     mc = runner.model_config
     tied = target.lm_head is None
@@ -106,6 +107,7 @@ class EagleWorker(DraftModelWorker):
         # row -> (position, target hidden at that position): see the module docstring.
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}
         self._verify_hidden: torch.Tensor | None = None  # the latest verify forward's hiddens
+        self._verify_widths: list[int] = []  # its rows per request
         self.hidden_in_dim = tcfg.hidden_size * (len(self.capture_layers) if self.is_eagle3 else 1)
         super().__init__(config, runner, kv_pool, num_heads)
 
@@ -193,11 +195,15 @@ class EagleWorker(DraftModelWorker):
 
     # --- verify with hidden capture ---------------------------------------------------------------
     def graph_pad_width(self, trees: list[DraftTree]) -> None:
-        """Never padded: ``after_accept`` reads the verify hiddens in the unpadded node layout."""
+        """Not padded for graphs (DP attention pads every verify block: ``verify_pad_width``)."""
         return None
 
     def after_verify_forward(self, fb: ForwardBatch) -> None:
         self._verify_hidden = self._take_hidden(fb.num_tokens)
+        assert fb.spec_info is not None
+        widths = fb.spec_info.num_tokens_per_req
+        # Each request's block of the verify rows (padded or not): where after_accept finds its nodes.
+        self._verify_widths = [widths] * fb.batch_size if isinstance(widths, int) else list(widths)
 
     def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],
                      old_kv_lens: list[int]) -> None:
@@ -206,7 +212,8 @@ class EagleWorker(DraftModelWorker):
         assert hidden is not None
         rows, starts, lens, ids, hid_idx = [], [], [], [], []
         off = 0
-        for req, tree, (path, _), L in zip(reqs, trees, results, old_kv_lens, strict=True):
+        for req, tree, (path, _), L, width in zip(reqs, trees, results, old_kv_lens, self._verify_widths,
+                                                   strict=True):
             j = len(path) - 1
             rows.append(req.req_pool_idx)
             starts.append(L)
@@ -214,7 +221,7 @@ class EagleWorker(DraftModelWorker):
             ids.extend(tree.path_tokens(path[1:]))
             hid_idx.extend(off + n for n in path[:-1])
             self.pending[req.req_pool_idx] = (L + j, hidden[off + path[-1]].clone())
-            off += tree.width
+            off += width
         if ids:
             self._draft_extend(rows, starts, lens, ids, hidden[torch.tensor(hid_idx, device=device)])
         self._verify_hidden = None

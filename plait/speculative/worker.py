@@ -203,8 +203,18 @@ class BaseSpecWorker(ABC):
             return None
         return max(widths)
 
+    def verify_pad_width(self, trees: list[DraftTree]) -> int | None:
+        """The width every request's verify block is padded to (None: unpadded). Under DP attention
+        every rank pads to ``num_draft_tokens``, the widest tree the config allows: a verify round's
+        rows then have one width on every rank, so the ranks' request counts scale to their token
+        counts (``ForwardBatch.init_mlp_sync_metadata``) whatever depths the adaptive drafts took."""
+        if self.config.enable_dp_attention:
+            assert max(t.width for t in trees) <= self.num_draft_tokens
+            return self.num_draft_tokens
+        return self.graph_pad_width(trees)
+
     def verify(self, sched: SchedulerAPI, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
-        fb = self.build_verify_batch(reqs, trees, slots, pad_width=self.graph_pad_width(trees))
+        fb = self.build_verify_batch(reqs, trees, slots, pad_width=self.verify_pad_width(trees))
         out = self.runner.forward(fb)  # logits [sum(num_tokens_per_req), V] float32
         self.after_verify_forward(fb)
         sched.stats.forward_steps += 1

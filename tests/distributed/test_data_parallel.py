@@ -144,8 +144,6 @@ def test_config_accepts_plain_dp_and_rejects_bad_values():
         EngineConfig(model="m", dp_size=2, tp_size=2, nnodes=2, dist_init_addr="10.0.0.1:29500")
     with pytest.raises(ValueError, match="one machine"):
         EngineConfig(model="m", dp_size=2, dist_init_addr="10.0.0.1:29500")
-    with pytest.raises(ValueError, match="speculative decoding with dp_size"):
-        EngineConfig(model="m", dp_size=2, speculative_algorithm="NGRAM")
     with pytest.raises(ValueError, match="dp_size == tp_size"):
         EngineConfig(model="m", dp_size=2, tp_size=4, enable_dp_attention=True)
 

@@ -38,8 +38,6 @@ def test_speculation_off_leaves_the_fields_unset():
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 9},
      "--speculative-num-draft-tokens"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 0}, "--speculative-num-steps"),
-    ({"speculative_algorithm": "NGRAM", "tp_size": 2, "dp_size": 2, "enable_dp_attention": True},
-     "--enable-dp-attention"),
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 0}, "--speculative-eagle-topk"),
     ({"speculative_algorithm": "NGRAM", "speculative_attention_mode": "both"}, "--speculative-attention-mode"),
     ({"speculative_algorithm": "NGRAM", "speculative_draft_attention_backend": "flashinfer"},
