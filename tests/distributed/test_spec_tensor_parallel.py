@@ -62,13 +62,19 @@ def six_layers(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("six_layers"), "llama", seed=0, num_hidden_layers=6)
 
 
+@pytest.fixture(scope="module")
+def six_layers_reference(six_layers) -> list[list[int]]:
+    """One rank's non-speculative greedy output of the deeper target (both head formats compare to it)."""
+    with make_engine(six_layers) as engine:
+        return [o.token_ids for o in engine.generate(PROMPTS[:4], GREEDY)]
+
+
 @pytest.mark.parametrize("fmt", ["EAGLE", "EAGLE3"])
-def test_eagle_under_tp2_keeps_greedy_output_exact(six_layers, tmp_path, fmt, monkeypatch):
+def test_eagle_under_tp2_keeps_greedy_output_exact(six_layers, six_layers_reference, tmp_path, fmt, monkeypatch):
     """The head runs on rank 0 with whole copies of the target's embedding and LM head."""
     monkeypatch.setenv("PLAIT_CHECK_PLANS", "1")
     prompts = PROMPTS[:4]
-    with make_engine(six_layers) as engine:
-        reference = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    reference = six_layers_reference
     head = make_eagle_head(tmp_path / fmt, six_layers, fmt)
     flags = {"speculative_algorithm": fmt, "speculative_draft_model_path": str(head),
              "speculative_num_steps": 2, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4}
