@@ -183,6 +183,10 @@ class GrammarStats:
     # the extra last entry counts the slower ones.
     compile_seconds_buckets: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_TIME_BUCKETS) + 1))
 
+    @property
+    def bucket_bounds(self) -> tuple[float, ...]:
+        return COMPILE_TIME_BUCKETS
+
     def observe_compile(self, seconds: float) -> None:
         self.compiles += 1
         self.compile_seconds_sum += seconds
@@ -208,15 +212,28 @@ class GrammarBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = (),
                  max_workers: int = 2, cache_size: int = 4096) -> None:
-        self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        # xgrammar's own compile cache is off: ours, keyed by (kind, text), holds the futures.
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_workers, cache_enabled=False)
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.max_workers = max_workers
         self.stats = GrammarStats()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="plait-grammar")
         self._cache: dict[GrammarKey, Future[xgr.CompiledGrammar]] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the cache and the stats: compiles finish on worker threads
+        # Built by the first compile, on a worker thread (reading a large vocabulary takes a while):
+        # an engine that never sees a constrained request never pays for it.
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                # xgrammar's own compile cache is off: ours, keyed by (kind, text), holds the futures.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
+            return self._compiler
 
     def request(self, key: GrammarKey) -> Future[xgr.CompiledGrammar]:
         with self._lock:
@@ -237,9 +254,10 @@ class GrammarBackend:
 
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         kind, text = key
+        compiler = self.compiler  # outside the timing: the first call builds the tokenizer info
         start = time.perf_counter()
         try:
-            compiled = self._compile_uncached(key)
+            compiled = self._compile_uncached(compiler, key)
         except GrammarError:
             with self._lock:
                 self.stats.compile_failures += 1
@@ -254,18 +272,23 @@ class GrammarBackend:
         logger.debug("compiled %s grammar (%d chars) in %.3f s", kind, len(text), seconds)
         return compiled
 
-    def _compile_uncached(self, key: GrammarKey) -> xgr.CompiledGrammar:
+    @staticmethod
+    def _compile_uncached(compiler: xgr.GrammarCompiler, key: GrammarKey) -> xgr.CompiledGrammar:
         kind, text = key
         if kind == "json_schema":
-            return self.compiler.compile_json_schema(text)
+            return compiler.compile_json_schema(text)
         if kind == "regex":
-            return self.compiler.compile_regex(text)
+            return compiler.compile_regex(text)
         if kind == "ebnf":
-            return self.compiler.compile_grammar(text)
-        return self.compiler.compile_grammar(_parse(key))
+            return compiler.compile_grammar(text)
+        return compiler.compile_grammar(_parse(key))
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcherState:
         return GrammarMatcherState(xgr.GrammarMatcher(compiled), self.vocab_size)
+
+    def fill_vocab_mask(self, matchers: Sequence[GrammarMatcherState | None]) -> torch.Tensor:
+        """A batch's host bitmask over this backend's vocabulary (``fill_vocab_mask``)."""
+        return fill_vocab_mask(matchers, self.vocab_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
