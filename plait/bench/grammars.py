@@ -1,4 +1,4 @@
-"""A corpus of grammars for constrained-decoding tests and the ``structured-overhead`` benchmark:
+"""A corpus of grammars for the ``structured-overhead`` benchmark and the constrained-decoding tests:
 30 JSON schemas, 10 regular expressions and 5 EBNF grammars, each with how to check an output.
 
 Every schema is bounded (string lengths, array sizes, number ranges, enums), so a complete output
