@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -211,7 +212,7 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = (),
-                 max_workers: int = 2, cache_size: int = 4096) -> None:
+                 max_workers: int = 4, cache_size: int = 4096) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
@@ -225,6 +226,7 @@ class GrammarBackend:
         # an engine that never sees a constrained request never pays for it.
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
+        self._batch_filler: xgr.BatchGrammarMatcher | None = None  # used on the scheduler's thread only
 
     @property
     def compiler(self) -> xgr.GrammarCompiler:
@@ -287,8 +289,11 @@ class GrammarBackend:
         return GrammarMatcherState(xgr.GrammarMatcher(compiled), self.vocab_size)
 
     def fill_vocab_mask(self, matchers: Sequence[GrammarMatcherState | None]) -> torch.Tensor:
-        """A batch's host bitmask over this backend's vocabulary (``fill_vocab_mask``)."""
-        return fill_vocab_mask(matchers, self.vocab_size)
+        """A batch's host bitmask over this backend's vocabulary (``fill_vocab_mask``), rows filled
+        by xgrammar's thread pool."""
+        if self._batch_filler is None:
+            self._batch_filler = xgr.BatchGrammarMatcher(max_threads=min(self.max_workers, os.cpu_count() or 1))
+        return fill_vocab_mask(matchers, self.vocab_size, self._batch_filler)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -348,12 +353,18 @@ def allocate_vocab_mask(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
-def fill_vocab_mask(matchers: Sequence[GrammarMatcherState | None], vocab_size: int) -> torch.Tensor:
-    """The bitmask of one batch on the host: row i from ``matchers[i]``, all ones where None."""
+def fill_vocab_mask(matchers: Sequence[GrammarMatcherState | None], vocab_size: int,
+                    batch: xgr.BatchGrammarMatcher | None = None) -> torch.Tensor:
+    """The bitmask of one batch on the host: row i from ``matchers[i]``, all ones where None or
+    terminated (that request has finished; its token is discarded). ``batch``: xgrammar's
+    multi-threaded filler for the rows of several matchers at once."""
     bitmask = allocate_vocab_mask(len(matchers), vocab_size)
-    for i, m in enumerate(matchers):
-        if m is not None:
-            m.fill(bitmask, i)
+    live = [(i, m.matcher) for i, m in enumerate(matchers) if m is not None and not m.matcher.is_terminated()]
+    if batch is not None and len(live) > 1:
+        batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
+    else:
+        for i, m in live:
+            m.fill_next_token_bitmask(bitmask, i)
     return bitmask
 
 
