@@ -41,6 +41,9 @@ class AttentionLayer(Protocol):
     scaling: float
     logit_cap: float
     sliding_window: int | None  # W: a query at position i sees keys at j > i - W; None = full
+    # [num_heads] per-head sink logits in the model dtype (gpt-oss): they join each softmax
+    # denominator and attend to nothing; None = no sinks
+    sinks: torch.Tensor | None
 
 
 class BatchAttentionBackend(Protocol):
@@ -275,6 +278,9 @@ class ForwardBatch:
     forward_metadata_planned_bs: int | None = None
     forward_metadata_planned_num_tokens: int | None = None
     forward_metadata_replan_equivalent: bool = False
+    # Two-batch overlap: the two micro-batches this batch runs as (plait.two_batch_overlap builds
+    # them; each has its own attention backend and plan). None: the batch runs whole.
+    tbo_children: tuple[ForwardBatch, ForwardBatch] | None = None
 
     @property
     def num_tokens(self) -> int:
