@@ -31,7 +31,7 @@ GRAMMARS: list[dict[str, str | dict]] = [
     {"json_schema": json.dumps({"type": "array", "items": {"type": "boolean"}})},
 ]
 PROMPTS = prompt_ids(8, seed=5)
-N = 20
+N = 12
 
 
 def _params(i: int, **extra) -> dict:
@@ -108,8 +108,8 @@ def test_grammar_that_completes_stops_with_finish_reason_stop(engine):
 
 def test_32_constrained_and_32_unconstrained_requests_in_one_batch(engine):
     prompts = prompt_ids(16, seed=9) * 4
-    params = [{"temperature": 0.0, "max_new_tokens": 8, **GRAMMARS[i % 4]} if i % 2 == 0
-              else {"temperature": 0.0, "max_new_tokens": 8} for i in range(64)]
+    params = [{"temperature": 0.0, "max_new_tokens": 6, **GRAMMARS[(i // 2) % 4]} if i % 2 == 0
+              else {"temperature": 0.0, "max_new_tokens": 6} for i in range(64)]
     batched = engine.generate(prompts, params)
     alone = engine.generate(prompts[1::2], params[1::2])  # the unconstrained ones without the others
     for i, out in enumerate(batched):

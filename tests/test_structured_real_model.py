@@ -15,7 +15,7 @@ import pytest
 import plait
 from plait.bench.grammars import EBNF_GRAMMARS, JSON_SCHEMAS, REGEXES
 
-MAX_NEW = 96
+MAX_NEW = 64
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import random
 import shutil
 import statistics
 import tempfile
@@ -25,11 +26,12 @@ from typing import Any
 
 from plait.bench.results import write_result
 from plait.bench.shapes import SHAPES
-from plait.bench.workloads import make_engine, random_prompts, release, timed
+from plait.bench.workloads import make_engine, release, timed
 
 SHAPE = "llama-3.1-8b"
 VOCAB = 49152
 BATCH_SIZES = (1, 64)
+PROMPT_LEN = 128
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 BENCH_SCHEMA: dict[str, Any] = {
     "type": "array",
@@ -70,9 +72,11 @@ def write_structured_shape_dir(root: str | pathlib.Path, tokenizer_dir: str | pa
 def decode_tok_s(engine: Any, bs: int, params: dict[str, Any], steps: int, seed: int = 7) -> dict[str, Any]:
     """Steady decode of ``bs`` requests: tokens/s over ``steps`` scheduler steps once all run."""
     sched = engine.scheduler
-    vocab = engine.model_config.vocab_size
+    rng = random.Random(seed)
+    known = min(engine.model_config.vocab_size, len(engine.tokenizer))  # prompt ids the tokenizer has
+    prompts = [[rng.randrange(known // 8, known) for _ in range(PROMPT_LEN)] for _ in range(bs)]
     reqs = [engine.make_request(p, {**params, "seed": seed + i, "max_new_tokens": steps + 64})
-            for i, p in enumerate(random_prompts(bs, 128, min(vocab, len(engine.tokenizer)), seed=seed))]
+            for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add_request(r)
     while len(sched.running) < bs or sched.prefilling or sched.waiting:

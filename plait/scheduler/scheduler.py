@@ -15,6 +15,7 @@ after release nothing of the request is held outside the radix cache.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED
@@ -459,7 +460,9 @@ class Scheduler:
                 req.output_logprobs.append(logprobs[i])
                 if top_ids is not None and top_vals is not None and req.sampling_params.top_logprobs:
                     k = req.sampling_params.top_logprobs
-                    req.output_top_logprobs.append(list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)))
+                    # A grammar can leave fewer than k tokens possible: the impossible (-inf) are not listed.
+                    req.output_top_logprobs.append([(t, v) for t, v in zip(top_ids[i][:k], top_vals[i][:k], strict=True)
+                                                    if v != -math.inf])
             if req.finished:
                 self._retire(req)
             self._updated.append(req)

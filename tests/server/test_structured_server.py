@@ -66,6 +66,13 @@ def test_openai_client_streams_a_constrained_chat(server, model_name):
     assert chunks[-1].choices[0].finish_reason == "stop" or chunks[-2].choices[0].finish_reason == "stop"
 
 
+def test_top_logprobs_list_only_tokens_the_grammar_allows(post):
+    choice = post("/v1/chat/completions", {"ebnf": 'root ::= "A" | "B"', "logprobs": True, "top_logprobs": 5})
+    assert choice["message"]["content"] in ("A", "B")
+    for entry in choice["logprobs"]["content"]:
+        assert 1 <= len(entry["top_logprobs"]) <= 2  # the grammar allows "A" or "B", then only EOS
+
+
 BAD = [
     ({"regex": "(ab"}, "regex", "parenthesis"),
     ({"ebnf": "root ::= nothing"}, "ebnf", "not defined"),
