@@ -25,7 +25,7 @@ def test_compile_times_cover_the_30_schemas(real_model_dir):
 
 def test_structured_overhead_measures_both_runs(tiny_model_dir):
     out = structured_overhead(str(tiny_model_dir("llama")), (1, 2), steps=2, device="cpu", dtype="float32",
-                              load_format="auto", max_total_tokens=4096)
+                              load_format="auto", max_total_tokens=4096, context_length=1024)
     for bs in (1, 2):
         run = out[f"bs{bs}"]
         assert run["unconstrained"]["generated_tokens"] == 2 * bs

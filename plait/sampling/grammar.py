@@ -313,7 +313,12 @@ class GrammarMatcherState:
         self.num_accepted = 0
 
     def accept_token(self, token: int) -> bool:
-        """Advance by ``token``; False (state unchanged) when the grammar does not allow it."""
+        """Advance by ``token``; False (state unchanged) when the grammar does not allow it. Past
+        the grammar's end (a stop token accepted, and the request goes on: ``ignore_eos``) every
+        token is allowed, as the mask says (``fill``)."""
+        if self.matcher.is_terminated():
+            self.num_accepted += 1
+            return True
         if not self.matcher.accept_token(token):
             return False
         self.num_accepted += 1
