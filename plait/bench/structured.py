@@ -129,8 +129,9 @@ def structured_overhead(shape_dir: str, batch_sizes: tuple[int, ...] = BATCH_SIZ
     constrained = {**base, "json_schema": BENCH_SCHEMA}
     out: dict[str, Any] = {"cuda_graph": engine.runner.graph_runner is not None,
                            "attention_backend": engine.runner.attn_backend.name}
-    decode_tok_s(engine, bs_max, base, 8)  # warm-up: kernels, graphs, the grammar compile
-    decode_tok_s(engine, bs_max, constrained, 8)
+    warm = min(8, steps)
+    decode_tok_s(engine, bs_max, base, warm)  # warm-up: kernels, graphs, the grammar compile
+    decode_tok_s(engine, bs_max, constrained, warm)
     for bs in batch_sizes:
         plain = decode_tok_s(engine, bs, base, steps)
         masked = decode_tok_s(engine, bs, constrained, steps)
