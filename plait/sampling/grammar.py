@@ -44,6 +44,9 @@ GrammarKey = tuple[GrammarKind, str]
 # JSON nesting (objects and arrays) a json_schema document may have. xgrammar's conversion time grows
 # steeply with depth (hundreds of levels take minutes), and no practical schema comes near this.
 MAX_JSON_SCHEMA_DEPTH = 64
+# Whitespace characters a JSON output may put between two tokens of its syntax. Any layout fits
+# (pretty-printing included), but a model cannot loop on whitespace forever: small models do.
+JSON_MAX_WHITESPACE = 32
 # Prefix of xgrammar's C++ log lines ("[20:31:21] /project/cpp/x.cc:94: "): not part of the message.
 _XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
@@ -278,7 +281,7 @@ class GrammarBackend:
     def _compile_uncached(compiler: xgr.GrammarCompiler, key: GrammarKey) -> xgr.CompiledGrammar:
         kind, text = key
         if kind == "json_schema":
-            return compiler.compile_json_schema(text)
+            return compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
         if kind == "regex":
             return compiler.compile_regex(text)
         if kind == "ebnf":
