@@ -44,9 +44,10 @@ GrammarKey = tuple[GrammarKind, str]
 # JSON nesting (objects and arrays) a json_schema document may have. xgrammar's conversion time grows
 # steeply with depth (hundreds of levels take minutes), and no practical schema comes near this.
 MAX_JSON_SCHEMA_DEPTH = 64
-# Whitespace characters a JSON output may put between two tokens of its syntax. Any layout fits
-# (pretty-printing included), but a model cannot loop on whitespace forever: small models do.
-JSON_MAX_WHITESPACE = 32
+# Whitespace characters a JSON output may put between two tokens of its syntax: pretty-printing up
+# to 7 levels of 2-space indentation fits, but a model cannot burn its tokens on whitespace loops
+# (small models do).
+JSON_MAX_WHITESPACE = 16
 # Prefix of xgrammar's C++ log lines ("[20:31:21] /project/cpp/x.cc:94: "): not part of the message.
 _XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
