@@ -215,6 +215,19 @@ class ExtendInfo:
     prefix_lens_cpu: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class InputLogprobRows:
+    """Prompt positions of an extend batch whose next-token logprobs requests asked for (SGLang's
+    logprob_start_len). Their hidden rows are in ``logits_indices`` next to the sampled rows, so the
+    LM head runs once; indices below are into the resulting logits rows."""
+
+    rows: torch.Tensor  # [n] logits rows of the scored positions
+    next_ids: torch.Tensor  # [n] the prompt token that follows each scored position
+    sample_rows: torch.Tensor  # [num_sampled] logits rows the sampler reads, in entry order
+    counts: list[int]  # scored positions per batch entry (host)
+    top_k: int  # top logprobs per position (the largest any of these requests asked for)
+
+
 @dataclass(slots=True)
 class MLPSyncMetadata:
     """DP attention's per-step MLP-sync state, filled by ``ForwardBatch.init_mlp_sync_metadata``
@@ -249,6 +262,8 @@ class ForwardBatch:
     # Rows of the hidden states whose logits are needed ([num_sampled], indices into T). None means
     # every row (decode). Only these rows go through the LM head.
     logits_indices: torch.Tensor | None = None
+    # Prompt positions scored for their logprobs (rows of logits_indices besides the sampled ones).
+    input_logprobs: InputLogprobRows | None = None
     # During graph replay the padded view runs in the captured mode; this is the runtime mode.
     actual_forward_mode: ForwardMode | None = None
     # The extend part; None for DECODE/IDLE.

@@ -194,6 +194,7 @@ FIELD_RULES: dict[str, Rule] = {
     "seq_lens_cpu": Rule.RECOMPUTED,
     "seq_lens_sum": Rule.RECOMPUTED,
     "logits_indices": Rule.RECOMPUTED,  # the parent selects the rows it samples after the children
+    "input_logprobs": Rule.RECOMPUTED,  # the parent scores prompt rows after the children: None
     "actual_forward_mode": Rule.SHARED,
     "extend": Rule.RECOMPUTED,
     "spec_info": Rule.RECOMPUTED,

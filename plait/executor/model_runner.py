@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from plait import envs
 from plait.attention.base import AttentionBackend
 from plait.attention.hybrid import serving_backend_name
 from plait.attention.plan_check import maybe_check_plans
@@ -25,13 +26,20 @@ from plait.attention.tbo_backend import TboAttnBackend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner
-from plait.executor.forward_output import ForwardOutput, HostCopy
+from plait.executor.forward_output import ForwardOutput, HostCopy, InputLogprobs, score_prompt_rows
 from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
 from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
-from plait.layers.radix_attention import model_has_sinks, model_sliding_window
-from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, log_device_memory
+from plait.layers.moe import routing_stats
+from plait.layers.radix_attention import model_has_sinks, model_kv_scales, model_sliding_windows
+from plait.mem.pools import (
+    MHATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    kv_cache_dtype,
+    log_device_memory,
+)
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model, load_model_config
 from plait.sampling import Sampler
@@ -58,6 +66,8 @@ class ModelRunner:
         attn_tp = SINGLE if config.enable_dp_attention else tp
         self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp,
                                 ep_size=config.ep_size)
+        if envs.COUNT_ROUTED_EXPERTS.get():  # benchmarks: before any graph is captured
+            routing_stats.attach(self.model, self.device)
         log_device_memory("the weights", self.device)
         # Rank 0 schedules KV slots for every rank: all ranks take the smallest capacity.
         draft = None
@@ -71,14 +81,17 @@ class ModelRunner:
             kv_capacity_tokens(config, mc, self.device, attn_tp.size, draft=draft))
         self.max_context_len = mc.context_length
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
-        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, mc.dtype, mc.num_layers,
-                                        mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim, self.device)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype)
+        k_scales, v_scales = model_kv_scales(self.model)
+        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, kv_dtype, mc.num_layers,
+                                        mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim, self.device,
+                                        k_scales=k_scales, v_scales=v_scales)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         log_device_memory("the weights and the KV pool", self.device)
         def new_backend() -> AttentionBackend:
             return create_attention_backend(
                 config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // attn_tp.size,
-                config.speculative_attention_mode, sliding_window=model_sliding_window(self.model),
+                config.speculative_attention_mode, sliding_windows=model_sliding_windows(self.model),
                 has_sinks=model_has_sinks(self.model))
 
         self.attn_backend: AttentionBackend = new_backend()
@@ -112,8 +125,8 @@ class ModelRunner:
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
             self.max_total_tokens,
             self.max_total_tokens * MHATokenToKVPool.bytes_per_token(
-                mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim) / 2**30,
-            mc.dtype, self.attn_backend.name, self.max_context_len)
+                kv_dtype, mc.num_layers, mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim) / 2**30,
+            kv_dtype, self.attn_backend.name, self.max_context_len)
 
     def capture_target(self) -> CaptureTarget:
         """What the graph runners record: this runner's model, backend and hidden capture."""
@@ -169,15 +182,20 @@ class ModelRunner:
         ``sample=False`` returns after the forward: the caller finishes the batch's info first (a
         constrained batch's vocabulary mask) and then calls ``sample``."""
         logits = self.forward(fb)
+        scored = None
+        if fb.input_logprobs is not None:
+            scored, logits = score_prompt_rows(logits, fb.input_logprobs)
         if fb.sampling_info is None or not sample:
-            return ForwardOutput(logits)
-        return self.sample(fb, logits)
+            return ForwardOutput(logits, input_logprobs=scored)
+        return self.sample(fb, logits, scored)
 
-    def sample(self, fb: ForwardBatch, logits: LogitsOutput) -> ForwardOutput:
-        """The sampler on a forward's logits with ``fb.sampling_info``, and the host copy."""
+    def sample(self, fb: ForwardBatch, logits: LogitsOutput, input_logprobs: InputLogprobs | None = None
+               ) -> ForwardOutput:
+        """The sampler on a forward's logits with ``fb.sampling_info``, and the host copy
+        (``input_logprobs``: the forward's prompt scores, passed through)."""
         assert fb.sampling_info is not None
         sample = self.sampler(logits.next_token_logits, fb.sampling_info)
-        return ForwardOutput(logits, sample, HostCopy.start(sample))
+        return ForwardOutput(logits, sample, HostCopy.start(sample), input_logprobs)
 
     def close(self) -> None:
         """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and
@@ -197,4 +215,4 @@ class ModelRunner:
 
     def info(self) -> dict[str, Any]:
         return {"max_total_tokens": self.max_total_tokens, "attention_backend": serving_backend_name(self.attn_backend),
-                "dtype": str(self.model_config.dtype), "device": self.device}
+                "dtype": str(self.model_config.dtype), "kv_cache_dtype": str(self.kv_pool.dtype), "device": self.device}

@@ -24,6 +24,10 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.logit_cap = logit_cap
         self.sliding_window = sliding_window
+        # FP8 KV cache multipliers (stored = k / k_scale), from the checkpoint when it has them
+        # (plait.layers.quantization.kv_cache); read by the KV pool only when it stores FP8.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.sinks: nn.Parameter | None
         self.register_parameter(
             "sinks", nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None)
@@ -46,12 +50,18 @@ class RadixAttention(nn.Module):
         return backend.forward(q, k, v, self, fb, save_kv_cache=False)
 
 
-def model_sliding_window(model: nn.Module) -> int | None:
-    """The window of the model's windowed attention layers (None when every layer is full)."""
-    windows = {m.sliding_window for m in model.modules() if isinstance(m, RadixAttention) and m.sliding_window}
-    if len(windows) > 1:
-        raise ValueError(f"layers with different sliding windows {sorted(windows)} are not supported")
-    return windows.pop() if windows else None
+def model_sliding_windows(model: nn.Module) -> tuple[int, ...]:
+    """The distinct windows of the model's windowed attention layers, ascending (empty when every
+    layer is full). Layers may differ: each backend applies a layer's own window."""
+    return tuple(sorted({m.sliding_window for m in model.modules()
+                         if isinstance(m, RadixAttention) and m.sliding_window}))
+
+
+def model_kv_scales(model: nn.Module) -> tuple[list[float], list[float]]:
+    """Per-layer ``(k_scales, v_scales)`` of the model's attention layers, by layer id (the FP8 KV
+    pool's multipliers: the checkpoint's, or 1.0)."""
+    layers = sorted((m for m in model.modules() if isinstance(m, RadixAttention)), key=lambda m: m.layer_id)
+    return [m.k_scale for m in layers], [m.v_scale for m in layers]
 
 
 def model_has_sinks(model: nn.Module) -> bool:

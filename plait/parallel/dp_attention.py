@@ -112,6 +112,9 @@ class Progress:
     num_retractions: int
     finish_reason: str | None = None
     finish_message: str | None = None
+    # Prompt-token logprobs, in the request's first report (they are complete once it samples).
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -171,7 +174,7 @@ class DPAttentionRunner(ModelRunner):
         # at most a prefill chunk plus a decode token per running request.
         device = use_rank_device(config, groups.tp)
         row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
-            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
+            groups.tp, groups.store, config.prefill_token_budget(mc.context_length) + config.max_running_requests,
             mc.hidden_size, mc.dtype, device, timedelta(seconds=config.dist_timeout))
         # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
         # every rank captures the same buckets in the same order, so the recorded collectives pair up.
@@ -389,6 +392,8 @@ class DPAttentionScheduler:
         req.output_logprobs += p.logprobs
         req.output_top_logprobs += p.top_logprobs
         req.cached_tokens, req.num_retractions = p.cached_tokens, p.num_retractions
+        req.input_token_logprobs += p.input_token_logprobs
+        req.input_top_logprobs += p.input_top_logprobs
         if p.finish_reason is not None:
             if p.finish_message == "stop string":
                 req.detokenizer.find_stop()
@@ -402,12 +407,11 @@ class DPAttentionScheduler:
 # --- ranks > 0 ----------------------------------------------------------------------------------------
 def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     """Serve the requests rank 0 assigns to this rank, one lockstep round per engine step."""
-    from transformers import AutoTokenizer
-
+    from plait.models.loader import load_tokenizer
     from plait.parallel.step_sync import IDLE_WAIT
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
     scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
@@ -438,7 +442,8 @@ def _progress(live: dict[str, tuple[Req, int]]) -> list[Progress]:
             continue
         out.append(Progress(rid, req.output_ids[sent:n], req.output_logprobs[sent:n],
                             req.output_top_logprobs[sent:n], req.cached_tokens, req.num_retractions,
-                            req.finish_reason.value if req.finish_reason else None, req.finish_message))
+                            req.finish_reason.value if req.finish_reason else None, req.finish_message,
+                            req.input_token_logprobs if sent == 0 else [], req.input_top_logprobs if sent == 0 else []))
         if req.finished:
             del live[rid]
         else:

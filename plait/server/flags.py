@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from plait.server.operator_flags import add_operator_flags
+
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 
 
@@ -20,6 +22,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="request bodies over this size get a 413")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    add_operator_flags(parser)
 
 
 def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:

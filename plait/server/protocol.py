@@ -7,7 +7,7 @@ extra fields:
 * OpenAI fields that plait does not use and that change nothing about the result (``user``,
   ``store``, ``parallel_tool_calls``, ...): accepted and ignored, with a debug log;
 * OpenAI features that would change the result and that plait does not implement (``tools``,
-  ``logit_bias``, ``echo``, ...): 400 saying so;
+  ``suffix``, ...): 400 saying so;
 * anything else: 400 "Unrecognized request argument supplied", as OpenAI answers, so that a typo
   such as ``temprature`` cannot silently fall back to a default.
 """
@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's ceiling for n.
 MAX_N = 128
+# Stop conditions are checked on every generated token: bounded so one request cannot make that slow.
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 # OpenAI fields that plait accepts and ignores (they do not change the tokens produced).
 IGNORED_FIELDS: frozenset[str] = frozenset({
@@ -109,6 +113,7 @@ class ChatCompletionRequest(GenerationRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's; refused unless --trust-request-chat-template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -169,13 +174,17 @@ def _check_common(req: GenerationRequest) -> None:
         raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "logit_bias")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"each stop sequence may be at most {MAX_STOP_CHARS} characters", "stop")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                          f"{len(req.stop_token_ids)}", "stop_token_ids")
 
 
 def check_completion(req: CompletionRequest) -> None:
-    if req.echo:
-        raise unsupported("echo", "echo")
     if req.suffix:
         raise unsupported("suffix", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -230,8 +239,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
-    """SamplingParams fields; None values mean "default" and are dropped by SamplingParams.from_dict."""
+def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, top_logprobs: int,
+                  logprob_start_len: int = -1) -> dict[str, Any]:
+    """SamplingParams fields; None values mean "default" (the model's generation_config.json or
+    plait's; see plait.engine.generation_config). ``logprob_start_len`` 0 scores the prompt (echo)."""
     return {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,
@@ -249,6 +260,8 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
+        "logit_bias": req.logit_bias,
+        "logprob_start_len": logprob_start_len if logprobs else -1,
         **grammar_fields(req.response_format, req.regex, req.ebnf),
     }
 
