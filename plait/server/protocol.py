@@ -7,7 +7,7 @@ extra fields:
 * OpenAI fields that plait does not use and that change nothing about the result (``user``,
   ``store``, ``parallel_tool_calls``, ...): accepted and ignored, with a debug log;
 * OpenAI features that would change the result and that plait does not implement (``tools``,
-  ``response_format`` with a schema, ``suffix``, ...): 400 saying so;
+  ``suffix``, ...): 400 saying so;
 * anything else: 400 "Unrecognized request argument supplied", as OpenAI answers, so that a typo
   such as ``temprature`` cannot silently fall back to a default.
 """
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from plait.sampling.params import MAX_TOP_LOGPROBS
 from plait.server.errors import APIError, bad_request, unsupported
+from plait.server.structured import grammar_fields
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     # vLLM's name: add prompt_token_ids / token_ids to each choice (tests and benchmarks count tokens).
     return_token_ids: bool = False
+    # Structured outputs (plait.server.structured): OpenAI's response_format, SGLang's regex and ebnf.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -107,7 +112,6 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's; refused unless --trust-request-chat-template
     add_generation_prompt: bool = True
@@ -198,9 +202,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise unsupported("tool_choice", "tool_choice")
     if req.function_call not in (None, "none", "auto"):
         raise unsupported("function_call", "function_call")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        kind = req.response_format.get("type")
-        raise unsupported(f"response_format of type {kind!r} (structured output)", "response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -261,6 +262,7 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
         "top_logprobs": top_logprobs,
         "logit_bias": req.logit_bias,
         "logprob_start_len": logprob_start_len if logprobs else -1,
+        **grammar_fields(req.response_format, req.regex, req.ebnf),
     }
 
 
