@@ -32,6 +32,7 @@ from plait.server.http import PayloadLimitMiddleware
 from plait.server.metrics import CONTENT_TYPE, ServerMetrics
 from plait.server.openai_serving import OpenAIServing
 from plait.server.scheduler_client import SchedulerClient, State
+from plait.server.tool_calling import ChatOptions
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +45,18 @@ class ServerArgs:
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get a 503
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    # Chat completions (plait.server.tool_calling): parser names and a template file path.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
 
 
 def build_app(config: EngineConfig, args: ServerArgs,
               on_startup_failure: Callable[[str], None] | None = None) -> FastAPI:
     metrics = ServerMetrics()
     client = SchedulerClient(config, metrics, args.max_queued_requests, on_startup_failure)
-    serving = OpenAIServing(client, args.served_model_name or config.model, config)
+    chat_options = ChatOptions.from_flags(args.tool_call_parser, args.reasoning_parser, args.chat_template)
+    serving = OpenAIServing(client, args.served_model_name or config.model, config, chat_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

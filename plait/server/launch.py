@@ -84,7 +84,8 @@ class PlaitServer(uvicorn.Server):
 def server_args_from(args: argparse.Namespace) -> ServerArgs:
     return ServerArgs(host=args.host, port=args.port, served_model_name=args.served_model_name,
                       max_queued_requests=args.max_queued_requests, max_payload_bytes=args.max_payload_bytes,
-                      shutdown_timeout=args.shutdown_timeout)
+                      shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+                      reasoning_parser=args.reasoning_parser, chat_template=args.chat_template)
 
 
 def run_server(config: EngineConfig, sargs: ServerArgs) -> int:

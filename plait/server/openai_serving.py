@@ -23,6 +23,7 @@ from plait.server.errors import APIError, bad_request
 from plait.server.http import SSE_DONE, SSEResponse, sse, unless_disconnected
 from plait.server.logprobs import LogprobsRenderer
 from plait.server.scheduler_client import SchedulerClient
+from plait.server.tool_calling import ChatOptions, ChatOutput, ToolPlan, plan_tools, template_messages
 
 # OpenAI's default max_tokens for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -72,6 +73,13 @@ class _Job:
     top_logprobs: int
     return_token_ids: bool
     include_usage: bool
+    # Chat: turns a choice's text into content, reasoning_content and tool_calls.
+    tool_plan: ToolPlan | None = None
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
+
+    def chat_output(self) -> ChatOutput:
+        assert self.tool_plan is not None
+        return ChatOutput.for_request(self.tool_plan, self.chat_options)
 
     def usage(self, choices: Sequence[_Choice]) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.prompt_ids)
@@ -84,10 +92,12 @@ class _Job:
 class OpenAIServing:
     """/v1/completions, /v1/chat/completions and the model card, over one SchedulerClient."""
 
-    def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig) -> None:
+    def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig,
+                 chat_options: ChatOptions | None = None) -> None:
         self.client = client
         self.model_name = model_name
         self.config = config
+        self.chat_options = chat_options or ChatOptions()
         self.created = int(time.time())
         self._renderer: LogprobsRenderer | None = None
 
@@ -110,9 +120,12 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def _sampling(self, req: protocol.GenerationRequest, max_new: int, logprobs: bool, top: int,
-                  max_name: str) -> SamplingParams:
+                  max_name: str, tool_plan: ToolPlan | None = None) -> SamplingParams:
+        fields = protocol.sampling_dict(req, max_new, logprobs, top)
+        if tool_plan is not None:
+            fields = tool_plan.sampling_fields(fields)
         try:
-            return self.frontend.sampling_params(protocol.sampling_dict(req, max_new, logprobs, top))
+            return self.frontend.sampling_params(fields)
         except ValueError as e:
             raise protocol.value_error_to_api(e, max_name) from None
 
@@ -167,16 +180,22 @@ class OpenAIServing:
         return await self._respond(request, job, req.stream)
 
     # --- /v1/chat/completions ---
-    def _chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: protocol.ChatCompletionRequest, tool_plan: ToolPlan) -> list[int]:
         tok = self.client.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        template = self.chat_options.chat_template  # --chat-template, else the checkpoint's
+        if template is None and not getattr(tok, "chat_template", None):
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions or start the "
+                              "server with --chat-template FILE", "messages")
         kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
                                   "continue_final_message": req.continue_final_message}
         kwargs.update(req.chat_template_kwargs or {})
         kwargs["tokenize"] = False
+        if template is not None:
+            kwargs["chat_template"] = template
+        kwargs["tools"] = tool_plan.template_tools()
+        messages = template_messages(req)
         try:
-            text = tok.apply_chat_template(protocol.chat_messages(req), **kwargs)
+            text = tok.apply_chat_template(messages, **kwargs)
         except Exception as e:  # a template or its kwargs rejected these messages: the client's input
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from None
@@ -193,7 +212,8 @@ class OpenAIServing:
         protocol.check_chat(req)
         self.check_model(req.model)
         self.client.check_accepting()
-        ids = self._chat_prompt(req)
+        tool_plan = plan_tools(req, self.chat_options)
+        ids = self._chat_prompt(req, tool_plan)
         if req.max_completion_tokens is not None:
             max_name, max_new = "max_completion_tokens", req.max_completion_tokens
         elif req.max_tokens is not None:
@@ -201,11 +221,11 @@ class OpenAIServing:
         else:  # OpenAI: up to the context limit
             max_name, max_new = "max_completion_tokens", max(1, self.frontend.limits.max_request_tokens - len(ids))
         top = req.top_logprobs or 0
-        sp = self._sampling(req, max_new, req.logprobs, top, max_name)
+        sp = self._sampling(req, max_new, req.logprobs, top, max_name, tool_plan)
         self._check_length(ids, sp, "messages")
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, [ids], req.n,
                    self._fan_out([ids], sp, req.n), req.logprobs, top, req.return_token_ids,
-                   bool(req.stream_options and req.stream_options.include_usage))
+                   bool(req.stream_options and req.stream_options.include_usage), tool_plan, self.chat_options)
         return await self._respond(request, job, req.stream)
 
     # --- running a job ---
@@ -245,8 +265,9 @@ class OpenAIServing:
         for i, c in enumerate(choices):
             lp = self._logprobs(job, c, c.token_ids, c.logprobs, c.top_logprobs)
             if job.kind == "chat":
-                choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": c.text},
-                                          "logprobs": lp, "finish_reason": c.finish_reason}
+                output = job.chat_output()
+                choice: dict[str, Any] = {"index": i, "message": output.message(c.text), "logprobs": lp,
+                                          "finish_reason": output.finish_reason(c.finish_reason)}
             else:
                 choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             if job.return_token_ids:
@@ -265,17 +286,19 @@ class OpenAIServing:
         if job.include_usage:
             head["usage"] = None
         choices = [_Choice() for _ in job.prepared]
+        outputs = [job.chat_output() for _ in job.prepared] if chat else []
 
-        def chunk(i: int, upd: RequestUpdate | None, finish: str | None, first: bool = False) -> str:
+        def chunk(i: int, upd: RequestUpdate | None, finish: str | None, first: bool = False,
+                  delta: dict[str, Any] | None = None) -> str:
             c = choices[i]
             lp = None
             if upd is not None and upd.token_ids:
                 lp = self._logprobs(job, c, upd.token_ids, upd.logprobs or [], upd.top_logprobs or [])
             text = upd.text if upd is not None else ""
             if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
-                    {"content": text} if upd is not None else {})
-                choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                if first:
+                    delta = {"role": "assistant", "content": ""}
+                choice: dict[str, Any] = {"index": i, "delta": delta or {}, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
             if job.return_token_ids:
@@ -298,10 +321,18 @@ class OpenAIServing:
                 choices[i].add(upd)
                 has_content = bool(upd.text or upd.token_ids)
                 if chat:
-                    if has_content:
-                        yield chunk(i, upd, None)
+                    # Parsers may hold text back (a marker's start) or split it into reasoning,
+                    # content and tool-call deltas: one chunk each; the tokens' logprobs and ids
+                    # ride on the first, or on an empty delta.
+                    deltas = outputs[i].feed(upd.text) if upd.text else []
                     if upd.finish_reason is not None:
-                        yield chunk(i, None, upd.finish_reason)
+                        deltas += outputs[i].finish()
+                    if has_content and not deltas:
+                        deltas = [{}]
+                    for k, d in enumerate(deltas):
+                        yield chunk(i, upd if k == 0 else None, None, delta=d)
+                    if upd.finish_reason is not None:
+                        yield chunk(i, None, outputs[i].finish_reason(upd.finish_reason))
                 elif has_content or upd.finish_reason is not None:
                     yield chunk(i, upd, upd.finish_reason)
             if job.include_usage:

@@ -5,9 +5,9 @@ not silently coerced) and every failure is an ``APIError(400)`` naming the field
 extra fields:
 
 * OpenAI fields that plait does not use and that change nothing about the result (``user``,
-  ``store``, ``parallel_tool_calls``, ...): accepted and ignored, with a debug log;
-* OpenAI features that would change the result and that plait does not implement (``tools``,
-  ``response_format`` with a schema, ``logit_bias``, ``echo``, ...): 400 saying so;
+  ``store``, ...): accepted and ignored, with a debug log;
+* OpenAI features that would change the result and that plait does not implement (the legacy
+  ``functions``, ``logit_bias``, ``echo``, ...): 400 saying so;
 * anything else: 400 "Unrecognized request argument supplied", as OpenAI answers, so that a typo
   such as ``temprature`` cannot silently fall back to a default.
 """
@@ -29,7 +29,7 @@ MAX_N = 128
 
 # OpenAI fields that plait accepts and ignores (they do not change the tokens produced).
 IGNORED_FIELDS: frozenset[str] = frozenset({
-    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+    "user", "store", "metadata", "service_tier", "prompt_cache_key",
     "safety_identifier", "modalities", "verbosity", "reasoning_effort", "web_search_options", "audio",
     "prediction",
 })
@@ -99,8 +99,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Validated by plait.server.tool_calling.plan_tools.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -181,12 +183,8 @@ def check_completion(req: CompletionRequest) -> None:
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise unsupported("tools (function calling)", "tools")
     if req.functions:
-        raise unsupported("functions (function calling)", "functions")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise unsupported("tool_choice", "tool_choice")
+        raise unsupported("functions (the legacy form of tools)", "functions")
     if req.function_call not in (None, "none", "auto"):
         raise unsupported("function_call", "function_call")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
