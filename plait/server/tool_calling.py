@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from plait.sampling.grammar import GRAMMAR_FIELDS
 from plait.server import protocol
 from plait.server.errors import APIError, bad_request
 from plait.server.function_call import (
@@ -39,8 +40,6 @@ from plait.server.reasoning import REASONING_PARSERS, ReasoningParser
 
 # OpenAI's rule for function names.
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-# SamplingParams fields that constrain the output; required / named tool_choice sets json_schema.
-CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class ToolPlan:
         schema = self.json_schema()
         if schema is None:
             return fields
-        taken = [k for k in CONSTRAINT_FIELDS if fields.get(k) is not None]
+        taken = [k for k in GRAMMAR_FIELDS if fields.get(k) is not None]
         if taken:
             raise bad_request(f"tool_choice {self.mode!r} enforces its own grammar and cannot be combined with "
                               f"another output constraint (response_format, regex or ebnf)", "tool_choice")

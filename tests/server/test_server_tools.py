@@ -16,6 +16,7 @@ import pytest
 
 import plait.server
 from plait.sampling import SamplingParams
+from plait.server.protocol import ChatCompletionRequest
 from tests.server.conftest import MAIN_ENGINE_FLAGS
 from tests.server.test_server_errors import assert_error, assert_serves
 
@@ -35,8 +36,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # What a trained model answers in the Hermes format, forced by a regex.
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 
-needs_grammar = pytest.mark.skipif("json_schema" not in SamplingParams.field_names(),
-                                   reason="needs the grammar engine's SamplingParams.json_schema / regex")
+# The grammar engine (SamplingParams.json_schema enforced by the scheduler, the server's regex field)
+# is built on another branch; these tests run once it is merged.
+needs_grammar = pytest.mark.skipif(
+    "json_schema" not in SamplingParams.field_names() or "regex" not in ChatCompletionRequest.model_fields,
+    reason="needs the grammar engine (enforced SamplingParams.json_schema, the regex request field)")
 
 
 @pytest.fixture(scope="session")
