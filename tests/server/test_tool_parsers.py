@@ -27,6 +27,8 @@ TOOLS = ["get_weather", "get_time"]
 # Llama 3.2's pythonic template produce it), with the calls it holds.
 PARIS = '{"city": "Paris", "unit": "celsius"}'
 ROME = '{"city": "Rome"}'
+SMOLLM2_ANSWER = ("The weather in Paris is described as a warm and sunny day with a high of 28°C (82°F), a high of "
+                  "29°C (84°F), and a low of 19°C (67°F).")
 SAMPLES: dict[str, list[tuple[str, str, list[ToolCall]]]] = {
     "qwen25": [
         ('<tool_call>\n{"name": "get_weather", "arguments": ' + PARIS + '}\n</tool_call>', "",
@@ -40,6 +42,8 @@ SAMPLES: dict[str, list[tuple[str, str, list[ToolCall]]]] = {
          [ToolCall("get_weather", PARIS)]),
         ("Paris is sunny today; no tool needed. Use <b>bold</b> < and >.", "Paris is sunny today; no tool needed. "
          "Use <b>bold</b> < and >.", []),
+        # SmolLM2-135M-Instruct's greedy answer with the tools-aware ChatML template: no call.
+        (SMOLLM2_ANSWER, SMOLLM2_ANSWER, []),
     ],
     "llama3": [
         ('{"name": "get_weather", "parameters": ' + PARIS + '}', "", [ToolCall("get_weather", PARIS)]),

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -223,6 +223,31 @@ def scan_call_object(s: str, i: int, call: PartialCall, final: bool) -> int:
     if "arguments" not in seen:
         call.arguments = "{}"
     return i + 1
+
+
+def read_block(buf: str, final: bool, read: Callable[[list[PartialCall]], int]) -> Scan:
+    """The Scan of a block that begins at ``buf[0]``: ``read`` appends the calls as it meets them
+    and returns the block's end, or raises Incomplete or Malformed."""
+    calls: list[PartialCall] = []
+    try:
+        end = read(calls)
+    except Incomplete:
+        return block_result(buf, calls, None, len(buf) if final else None)
+    except Malformed as e:
+        return block_result(buf, calls, None, e.at)
+    return block_result(buf, calls, end, None)
+
+
+def leading_whitespace(buf: str, final: bool) -> Scan | None:
+    """At the output's start: whitespace is consumed on its own (held while nothing else came, so
+    a format that must open the output sees its first real character at ``buf[0]``); None when
+    ``buf[0]`` is that character."""
+    i = skip_ws(buf, 0)
+    if i == len(buf) and not final:
+        return Scan()
+    if i > 0:
+        return Scan(text=buf[:i], consumed=i)
+    return None
 
 
 def block_result(buf: str, calls: list[PartialCall], end: int | None, error_at: int | None) -> Scan:

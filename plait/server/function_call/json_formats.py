@@ -21,7 +21,9 @@ from plait.server.function_call.core import (
     ToolCallParser,
     block_result,
     holds_prefix,
+    leading_whitespace,
     need,
+    read_block,
     scan_call_object,
     skip_json_value,
     skip_ws,
@@ -50,20 +52,19 @@ class TaggedJsonParser(ToolCallParser):
         text = text_until(buf, self.start, final)
         if text is not None:
             return text
-        call = PartialCall()
-        try:
+
+        def read(calls: list[PartialCall]) -> int:
+            calls.append(call := PartialCall())
             obj_end = scan_call_object(buf, skip_ws(buf, len(self.start)), call, final)
             i = skip_ws(buf, obj_end)
             tail = buf[i : i + len(self.end)]
             if tail == self.end:
-                return block_result(buf, [call], i + len(self.end), None)
+                return i + len(self.end)
             if self.end.startswith(tail) and not final:
                 raise Incomplete
-            return block_result(buf, [call], obj_end, None)  # no closing tag: the call stands
-        except Incomplete:
-            return block_result(buf, [call], None, len(buf) if final else None)
-        except Malformed as e:
-            return block_result(buf, [call], None, e.at)
+            return obj_end  # no closing tag: the call stands
+
+        return read_block(buf, final, read)
 
 
 class Llama3Parser(ToolCallParser):
@@ -75,11 +76,9 @@ class Llama3Parser(ToolCallParser):
 
     def scan(self, buf: str, at_start: bool, final: bool) -> Scan:
         if at_start:
-            i = skip_ws(buf, 0)
-            if i == len(buf) and not final:
-                return Scan()
-            if i > 0:
-                return Scan(text=buf[:i], consumed=i)
+            ws = leading_whitespace(buf, final)
+            if ws is not None:
+                return ws
             if buf.startswith("{"):
                 return self._scan_block(buf, 0, final)
         text = text_until(buf, self.tag, final)
@@ -88,51 +87,43 @@ class Llama3Parser(ToolCallParser):
         return self._scan_block(buf, len(self.tag), final)
 
     def _scan_block(self, buf: str, i: int, final: bool) -> Scan:
-        calls: list[PartialCall] = []
-        try:
+        def read(calls: list[PartialCall]) -> int:
+            j = i
             while True:
-                call = PartialCall()
-                calls.append(call)
-                end = scan_call_object(buf, skip_ws(buf, i), call, final)
+                calls.append(call := PartialCall())
+                end = scan_call_object(buf, skip_ws(buf, j), call, final)
                 j = skip_ws(buf, end)
-                if j == len(buf):
-                    if final:
-                        return block_result(buf, calls, end, None)
+                if j == len(buf) and not final:
                     raise Incomplete  # a separator may follow
-                if buf[j] != self.separator:
-                    return block_result(buf, calls, end, None)
-                i = j + 1
-        except Incomplete:
-            return block_result(buf, calls, None, len(buf) if final else None)
-        except Malformed as e:
-            return block_result(buf, calls, None, e.at)
+                if j == len(buf) or buf[j] != self.separator:
+                    return end
+                j += 1
+
+        return read_block(buf, final, read)
 
 
 def scan_call_array(buf: str, i: int, final: bool) -> Scan:
     """A JSON array of call objects starting at ``buf[i]`` (a block that began at ``buf[0]``)."""
-    calls: list[PartialCall] = []
-    try:
+
+    def read(calls: list[PartialCall]) -> int:
         need(buf, i)
         if buf[i] != "[":
             raise Malformed(i)
-        i = skip_ws(buf, i + 1)
-        need(buf, i)
-        if buf[i] == "]":
-            return block_result(buf, calls, i + 1, None)
+        j = skip_ws(buf, i + 1)
+        need(buf, j)
+        if buf[j] == "]":
+            return j + 1
         while True:
-            call = PartialCall()
-            calls.append(call)
-            i = skip_ws(buf, scan_call_object(buf, i, call, final))
-            need(buf, i)
-            if buf[i] == "]":
-                return block_result(buf, calls, i + 1, None)
-            if buf[i] != ",":
-                raise Malformed(i)
-            i = skip_ws(buf, i + 1)
-    except Incomplete:
-        return block_result(buf, calls, None, len(buf) if final else None)
-    except Malformed as e:
-        return block_result(buf, calls, None, e.at)
+            calls.append(call := PartialCall())
+            j = skip_ws(buf, scan_call_object(buf, j, call, final))
+            need(buf, j)
+            if buf[j] == "]":
+                return j + 1
+            if buf[j] != ",":
+                raise Malformed(j)
+            j = skip_ws(buf, j + 1)
+
+    return read_block(buf, final, read)
 
 
 class MistralParser(ToolCallParser):
@@ -154,11 +145,9 @@ class JsonArrayParser(ToolCallParser):
 
     def scan(self, buf: str, at_start: bool, final: bool) -> Scan:
         if at_start:
-            i = skip_ws(buf, 0)
-            if i == len(buf) and not final:
-                return Scan()
-            if i > 0:
-                return Scan(text=buf[:i], consumed=i)
+            ws = leading_whitespace(buf, final)
+            if ws is not None:
+                return ws
             if buf.startswith("["):
                 return scan_call_array(buf, 0, final)
         return Scan(text=buf, consumed=len(buf))

@@ -14,8 +14,8 @@ from plait.server.function_call.core import (
     PartialCall,
     Scan,
     ToolCallParser,
-    block_result,
     need,
+    read_block,
     skip_ws,
 )
 
@@ -99,9 +99,8 @@ class PythonicParser(ToolCallParser):
         return self._scan_block(buf, final)
 
     def _scan_block(self, buf: str, final: bool) -> Scan:
-        calls: list[PartialCall] = []
-        i = skip_ws(buf, 1)
-        try:
+        def read(calls: list[PartialCall]) -> int:
+            i = skip_ws(buf, 1)
             while True:
                 need(buf, i)
                 j = _identifier(buf, i)
@@ -111,20 +110,16 @@ class PythonicParser(ToolCallParser):
                 need(buf, k)
                 if buf[k] != "(":
                     raise Malformed(k)
-                call = PartialCall(buf[i:j], "{")
-                calls.append(call)
-                i = self._arguments(buf, skip_ws(buf, k + 1), call, final)
-                i = skip_ws(buf, i)
+                calls.append(call := PartialCall(buf[i:j], "{"))
+                i = skip_ws(buf, self._arguments(buf, skip_ws(buf, k + 1), call, final))
                 need(buf, i)
                 if buf[i] == "]":
-                    return block_result(buf, calls, i + 1, None)
+                    return i + 1
                 if buf[i] != ",":
                     raise Malformed(i)
                 i = skip_ws(buf, i + 1)
-        except Incomplete:
-            return block_result(buf, calls, None, len(buf) if final else None)
-        except Malformed as e:
-            return block_result(buf, calls, None, e.at)
+
+        return read_block(buf, final, read)
 
     def _arguments(self, buf: str, i: int, call: PartialCall, final: bool) -> int:
         """Keyword arguments up to the call's ')' into ``call.arguments``; the index after it."""
