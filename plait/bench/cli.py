@@ -197,3 +197,6 @@ def add_bench_parsers(bench_sub: Any) -> None:
     from plait.bench.spec import add_spec_parser
 
     add_spec_parser(bench_sub)  # spec-overhead / spec-ngram-repeat / spec-ngram-miss
+    from plait.bench.structured import add_structured_parser
+
+    add_structured_parser(bench_sub)  # structured-overhead

@@ -146,13 +146,21 @@ class ModelRunner:
         # No tokens: the model still runs (collectives of TP/DP ranks must match), on empty input.
         return self._run_model(fb)
 
-    def forward_batch(self, fb: ForwardBatch) -> ForwardOutput:
+    def forward_batch(self, fb: ForwardBatch, sample: bool = True) -> ForwardOutput:
         """One scheduler step: the forward, then, when the batch samples (``fb.sampling_info``), the
         sampler and the asynchronous host copy of its results. Nothing here waits for the device:
-        the caller reads the copy later (``HostCopy.wait``), after launching the next step."""
+        the caller reads the copy later (``HostCopy.wait``), after launching the next step.
+
+        ``sample=False`` returns after the forward: the caller finishes the batch's info first (a
+        constrained batch's vocabulary mask) and then calls ``sample``."""
         logits = self.forward(fb)
-        if fb.sampling_info is None:
+        if fb.sampling_info is None or not sample:
             return ForwardOutput(logits)
+        return self.sample(fb, logits)
+
+    def sample(self, fb: ForwardBatch, logits: LogitsOutput) -> ForwardOutput:
+        """The sampler on a forward's logits with ``fb.sampling_info``, and the host copy."""
+        assert fb.sampling_info is not None
         sample = self.sampler(logits.next_token_logits, fb.sampling_info)
         return ForwardOutput(logits, sample, HostCopy.start(sample))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -183,6 +184,10 @@ class GrammarStats:
     # the extra last entry counts the slower ones.
     compile_seconds_buckets: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_TIME_BUCKETS) + 1))
 
+    @property
+    def bucket_bounds(self) -> tuple[float, ...]:
+        return COMPILE_TIME_BUCKETS
+
     def observe_compile(self, seconds: float) -> None:
         self.compiles += 1
         self.compile_seconds_sum += seconds
@@ -207,16 +212,30 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = (),
-                 max_workers: int = 2, cache_size: int = 4096) -> None:
-        self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+                 max_workers: int = 4, cache_size: int = 4096) -> None:
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        # xgrammar's own compile cache is off: ours, keyed by (kind, text), holds the futures.
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_workers, cache_enabled=False)
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.max_workers = max_workers
         self.stats = GrammarStats()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="plait-grammar")
         self._cache: dict[GrammarKey, Future[xgr.CompiledGrammar]] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the cache and the stats: compiles finish on worker threads
+        # Built by the first compile, on a worker thread (reading a large vocabulary takes a while):
+        # an engine that never sees a constrained request never pays for it.
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._batch_filler: xgr.BatchGrammarMatcher | None = None  # used on the scheduler's thread only
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                # xgrammar's own compile cache is off: ours, keyed by (kind, text), holds the futures.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
+            return self._compiler
 
     def request(self, key: GrammarKey) -> Future[xgr.CompiledGrammar]:
         with self._lock:
@@ -237,9 +256,10 @@ class GrammarBackend:
 
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         kind, text = key
+        compiler = self.compiler  # outside the timing: the first call builds the tokenizer info
         start = time.perf_counter()
         try:
-            compiled = self._compile_uncached(key)
+            compiled = self._compile_uncached(compiler, key)
         except GrammarError:
             with self._lock:
                 self.stats.compile_failures += 1
@@ -254,18 +274,26 @@ class GrammarBackend:
         logger.debug("compiled %s grammar (%d chars) in %.3f s", kind, len(text), seconds)
         return compiled
 
-    def _compile_uncached(self, key: GrammarKey) -> xgr.CompiledGrammar:
+    @staticmethod
+    def _compile_uncached(compiler: xgr.GrammarCompiler, key: GrammarKey) -> xgr.CompiledGrammar:
         kind, text = key
         if kind == "json_schema":
-            return self.compiler.compile_json_schema(text)
+            return compiler.compile_json_schema(text)
         if kind == "regex":
-            return self.compiler.compile_regex(text)
+            return compiler.compile_regex(text)
         if kind == "ebnf":
-            return self.compiler.compile_grammar(text)
-        return self.compiler.compile_grammar(_parse(key))
+            return compiler.compile_grammar(text)
+        return compiler.compile_grammar(_parse(key))
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcherState:
         return GrammarMatcherState(xgr.GrammarMatcher(compiled), self.vocab_size)
+
+    def fill_vocab_mask(self, matchers: Sequence[GrammarMatcherState | None]) -> torch.Tensor:
+        """A batch's host bitmask over this backend's vocabulary (``fill_vocab_mask``), rows filled
+        by xgrammar's thread pool."""
+        if self._batch_filler is None:
+            self._batch_filler = xgr.BatchGrammarMatcher(max_threads=min(self.max_workers, os.cpu_count() or 1))
+        return fill_vocab_mask(matchers, self.vocab_size, self._batch_filler)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -325,12 +353,18 @@ def allocate_vocab_mask(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
-def fill_vocab_mask(matchers: Sequence[GrammarMatcherState | None], vocab_size: int) -> torch.Tensor:
-    """The bitmask of one batch on the host: row i from ``matchers[i]``, all ones where None."""
+def fill_vocab_mask(matchers: Sequence[GrammarMatcherState | None], vocab_size: int,
+                    batch: xgr.BatchGrammarMatcher | None = None) -> torch.Tensor:
+    """The bitmask of one batch on the host: row i from ``matchers[i]``, all ones where None or
+    terminated (that request has finished; its token is discarded). ``batch``: xgrammar's
+    multi-threaded filler for the rows of several matchers at once."""
     bitmask = allocate_vocab_mask(len(matchers), vocab_size)
-    for i, m in enumerate(matchers):
-        if m is not None:
-            m.fill(bitmask, i)
+    live = [(i, m.matcher) for i, m in enumerate(matchers) if m is not None and not m.matcher.is_terminated()]
+    if batch is not None and len(live) > 1:
+        batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
+    else:
+        for i, m in live:
+            m.fill_next_token_bitmask(bitmask, i)
     return bitmask
 
 

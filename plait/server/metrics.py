@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from plait.engine.messages import SchedulerSnapshot
+from plait.scheduler.stats import BucketCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -56,9 +57,27 @@ class _SchedulerCollector(Collector):
              s.counters.num_retractions),
             ("plait:num_aborted_requests", "Requests aborted (client disconnect, shutdown).", s.counters.num_aborts),
             ("plait:forward_steps", "Model forward steps.", s.counters.forward_steps),
+            ("plait:grammar_compiles", "Grammars compiled (constrained decoding).", s.counters.grammar_compiles),
+            ("plait:grammar_compile_failures", "Grammars that failed to compile.",
+             s.counters.grammar_compile_failures),
+            ("plait:grammar_cache_hits", "Constrained requests whose grammar was compiled (or compiling) already.",
+             s.counters.grammar_cache_hits),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        yield _histogram("plait:grammar_compile_time_seconds", "Time to compile one grammar.",
+                         s.counters.grammar_compile_seconds, s.counters.grammar_compile_seconds_sum)
+
+
+def _histogram(name: str, doc: str, h: BucketCounts, total: float) -> HistogramMetricFamily:
+    """A Prometheus histogram (cumulative buckets) from the scheduler's per-bucket counts."""
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip(h.bounds, h.counts, strict=False):
+        running += count
+        buckets.append((repr(float(bound)), running))
+    buckets.append(("+Inf", sum(h.counts)))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 
 class ServerMetrics:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from plait.sampling.params import MAX_TOP_LOGPROBS
 from plait.server.errors import APIError, bad_request, unsupported
+from plait.server.structured import grammar_fields
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     # vLLM's name: add prompt_token_ids / token_ids to each choice (tests and benchmarks count tokens).
     return_token_ids: bool = False
+    # Structured outputs (plait.server.structured): OpenAI's response_format, SGLang's regex and ebnf.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -105,7 +110,6 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -187,9 +191,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise unsupported("functions (the legacy form of tools)", "functions")
     if req.function_call not in (None, "none", "auto"):
         raise unsupported("function_call", "function_call")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        kind = req.response_format.get("type")
-        raise unsupported(f"response_format of type {kind!r} (structured output)", "response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -246,6 +247,7 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
+        **grammar_fields(req.response_format, req.regex, req.ebnf),
     }
 
 

@@ -180,8 +180,6 @@ def test_invalid_chat_request_is_a_400(server, model_name, chat, fields, param, 
 
 
 UNSUPPORTED = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"5": 10.0}}, "logit_bias"),
 ]
 
