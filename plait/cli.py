@@ -17,7 +17,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from plait.config import ATTENTION_BACKENDS, EngineConfig
+from plait.config import ATTENTION_BACKENDS, SAMPLING_DEFAULTS, EngineConfig
 from plait.sampling import SamplingParams
 
 logger = logging.getLogger("plait")
@@ -42,6 +42,7 @@ def _flag_type(tp: Any) -> Any:
 FLAG_CHOICES: dict[str, tuple[str, ...]] = {name: ATTENTION_BACKENDS for name in (
     "attention_backend", "prefill_attention_backend", "decode_attention_backend",
     "speculative_draft_attention_backend")}
+FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:

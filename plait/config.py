@@ -23,6 +23,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_
 AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+SAMPLING_DEFAULTS: tuple[str, ...] = ("model", "openai")
 
 
 def auto_backends(device_type: str) -> tuple[str, str]:
@@ -70,10 +71,6 @@ def resolve_speculative(values: Mapping[str, Any]) -> dict[str, int]:
         return {}
     _check(algo in SPECULATIVE_ALGORITHMS,
            f"{_flag('speculative_algorithm')} must be one of {SPECULATIVE_ALGORITHMS} (or unset), got {algo!r}")
-    # The speculative step runs its forwards from the scheduler's process only.
-    _check(values["tp_size"] == 1,
-           f"{_flag('speculative_algorithm')} is not supported with --tp-size > 1 yet: set --tp-size 1 "
-           f"or drop {_flag('speculative_algorithm')}")
     if algo == "NGRAM":
         _check(values["speculative_draft_model_path"] is None,
                f"{_flag('speculative_algorithm')} NGRAM uses no draft model: drop "
@@ -150,6 +147,9 @@ class EngineConfig:
     # rank 0 and the store at dist_init_addr). dist_timeout: seconds a collective may wait before
     # a dead or hung rank ends the engine with an error.
     tp_size: int = 1
+    # Expert parallelism (mixture-of-experts models): the tp_size ranks form ep_size groups, each
+    # holding num_experts / ep_size whole experts sharded over its tp_size / ep_size ranks.
+    ep_size: int = 1
     dp_size: int = 1
     enable_dp_attention: bool = False
     nnodes: int = 1
@@ -166,11 +166,24 @@ class EngineConfig:
     # First GPU of this engine (SGLang's --base-gpu-id): rank r uses GPU base_gpu_id + r; data-parallel
     # replica i starts at base_gpu_id + i * tp_size.
     base_gpu_id: int = 0
+    # Two-batch overlap (SGLang's --enable-two-batch-overlap): a batch whose halves both keep at
+    # least tbo_min_split_tokens rows runs as two micro-batches, one's tensor-parallel sums in
+    # flight while the other computes; only where there is communication to hide (tp_size > 1).
+    # tbo_token_distribution_threshold: an extend batch whose best request boundary leaves a side
+    # under this share of the tokens is cut inside a request instead (0 disables that cut).
+    enable_two_batch_overlap: bool = False
+    tbo_token_distribution_threshold: float = 0.48
+    tbo_min_split_tokens: int = 190
     # GPU fast path; accepted on the CPU and ignored there.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     disable_overlap_schedule: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Defaults of sampling parameters a request leaves unset (plait.engine.generation_config):
+    # SGLang's sampling_defaults ("model": the checkpoint's generation_config.json, "openai": plait's
+    # own) and vLLM's generation_config ("auto": the model directory, "vllm": none, or a directory).
+    sampling_defaults: str = "model"
+    generation_config: str = "auto"
     # Speculative decoding (SGLang's flag names). ``from_kwargs`` fills the unset numbers of
     # SPECULATIVE_DERIVED_FIELDS with the algorithm's defaults (resolve_speculative, which also
     # validates every combination); a constructed config with an algorithm has all three set.
@@ -227,6 +240,9 @@ class EngineConfig:
             f"cuda_graph_max_bs must be >= 1 (or unset for the default), got {self.cuda_graph_max_bs}",
         )
         _check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        _check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
+               f"ep_size ({self.ep_size}) must be >= 1 and divide tp_size ({self.tp_size}): expert parallelism "
+               "splits the tensor-parallel ranks into ep_size groups")
         _check(self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): each node runs "
                "tp_size / nnodes ranks")
@@ -236,6 +252,15 @@ class EngineConfig:
         _check(self.dist_timeout > 0, f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
         _check(self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}")
         _check(self.base_gpu_id >= 0, f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
+        _check(0.0 <= self.tbo_token_distribution_threshold <= 0.5,
+               f"tbo_token_distribution_threshold must be in [0, 0.5], got {self.tbo_token_distribution_threshold}")
+        _check(self.tbo_min_split_tokens >= 1,
+               f"tbo_min_split_tokens must be >= 1, got {self.tbo_min_split_tokens}")
+        _check(not (self.enable_two_batch_overlap and self.enable_dp_attention),
+               "enable_two_batch_overlap does not split DP-attention batches yet: drop one of the two flags")
+        _check(not (self.speculative_algorithm and self.enable_dp_attention),
+               "speculative decoding with --enable-dp-attention is not supported yet: drop "
+               "--enable-dp-attention (speculation runs with --tp-size > 1) or --speculative-algorithm")
         _check(not self.enable_dp_attention or self.tp_size > 1,
                "enable_dp_attention needs several ranks (tp_size = dp_size >= 2)")
         _check(not self.enable_dp_attention or self.dp_size == self.tp_size,
@@ -249,6 +274,13 @@ class EngineConfig:
             _check(self.speculative_algorithm is None,
                    f"speculative decoding with dp_size {self.dp_size} (data parallel replicas) is not supported "
                    "yet; use dp_size 1")
+        _check(self.sampling_defaults in SAMPLING_DEFAULTS,
+               f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
+        _check(bool(self.generation_config),
+               "generation_config must be 'auto', 'vllm' or a directory holding generation_config.json")
+        _check(self.sampling_defaults == "model" or self.generation_config in ("auto", "vllm"),
+               f"--generation-config {self.generation_config} reads sampling defaults from that directory but "
+               "--sampling-defaults openai ignores them: drop one of the two")
         for name, value in resolve_speculative(vars(self)).items():
             given = getattr(self, name)
             _check(given == value,

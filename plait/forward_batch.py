@@ -41,6 +41,9 @@ class AttentionLayer(Protocol):
     scaling: float
     logit_cap: float
     sliding_window: int | None  # W: a query at position i sees keys at j > i - W; None = full
+    # [num_heads] per-head sink logits in the model dtype (gpt-oss): they join each softmax
+    # denominator and attend to nothing; None = no sinks
+    sinks: torch.Tensor | None
 
 
 class BatchAttentionBackend(Protocol):
@@ -212,6 +215,19 @@ class ExtendInfo:
     prefix_lens_cpu: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class InputLogprobRows:
+    """Prompt positions of an extend batch whose next-token logprobs requests asked for (SGLang's
+    logprob_start_len). Their hidden rows are in ``logits_indices`` next to the sampled rows, so the
+    LM head runs once; indices below are into the resulting logits rows."""
+
+    rows: torch.Tensor  # [n] logits rows of the scored positions
+    next_ids: torch.Tensor  # [n] the prompt token that follows each scored position
+    sample_rows: torch.Tensor  # [num_sampled] logits rows the sampler reads, in entry order
+    counts: list[int]  # scored positions per batch entry (host)
+    top_k: int  # top logprobs per position (the largest any of these requests asked for)
+
+
 @dataclass(slots=True)
 class MLPSyncMetadata:
     """DP attention's per-step MLP-sync state, filled by ``ForwardBatch.init_mlp_sync_metadata``
@@ -246,6 +262,8 @@ class ForwardBatch:
     # Rows of the hidden states whose logits are needed ([num_sampled], indices into T). None means
     # every row (decode). Only these rows go through the LM head.
     logits_indices: torch.Tensor | None = None
+    # Prompt positions scored for their logprobs (rows of logits_indices besides the sampled ones).
+    input_logprobs: InputLogprobRows | None = None
     # During graph replay the padded view runs in the captured mode; this is the runtime mode.
     actual_forward_mode: ForwardMode | None = None
     # The extend part; None for DECODE/IDLE.
@@ -275,6 +293,9 @@ class ForwardBatch:
     forward_metadata_planned_bs: int | None = None
     forward_metadata_planned_num_tokens: int | None = None
     forward_metadata_replan_equivalent: bool = False
+    # Two-batch overlap: the two micro-batches this batch runs as (plait.two_batch_overlap builds
+    # them; each has its own attention backend and plan). None: the batch runs whole.
+    tbo_children: tuple[ForwardBatch, ForwardBatch] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -24,7 +24,7 @@ def make_pools(hkv: int, d: int, seed: int = 0, dtype: torch.dtype = torch.float
 
 def layer(hq: int, hkv: int, d: int, window: int | None = None, logit_cap: float = 0.0):
     return SimpleNamespace(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5,
-                           logit_cap=logit_cap, sliding_window=window)
+                           logit_cap=logit_cap, sliding_window=window, sinks=None)
 
 
 def extend_batch(pool: ReqToTokenPool, g: torch.Generator, prefix: list[int], ext: list[int],

@@ -22,7 +22,8 @@ if not torch.cuda.is_available():
 
 from plait.testing import make_tiny_model
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# pytest-xdist workers share the cores: each takes its share, so the workers never oversubscribe them.
+torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 @pytest.fixture(scope="session")

@@ -98,13 +98,13 @@ def test_negative_presence_penalty_increases_repetition(engine):
 
 def test_logprobs_are_returned_for_each_token(engine):
     out = engine.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 8, "logprobs": True, "top_logprobs": 3})
-    lps = out.meta_info["output_token_logprobs"]
-    assert [t for _, t in lps] == out.token_ids
-    assert all(lp <= 0.0 and math.isfinite(lp) for lp, _ in lps)
+    lps = out.meta_info["output_token_logprobs"]  # SGLang's [logprob, token id, text] entries
+    assert [t for _, t, _ in lps] == out.token_ids
+    assert all(lp <= 0.0 and math.isfinite(lp) for lp, _, _ in lps)
     tops = out.meta_info["output_top_logprobs"]
     assert len(tops) == 8 and all(len(t) == 3 for t in tops)
     # Greedy: the chosen token is the top-1 alternative.
-    assert [t[0][0] for t in tops] == out.token_ids
+    assert [t[0][1] for t in tops] == out.token_ids
 
 
 def test_streaming_yields_the_same_text_and_tokens(engine):

@@ -14,7 +14,8 @@ PACKAGE = ROOT / "plait"
 # Bottom up. A module belongs to the longest prefix listed here. Mirrored by the table in
 # docs/architecture.md (a test below keeps the two equal).
 FLOORS: dict[int, tuple[str, ...]] = {
-    1: ("plait.config", "plait.envs", "plait.forward_batch", "plait.mem", "plait.transfer", "plait.triton_utils"),
+    1: ("plait.config", "plait.envs", "plait.forward_batch", "plait.mem", "plait.transfer", "plait.triton_utils",
+        "plait.two_batch_overlap"),
     2: ("plait.distributed",),
     3: ("plait.layers", "plait.attention", "plait.models"),
     4: ("plait.sampling", "plait.executor"),

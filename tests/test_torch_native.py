@@ -12,7 +12,7 @@ from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
 HQ, HKV, D = 4, 2, 8
 LAYER = SimpleNamespace(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5, logit_cap=0.0,
-                        sliding_window=None)
+                        sliding_window=None, sinks=None)
 
 
 def setup(prefix: int, ext: int, seed: int = 0):

@@ -79,6 +79,10 @@ def _auto(
     return _REGISTRY[name](req_to_token_pool, kv_pool, num_q_heads, sliding_window)
 
 
+# Backends whose kernels have no attention-sink term.
+SINKLESS_BACKENDS = ("torch_flash",)
+
+
 def build_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool,
                   num_q_heads: int | None = None, *, sliding_window: int | None = None) -> AttentionBackend:
     """``num_q_heads``: query heads per rank (default: as many as KV heads); ``sliding_window``: the
@@ -93,9 +97,14 @@ def build_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: MHAToke
 
 def create_attention_backend(
     pair: tuple[str, str], req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int,
-    speculative_attention_mode: str = "prefill", *, sliding_window: int | None = None,
+    speculative_attention_mode: str = "prefill", *, sliding_window: int | None = None, has_sinks: bool = False,
 ) -> AttentionBackend:
+    """``has_sinks``: the model's layers carry attention sinks, which only some backends serve."""
     prefill_name, decode_name = pair
+    refusing = [name for name in dict.fromkeys(pair) if name in SINKLESS_BACKENDS]
+    if has_sinks and refusing:
+        raise ValueError(f"attention backend {refusing[0]!r} does not support attention sinks (this model has "
+                         "them, as gpt-oss does); use --attention-backend triton or torch_native")
     prefill = build_backend(prefill_name, req_to_token_pool, kv_pool, num_q_heads, sliding_window=sliding_window)
     if decode_name == prefill_name:
         return prefill

@@ -259,6 +259,12 @@ def plan_extend(ext: list[int], pre: list[int], rows: list[int], tree: torch.Ten
 # --- the backend -----------------------------------------------------------------------------------
 
 
+def _refuse_sinks(layer: AttentionLayer) -> None:
+    if layer.sinks is not None:
+        raise ValueError("attention backend 'torch_flash' does not support attention sinks (gpt-oss); use "
+                         "--attention-backend triton or torch_native")
+
+
 class TorchFlashAttnBackend(AttentionBackend):
     name = "torch_flash"
 
@@ -374,6 +380,7 @@ class TorchFlashAttnBackend(AttentionBackend):
             out[g.q_src] = o
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
+        _refuse_sinks(layer)
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         if save_kv_cache:
@@ -401,6 +408,7 @@ class TorchFlashAttnBackend(AttentionBackend):
 
     # --- decode -------------------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        _refuse_sinks(layer)
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         if save_kv_cache:

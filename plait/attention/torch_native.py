@@ -9,12 +9,24 @@ from __future__ import annotations
 import torch
 
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
+from plait.attention.sinks import Float32Cache
 from plait.forward_batch import ForwardBatch
+from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``scores``; ``sink_logits`` (fp32, broadcastable to
+    ``scores.shape[:-1] + (1,)``: one logit per head) joins each denominator and is dropped after."""
+    if sink_logits is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sink_logits.expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-            scaling: float, logit_cap: float) -> torch.Tensor:
-    """q [n, Hq, D], k/v [m, Hkv, D], allowed [n, m] bool or None -> [n, Hq, D] in q's dtype."""
+            scaling: float, logit_cap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, Hq, D], k/v [m, Hkv, D], allowed [n, m] bool or None, sinks [Hq] fp32 or None
+    -> [n, Hq, D] in q's dtype."""
     group = q.shape[1] // k.shape[1]
     qf = q.float().transpose(0, 1)  # [Hq, n, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, m, D]
@@ -24,12 +36,20 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
         scores = logit_cap * torch.tanh(scores / logit_cap)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    out = torch.matmul(_softmax_with_sinks(scores, None if sinks is None else sinks.view(-1, 1, 1)), vf)
     return out.transpose(0, 1).to(q.dtype)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
     name = "torch_native"
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> None:
+        super().__init__(req_to_token_pool, kv_pool)
+        self.sinks_fp32 = Float32Cache()
+
+    def _sinks(self, layer: AttentionLayer) -> torch.Tensor | None:
+        # This backend never runs under a graph capture.
+        return None if layer.sinks is None else self.sinks_fp32.get(layer.sinks, capturing=False)
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         # Everything this backend needs is on the batch (host lists included); nothing to plan.
@@ -51,6 +71,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert fb.extend is not None
         mask = custom_mask_of(fb)
         rows = fb.req_pool_indices.tolist()
+        sinks = self._sinks(layer)
         out = torch.empty_like(q)
         start, mask_start = 0, 0
         for i, (ext, pre) in enumerate(zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu, strict=True)):
@@ -68,7 +89,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 kpos = torch.arange(pre + ext, device=q.device).unsqueeze(0)
                 allowed = allowed & (kpos > qpos - layer.sliding_window)
             out[start : start + ext] = _attend(q[start : start + ext], keys, vals, allowed,
-                                               layer.scaling, layer.logit_cap)
+                                               layer.scaling, layer.logit_cap, sinks)
             start += ext
         return out.view(-1, hq * d)
 
@@ -92,5 +113,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if layer.logit_cap > 0:
             scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        out = torch.einsum("bhgl,blhd->bhgd", torch.softmax(scores, dim=-1), vals.float())
+        sinks = self._sinks(layer)
+        probs = _softmax_with_sinks(scores, None if sinks is None else sinks.view(hkv, group, 1))
+        out = torch.einsum("bhgl,blhd->bhgd", probs, vals.float())
         return out.reshape(-1, hq * d).to(q.dtype)

@@ -35,6 +35,7 @@ import torch
 
 from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
+from plait.attention.sinks import Float32Cache
 from plait.attention.triton.kernels import (
     build_kv_indices,
     build_verify_kv_indices,
@@ -162,6 +163,10 @@ class TritonAttnBackend(AttentionBackend):
         # (a verify plan may hold both: windowed layers take the extend kernel).
         self.extend_md: ExtendMetadata | None = None
         self.verify_md: VerifyRowsMetadata | None = None
+        # Sink logits in fp32 (plait.attention.sinks); the current plan was made for a graph capture,
+        # whose forward must convert them inside the graph.
+        self.sinks_fp32 = Float32Cache()
+        self._planned_for_capture = False
 
     # --- graph state ------------------------------------------------------------------------------
     def _decode_buffers(self, bs: int, kv_tokens: int, max_kv_splits: int = MAX_KV_SPLITS) -> DecodeBuffers:
@@ -220,6 +225,7 @@ class TritonAttnBackend(AttentionBackend):
 
     # --- planning ---------------------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        self._planned_for_capture = in_capture
         if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
             bs = fb.batch_size
             static = self.graph_buffers is not None and bs <= self.graph_max_bs
@@ -372,6 +378,12 @@ class TritonAttnBackend(AttentionBackend):
                               self.kv_pool.num_kv_heads)
 
     # --- compute ----------------------------------------------------------------------------------
+    def _sinks(self, layer: AttentionLayer) -> torch.Tensor | None:
+        """The layer's sinks in fp32 (plait.attention.sinks): converted inside a capture, else cached."""
+        if layer.sinks is None:
+            return None
+        return self.sinks_fp32.get(layer.sinks, capturing=self._planned_for_capture)
+
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -389,7 +401,7 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty_like(q3)
         decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: bs + 1], bufs.kv_indices, bufs.attn_logits,
                              bufs.attn_lse, bufs.num_kv_splits[:bs], MAX_KV_SPLITS, layer.scaling, layer.logit_cap,
-                             split_counters=bufs.split_counters)
+                             split_counters=bufs.split_counters, sinks=self._sinks(layer))
         return o.view(-1, hq * d)
 
     def rope_kv_store_target(self, layer: AttentionLayer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -420,7 +432,7 @@ class TritonAttnBackend(AttentionBackend):
             decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: rows.num_rows + 1], bufs.kv_indices,
                                  bufs.attn_logits, bufs.attn_lse, bufs.num_kv_splits[: rows.num_rows],
                                  VERIFY_MAX_KV_SPLITS, layer.scaling, layer.logit_cap,
-                                 split_counters=bufs.split_counters)
+                                 split_counters=bufs.split_counters, sinks=self._sinks(layer))
             return o.view(-1, hq * d)
         md = self.extend_md
         assert md is not None, ("a windowed layer needs the extend plan: the backend was built for the model's "
@@ -428,5 +440,5 @@ class TritonAttnBackend(AttentionBackend):
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices,
                              md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
                              is_causal=md.custom_mask is None, logit_cap=layer.logit_cap,
-                             sliding_window=layer.sliding_window)
+                             sliding_window=layer.sliding_window, sinks=self._sinks(layer))
         return o.view(-1, hq * d)

@@ -33,7 +33,56 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": None, "eos_token_id": 151645, "dtype": "bfloat16", "hidden_act": "silu",
         "attention_bias": False,
     },
+    # Mixtures of experts (docs/moe.md): random weights of the real shapes.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "bos_token_id": None,
+        "eos_token_id": 151645, "dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
+    },
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "attention_bias": True, "swiglu_limit": 7.0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+        "bos_token_id": None, "eos_token_id": 200002, "dtype": "bfloat16", "hidden_act": "silu",
+    },
 }
+
+
+def is_moe(shape: str) -> bool:
+    c = SHAPES[shape]
+    return bool(c.get("num_experts") or c.get("num_local_experts"))
+
+
+def moe_counts(shape: str) -> dict[str, int]:
+    """A MoE shape's MLP: ``experts`` and ``top_k`` per token, ``sparse_layers``, ``per_expert``
+    (one expert's weights in one layer, biases included) and ``router`` (per layer)."""
+    c = SHAPES[shape]
+    h = c["hidden_size"]
+    e = c.get("num_experts") or c["num_local_experts"]
+    inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+    biased = c["model_type"] == "gpt_oss"
+    dense_layers = set(c.get("mlp_only_layers") or [])
+    step = c.get("decoder_sparse_step") or 1
+    sparse = sum(1 for i in range(c["num_hidden_layers"]) if i not in dense_layers and (i + 1) % step == 0)
+    return {"experts": e, "top_k": c["num_experts_per_tok"], "sparse_layers": sparse,
+            "per_expert": 3 * h * inter + (3 * inter + h if biased else 0), "router": e * h + (e if biased else 0),
+            "dense_mlp": 3 * h * c["intermediate_size"]}
+
+
+def expected_distinct_experts(shape: str, tokens: int) -> float:
+    """Experts one layer routes a step's ``tokens`` to, in expectation under uniform routing (the
+    dummy weights route close to uniformly): E * (1 - (1 - k/E)^tokens)."""
+    m = moe_counts(shape)
+    return m["experts"] * (1 - (1 - m["top_k"] / m["experts"]) ** tokens)
 
 
 def write_shape_dir(root: str | pathlib.Path, shape: str) -> pathlib.Path:
@@ -58,8 +107,24 @@ def param_counts(shape: str) -> dict[str, int]:
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     attn = h * (q + 2 * kv) + q * h
     mlp = 3 * h * i
-    norms = 2 * h + (2 * hd if c["model_type"] == "qwen3" else 0)
+    norms = 2 * h + (2 * hd if c["model_type"] in ("qwen3", "qwen3_moe") else 0)
     per_layer = attn + mlp + norms
+    if is_moe(shape):
+        # ``layers`` / ``matmul`` count the ACTIVE parameters (what one token multiplies by: top-k
+        # experts and the router), the FLOP floor's; ``all_layers`` holds every expert (memory).
+        m = moe_counts(shape)
+        dense = n_layers - m["sparse_layers"]
+        active = attn + norms
+        per_layer_active = (n_layers * active + dense * m["dense_mlp"]
+                            + m["sparse_layers"] * (m["top_k"] * m["per_expert"] + m["router"])) // n_layers
+        every = (n_layers * active + dense * m["dense_mlp"]
+                 + m["sparse_layers"] * (m["experts"] * m["per_expert"] + m["router"]))
+        embed = head = c["vocab_size"] * h
+        return {"embedding": embed, "lm_head": head, "layers": per_layer_active * n_layers, "all_layers": every,
+                "dense_matmul": (n_layers * active + dense * m["dense_mlp"] + m["sparse_layers"] * m["router"]
+                                 + head + h),
+                "matmul": per_layer_active * n_layers + head + h,
+                "total": every + embed + (0 if c["tie_word_embeddings"] else head) + h}
     embed = c["vocab_size"] * h
     head = c["vocab_size"] * h
     return {"embedding": embed, "lm_head": head, "layers": per_layer * n_layers,

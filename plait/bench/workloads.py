@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from plait.bench.shapes import attention_flops, kv_bytes_per_token, param_counts
+from plait.bench.shapes import (
+    attention_flops,
+    expected_distinct_experts,
+    is_moe,
+    kv_bytes_per_token,
+    moe_counts,
+    param_counts,
+)
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,16 @@ def timed(fn: Any) -> tuple[Any, float]:
 
 
 # --- floors -------------------------------------------------------------------------------------
-def decode_step_bytes(shape: str, contexts: list[int]) -> float:
-    """Bytes one decode step must read: every matmul weight (bf16) plus the KV cache of the batch."""
-    return 2 * param_counts(shape)["matmul"] + kv_bytes_per_token(shape) * sum(contexts)
+def decode_step_bytes(shape: str, contexts: list[int], distinct_experts: float | None = None) -> float:
+    """Bytes one decode step must read: every matmul weight (bf16) plus the KV cache of the batch. A
+    mixture of experts reads its dense weights plus, per sparse layer, the experts the step routes to:
+    ``distinct_experts`` per layer, by default the expectation under uniform routing."""
+    kv = kv_bytes_per_token(shape) * sum(contexts)
+    if not is_moe(shape):
+        return 2 * param_counts(shape)["matmul"] + kv
+    m = moe_counts(shape)
+    routed = expected_distinct_experts(shape, len(contexts)) if distinct_experts is None else distinct_experts
+    return 2 * (param_counts(shape)["dense_matmul"] + m["sparse_layers"] * routed * m["per_expert"]) + kv
 
 
 def decode_step_flops(shape: str, contexts: list[int]) -> float:

@@ -18,6 +18,20 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 
+@dataclass
+class PendingReduce:
+    """An all-reduce in flight (``TPGroup.all_reduce_start``): ``wait()`` once for its result."""
+
+    tensor: torch.Tensor
+    work: Any  # the torch.distributed Work object; None when the sum is already done
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.tensor
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
@@ -40,6 +54,17 @@ class TPGroup:
             return self.p2p_all_reduce(x)
         self.group.allreduce([x], op).wait()
         return x
+
+    def all_reduce_start(self, x: torch.Tensor) -> PendingReduce:
+        """Launch an in-place sum of ``x`` over the group and return at once; ``wait()`` on the
+        result gives the reduced tensor. Between the two the caller may launch other work, which
+        then runs while the reduction is in flight (two-batch overlap). The one-kernel p2p path is
+        synchronous: it finishes here."""
+        if self.size == 1:
+            return PendingReduce(x, None)
+        if self.p2p_all_reduce is not None and self.p2p_all_reduce.fits(x):
+            return PendingReduce(self.p2p_all_reduce(x), None)
+        return PendingReduce(x, self.group.allreduce([x], dist.ReduceOp.SUM))
 
     def all_gather(self, x: torch.Tensor, timeout: timedelta | None = None) -> list[torch.Tensor]:
         """Every rank's ``x`` (same shape everywhere), in rank order. ``timeout`` overrides the

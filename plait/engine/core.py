@@ -22,7 +22,7 @@ from plait.models.loader import ModelConfig, load_model_config
 from plait.parallel.roles import EngineRunner, EngineScheduler
 from plait.sampling.params import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
-from plait.scheduler.req import Req
+from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 from plait.speculative.factory import create_spec_worker
 
@@ -136,6 +136,7 @@ class LiveRequest:
     req: Req
     stream: bool = True
     sent_tokens: int = 0
+    sent_input_logprobs: int = 0
 
     def take_update(self) -> RequestUpdate | None:
         """What the request produced since the previous call (the finishing update carries the finish
@@ -143,7 +144,8 @@ class LiveRequest:
         req = self.req
         n = len(req.output_ids)
         start = self.sent_tokens
-        if n == start and not req.finished:
+        n_in, in_start = len(req.input_token_logprobs), self.sent_input_logprobs
+        if n == start and n_in == in_start and not req.finished:
             return None
         sp = req.sampling_params
         text = req.detokenizer.take_delta(req.finished) if self.stream or req.finished else ""
@@ -152,9 +154,24 @@ class LiveRequest:
             logprobs=req.output_logprobs[start:n] if sp.logprobs else None,
             top_logprobs=req.output_top_logprobs[start:n] if sp.logprobs and sp.top_logprobs else None,
             prompt_tokens=len(req.origin_input_ids), completion_tokens=n, cached_tokens=req.cached_tokens)
-        self.sent_tokens = n
+        if n_in > in_start:
+            update.input_logprobs = req.input_token_logprobs[in_start:n_in]
+            update.input_top_logprobs = req.input_top_logprobs[in_start:n_in]
+        self.sent_tokens, self.sent_input_logprobs = n, n_in
         if req.finished:
             assert req.finish_reason is not None
             update.finish_reason = req.finish_reason.value
             update.finish_message = req.finish_message
+            update.matched_stop = matched_stop(req)
         return update
+
+
+def matched_stop(req: Req) -> int | str | None:
+    """What ended a request that finished with "stop": its stop string, else its last token (the
+    stop token or EOS the scheduler stopped at); None for other finishes."""
+    if req.finish_reason != FinishReason.STOP:
+        return None
+    string = req.detokenizer.matched_stop()
+    if string is not None:
+        return string
+    return req.output_ids[-1] if req.output_ids else None

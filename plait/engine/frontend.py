@@ -77,9 +77,13 @@ class PreparedRequest:
 class Frontend:
     """Tokenization and validation; raises ``ValueError`` naming the field and the limit."""
 
-    def __init__(self, tokenizer: Any, limits: RequestLimits, seed: int = 0) -> None:
+    def __init__(self, tokenizer: Any, limits: RequestLimits, seed: int = 0,
+                 sampling_defaults: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        # What unset sampling parameters of a mapping (or of no params) default to: the checkpoint's
+        # generation_config.json values (plait.engine.generation_config). A SamplingParams is taken as is.
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         # Seeds of unseeded requests come from one engine-seeded stream, so a run is reproducible
         # from EngineConfig.seed while the sampler never touches a global generator.
         self._seed_rng = random.Random(seed)
@@ -103,6 +107,11 @@ class Frontend:
             raise ValueError(f"input_ids must be in [0, {vocab}) (the vocabulary size); got {bad[:5]}")
 
     def sampling_params(self, params: ParamsLike) -> SamplingParams:
+        if self.sampling_defaults and not isinstance(params, SamplingParams):
+            if params is not None and not isinstance(params, Mapping):
+                raise ValueError(f"sampling params must be a mapping, got {type(params).__name__}")
+            given = {k: v for k, v in (params or {}).items() if v is not None}
+            params = {**self.sampling_defaults, **given}
         sp = to_sampling_params(params)
         sp.validate_against(self.limits.vocab_size)
         return sp
@@ -110,6 +119,13 @@ class Frontend:
     def check_length(self, num_prompt_tokens: int, sp: SamplingParams) -> None:
         if num_prompt_tokens + sp.max_new_tokens > self.limits.max_request_tokens:
             raise ContextLengthError(num_prompt_tokens, sp.max_new_tokens, self.limits)
+
+    @staticmethod
+    def check_logprob_start(num_prompt_tokens: int, sp: SamplingParams) -> None:
+        """Prompt scoring starts inside the prompt."""
+        if sp.wants_input_logprobs and sp.logprob_start_len >= num_prompt_tokens:
+            raise ValueError(f"logprob_start_len ({sp.logprob_start_len}) must be < the prompt length "
+                             f"({num_prompt_tokens} tokens)")
 
     def draw_seed(self, sp: SamplingParams) -> int:
         return sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
@@ -119,4 +135,5 @@ class Frontend:
         sp = self.sampling_params(params)
         ids = self.tokenize(prompt)
         self.check_length(len(ids), sp)
+        self.check_logprob_start(len(ids), sp)
         return PreparedRequest(ids, sp, self.draw_seed(sp))

@@ -1,8 +1,9 @@
 """Wire messages between the HTTP process and the scheduler process (pickled over ZMQ).
 
-HTTP process -> scheduler process: ``GenerateRequest``, ``AbortRequest``, ``ShutdownRequest``.
-Scheduler process -> HTTP process: ``Ready`` once the model is loaded, then ``UpdateBatch`` per step
-with finished or progressed requests, or ``Fatal`` when the loop dies.
+HTTP process -> scheduler process: ``GenerateRequest``, ``AbortRequest``, ``FlushCacheRequest``,
+``ShutdownRequest``. Scheduler process -> HTTP process: ``Ready`` once the model is loaded, then
+``UpdateBatch`` per step with finished or progressed requests, ``FlushCacheReply`` for each flush,
+or ``Fatal`` when the loop dies.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ class ShutdownRequest:
 
 
 @dataclass
+class FlushCacheRequest:
+    """Empty the prefix cache (SGLang's /flush_cache): only while no request runs or waits."""
+
+
+@dataclass
+class FlushCacheReply:
+    success: bool
+    message: str
+
+
+@dataclass
 class Ready:
     pid: int
     vocab_size: int
@@ -60,6 +72,12 @@ class RequestUpdate:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     finish_message: str | None = None
+    # finish_reason "stop": the stop token id or stop string that ended the request (SGLang's "matched").
+    matched_stop: int | str | None = None
+    # Prompt-token logprobs produced since the previous update (logprob_start_len >= 0): None for the
+    # first prompt token, and the top ones per token (None there too).
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

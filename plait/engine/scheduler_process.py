@@ -38,6 +38,8 @@ from plait.engine.core import EngineCore, LiveRequest, build_engine_core
 from plait.engine.messages import (
     AbortRequest,
     Fatal,
+    FlushCacheReply,
+    FlushCacheRequest,
     GenerateRequest,
     Ready,
     RequestUpdate,
@@ -119,10 +121,18 @@ class SchedulerProcess:
                 # A waiting request finishes inside abort(); a running one at the next step. Either
                 # way _collect reports it.
                 self.scheduler.abort(rid)
+        elif isinstance(msg, FlushCacheRequest):
+            self.push.send_pyobj(self._flush_cache())
         elif isinstance(msg, ShutdownRequest):
             self.running = False
         else:
             logger.error("unknown message %r", type(msg).__name__)
+
+    def _flush_cache(self) -> FlushCacheReply:
+        if self.scheduler.has_work():
+            return FlushCacheReply(False, "requests are running or waiting; the prefix cache was not flushed")
+        self.scheduler.tree_cache.reset()
+        return FlushCacheReply(True, "Cache flushed.")
 
     def _add(self, msg: GenerateRequest) -> list[RequestUpdate]:
         if self.max_queued_requests is not None and len(self.scheduler.waiting) >= self.max_queued_requests:

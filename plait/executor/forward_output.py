@@ -7,11 +7,13 @@ launch step N+1 before it reads step N's tokens (overlap scheduling) without a d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from plait.forward_batch import InputLogprobRows
 from plait.models.llama import LogitsOutput
 from plait.sampling import SampleOutput
 
@@ -23,6 +25,30 @@ class HostResults(NamedTuple):
     logprobs: list[float] | None
     top_logprobs_ids: list[list[int]] | None
     top_logprobs_vals: list[list[float]] | None
+
+
+class InputLogprobs(NamedTuple):
+    """Prompt-token logprobs of one forward as host lists, one entry per scored position (in the
+    order of ``InputLogprobRows.rows``): the logprob of the prompt token that follows the position
+    under the model's raw distribution (no penalties, no temperature), and the best ``top_k``."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]] | None
+    top_vals: list[list[float]] | None
+
+
+def score_prompt_rows(logits: LogitsOutput, plan: InputLogprobRows) -> tuple[InputLogprobs, LogitsOutput]:
+    """Split a forward's logits into the prompt positions it scores (read to the host here: a
+    synchronisation, paid only by batches that score prompts) and the rows the sampler reads."""
+    rows = logits.next_token_logits
+    logp = torch.log_softmax(rows[plan.rows].float(), dim=-1)
+    chosen = logp.gather(1, plan.next_ids[:, None]).squeeze(1).tolist()
+    top_ids = top_vals = None
+    if plan.top_k > 0:
+        vals, ids = logp.topk(min(plan.top_k, logp.shape[1]), dim=-1, sorted=True)
+        top_ids, top_vals = ids.tolist(), vals.tolist()
+    return InputLogprobs(chosen, top_ids, top_vals), dataclasses.replace(
+        logits, next_token_logits=rows[plan.sample_rows])
 
 
 @dataclass
@@ -67,3 +93,4 @@ class ForwardOutput:
     logits: LogitsOutput
     sample: SampleOutput | None = None
     host_copy: HostCopy | None = None
+    input_logprobs: InputLogprobs | None = None  # when the batch scores prompt positions

@@ -10,6 +10,7 @@ pre-planner marked (graph replay preparation, multi-step draft planning) is not 
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from typing import Any
@@ -20,19 +21,21 @@ from plait.attention.base import AttentionBackend
 from plait.attention.hybrid import serving_backend_name
 from plait.attention.plan_check import maybe_check_plans
 from plait.attention.registry import create_attention_backend
+from plait.attention.tbo_backend import TboAttnBackend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner
-from plait.executor.forward_output import ForwardOutput, HostCopy
+from plait.executor.forward_output import ForwardOutput, HostCopy, InputLogprobs, score_prompt_rows
 from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
 from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
-from plait.layers.radix_attention import model_sliding_window
+from plait.layers.radix_attention import model_has_sinks, model_sliding_window
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, log_device_memory
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model, load_model_config
 from plait.sampling import Sampler
+from plait.two_batch_overlap import choose_split
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,8 @@ class ModelRunner:
         self.tp = tp
         # DP attention: attention (and its KV cache) is unsharded on each rank; only the MLP is split.
         attn_tp = SINGLE if config.enable_dp_attention else tp
-        self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp)
+        self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp,
+                                ep_size=config.ep_size)
         log_device_memory("the weights", self.device)
         # Rank 0 schedules KV slots for every rank: all ranks take the smallest capacity.
         draft = None
@@ -71,9 +75,20 @@ class ModelRunner:
                                         mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         log_device_memory("the weights and the KV pool", self.device)
-        self.attn_backend: AttentionBackend = create_attention_backend(
-            config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // attn_tp.size,
-            config.speculative_attention_mode, sliding_window=model_sliding_window(self.model))
+        def new_backend() -> AttentionBackend:
+            return create_attention_backend(
+                config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // attn_tp.size,
+                config.speculative_attention_mode, sliding_window=model_sliding_window(self.model),
+                has_sinks=model_has_sinks(self.model))
+
+        self.attn_backend: AttentionBackend = new_backend()
+        if config.enable_two_batch_overlap:
+            # One more backend per micro-batch: the children's plans live beside the whole batch's.
+            policy = functools.partial(choose_split, has_communication=tp.size > 1,
+                                       min_tokens=config.tbo_min_split_tokens,
+                                       threshold=config.tbo_token_distribution_threshold)
+            children = (maybe_check_plans(new_backend()), maybe_check_plans(new_backend()))
+            self.attn_backend = TboAttnBackend(self.attn_backend, children, policy)
         # PLAIT_CHECK_PLANS=1 (debug; the speculative tests run with it): raise on a forward whose
         # plan does not match its batch. Off, this returns the backend itself.
         self.attn_backend = maybe_check_plans(self.attn_backend)
@@ -154,15 +169,19 @@ class ModelRunner:
         ``sample=False`` returns after the forward: the caller finishes the batch's info first (a
         constrained batch's vocabulary mask) and then calls ``sample``."""
         logits = self.forward(fb)
+        scored = None
+        if fb.input_logprobs is not None:
+            scored, logits = score_prompt_rows(logits, fb.input_logprobs)
         if fb.sampling_info is None or not sample:
-            return ForwardOutput(logits)
-        return self.sample(fb, logits)
+            return ForwardOutput(logits, input_logprobs=scored)
+        return self.sample(fb, logits, scored)
 
-    def sample(self, fb: ForwardBatch, logits: LogitsOutput) -> ForwardOutput:
-        """The sampler on a forward's logits with ``fb.sampling_info``, and the host copy."""
+    def sample(self, fb: ForwardBatch, logits: LogitsOutput, scored: InputLogprobs | None = None) -> ForwardOutput:
+        """The sampler on a forward's logits with ``fb.sampling_info``, and the host copy; ``scored``
+        (the prompt rows' logprobs of this forward) rides along."""
         assert fb.sampling_info is not None
         sample = self.sampler(logits.next_token_logits, fb.sampling_info)
-        return ForwardOutput(logits, sample, HostCopy.start(sample))
+        return ForwardOutput(logits, sample, HostCopy.start(sample), scored)
 
     def close(self) -> None:
         """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and

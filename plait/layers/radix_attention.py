@@ -11,7 +11,11 @@ from plait.layers.rotary import RotaryEmbedding
 
 class RadixAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scaling: float, logit_cap: float = 0.0, sliding_window: int | None = None) -> None:
+                 scaling: float, logit_cap: float = 0.0, sliding_window: int | None = None,
+                 sinks: bool = False) -> None:
+        """``sinks``: the layer has per-head attention sinks (gpt-oss), a learned logit per query head
+        on this rank (``sinks`` [num_heads], in the model dtype) that joins the softmax denominator
+        and attends to nothing."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -20,6 +24,9 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.logit_cap = logit_cap
         self.sliding_window = sliding_window
+        self.sinks: nn.Parameter | None
+        self.register_parameter(
+            "sinks", nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                 rope: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,3 +52,8 @@ def model_sliding_window(model: nn.Module) -> int | None:
     if len(windows) > 1:
         raise ValueError(f"layers with different sliding windows {sorted(windows)} are not supported")
     return windows.pop() if windows else None
+
+
+def model_has_sinks(model: nn.Module) -> bool:
+    """Whether any attention layer of the model has attention sinks."""
+    return any(isinstance(m, RadixAttention) and m.sinks is not None for m in model.modules())

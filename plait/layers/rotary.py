@@ -36,7 +36,43 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss: factor 32, beta_fast 32, beta_slow 1, original context 4096, no truncation):
+    frequencies blend interpolation (divided by ``factor``) and extrapolation by a linear ramp over
+    the dimensions between the correction bounds; returns (inv_freq, the cos/sin scale
+    ``attention_factor``, by default 0.1 * ln(factor) + 1). As transformers computes it."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+    truncate = bool(scaling.get("truncate", True))
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else get_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 class RotaryEmbedding(nn.Module):
@@ -49,14 +85,18 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
         self.head_dim = head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        cos_sin_scale = 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "yarn":
+            inv_freq, cos_sin_scale = _yarn_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         if rope_type == "linear":
             positions = positions / float(scaling["factor"])
         freqs = torch.outer(positions, inv_freq)
         # Not a parameter or persistent buffer: never in a checkpoint, moved with the module.
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1) * cos_sin_scale,
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -54,6 +54,10 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start : start + slots.numel()] = slots.to(torch.int32)
 
+    def scatter(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """``req_to_token[rows, positions] = slots`` (broadcast like tensor indexing; one scatter)."""
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
+
 
 class MHATokenToKVPool:
     """Per-layer K and V buffers ``[size + 1, num_kv_heads, head_dim]`` (slot 0 is the dummy)."""

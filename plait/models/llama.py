@@ -22,6 +22,7 @@ from plait.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plait.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from plait.layers.logits import LogitsProcessor
 from plait.layers.norm import RMSNorm
+from plait.layers.overlap import LayerOps, run_overlapped
 from plait.layers.radix_attention import RadixAttention
 from plait.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -65,6 +66,10 @@ def head_dim_of(cfg: DecoderConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
+    # Per-head attention sinks (gpt-oss): a learned logit per query head that joins the softmax
+    # denominator; the RadixAttention holds the parameter.
+    has_sinks = False
+
     def __init__(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.head_dim = head_dim_of(cfg)
@@ -79,7 +84,8 @@ class LlamaAttention(nn.Module):
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
         self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   scaling=self.head_dim**-0.5, sliding_window=sliding_window_of(cfg, layer_id))
+                                   scaling=self.head_dim**-0.5, sliding_window=sliding_window_of(cfg, layer_id),
+                                   sinks=self.has_sinks)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook before rotary (Qwen3 normalizes each head here)."""
@@ -90,13 +96,21 @@ class LlamaAttention(nn.Module):
         q, k = self.qk_transform(q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions))
 
+    def forward_partial(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """This rank's unreduced, bias-free output projection (the caller reduces, then adds
+        ``o_proj.add_bias``)."""
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_transform(q, k)
+        return self.o_proj.partial(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions))
+
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, tp: TPGroup, bias: bool) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TPGroup, bias: bool, intermediate_size: int | None = None) -> None:
+        """``intermediate_size``: another width than the config's (a MoE model's shared expert)."""
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, tp=tp)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, tp=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +125,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj.add_bias(reduced)
 
 
+class ShardedMLPModule(Protocol):
+    """A decoder layer's MLP: called whole (it reduces over its TP group itself), or as this rank's
+    partial sums plus ``add_bias`` (DP attention reduces them its own way)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor: ...
+    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor: ...
+
+
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
@@ -121,10 +144,15 @@ class LlamaDecoderLayer(nn.Module):
         # the MLP is sharded over all ranks, so the tokens of every rank meet around it.
         attn_tp = attn_tp or tp
         self.dp_group = tp if attn_tp.size != tp.size else None
+        self.tp = tp  # the group of both sums of forward_ops (o_proj's and down_proj's)
         self.self_attn = self.attention_cls(cfg, layer_id, attn_tp, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(cfg, tp, bias=bool(getattr(cfg, "mlp_bias", False)))
+        self.mlp = self.build_mlp(cfg, layer_id, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def build_mlp(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup) -> ShardedMLPModule:
+        """The layer's MLP (mixture-of-experts decoders build theirs here)."""
+        return LlamaMLP(cfg, tp, bias=bool(getattr(cfg, "mlp_bias", False)))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +166,23 @@ class LlamaDecoderLayer(nn.Module):
         if self.dp_group is not None:
             return dp_gathered_mlp(self.mlp, hidden, fb, self.dp_group), residual
         return self.mlp(hidden), residual
+
+    def forward_ops(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                    fb: ForwardBatch) -> LayerOps:
+        """The same forward cut at its two tensor-parallel sums: yields each unreduced partial
+        sum and is sent the reduced tensor (``plait.layers.overlap`` runs two batches' ops
+        interleaved, one's sum in flight while the other computes)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        reduced = yield self.self_attn.forward_partial(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj.add_bias(reduced), residual)
+        if self.dp_group is not None:
+            raise RuntimeError("two-batch overlap does not split DP-attention batches")
+        reduced = yield self.mlp.forward_partial(hidden)
+        return self.mlp.add_bias(reduced), residual
 
 
 class LlamaModel(nn.Module):
@@ -163,6 +208,29 @@ class LlamaModel(nn.Module):
         if cap is not None and -1 in cap.slots:
             cap.store(-1, hidden)
         return hidden
+
+    def forward_two_batches(self, fb: ForwardBatch) -> torch.Tensor:
+        """``forward`` over ``fb``'s two TBO children, layer by layer: child A's layer, then child
+        B's (B's first request may continue A's last: A's KV of each layer is stored before B
+        attends). Returns the parent's hidden states [T, H], the children's rows concatenated."""
+        assert fb.tbo_children is not None
+        a, b = fb.tbo_children
+        hidden = [self.embed_tokens(a.input_ids), self.embed_tokens(b.input_ids)]
+        residual: list[torch.Tensor | None] = [None, None]
+        cap = fb.hidden_capture
+        if cap is not None:
+            cap.begin(fb.num_tokens)
+        for i, layer in enumerate(self.layers):
+            if cap is not None and i in cap.slots:
+                cap.store(i, torch.cat([h if r is None else h + r for h, r in zip(hidden, residual, strict=True)]))
+            (hidden[0], residual[0]), (hidden[1], residual[1]) = run_overlapped(
+                layer.forward_ops(a.positions, hidden[0], residual[0], a),
+                layer.forward_ops(b.positions, hidden[1], residual[1], b), layer.tp)
+        assert residual[0] is not None and residual[1] is not None, "a model has at least one layer"
+        out, _ = self.norm(torch.cat(hidden), torch.cat([residual[0], residual[1]]))
+        if cap is not None and -1 in cap.slots:
+            cap.store(-1, out)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
-        hidden = self.model(input_ids, positions, fb)
+        hidden = self.model(input_ids, positions, fb) if fb.tbo_children is None else self.model.forward_two_batches(fb)
         logits = self.logits_processor(hidden, self.lm_head_weight, fb)
         return LogitsOutput(next_token_logits=logits)
 

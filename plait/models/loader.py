@@ -17,7 +17,8 @@ from torch import nn
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.distributed.sharded_load import LazySlice
 from plait.models.llama import head_dim_of
-from plait.models.registry import MODEL_REGISTRY, supported_architectures
+from plait.models.moe import moe_mlp_params
+from plait.models.registry import DEQUANTIZED_AT_LOAD, MODEL_REGISTRY, MOE_CONFIG_FIELDS, supported_architectures
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,11 @@ def weight_bytes(mc: ModelConfig) -> int:
     hf = mc.hf_config
     h, inter = mc.hidden_size, hf.intermediate_size
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h
+    mlp = moe_mlp_params(hf) if getattr(MODEL_REGISTRY.get(mc.architecture), "is_moe", False) else (
+        mc.num_layers * 3 * h * inter)
     tied = bool(getattr(hf, "tie_word_embeddings", False))
-    params = mc.num_layers * per_layer + mc.vocab_size * h * (1 if tied else 2) + h
+    params = mc.num_layers * per_layer + mlp + mc.vocab_size * h * (1 if tied else 2) + h
     return params * torch.tensor([], dtype=mc.dtype).element_size()
 
 
@@ -94,17 +97,21 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
             "to a local directory (plait never downloads weights)"
         )
     hf_config = AutoConfig.from_pretrained(root)
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else type(quant).__name__
-        raise ValueError(
-            f"quantized checkpoint ({method}) is not supported yet; plait loads unquantized "
-            f"float32/float16/bfloat16 checkpoints of {supported_architectures()}"
-        )
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in MODEL_REGISTRY), None)
     if arch is None:
-        raise ValueError(f"architecture {archs} is not supported; supported: {supported_architectures()}")
+        kind = "mixture-of-experts architecture" if any(
+            getattr(hf_config, f, None) for f in MOE_CONFIG_FIELDS) else "architecture"
+        raise ValueError(f"{kind} {archs} is not supported; supported: {supported_architectures()}")
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else type(quant).__name__
+        if method not in DEQUANTIZED_AT_LOAD.get(arch, ()):
+            raise ValueError(
+                f"quantized checkpoint ({method}) is not supported yet; plait loads unquantized "
+                f"float32/float16/bfloat16 checkpoints of {supported_architectures()} (and dequantizes "
+                f"{DEQUANTIZED_AT_LOAD} at load)"
+            )
     max_ctx = int(hf_config.max_position_embeddings)
     if context_length is not None and context_length > max_ctx:
         raise ValueError(
@@ -165,16 +172,38 @@ def dummy_checkpoint(mc: ModelConfig, device: torch.device | str, seed: int) -> 
         yield name, torch.empty(p.shape, dtype=mc.dtype, device=device).uniform_(-scale, scale, generator=gen)
 
 
+def load_full_tensors(mc: ModelConfig, names: set[str], load_format: str, seed: int,
+                      device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The named checkpoint tensors whole (not sharded), in the model dtype: for a part of the model
+    that one rank runs by itself while the rest is sharded (a speculative head's embedding and LM
+    head under tensor parallelism). Dummy weights are the same draws ``load_model`` shards."""
+    source = (dummy_checkpoint(mc, device, seed) if load_format == "dummy"
+              else iter_safetensors(mc.path, lazy=True))
+    found: dict[str, torch.Tensor] = {}
+    for name, tensor in source:
+        if name in names:
+            full = tensor.materialize() if isinstance(tensor, LazySlice) else tensor
+            found[name] = full.to(device=device, dtype=mc.dtype)
+    return found
+
+
 def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGroup = SINGLE,
-               seed: int = 0, attn_tp: TPGroup | None = None) -> nn.Module:
+               seed: int = 0, attn_tp: TPGroup | None = None, ep_size: int = 1) -> nn.Module:
+    """``ep_size``: expert parallelism over ``tp``'s ranks (mixture-of-experts models only)."""
     cls = MODEL_REGISTRY[mc.architecture]
+    moe_kwargs: dict[str, int] = {}
+    if ep_size > 1:
+        if not getattr(cls, "is_moe", False):
+            raise ValueError(f"ep_size {ep_size} needs a mixture-of-experts model; {mc.architecture} is dense "
+                             "(use ep_size 1)")
+        moe_kwargs["ep_size"] = ep_size
     # Build in place on the device with the model dtype as default: weights are torch.empty (no init
     # cost); the rotary cache asks for float32 explicitly and stays float32.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(mc.dtype)
     try:
         with torch.device(device):
-            model = cls(mc.hf_config, tp, attn_tp=attn_tp)
+            model = cls(mc.hf_config, tp, attn_tp=attn_tp, **moe_kwargs)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":

@@ -34,6 +34,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from plait import envs
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "llama3", "llama-tied", "mistral", "qwen2", "qwen3")
+# Mixtures of experts (make_tiny_model builds them too; kept apart so tests over the dense presets stay as they are).
+TINY_MOE_ARCHS: tuple[str, ...] = ("qwen2-moe", "qwen3-moe", "mixtral", "gpt-oss")
 
 # Special tokens, in the order they get the lowest ids of the vocabulary.
 EOS_TOKEN = "<|endoftext|>"
@@ -118,6 +120,20 @@ _COMMON: dict[str, Any] = {
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
+}
+
+_MOE_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,  # dense layers (Qwen); each expert's for Mixtral and gpt-oss is below
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
 }
 
 _PRESETS: dict[str, _Preset] = {
@@ -213,6 +229,63 @@ _PRESETS: dict[str, _Preset] = {
         },
         uses_bos=False,
     ),
+    # Mixtures of experts: hidden 64, 8 experts of intermediate 32, top 2, with every routing
+    # feature of the architecture on.
+    "qwen2-moe": _Preset(
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        {
+            **_MOE_COMMON,
+            "num_experts": 8,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "use_sliding_window": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        uses_bos=False,
+    ),
+    "qwen3-moe": _Preset(
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        {
+            **_MOE_COMMON,
+            "num_experts": 8,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            # Layer 1 is dense among the sparse ones.
+            "mlp_only_layers": [1],
+            "decoder_sparse_step": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        uses_bos=False,
+    ),
+    "mixtral": _Preset(
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        {
+            **_MOE_COMMON,
+            "num_local_experts": 8,
+            # Short enough that test prompts plus their generations cross it.
+            "sliding_window": 12,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
+    "gpt-oss": _Preset(
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        {
+            **_MOE_COMMON,
+            "num_local_experts": 8,
+            "attention_bias": True,
+            # Alternating sliding (layer 0) and full layers, with a window test prompts cross.
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+        },
+        uses_bos=False,
+    ),
 }
 
 
@@ -295,7 +368,10 @@ def _reinit_weights(model: torch.nn.Module, quiet_rows: list[int], seed: int) ->
             elif name.endswith(".bias"):
                 # Qwen2 q/k/v biases: HF zeros them, which would hide a loader that drops them.
                 param.normal_(0.0, BIAS_STD, generator=gen)
-            elif param.dim() == 2:
+            elif name.endswith("sinks"):
+                # gpt-oss's per-head attention sinks, on the scale of the attention logits.
+                param.normal_(0.0, 1.0, generator=gen)
+            elif param.dim() in (2, 3):  # 3-D: fused expert projections (and their biases are 2-D)
                 param.normal_(0.0, PROJ_STD, generator=gen)
             else:
                 raise AssertionError(f"unexpected parameter {name} with shape {tuple(param.shape)}")
@@ -343,7 +419,7 @@ def make_tiny_model(
     import transformers
 
     if arch not in _PRESETS:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + TINY_MOE_ARCHS}")
     preset = _PRESETS[arch]
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -112,6 +112,9 @@ class Progress:
     num_retractions: int
     finish_reason: str | None = None
     finish_message: str | None = None
+    # Prompt-token logprobs, in the request's first report (they are complete once it samples).
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -389,6 +392,8 @@ class DPAttentionScheduler:
         req.output_logprobs += p.logprobs
         req.output_top_logprobs += p.top_logprobs
         req.cached_tokens, req.num_retractions = p.cached_tokens, p.num_retractions
+        req.input_token_logprobs += p.input_token_logprobs
+        req.input_top_logprobs += p.input_top_logprobs
         if p.finish_reason is not None:
             if p.finish_message == "stop string":
                 req.detokenizer.find_stop()
@@ -438,7 +443,8 @@ def _progress(live: dict[str, tuple[Req, int]]) -> list[Progress]:
             continue
         out.append(Progress(rid, req.output_ids[sent:n], req.output_logprobs[sent:n],
                             req.output_top_logprobs[sent:n], req.cached_tokens, req.num_retractions,
-                            req.finish_reason.value if req.finish_reason else None, req.finish_message))
+                            req.finish_reason.value if req.finish_reason else None, req.finish_message,
+                            req.input_token_logprobs if sent == 0 else [], req.input_top_logprobs if sent == 0 else []))
         if req.finished:
             del live[rid]
         else:

@@ -152,7 +152,7 @@ def worker_loop(runner: ModelRunner, groups: DistGroups) -> None:
         if msg.kind == StepKind.SHUTDOWN:
             return
         assert msg.fb is not None
-        apply_step_writes(runner.req_to_token_pool, msg.fb, msg.writes)
+        apply_step_writes(runner.req_to_token_pool, msg.writes)
         runner.forward(msg.fb)  # logits are identical on every rank; only rank 0 samples
 
 
@@ -291,10 +291,6 @@ def start_tensor_parallel(config: EngineConfig, mc: ModelConfig) -> TPLeaderRunn
     """Rank 0: validate, start the other ranks of this node, join the groups, build the runner
     (``TPLeaderRunner``, or ``DPAttentionLeader`` under DP attention)."""
     validate_tp_size(mc, config.tp_size, dp_attention=config.enable_dp_attention)
-    if config.speculative_algorithm is not None:
-        # The step broadcast carries no draft tree / custom mask yet: the other ranks would verify
-        # something else than rank 0.
-        raise ValueError("speculative decoding with tp_size > 1 is not supported yet; use tp_size 1")
     device = config.resolved_device()
     timeout = timedelta(seconds=config.dist_timeout)
     world = config.tp_size

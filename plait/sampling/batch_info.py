@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from plait.sampling.params import SamplingParams, seed_to_int64
-from plait.sampling.penalties import build_seen_mask, build_token_counts
+from plait.sampling.penalties import build_logit_bias, build_seen_mask, build_token_counts
 from plait.sampling.rng import row_keys_host
 from plait.transfer import to_device
 
@@ -53,6 +53,9 @@ class SamplingBatchInfo:
     # min_new_tokens: (row, token id) pairs whose logit is set to -inf this step.
     min_tokens_rows: Tensor | None = None  # int64 [n]
     min_tokens_ids: Tensor | None = None  # int64 [n]
+    # logit_bias: float32 [bs, V] added to the logits (zeros on rows without one); None unless some
+    # row has a bias. Constant over a request's life, so ``with_steps`` shares it.
+    logit_bias: Tensor | None = None
     need_logprobs: bool = False
     top_logprobs_num: int = 0
     seeds_host: tuple[int, ...] = ()  # int64-wrapped seeds, kept to re-key the draws (with_steps)
@@ -177,6 +180,9 @@ class SamplingBatchInfo:
                 for p, out in zip(params, output_ids, strict=True)
             ]
             info.output_token_counts = build_token_counts(counted, vocab_size, device)
+
+        if any(p.logit_bias for p in params):
+            info.logit_bias = build_logit_bias([p.logit_bias for p in params], vocab_size, device)
 
         rows: list[int] = []
         ids: list[int] = []

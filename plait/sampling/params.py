@@ -17,6 +17,8 @@ from typing import Any
 
 # OpenAI caps top_logprobs at 20; larger values would also make the per-step top-k costly.
 MAX_TOP_LOGPROBS = 20
+# OpenAI's range for a logit_bias value (added to the logit before sampling).
+MAX_LOGIT_BIAS = 100.0
 # Seeds are hashed as 64-bit words on the device; any value that fits in 64 bits (signed or not) is
 # accepted and wrapped to int64 by `seed_to_int64`.
 _SEED_MIN = -(1 << 63)
@@ -89,6 +91,12 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias); a mapping
+    # (JSON object: string keys) is accepted and normalised to sorted pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # SGLang's logprob_start_len: with logprobs, also return the logprobs of the prompt tokens from
+    # this index on (prompt scoring). -1: output tokens only.
+    logprob_start_len: int = -1
 
     def __post_init__(self) -> None:
         # Frozen: normalised values (int -> float, list -> tuple) are written with object.__setattr__.
@@ -144,6 +152,11 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
 
+        set_("logit_bias", _normalize_logit_bias(self.logit_bias))
+        start = _check_int("logprob_start_len", self.logprob_start_len)
+        if start < -1:
+            raise ValueError(f"logprob_start_len must be -1 (output tokens only) or >= 0, got {start}")
+
         top_logprobs = _check_int("top_logprobs", self.top_logprobs)
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
@@ -197,6 +210,11 @@ class SamplingParams:
         return None
 
     @property
+    def wants_input_logprobs(self) -> bool:
+        """Prompt-token logprobs are computed (SGLang: return_logprob with logprob_start_len >= 0)."""
+        return self.logprobs and self.logprob_start_len >= 0
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
@@ -207,6 +225,10 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {tid}")
+        bad = [tid for tid, _ in self.logit_bias if not tid < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}) (the vocabulary size), "
+                             f"got {bad[:5]}")
 
 
 def _normalize_stop(stop: Any) -> tuple[str, ...]:
@@ -231,3 +253,30 @@ def _normalize_stop_token_ids(ids: Any) -> tuple[int, ...]:
         if tid < 0:
             raise ValueError(f"stop_token_ids must be >= 0, got {tid}")
     return tuple(ids)
+
+
+def _normalize_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, list | tuple):
+        items = [tuple(pair) for pair in bias]
+        if any(len(pair) != 2 for pair in items):
+            raise ValueError("logit_bias must map token ids to numbers (an object, or (id, bias) pairs)")
+    else:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in items:
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            tid = int(key)
+        elif _is_int(key):
+            tid = key
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}")
+        if tid < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {tid}")
+        v = _check_float(f"logit_bias[{key!r}]", value)
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {v:g} for token {tid}")
+        out[tid] = v
+    return tuple(sorted(out.items()))

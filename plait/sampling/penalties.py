@@ -78,3 +78,16 @@ def apply_repetition_penalty(logits: Tensor, seen_mask: Tensor, penalties: Tenso
 def apply_frequency_presence_penalty(logits: Tensor, counts: Tensor, frequency: Tensor, presence: Tensor) -> Tensor:
     """OpenAI rule over output tokens: logit -= frequency * count + presence * (count > 0)."""
     return logits - (frequency[:, None] * counts + presence[:, None] * (counts > 0))
+
+
+def build_logit_bias(rows: Sequence[Sequence[tuple[int, float]]], vocab_size: int,
+                     device: torch.device | str) -> Tensor:
+    """float32 [bs, V]: row i holds request i's (token id, bias) pairs, zeros elsewhere (one
+    host-to-device copy of the pairs, one scatter). Ids were validated against the vocabulary."""
+    r = [i for i, pairs in enumerate(rows) for _ in pairs]
+    ids = [tid for pairs in rows for tid, _ in pairs]
+    vals = [v for pairs in rows for _, v in pairs]
+    bias = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    index = to_device(torch.tensor([r, ids], dtype=torch.int64).reshape(2, len(r)), device)
+    bias.index_put_((index[0], index[1]), to_device(torch.tensor(vals, dtype=torch.float32), device))
+    return bias

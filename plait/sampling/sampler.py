@@ -7,6 +7,7 @@ whole batch, when it copies the tokens back).
 Order of operations, per row:
   grammar mask (constrained rows: tokens the grammar does not allow next are set to -inf)
   -> penalties (repetition over prompt+output, frequency/presence over output)
+  -> logit_bias (OpenAI's, added to the logits)
   -> min_new_tokens mask (stop ids set to -inf until enough tokens were generated)
   -> logprobs are taken here (penalised distribution at temperature 1)
   -> greedy rows: argmax
@@ -109,7 +110,7 @@ class Sampler:
 
     @staticmethod
     def penalize(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
-        """Penalties and the min_new_tokens mask, in float32; returns a new tensor when it changes
+        """Penalties, logit_bias and the min_new_tokens mask, in float32; returns a new tensor when it changes
         anything, so the caller's logits stay intact."""
         x = logits.float()
         if info.vocab_mask is not None:
@@ -128,6 +129,8 @@ class Sampler:
             x = apply_frequency_presence_penalty(
                 x, info.output_token_counts, info.frequency_penalties, info.presence_penalties
             )
+        if info.logit_bias is not None:
+            x = x + info.logit_bias
         if info.min_tokens_rows is not None:
             assert info.min_tokens_ids is not None
             # new_full is a device fill; torch.tensor(..., device=cuda) would be a synchronous copy.

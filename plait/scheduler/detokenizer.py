@@ -75,6 +75,12 @@ class IncrementalDetokenizer:
             self.stopped_at = min(hits)
         return self.stopped_at is not None
 
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the text (the first in ``stop`` order at ``stopped_at``)."""
+        if self.stopped_at is None:
+            return None
+        return next((s for s in self.stop if self.text.startswith(s, self.stopped_at)), None)
+
     def finish(self) -> None:
         """Flush: decode incomplete trailing bytes too (with replacement characters)."""
         text = self.text

@@ -45,7 +45,7 @@ class KVCacheManager:
         self.allocator.free(slots)
 
     def map(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        self.req_to_token_pool.req_to_token[rows, positions] = slots.to(torch.int32)
+        self.req_to_token_pool.scatter(rows, positions, slots)
 
     def match_prefix(self, ids: list[int]) -> MatchResult:
         return self.tree_cache.match_prefix(ids)

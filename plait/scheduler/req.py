@@ -44,6 +44,10 @@ class Req:
     # logprobs of each output token (and top-n), filled when sampling_params.logprobs
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt-token logprobs (sampling_params.logprob_start_len >= 0 with logprobs): one entry per
+    # prompt token from logprob_start_len on; the first prompt token has no logprob (None).
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     # Overlap scheduling: tokens sampled on the device whose values the host has not read yet, and
     # where the newest one lives (the in-flight batch's next_token_ids, row index). A decode step
     # scheduled meanwhile takes its input token from there, on the device.
@@ -58,6 +62,19 @@ class Req:
     # ``grammar_future`` is set and admission passes the request over.
     grammar: GrammarMatcherState | None = None
     grammar_future: Future[Any] | None = None
+
+    @property
+    def next_scored_position(self) -> int | None:
+        """The next prompt position whose logits score the token after it, or None when no more
+        are wanted. Position q scores token q + 1; positions up to len(prompt) - 2 are scored (the
+        last one's logits sample the first output token)."""
+        sp = self.sampling_params
+        if not sp.wants_input_logprobs:
+            return None
+        start = max(sp.logprob_start_len - 1, 0)
+        scored = len(self.input_token_logprobs) - (1 if sp.logprob_start_len == 0 else 0)
+        q = start + max(scored, 0)
+        return q if q <= len(self.origin_input_ids) - 2 else None
 
     @property
     def fill_ids(self) -> list[int]:

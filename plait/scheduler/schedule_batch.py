@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
+from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode, InputLogprobRows
 from plait.scheduler.req import Req
 from plait.transfer import ints_to_device
 
@@ -73,15 +73,35 @@ class ScheduleBatch:
         future_rows: list[int] = []
         future_src: list[int] = []
         future_tensor: torch.Tensor | None = None
+        # Prompt scoring (logprob_start_len): positions of logits_rows that are scored, the token
+        # each scores, the positions the sampler reads, and how many each entry scored.
+        scored_at: list[int] = []
+        scored_next: list[int] = []
+        sample_at: list[int] = []
+        scored_counts: list[int] = []
+        top_k = 0
         for e in self.entries:
             if e.is_decode and e.req.future_token is not None:
                 future_tensor, idx = e.req.future_token
                 future_rows.append(len(input_ids))
                 future_src.append(idx)
+            base = len(input_ids)
             input_ids.extend(e.input_ids)
             positions.extend(range(e.prefix_len, e.prefix_len + e.extend_len))
             token_rows.extend([e.req.row] * e.extend_len)
+            first = None if e.is_decode else e.req.next_scored_position
+            n_scored = 0
+            if first is not None:
+                prompt = e.req.origin_input_ids
+                for q in range(max(first, e.prefix_len), min(len(prompt) - 2, e.prefix_len + e.extend_len - 1) + 1):
+                    scored_at.append(len(logits_rows))
+                    scored_next.append(prompt[q + 1])
+                    logits_rows.append(base + q - e.prefix_len)
+                    n_scored += 1
+                top_k = max(top_k, e.req.sampling_params.top_logprobs)
+            scored_counts.append(n_scored)
             if e.sample:
+                sample_at.append(len(logits_rows))
                 logits_rows.append(len(input_ids) - 1)
         seq_lens_cpu = [e.prefix_len + e.extend_len for e in self.entries]
         ext = [e.extend_len for e in self.entries]
@@ -90,9 +110,9 @@ class ScheduleBatch:
         for n in ext[:-1]:
             starts.append(starts[-1] + n)
         parts = [input_ids, positions, token_rows, [e.req.req_pool_idx for e in self.entries], seq_lens_cpu,
-                 ext, pre, starts, logits_rows, future_rows, future_src]
-        (ids, pos, rows, req_pool_indices, seq_lens, ext_t, pre_t, starts_t, logits_t, f_rows, f_src) = (
-            ints_to_device(parts, device))
+                 ext, pre, starts, logits_rows, future_rows, future_src, scored_at, scored_next, sample_at]
+        (ids, pos, rows, req_pool_indices, seq_lens, ext_t, pre_t, starts_t, logits_t, f_rows, f_src,
+         scored_t, next_t, sample_t) = ints_to_device(parts, device)
         if future_tensor is not None:
             # Inputs sampled by the in-flight batch: gathered on the device, no host sync.
             ids[f_rows] = future_tensor[f_src]
@@ -114,4 +134,8 @@ class ScheduleBatch:
                                    seq_lens_cpu=ext, prefix_lens_cpu=pre)
             # Decode rows sample every step; chunks that do not finish a prefill sample nothing.
             fb.logits_indices = logits_t
+            if scored_at:
+                fb.input_logprobs = InputLogprobRows(scored_t, next_t, sample_t, scored_counts, top_k)
+        else:
+            assert not scored_at, "a batch that scores prompt positions extends"
         return fb

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.config import EngineConfig
+from plait.executor.forward_output import InputLogprobs
 from plait.executor.model_runner import ModelRunner
 from plait.mem.radix_cache import RadixCache
 from plait.sampling import SamplingBatchInfo
@@ -342,8 +343,13 @@ class Scheduler:
             if req is None:
                 break
             fill = req.fill_ids
-            # Leave at least one token to compute: its logits give the next token.
-            match = self.kv.match_prefix(fill[: len(fill) - 1])
+            # Leave at least one token to compute: its logits give the next token. Prompt positions
+            # still to be scored for their logprobs are computed too, never taken from the cache.
+            limit = len(fill) - 1
+            scored = req.next_scored_position
+            if scored is not None:
+                limit = min(limit, scored)
+            match = self.kv.match_prefix(fill[:limit])
             prefix_len = int(match.kv_indices.numel())
             left_new = req.sampling_params.max_new_tokens - len(req.output_ids)
             cost = (len(fill) - prefix_len) + left_new * self.new_token_ratio
@@ -357,6 +363,11 @@ class Scheduler:
             if not self.kv.admit(req, match):
                 break  # no request-pool row free
             self.waiting.remove(req)
+            sp = req.sampling_params
+            if sp.wants_input_logprobs and sp.logprob_start_len == 0 and not req.input_token_logprobs:
+                # The first prompt token follows nothing: SGLang reports it with a None logprob.
+                req.input_token_logprobs.append(None)
+                req.input_top_logprobs.append(None)
             if req.num_retractions == 0:
                 req.cached_tokens = min(prefix_len, len(req.origin_input_ids))
                 self.stats.cached_tokens += req.cached_tokens
@@ -394,6 +405,9 @@ class Scheduler:
         # A constrained batch samples later (_sample), once its masks can be filled.
         constrained = any(e.req.grammar is not None for e in sampled)
         out = self.runner.forward_batch(fb, sample=not constrained)  # forward (+ sampler, host copy): no sync
+        if out.input_logprobs is not None:
+            assert fb.input_logprobs is not None
+            self._store_input_logprobs(batch, fb.input_logprobs.counts, out.input_logprobs)
         if self.spec_worker is not None:
             self.spec_worker.after_target_forward(fb)  # a draft model mirrors the target's KV
         self.stats.forward_steps += 1
@@ -437,6 +451,21 @@ class Scheduler:
         assert out.sample is not None and out.host_copy is not None
         for i, e in enumerate(sampled):
             e.req.future_token = (out.sample.next_token_ids, i)
+
+    @staticmethod
+    def _store_input_logprobs(batch: ScheduleBatch, counts: Sequence[int], scored: InputLogprobs) -> None:
+        """Append the prompt-token logprobs a forward scored to their requests (entry order)."""
+        k = 0
+        for e, n in zip(batch.entries, counts, strict=True):
+            if not n:
+                continue
+            req, top = e.req, e.req.sampling_params.top_logprobs
+            req.input_token_logprobs.extend(scored.logprobs[k : k + n])
+            for j in range(k, k + n):
+                pairs = [] if scored.top_ids is None or scored.top_vals is None else list(
+                    zip(scored.top_ids[j][:top], scored.top_vals[j][:top], strict=True))
+                req.input_top_logprobs.append(pairs)
+            k += n
 
     def _process(self, done: InFlight) -> None:
         """Read a launched batch's samples on the host: append tokens, check stops, release."""

@@ -30,6 +30,7 @@ from plait.server.errors import APIError, bad_request
 from plait.server.flags import DEFAULT_MAX_PAYLOAD_BYTES
 from plait.server.http import PayloadLimitMiddleware
 from plait.server.metrics import CONTENT_TYPE, ServerMetrics
+from plait.server.native_api import NativeServing, add_native_routes
 from plait.server.openai_serving import OpenAIServing
 from plait.server.scheduler_client import SchedulerClient, State
 from plait.server.tool_calling import ChatOptions
@@ -116,6 +117,9 @@ def build_app(config: EngineConfig, args: ServerArgs,
     @app.get("/server_info")
     async def server_info() -> Response:
         return JSONResponse(_server_info(client, serving, args))
+
+    native = NativeServing(client, config, serving.model_name, lambda: _server_info(client, serving, args))
+    add_native_routes(app, native, guarded)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

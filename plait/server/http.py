@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from plait.engine.messages import RequestUpdate
 from plait.server.errors import APIError
 
 T = TypeVar("T")
@@ -125,3 +126,30 @@ async def unless_disconnected(request: Request, coro: Coroutine[Any, Any, T]) ->
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return None if task.cancelled() else task.result()
+
+
+async def read_acknowledgements(gen: AsyncGenerator[tuple[int, RequestUpdate], None], count: int,
+                                ) -> list[tuple[int, RequestUpdate]]:
+    """Read a request's updates until each of its ``count`` scheduler requests was acknowledged
+    (admitted to the queue, or refused): a stream commits to a 200 only after that, so a full queue
+    is a 503 rather than an error inside a 200 stream. Returns what was read, to be replayed."""
+    seen: set[int] = set()
+    buffered = []
+    try:
+        while len(seen) < count:
+            i, upd = await anext(gen)
+            seen.add(i)
+            buffered.append((i, upd))
+    except BaseException:
+        await gen.aclose()
+        raise
+    return buffered
+
+
+async def replayed(primed: list[tuple[int, RequestUpdate]], gen: AsyncGenerator[tuple[int, RequestUpdate], None],
+                   ) -> AsyncGenerator[tuple[int, RequestUpdate], None]:
+    """The updates ``read_acknowledgements`` read, then the rest of ``gen``."""
+    for item in primed:
+        yield item
+    async for item in gen:
+        yield item

@@ -52,7 +52,8 @@ def token_piece(tokenizer: PieceTokenizer, tid: int) -> tuple[str, bytes]:
     return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
-TopLogprobs = Sequence[Sequence[tuple[int, float]]]  # per token: (token id, logprob), best first
+TopPairs = Sequence[tuple[int, float]]  # one token's best (token id, logprob), best first
+TopLogprobs = Sequence[TopPairs]  # per token
 
 
 class LogprobsRenderer:
@@ -79,18 +80,21 @@ class LogprobsRenderer:
             content.append({**self._chat_entry(tid, lp), "top_logprobs": top})
         return {"content": content}
 
-    def completion(self, ids: Sequence[int], lps: Sequence[float], tops: TopLogprobs, with_top: bool,
-                   text_offset: int) -> tuple[dict[str, Any], int]:
+    def completion(self, ids: Sequence[int], lps: Sequence[float | None], tops: Sequence[TopPairs | None],
+                   with_top: bool, text_offset: int) -> tuple[dict[str, Any], int]:
         """The completions shape, whose ``text_offset`` runs on from ``text_offset`` (the characters
-        of the choice's earlier token names); returns it with the offset after these tokens."""
-        tokens, offsets, top_dicts = [], [], []
+        of the choice's earlier token names); returns it with the offset after these tokens. An echoed
+        prompt's first token has no logprob: None there, and None as its top_logprobs."""
+        tokens, offsets = [], []
+        top_dicts: list[dict[str, float] | None] = []
         for k, tid in enumerate(ids):
             s = self._piece(tid)[0]
             tokens.append(s)
             offsets.append(text_offset)
             text_offset += len(s)
             if with_top:
-                top_dicts.append({self._piece(t)[0]: v for t, v in (tops[k] if k < len(tops) else [])})
+                top = tops[k] if k < len(tops) else []
+                top_dicts.append(None if top is None else {self._piece(t)[0]: v for t, v in top})
         body = {"tokens": tokens, "token_logprobs": list(lps[: len(ids)]),
                 "top_logprobs": top_dicts if with_top else None, "text_offset": offsets}
         return body, text_offset

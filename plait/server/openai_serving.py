@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,8 +20,8 @@ from plait.engine.messages import RequestUpdate
 from plait.sampling.params import SamplingParams, seed_to_int64
 from plait.server import protocol
 from plait.server.errors import APIError, bad_request
-from plait.server.http import SSE_DONE, SSEResponse, sse, unless_disconnected
-from plait.server.logprobs import LogprobsRenderer
+from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, replayed, sse, unless_disconnected
+from plait.server.logprobs import LogprobsRenderer, TopLogprobs, TopPairs
 from plait.server.scheduler_client import SchedulerClient
 from plait.server.tool_calling import ChatOptions, ChatOutput, ToolPlan, plan_tools, template_messages
 
@@ -44,10 +44,16 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     text_offset: int = 0  # running character offset of token strings (completions logprobs)
+    # echo: the prompt's logprobs (None for its first token), and whether the prompt went out.
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    echoed: bool = False
 
     def add(self, upd: RequestUpdate) -> None:
         self.text += upd.text
         self.token_ids += upd.token_ids
+        self.input_logprobs += upd.input_logprobs or []
+        self.input_top_logprobs += upd.input_top_logprobs or []
         if upd.logprobs:
             self.logprobs += upd.logprobs
         if upd.top_logprobs:
@@ -73,6 +79,7 @@ class _Job:
     top_logprobs: int
     return_token_ids: bool
     include_usage: bool
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its choices
     # Chat: turns a choice's text into content, reasoning_content and tool_calls.
     tool_plan: ToolPlan | None = None
     chat_options: ChatOptions = field(default_factory=ChatOptions)
@@ -120,8 +127,8 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def _sampling(self, req: protocol.GenerationRequest, max_new: int, logprobs: bool, top: int,
-                  max_name: str, tool_plan: ToolPlan | None = None) -> SamplingParams:
-        fields = protocol.sampling_dict(req, max_new, logprobs, top)
+                  max_name: str, logprob_start_len: int = -1, tool_plan: ToolPlan | None = None) -> SamplingParams:
+        fields = protocol.sampling_dict(req, max_new, logprobs, top, logprob_start_len)
         if tool_plan is not None:
             fields = tool_plan.sampling_fields(fields)
         try:
@@ -163,6 +170,14 @@ class OpenAIServing:
                 raise bad_request(str(e), "prompt") from None
         return out
 
+    def _echo_texts(self, prompt: Any, prompt_ids: list[list[int]]) -> list[str]:
+        """What echo puts before each prompt's completions: the prompt as sent, or its tokens' text."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], str):
+            return list(prompt)
+        return [self.client.tokenizer.decode(ids) for ids in prompt_ids]
+
     async def completions(self, request: Request) -> Response:
         req = protocol.parse_request(protocol.CompletionRequest, await request.body())
         protocol.check_completion(req)
@@ -170,13 +185,15 @@ class OpenAIServing:
         self.client.check_accepting()
         max_new = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         top = req.logprobs or 0
-        sp = self._sampling(req, max_new, req.logprobs is not None, top, "max_tokens")
+        # echo with logprobs scores the prompt too (OpenAI lists its tokens first).
+        sp = self._sampling(req, max_new, req.logprobs is not None, top, "max_tokens", 0 if req.echo else -1)
         prompt_ids = self._completion_prompts(req.prompt)
         for ids in prompt_ids:
             self._check_length(ids, sp, "prompt")
+        echo_texts = self._echo_texts(req.prompt, prompt_ids) if req.echo else None
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, prompt_ids, req.n,
                    self._fan_out(prompt_ids, sp, req.n), req.logprobs is not None, top, req.return_token_ids,
-                   bool(req.stream_options and req.stream_options.include_usage))
+                   bool(req.stream_options and req.stream_options.include_usage), echo_texts)
         return await self._respond(request, job, req.stream)
 
     # --- /v1/chat/completions ---
@@ -221,11 +238,12 @@ class OpenAIServing:
         else:  # OpenAI: up to the context limit
             max_name, max_new = "max_completion_tokens", max(1, self.frontend.limits.max_request_tokens - len(ids))
         top = req.top_logprobs or 0
-        sp = self._sampling(req, max_new, req.logprobs, top, max_name, tool_plan)
+        sp = self._sampling(req, max_new, req.logprobs, top, max_name, tool_plan=tool_plan)
         self._check_length(ids, sp, "messages")
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, [ids], req.n,
                    self._fan_out([ids], sp, req.n), req.logprobs, top, req.return_token_ids,
-                   bool(req.stream_options and req.stream_options.include_usage), tool_plan, self.chat_options)
+                   bool(req.stream_options and req.stream_options.include_usage), tool_plan=tool_plan,
+                   chat_options=self.chat_options)
         return await self._respond(request, job, req.stream)
 
     # --- running a job ---
@@ -236,23 +254,11 @@ class OpenAIServing:
             return JSONResponse(body) if body is not None else Response(status_code=499)
         # Commit to a 200 only once every choice was accepted by the scheduler (a full queue must be
         # a 503, not an error inside a 200 stream): read up to the acknowledgements first.
-        primed = await unless_disconnected(request, self._prime(job, gen))
+        primed = await unless_disconnected(request, read_acknowledgements(gen, len(job.prepared)))
         if primed is None:
             return Response(status_code=499)
         return SSEResponse(self._stream(job, gen, primed))
 
-    async def _prime(self, job: _Job, gen: Updates) -> list[tuple[int, RequestUpdate]]:
-        seen: set[int] = set()
-        buffered = []
-        try:
-            while len(seen) < len(job.prepared):
-                i, upd = await anext(gen)
-                seen.add(i)
-                buffered.append((i, upd))
-        except BaseException:
-            await gen.aclose()
-            raise
-        return buffered
 
     async def _full(self, job: _Job, gen: Updates) -> dict[str, Any]:
         choices = [_Choice() for _ in job.prepared]
@@ -263,13 +269,13 @@ class OpenAIServing:
             await gen.aclose()
         out = []
         for i, c in enumerate(choices):
-            lp = self._logprobs(job, c, c.token_ids, c.logprobs, c.top_logprobs)
+            text, lp = self._with_echo(job, i, c, c.text, c.token_ids, c.logprobs, c.top_logprobs)
             if job.kind == "chat":
                 output = job.chat_output()
                 choice: dict[str, Any] = {"index": i, "message": output.message(c.text), "logprobs": lp,
                                           "finish_reason": output.finish_reason(c.finish_reason)}
             else:
-                choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
             if job.return_token_ids:
                 choice["token_ids"] = c.token_ids
                 choice["prompt_token_ids"] = job.prompt_ids[i // job.n]
@@ -292,9 +298,12 @@ class OpenAIServing:
                   delta: dict[str, Any] | None = None) -> str:
             c = choices[i]
             lp = None
-            if upd is not None and upd.token_ids:
-                lp = self._logprobs(job, c, upd.token_ids, upd.logprobs or [], upd.top_logprobs or [])
             text = upd.text if upd is not None else ""
+            if upd is not None and job.echo_texts is not None and not c.echoed:
+                c.echoed = True
+                text, lp = self._with_echo(job, i, c, text, upd.token_ids, upd.logprobs or [], upd.top_logprobs or [])
+            elif upd is not None and upd.token_ids:
+                lp = self._logprobs(job, c, upd.token_ids, upd.logprobs or [], upd.top_logprobs or [])
             if chat:
                 if first:
                     delta = {"role": "assistant", "content": ""}
@@ -307,17 +316,11 @@ class OpenAIServing:
                     choice["prompt_token_ids"] = job.prompt_ids[i // job.n]
             return sse({**head, "choices": [choice]})
 
-        async def updates() -> AsyncIterator[tuple[int, RequestUpdate]]:
-            for item in primed:
-                yield item
-            async for item in gen:
-                yield item
-
         try:
             if chat:
                 for i in range(len(choices)):
                     yield chunk(i, None, None, first=True)
-            async for i, upd in updates():
+            async for i, upd in replayed(primed, gen):
                 choices[i].add(upd)
                 has_content = bool(upd.text or upd.token_ids)
                 if chat:
@@ -344,8 +347,17 @@ class OpenAIServing:
         yield SSE_DONE
 
     # --- logprobs ---
-    def _logprobs(self, job: _Job, c: _Choice, ids: Sequence[int], lps: Sequence[float],
-                  tops: Sequence[Sequence[tuple[int, float]]]) -> dict[str, Any] | None:
+    def _with_echo(self, job: _Job, i: int, c: _Choice, text: str, ids: Sequence[int], lps: Sequence[float],
+                   tops: TopLogprobs) -> tuple[str, dict[str, Any] | None]:
+        """A completion's text and logprobs, behind its prompt's when the request echoes it."""
+        if job.echo_texts is None:
+            return text, self._logprobs(job, c, ids, lps, tops)
+        prompt = job.prompt_ids[i // job.n]
+        return job.echo_texts[i // job.n] + text, self._logprobs(
+            job, c, [*prompt, *ids], [*c.input_logprobs, *lps], [*c.input_top_logprobs, *tops])
+
+    def _logprobs(self, job: _Job, c: _Choice, ids: Sequence[int], lps: Sequence[float | None],
+                  tops: Sequence[TopPairs | None]) -> dict[str, Any] | None:
         if not job.logprobs:
             return None
         if job.kind == "chat":

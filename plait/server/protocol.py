@@ -7,7 +7,7 @@ extra fields:
 * OpenAI fields that plait does not use and that change nothing about the result (``user``,
   ``store``, ...): accepted and ignored, with a debug log;
 * OpenAI features that would change the result and that plait does not implement (the legacy
-  ``functions``, ``logit_bias``, ``echo``, ...): 400 saying so;
+  ``functions``, ``suffix``, ...): 400 saying so;
 * anything else: 400 "Unrecognized request argument supplied", as OpenAI answers, so that a typo
   such as ``temprature`` cannot silently fall back to a default.
 """
@@ -171,13 +171,9 @@ def _check_common(req: GenerationRequest) -> None:
         raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "logit_bias")
 
 
 def check_completion(req: CompletionRequest) -> None:
-    if req.echo:
-        raise unsupported("echo", "echo")
     if req.suffix:
         raise unsupported("suffix", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -228,8 +224,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
-    """SamplingParams fields; None values mean "default" and are dropped by SamplingParams.from_dict."""
+def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, top_logprobs: int,
+                  logprob_start_len: int = -1) -> dict[str, Any]:
+    """SamplingParams fields; None values mean "default" (the model's generation_config.json or
+    plait's; see plait.engine.generation_config). ``logprob_start_len`` 0 scores the prompt (echo)."""
     return {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,
@@ -248,6 +246,8 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
         **grammar_fields(req.response_format, req.regex, req.ebnf),
+        "logit_bias": req.logit_bias,
+        "logprob_start_len": logprob_start_len if logprobs else -1,
     }
 
 

@@ -31,9 +31,12 @@ import zmq.asyncio
 
 from plait.config import EngineConfig
 from plait.engine.frontend import Frontend, PreparedRequest, RequestLimits
+from plait.engine.generation_config import sampling_defaults
 from plait.engine.messages import (
     AbortRequest,
     Fatal,
+    FlushCacheReply,
+    FlushCacheRequest,
     GenerateRequest,
     Ready,
     RequestUpdate,
@@ -83,6 +86,8 @@ class SchedulerClient:
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
         self._fatal: str | None = None
+        # /flush_cache callers waiting for the scheduler's reply, oldest first (replies come in order).
+        self._flush_waiters: list[asyncio.Future[FlushCacheReply]] = []
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,7 +147,8 @@ class SchedulerClient:
         self.tokenizer = await tokenizer_task
         ready = self.ready
         self.frontend = Frontend(self.tokenizer, RequestLimits(ready.vocab_size, ready.max_context_len,
-                                                               ready.max_total_tokens), seed=self.config.seed)
+                                                               ready.max_total_tokens), seed=self.config.seed,
+                                 sampling_defaults=sampling_defaults(self.config))
         self._tasks.append(asyncio.create_task(self._recv_loop()))
         self._tasks.append(asyncio.create_task(self._watchdog()))
         if self.state == State.STARTING:
@@ -162,6 +168,11 @@ class SchedulerClient:
                     queue.put_nowait(upd)
                     if upd.finished:
                         del self._queues[upd.rid]
+            elif isinstance(msg, FlushCacheReply):
+                if self._flush_waiters:
+                    waiter = self._flush_waiters.pop(0)
+                    if not waiter.done():
+                        waiter.set_result(msg)
             elif isinstance(msg, Fatal):
                 self._fatal = msg.message
 
@@ -251,15 +262,34 @@ class SchedulerClient:
         if rids and self.state not in (State.DEAD, State.STOPPED):
             self._send(AbortRequest(list(rids)))
 
+    def is_in_flight(self, rid: str) -> bool:
+        return rid in self._queues
+
+    @property
+    def in_flight_rids(self) -> list[str]:
+        return list(self._queues)
+
+    async def flush_cache(self, timeout: float = 10.0) -> FlushCacheReply:
+        """Ask the scheduler to empty its prefix cache; it refuses while requests run or wait."""
+        self.check_accepting()
+        waiter: asyncio.Future[FlushCacheReply] = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(waiter)
+        self._send(FlushCacheRequest())
+        return await asyncio.wait_for(waiter, timeout)
+
     async def generate(self, requests: Sequence[PreparedRequest], stream: bool = True,
-                       ) -> AsyncGenerator[tuple[int, RequestUpdate], None]:
+                       rids: Sequence[str] | None = None) -> AsyncGenerator[tuple[int, RequestUpdate], None]:
         """Submit requests (the choices of one HTTP request) and yield (index, update) until all
         finished. Leaving early (client disconnect, cancellation, an error) aborts the unfinished
-        ones at once, which frees their KV at the scheduler's next step."""
+        ones at once, which frees their KV at the scheduler's next step. ``rids``: the clients' own
+        request ids (SGLang's ``rid``, for /abort_request), unique among requests in flight."""
         self.check_accepting()
         queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         base = uuid.uuid4().hex
-        rids = [f"{base}-{i}" for i in range(len(requests))]
+        rids = list(rids) if rids is not None else [f"{base}-{i}" for i in range(len(requests))]
+        clash = [rid for rid in rids if rid in self._queues or rids.count(rid) > 1]
+        if clash:
+            raise APIError(400, f"rid {clash[0]!r} is already in flight; request ids must be unique", param="rid")
         index = {rid: i for i, rid in enumerate(rids)}
         now = time.perf_counter()
         timings = [_Timing(now) for _ in rids]

@@ -30,9 +30,13 @@ import torch
 
 from plait.attention.base import AttentionBackend
 from plait.config import EngineConfig
+from plait.distributed.parallel_state import SINGLE
 from plait.forward_batch import ForwardBatch
+from plait.layers.embedding import VocabParallelEmbedding
+from plait.layers.logits import LogitsProcessor
 from plait.mem.pools import MHATokenToKVPool
 from plait.models.eagle import Eagle3Head, EagleHead, iter_checkpoint, load_head_config
+from plait.models.loader import load_full_tensors
 from plait.sampling.sampler import greedy_ids
 from plait.scheduler.req import Req
 from plait.speculative.draft_model import DraftModelWorker
@@ -42,6 +46,24 @@ from plait.transfer import ints_to_device
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
+
+
+def target_vocab_parts(config: EngineConfig, runner: ModelRunner
+                       ) -> tuple[VocabParallelEmbedding, torch.Tensor, LogitsProcessor]:
+    """(embedding, LM head weight, logits processor) of the target for a head that runs on this
+    rank alone: the target's own on one rank, whole copies loaded from the checkpoint under tensor
+    parallelism."""
+    target = runner.model
+    if runner.tp.size == 1:
+        return target.model.embed_tokens, target.lm_head_weight, target.logits_processor
+    mc = runner.model_config
+    tied = target.lm_head is None
+    names = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    full = load_full_tensors(mc, names, config.load_format, config.seed, runner.device)
+    embed = VocabParallelEmbedding(mc.vocab_size, full["model.embed_tokens.weight"].shape[1], SINGLE)
+    embed.weight.data = full["model.embed_tokens.weight"]
+    head = embed.weight if tied else full["lm_head.weight"]
+    return embed, head, LogitsProcessor(mc.vocab_size, SINGLE)
 
 
 class EagleWorker(DraftModelWorker):
@@ -55,7 +77,6 @@ class EagleWorker(DraftModelWorker):
             cfg = load_head_config(path)
         except FileNotFoundError as e:
             raise ValueError(f"--speculative-draft-model-path {path!r}: no config.json ({e})") from e
-        target = runner.model
         tcfg = runner.model_config
         self.is_eagle3 = algo == "EAGLE3"
         self.head: EagleHead | Eagle3Head = Eagle3Head(cfg) if self.is_eagle3 else EagleHead(cfg)
@@ -66,7 +87,10 @@ class EagleWorker(DraftModelWorker):
         if cfg.hidden_size != tcfg.hidden_size:
             raise ValueError(f"--speculative-draft-model-path: the head's hidden size {cfg.hidden_size} differs from "
                              f"the target's {tcfg.hidden_size}")
-        self.embed = target.model.embed_tokens
+        # The head runs on rank 0 alone: under tensor parallelism it reads whole copies of the
+        # target's embedding and LM head (the target's own are vocabulary shards whose forward
+        # sums over every rank).
+        self.embed, self.lm_head_weight, self.logits_processor = target_vocab_parts(config, runner)
         if isinstance(self.head, Eagle3Head) and self.head.embed_tokens is not None:
             self.embed = self.head.embed_tokens.to(runner.device)
         num_heads = cfg.num_attention_heads
@@ -113,8 +137,7 @@ class EagleWorker(DraftModelWorker):
             logits, hidden = self.head(embeds, hidden_in, fb.positions, fb)
             return self.head.draft_to_target(greedy_ids(logits)), hidden
         hidden = self.head(embeds, hidden_in, fb.positions, fb)
-        target = self.runner.model
-        logits = target.logits_processor(hidden, target.lm_head_weight, fb)
+        logits = self.logits_processor(hidden, self.lm_head_weight, fb)
         return greedy_ids(logits), hidden
 
     def chain_step(self, fb: ForwardBatch, backend: AttentionBackend, hidden: torch.Tensor | None
@@ -215,8 +238,7 @@ class EagleWorker(DraftModelWorker):
             out[:, self.head.draft_to_target(ids)] = lp
             return out, hidden
         hidden = self.head(embeds, hidden_in, fb.positions, fb)
-        target = self.runner.model
-        return torch.log_softmax(target.logits_processor(hidden, target.lm_head_weight, fb).float(), dim=-1), hidden
+        return torch.log_softmax(self.logits_processor(hidden, self.lm_head_weight, fb).float(), dim=-1), hidden
 
     @torch.inference_mode()
     def _tree_step(self, root_hidden: torch.Tensor | None) -> TreeStep:

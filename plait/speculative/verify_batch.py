@@ -20,6 +20,7 @@ from plait.mem.pools import DUMMY_KV_SLOT
 from plait.speculative.draft_tree import level_tree
 from plait.speculative.tree import DraftTree, build_verify_mask, build_verify_mask_from_ancestors
 from plait.transfer import ints_to_device
+from plait.two_batch_overlap import slice_tree_mask
 
 
 class TreeRow(Protocol):
@@ -51,6 +52,12 @@ class VerifyInput:
     # Tokens verified per request (root included). The executor reads widths from here, never from
     # a global draft width: widths differ between requests and between steps.
     num_tokens_per_req: list[int]
+
+    def split(self, start: int, end: int, seq_lens_cpu: Sequence[int]) -> VerifyInput:
+        """Requests [start, end) (a two-batch-overlap child)."""
+        return VerifyInput(self.trees[start:end],
+                           slice_tree_mask(self.custom_mask, self.num_tokens_per_req, seq_lens_cpu, start, end),
+                           self.num_tokens_per_req[start:end])
 
 
 def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: torch.Tensor,

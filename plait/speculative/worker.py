@@ -126,8 +126,8 @@ class BaseSpecWorker(ABC):
         needs the full sampler, or has no pending decode); 0: it may ride along as a root-only row
         (no room for a guess, e.g. one token left) but draft nothing."""
         sp = req.sampling_params
-        if (req.pending or req.finished or req.to_abort or sp.has_penalties or sp.logprobs or sp.top_logprobs
-                or len(req.output_ids) < sp.min_new_tokens or req.kv_len != req.fill_len - 1):
+        if (req.pending or req.finished or req.to_abort or sp.has_penalties or sp.logit_bias or sp.logprobs
+                or sp.top_logprobs or len(req.output_ids) < sp.min_new_tokens or req.kv_len != req.fill_len - 1):
             return None
         left = sp.max_new_tokens - len(req.output_ids)  # the bonus token is one of them
         room = self.runner.max_context_len - 1 - req.fill_len  # node positions stay in the context

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,8 +50,19 @@ def smollm2_gguf_path() -> pathlib.Path:
 
 
 def smollm2_hf_dir() -> pathlib.Path:
-    """A Hugging Face directory of SmolLM2-135M-Instruct (bf16 safetensors of the dequantized GGUF)."""
+    """A Hugging Face directory of SmolLM2-135M-Instruct (bf16 safetensors of the dequantized GGUF).
+    Built once under a file lock: parallel test workers wait for the first one instead of racing."""
+    from filelock import FileLock
+
     dest = cache_root() / "smollm2-135m-instruct-hf"
+    if (dest / "model.safetensors").is_file() and (dest / "config.json").is_file():
+        return dest
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_root() / "smollm2-hf.lock")):
+        return _build_smollm2_hf_dir(dest)
+
+
+def _build_smollm2_hf_dir(dest: pathlib.Path) -> pathlib.Path:
     if (dest / "model.safetensors").is_file() and (dest / "config.json").is_file():
         return dest
     import torch
@@ -72,7 +84,9 @@ def smollm2_hf_dir() -> pathlib.Path:
     cfg["architectures"] = ["LlamaForCausalLM"]
     cfg["torch_dtype"] = "bfloat16"
     cfg_path.write_text(json.dumps(cfg, indent=2))
-    os.replace(tmp, dest) if not dest.exists() else None
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
     return dest
 
 

@@ -120,3 +120,21 @@ def test_killed_rank_ends_the_dp_engine_with_an_error(model):
             _generate(engine, PROMPTS32[:2])
     finally:
         engine.shutdown()
+
+
+def test_prompt_logprobs_and_logit_bias_of_requests_on_either_rank(dp_engine, model):
+    """A request served by rank 1 reports its prompt logprobs through rank 0's stand-in; logit_bias
+    applies on the rank that samples."""
+    prompts = PROMPTS32[4:6]
+    params = {**GREEDY12, "max_new_tokens": 3, "logprobs": True, "logprob_start_len": 1,
+              "logit_bias": {"9": 100}, "ignore_eos": True}
+    with make_engine(model) as single:
+        ref = single.generate(prompts, params)
+    assigned = dict(dp_engine.scheduler.assigned)
+    out = dp_engine.generate(prompts, params)
+    assert {r: dp_engine.scheduler.assigned[r] - assigned.get(r, 0) for r in (0, 1)} == {0: 1, 1: 1}
+    for o, r, p in zip(out, ref, prompts, strict=True):
+        assert o.token_ids == [9, 9, 9]
+        got, want = o.meta_info["input_token_logprobs"], r.meta_info["input_token_logprobs"]
+        assert [tid for _, tid, _ in got] == p[1:]
+        assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _, _ in want], abs=1e-4)

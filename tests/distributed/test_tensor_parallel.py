@@ -44,6 +44,26 @@ def test_tp2_greedy_output_equals_tp1(arch, tiny_model_dir):
         assert_no_leaks(engine)
 
 
+def test_tp2_prompt_logprobs_and_logit_bias_equal_tp1(tiny_model_dir):
+    """Scored prompt positions travel to the other rank with the batch's logits rows; rank 0 splits
+    them from the sampled rows."""
+    path = tiny_model_dir("llama")
+    params = {**GREEDY16, "max_new_tokens": 4, "logprobs": True, "logprob_start_len": 0, "top_logprobs": 2,
+              "logit_bias": {"11": 100}, "ignore_eos": True}
+    prompts = PROMPTS[4:7]
+    with make_engine(path, chunked_prefill_size=16) as single:
+        expected = single.generate(prompts, params)
+    with make_engine(path, chunked_prefill_size=16, tp_size=2, dist_timeout=60) as engine:
+        out = engine.generate(prompts, params)
+        assert_no_leaks(engine)
+    for o, e in zip(out, expected, strict=True):
+        assert o.token_ids == e.token_ids == [11] * 4
+        got, want = o.meta_info["input_token_logprobs"], e.meta_info["input_token_logprobs"]
+        assert [t for _, t, _ in got] == [t for _, t, _ in want]
+        assert got[0][0] is None and [lp for lp, _, _ in got[1:]] == pytest.approx(
+            [lp for lp, _, _ in want[1:]], abs=1e-4)
+
+
 def test_dummy_weights_are_the_same_model_at_tp2(tiny_model_dir):
     """Random (load_format="dummy") weights are drawn per checkpoint tensor, whole, and sharded by
     the loader: a tp_size=2 engine holds the one-GPU model (the multi-GPU correctness runs use them)."""

@@ -128,6 +128,17 @@ def test_requests_with_penalties_or_logprobs_decode_normally_beside_speculating_
     assert_no_leaks(engine)
 
 
+def test_requests_with_logit_bias_decode_with_the_full_sampler_beside_speculating_ones(model_path, reference):
+    engine = make_engine(model_path, **CHAIN)
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        engine.scheduler.spec_worker.drafter.cache.insert(p + ref)
+    biased = {**GREEDY, "logit_bias": {str(reference[0][0]): -100}}  # bans the draft's first token
+    outs = engine.generate(PROMPTS[:2], [biased, GREEDY])
+    assert outs[0].meta_info["spec_verify_ct"] == 0 and outs[0].token_ids[0] != reference[0][0]
+    assert outs[1].token_ids == reference[1] and outs[1].meta_info["spec_verify_ct"] > 0
+    assert_no_leaks(engine)
+
+
 def test_the_engine_logs_its_acceptance_distribution(model_path, reference, caplog):
     engine = make_engine(model_path, **CHAIN)
     for p, ref in zip(PROMPTS, reference, strict=True):

@@ -75,6 +75,7 @@ def _decode_stage1_kernel(
     Att_Lse,  # [bs, Hq, MAX_KV_SPLITS] fp32: natural-log LSE of each split
     Out,  # [bs, Hq, DV]: written here only when FUSED_REDUCE
     Split_Counters,  # [bs, Hkv] int32, zero between launches: splits finished (FUSED_REDUCE)
+    Sinks,  # [Hq] fp32 per-head sink logits (natural log units; read only when HAS_SINKS)
     sm_scale,
     logit_cap,
     stride_qb,
@@ -102,6 +103,7 @@ def _decode_stage1_kernel(
     INPUT_PRECISION: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     GPU_FENCE: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,8 +169,8 @@ def _decode_stage1_kernel(
             counter = Split_Counters + b * num_kv_heads + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                _merge_splits(Att_Out, Att_Lse, Out, b, heads, mask_h, n_active, stride_ob, stride_oh, stride_os,
-                              stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV)
+                _merge_splits(Att_Out, Att_Lse, Out, Sinks, b, heads, mask_h, n_active, stride_ob, stride_oh,
+                              stride_os, stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV, HAS_SINKS)
     if FUSED_REDUCE:
         if (n_active == 0) & (split_id == 0):
             # No split at all (a padded CUDA-graph row with fill value 0): zeros, as stage 2 writes.
@@ -196,9 +198,12 @@ def _store_zeros(Out, b, heads, mask_h, stride_o_b, stride_o_h, BLOCK_H: tl.cons
 
 
 @triton.jit
-def _merge_splits(Att_Out, Att_Lse, Out, b, heads, mask_h, n_active, stride_ob, stride_oh, stride_os, stride_lb,
-                  stride_lh, stride_o_b, stride_o_h, BLOCK_H: tl.constexpr, DV: tl.constexpr):
-    """Merge the first ``n_active`` splits of ``heads`` (a KV group) by their LSEs into ``Out``."""
+def _merge_splits(Att_Out, Att_Lse, Out, Sinks, b, heads, mask_h, n_active, stride_ob, stride_oh, stride_os,
+                  stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H: tl.constexpr, DV: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
+    """Merge the first ``n_active`` splits of ``heads`` (a KV group) by their LSEs into ``Out``. A sink
+    joins as one more split whose LSE is the sink logit and whose output is zero: it adds
+    ``exp(sink)`` to the softmax denominator and nothing to the numerator."""
     offs_dv = tl.arange(0, DV)
     a_base = Att_Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
     l_base = Att_Lse + b.to(tl.int64) * stride_lb + heads * stride_lh
@@ -214,6 +219,12 @@ def _merge_splits(Att_Out, Att_Lse, Out, b, heads, mask_h, n_active, stride_ob, 
         acc = acc * old_scale[:, None] + out_s * w[:, None]
         den = den * old_scale + w
         m = m_new
+    if HAS_SINKS:
+        sink = tl.load(Sinks + heads, mask=mask_h, other=0.0)
+        m_new = tl.maximum(m, sink)
+        old_scale = tl.exp(m - m_new)
+        acc = acc * old_scale[:, None]
+        den = den * old_scale + tl.exp(sink - m_new)
     out = acc / den[:, None]  # n_active >= 1 here, so den > 0
     tl.store(Out + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=mask_h[:, None])
@@ -226,6 +237,7 @@ def _decode_stage2_kernel(
     Out,  # [bs, Hq, DV]
     Kv_Indptr,
     Num_Kv_Splits,
+    Sinks,
     stride_ab,
     stride_ah,
     stride_as,
@@ -238,6 +250,7 @@ def _decode_stage2_kernel(
     DV: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     # Grid (bs, Hkv): the same merge the fused form runs in its last split program.
     b = tl.program_id(0)
@@ -247,8 +260,8 @@ def _decode_stage2_kernel(
     mask_h = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
     if n_active > 0:  # the non-empty splits stage 1 wrote
-        _merge_splits(Att_Out, Att_Lse, Out, b, heads, mask_h, n_active, stride_ab, stride_ah, stride_as,
-                      stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV)
+        _merge_splits(Att_Out, Att_Lse, Out, Sinks, b, heads, mask_h, n_active, stride_ab, stride_ah, stride_as,
+                      stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV, HAS_SINKS)
     else:
         # seq_len == 0 (e.g. a padded CUDA-graph row with fill value 0) has no split: write zeros.
         _store_zeros(Out, b, heads, mask_h, stride_o_b, stride_o_h, BLOCK_H, DV)
@@ -270,6 +283,7 @@ def decode_attention_fwd(
     *,
     config: LaunchConfig | None = None,
     split_counters: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode attention over a page-size-1 paged KV cache, written into ``o``.
 
@@ -284,6 +298,9 @@ def decode_attention_fwd(
     ``split_counters`` int32 ``[>= bs * Hkv]``, all zero (and left zero): the split merge runs inside
     stage 1, by the last split of each (request, kv head) to finish, and stage 2 is not launched
     (one kernel launch fewer per layer, which matters in small decode steps). None: the two-stage form.
+
+    ``sinks`` fp32 ``[Hq]`` (gpt-oss): per-head logits that join each softmax denominator and attend
+    to nothing (the caller converts them to fp32).
     """
     bs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -307,6 +324,9 @@ def decode_attention_fwd(
     fused = split_counters is not None
     if fused and (split_counters.dtype != torch.int32 or split_counters.numel() < bs * num_kv_heads):
         raise ValueError(f"split_counters must be int32 with >= bs * num_kv_heads = {bs * num_kv_heads} entries")
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,)):
+        raise ValueError(f"sinks must be float32 [num_q_heads={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+    sinks_arg = sinks if sinks is not None else num_kv_splits  # unused without sinks
 
     _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
         q,
@@ -319,6 +339,7 @@ def decode_attention_fwd(
         attn_lse,
         o,
         split_counters if fused else num_kv_splits,  # unused when not fused
+        sinks_arg,
         sm_scale,
         logit_cap,
         q.stride(0),
@@ -346,6 +367,7 @@ def decode_attention_fwd(
         INPUT_PRECISION=precision,
         FUSED_REDUCE=fused,
         GPU_FENCE=fused and q.is_cuda,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -357,6 +379,7 @@ def decode_attention_fwd(
         o,
         kv_indptr,
         num_kv_splits,
+        sinks_arg,
         attn_logits.stride(0),
         attn_logits.stride(1),
         attn_logits.stride(2),
@@ -369,6 +392,7 @@ def decode_attention_fwd(
         DV=head_dim_v,
         MIN_BLOCK_KV=min_block_kv,
         MAX_KV_SPLITS=max_kv_splits,
+        HAS_SINKS=sinks is not None,
         num_warps=4,
         num_stages=1,
     )

@@ -115,6 +115,7 @@ def _extend_kernel(
     Kv_Indices,
     Custom_Mask,  # flat bool/uint8; request i: [ext_len, prefix_len + ext_len] row-major at Mask_Indptr[i]
     Mask_Indptr,
+    Sinks,  # [Hq] fp32 per-head sink logits (natural log units; read only when HAS_SINKS)
     sm_scale,
     logit_cap,
     stride_qt,
@@ -140,6 +141,7 @@ def _extend_kernel(
     USE_LOGIT_CAP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr = 0,  # sliding window: key j visible to query i iff j > i - WINDOW (0 = off)
+    HAS_SINKS: tl.constexpr = False,
 ):
     # Tile rows: row r is new token (m_block * TOK + r // PACK) of query head (head0 + r % PACK).
     # PACK = 1: one head, BLOCK_M tokens. PACK = GROUP: the whole KV group shares each K/V tile.
@@ -296,6 +298,13 @@ def _extend_kernel(
                 INPUT_PRECISION=INPUT_PRECISION,
             )
 
+        if HAS_SINKS:
+            # The sink joins the denominator (a logit attending to nothing), in base-2 units.
+            sink = tl.load(Sinks + heads, mask=mask_m, other=0.0) * 1.4426950408889634
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_f)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_f)
         # A row that saw nothing (only possible under a custom mask) has l = 0 and acc = 0: write 0.
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l == 0 implies acc == 0
         out = acc / l_safe[:, None]
@@ -325,11 +334,13 @@ def extend_attention_fwd(
     *,
     config: LaunchConfig | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of new tokens over (cached prefix + new tokens), written into ``o_extend``.
 
     ``sliding_window`` W (Mistral style): a query at position i sees keys at positions j > i - W, on
-    top of the causal rule or the custom mask.
+    top of the causal rule or the custom mask. ``sinks`` fp32 ``[Hq]`` (gpt-oss): per-head logits
+    that join each softmax denominator and attend to nothing.
 
     q_extend ``[T, Hq, D]``, k_extend/v_extend ``[T, Hkv, D/Dv]``, o_extend ``[T, Hq, Dv]``;
     qo_indptr ``[bs + 1]`` over the T new tokens; kv_indptr ``[bs + 1]``/kv_indices over each request's
@@ -366,6 +377,8 @@ def extend_attention_fwd(
     # Dummy pointers when no mask: never dereferenced (USE_CUSTOM_MASK is a constexpr).
     mask_arg = custom_mask if use_custom_mask else qo_indptr
     mask_indptr_arg = mask_indptr if use_custom_mask else qo_indptr
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,)):
+        raise ValueError(f"sinks must be float32 [num_q_heads={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
 
     pack = group if cfg.pack_gqa else 1
     if cfg.block_m < pack:
@@ -383,6 +396,7 @@ def extend_attention_fwd(
         kv_indices,
         mask_arg,
         mask_indptr_arg,
+        sinks if sinks is not None else qo_indptr,  # unused without sinks
         sm_scale,
         logit_cap,
         q_extend.stride(0),
@@ -408,6 +422,7 @@ def extend_attention_fwd(
         USE_LOGIT_CAP=logit_cap > 0,
         INPUT_PRECISION=dot_precision(q_extend.dtype),
         WINDOW=sliding_window or 0,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

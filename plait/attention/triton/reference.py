@@ -100,6 +100,7 @@ def _attend(
     visible: torch.Tensor | None,  # [M, N] bool, None = all visible
     sm_scale: float,
     logit_cap: float,
+    sinks: torch.Tensor | None = None,  # [Hq]: per-head logits in the denominator only
 ) -> torch.Tensor:  # [M, Hq, Dv] fp32
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -109,7 +110,11 @@ def _attend(
         s = logit_cap * torch.tanh(s / logit_cap)
     if visible is not None:
         s = s.masked_fill(~visible[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(-1, s.shape[1], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)  # rows that see nothing -> zeros (matches the kernels)
     return torch.einsum("hmn,nhd->mhd", p, v)
 
@@ -127,6 +132,8 @@ def decode_attention_fwd(
     max_kv_splits: int,
     sm_scale: float,
     logit_cap: float = 0.0,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     for i in range(q.shape[0]):
         lo, hi = int(kv_indptr[i]), int(kv_indptr[i + 1])
@@ -134,7 +141,8 @@ def decode_attention_fwd(
             o[i] = 0
             continue
         slots = kv_indices[lo:hi].long()
-        out = _attend(q[i : i + 1].float(), k_buffer[slots].float(), v_buffer[slots].float(), None, sm_scale, logit_cap)
+        out = _attend(q[i : i + 1].float(), k_buffer[slots].float(), v_buffer[slots].float(), None, sm_scale, logit_cap,
+                     sinks)
         o[i] = out[0].to(o.dtype)
 
 
@@ -154,6 +162,9 @@ def extend_attention_fwd(
     sm_scale: float,
     is_causal: bool = True,
     logit_cap: float = 0.0,
+    *,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     bs = qo_indptr.shape[0] - 1
     for i in range(bs):
@@ -175,5 +186,10 @@ def extend_attention_fwd(
             visible = cols[None, :] <= (pre + rows)[:, None]
         else:
             visible = None
-        out = _attend(q_extend[q0:q1].float(), k, v, visible, sm_scale, logit_cap)
+        if sliding_window:
+            cols = torch.arange(pre + ext, device=q_extend.device)
+            rows = torch.arange(ext, device=q_extend.device) + pre
+            window = cols[None, :] > rows[:, None] - sliding_window
+            visible = window if visible is None else visible & window
+        out = _attend(q_extend[q0:q1].float(), k, v, visible, sm_scale, logit_cap, sinks)
         o_extend[q0:q1] = out.to(o_extend.dtype)

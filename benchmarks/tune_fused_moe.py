@@ -1,0 +1,270 @@
+"""Tune the fused MoE kernels' launch configs per expert shape and batch bucket (CUDA only).
+
+For each shape and each M (tokens) it times the whole ``fused_experts_with_config`` call (alignment,
+both grouped GEMMs, the activation, the top-k sum) for every candidate config, as CUDA graph replays
+over rotating random routings (so neither host launch cost nor an L2-resident expert set flatters a
+config), checks the fastest against the fp32 reference, and writes it per M to
+``E{E}_N{I}_{GPU}.json``, the file
+``plait.layers.moe.kernel_config`` reads at run time. The file is rewritten after every M, so a run
+stopped by ``--budget-s`` keeps what it measured (the run time picks the nearest measured bucket).
+
+Compiling the candidates dominates a cold run; ``--jobs`` worker processes compile them first into
+Triton's on-disk cache (the kernels do not specialise on the token count, so one compile per
+config and shape serves every M).
+
+  python benchmarks/tune_fused_moe.py --shape qwen3-30b-a3b --shape gpt-oss-20b \\
+      [--batch-sizes 1,2,4,...] [--out-dir plait/layers/moe/configs] [--budget-s 300] [--jobs 12] [--tp 2] [--ep 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from plait.layers.moe.fused_moe_triton import fused_experts_with_config  # noqa: E402
+from plait.layers.moe.kernel_config import CONFIG_DIR, MoeKernelConfig, config_file_name  # noqa: E402
+from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """One MoE layer's experts: E experts, top-k, hidden H, intermediate I (per rank); under expert
+    parallelism (``ep`` > 1) this rank holds the first E / ep experts and the rest route to -1."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    activation: str
+    bias: bool
+    ep: int = 1
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep
+
+
+MOE_KERNEL_SHAPES: dict[str, MoeShape] = {
+    "qwen3-30b-a3b": MoeShape(num_experts=128, top_k=8, hidden=2048, inter=768, activation="silu", bias=False),
+    "gpt-oss-20b": MoeShape(num_experts=32, top_k=4, hidden=2880, inter=2880, activation="swiglu_oai", bias=True),
+}
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+DTYPE = torch.bfloat16
+
+# (block_n, block_k, num_warps, num_stages) per block_m; group_m is 1 for 16-row blocks (an expert
+# rarely has two) and 16 above.
+_TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
+    16: ((32, 64, 4, 6), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (64, 64, 4, 5),
+         (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (256, 64, 8, 3)),
+    32: ((64, 128, 4, 4), (64, 64, 4, 5), (128, 64, 4, 4), (128, 128, 8, 3)),
+    64: ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4)),
+    128: ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)),
+}
+
+
+def candidate_configs(block_ms: tuple[int, ...] = (16, 32, 64, 128)) -> list[MoeKernelConfig]:
+    """Every tile of ``_TILES`` with the activation separate, and fused where the two fp32
+    accumulators (gate and up) still fit the registers."""
+    out = []
+    for bm in block_ms:
+        for bn, bk, warps, stages in _TILES[bm]:
+            for fuse in (False, True):
+                if fuse and bm * bn > 64 * 128:
+                    continue
+                out.append(MoeKernelConfig(block_m=bm, block_n=bn, block_k=bk, group_m=1 if bm == 16 else 16,
+                                           num_warps=warps, num_stages=stages, fuse_activation=fuse))
+    return out
+
+
+def block_ms_for(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
+    """Row-block sizes worth trying: a block much taller than an expert's average run is mostly padding."""
+    per_expert = num_tokens * shape.top_k / shape.num_experts
+    return tuple(bm for bm in (16, 32, 64, 128) if bm == 16 or per_expert >= 0.5 * bm)
+
+
+def make_weights(shape: MoeShape, num_experts: int | None = None, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    e = num_experts or shape.local_experts
+    h, i = shape.hidden, shape.inter
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).to(DTYPE)
+    w2 = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).to(DTYPE)
+    b13 = (0.1 * torch.randn(e, 2 * i, device="cuda", generator=g)).to(DTYPE) if shape.bias else None
+    b2 = (0.1 * torch.randn(e, h, device="cuda", generator=g)).to(DTYPE) if shape.bias else None
+    return w13, w2, b13, b2
+
+
+def make_inputs(shape: MoeShape, num_tokens: int, seed: int, num_experts: int | None = None):
+    """Random hidden states and a random top-k routing over all experts (softmax of random logits,
+    normalised over k); ids of experts this rank does not hold (``ep`` > 1) become -1."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    e = num_experts or shape.num_experts
+    x = torch.randn(num_tokens, shape.hidden, device="cuda", generator=g).to(DTYPE)
+    logits = torch.randn(num_tokens, e, device="cuda", generator=g)
+    weights, ids = torch.topk(logits.softmax(-1), shape.top_k, dim=-1)
+    ids = torch.where(ids < e // shape.ep, ids, -1)
+    return x, weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def rel_error_vs_reference(shape: MoeShape, experts: tuple, x: torch.Tensor, weights: torch.Tensor,
+                           ids: torch.Tensor, config: MoeKernelConfig) -> float:
+    """||fused - reference|| / ||reference||, the reference loop on fp32 copies of the same bf16 values."""
+    out = fused_experts_with_config(x, *experts[:2], weights, ids, shape.activation, *experts[2:], config).float()
+    f32 = [t.float() if t is not None else None for t in experts]
+    ref = fused_experts_reference(x.float(), f32[0], f32[1], weights, ids, shape.activation, f32[2], f32[3])
+    return float((out - ref).norm() / ref.norm())
+
+
+def graph_time_us(fns: list[Callable[[], object]], replays: int = 5) -> float:
+    """Median microseconds of one call, from CUDA graph replays of all of ``fns`` (one capture each
+    in order; each typically works on its own inputs so the expert set rotates)."""
+    for fn in fns:  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def _precompile(args: tuple[MoeShape, list[dict]]) -> int:
+    """Worker: run each config once on a small expert set so Triton writes it to the disk cache
+    (E = 16 keeps the same integer specialisation as the real E, a multiple of 16)."""
+    shape, configs = args
+    w13, w2, b13, b2 = make_weights(shape, num_experts=16)
+    x, weights, ids = make_inputs(shape, 4, seed=0, num_experts=16)
+    done = 0
+    for raw in configs:
+        try:
+            fused_experts_with_config(x, w13, w2, weights, ids, shape.activation, b13, b2,
+                                      MoeKernelConfig.from_json(raw))
+            done += 1
+        except Exception:  # out of shared memory / registers: the main process skips it
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(names: list[str], jobs: int) -> None:
+    work = [(name, cfg.to_json()) for name in names for cfg in candidate_configs()]
+    if jobs <= 1 or not work:
+        return
+    chunks: list[tuple[MoeShape, list[dict]]] = []
+    for name in names:
+        cfgs = [c for n, c in work if n == name]
+        per = max(1, -(-len(cfgs) * len(names) // jobs))
+        chunks += [(MOE_KERNEL_SHAPES[name], cfgs[i:i + per]) for i in range(0, len(cfgs), per)]
+    t0 = time.perf_counter()
+    try:
+        with mp.get_context("spawn").Pool(min(jobs, len(chunks))) as pool:
+            done = sum(pool.map(_precompile, chunks))
+    except Exception as exc:  # the timing loop then compiles each config itself
+        print(f"precompile failed ({type(exc).__name__}: {exc}); compiling lazily", flush=True)
+        return
+    print(f"precompiled {done}/{len(work)} configs in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float, rotations: int) -> dict:
+    shape = MOE_KERNEL_SHAPES[name]
+    w13, w2, b13, b2 = make_weights(shape)
+    device = torch.cuda.get_device_name()
+    path = os.path.join(out_dir, config_file_name(shape.local_experts, shape.inter, device))
+    best: dict[str, dict] = {}
+    report: dict[str, dict] = {}
+    for m in batch_sizes:
+        if time.monotonic() > deadline:
+            print(f"{name}: budget spent before M={m}", flush=True)
+            break
+        inputs = [make_inputs(shape, m, seed=s) for s in range(rotations)]
+        timings: list[tuple[float, MoeKernelConfig]] = []
+        for cfg in candidate_configs(block_ms_for(m, shape)):
+            if time.monotonic() > deadline:
+                break
+            fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_with_config(
+                x, w13, w2, w, i, shape.activation, b13, b2, cfg) for x, w, i in inputs]
+            try:
+                timings.append((graph_time_us(fns), cfg))
+            except Exception as exc:  # a tile that does not fit this GPU's shared memory / registers
+                print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+        if not timings:
+            continue
+        timings.sort(key=lambda t: t[0])
+        us, cfg = timings[0]
+        x, w, i = inputs[0]
+        err = rel_error_vs_reference(shape, (w13, w2, b13, b2), x, w, i, cfg)
+        if not err < 2e-2:
+            raise SystemExit(f"{name} M={m}: {cfg} is off the fp32 reference by {err:.3g} (relative)")
+        best[str(m)] = cfg.to_json()
+        report[str(m)] = {"us": us, "config": cfg.to_json(), "tried": len(timings),
+                          "worst_us": timings[-1][0]}
+        print(f"{name} M={m}: {us:.1f} us  {cfg}  (of {len(timings)}; worst {timings[-1][0]:.1f} us)", flush=True)
+        with open(path, "w") as f:
+            json.dump(best, f, indent=2, sort_keys=False)
+            f.write("\n")
+    return {"file": path, "buckets": report}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", action="append", choices=sorted(MOE_KERNEL_SHAPES), help="repeatable")
+    ap.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)))
+    ap.add_argument("--out-dir", default=str(CONFIG_DIR))
+    ap.add_argument("--budget-s", type=float, default=600.0, help="stop timing new configs after this long")
+    ap.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
+                    help="processes that precompile the candidates (1: compile lazily)")
+    ap.add_argument("--rotations", type=int, default=4, help="random routings each timing rotates through")
+    ap.add_argument("--report", help="also write the per-bucket timings here (JSON)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size: tune each rank's shard (intermediate / tp), the shape it runs")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel size: tune one rank's E / ep experts, the other pairs routed away")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_fused_moe.py needs a CUDA GPU")
+    names = args.shape or sorted(MOE_KERNEL_SHAPES)
+    for name in names:
+        shape = MOE_KERNEL_SHAPES[name]
+        if shape.inter % args.tp or shape.num_experts % args.ep:
+            raise SystemExit(f"--tp {args.tp} must divide {name}'s intermediate size {shape.inter} and --ep "
+                             f"{args.ep} its {shape.num_experts} experts")
+        MOE_KERNEL_SHAPES[name] = dataclasses.replace(shape, inter=shape.inter // args.tp, ep=args.ep)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    os.makedirs(args.out_dir, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    precompile(names, args.jobs)
+    report = {}
+    for i, name in enumerate(names):
+        # Split what is left of the budget evenly over the shapes still to tune.
+        share = (deadline - time.monotonic()) / (len(names) - i)
+        report[name] = tune_shape(name, batch_sizes, args.out_dir, time.monotonic() + share, args.rotations)
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shapes": report}, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Launch configurations of the fused MoE kernels, stored as data and read at run time.
+
+``benchmarks/tune_fused_moe.py`` writes one JSON file per expert shape and device under
+``configs/``, named ``E{E}_N{N}_{device}.json`` (N is the intermediate size per rank, ``w2.shape[2]``;
+in the device name every character other than a letter, digit or ``-`` becomes ``_``). Each maps a
+batch bucket M (tokens, as a string) to a config; a call takes the bucket nearest its token count.
+Without a file, a default that depends on how many tokens each expert receives on average.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import re
+from dataclasses import asdict, dataclass
+
+CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class MoeKernelConfig:
+    """Tile sizes of the two grouped GEMMs (they share ``block_m``: one alignment serves both) and
+    whether the activation runs in the gate/up GEMM's epilogue or as its own kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    fuse_activation: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MoeKernelConfig.{name} must be a power of two >= 16, got {value}")
+        if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"MoeKernelConfig: group_m, num_warps and num_stages must be >= 1, got {self}")
+
+    def to_json(self) -> dict[str, int | bool]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, int | bool]) -> MoeKernelConfig:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})  # type: ignore[arg-type]
+
+
+def config_file_name(num_experts: int, intermediate: int, device_name: str) -> str:
+    device = re.sub(r"[^A-Za-z0-9-]", "_", device_name)
+    return f"E{num_experts}_N{intermediate}_{device}.json"
+
+
+@functools.cache
+def load_configs(num_experts: int, intermediate: int, device_name: str) -> dict[int, MoeKernelConfig] | None:
+    """Bucket M -> config from the tuned file, or None when no file exists for this shape/device."""
+    path = CONFIG_DIR / config_file_name(num_experts, intermediate, device_name)
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    return {int(m): MoeKernelConfig.from_json(cfg) for m, cfg in raw.items()}
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeKernelConfig:
+    """Untuned fallback: small row blocks while experts see few tokens each, larger once they fill."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if per_expert <= 16:
+        return MoeKernelConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return MoeKernelConfig(block_m=32, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
+    return MoeKernelConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def get_config(num_tokens: int, num_experts: int, intermediate: int, top_k: int,
+               device_name: str) -> MoeKernelConfig:
+    """The tuned config of the bucket nearest ``num_tokens`` (ties: the smaller bucket), else the default."""
+    table = load_configs(num_experts, intermediate, device_name)
+    if not table:
+        return default_config(num_tokens, num_experts, top_k)
+    bucket = min(table, key=lambda m: (abs(m - num_tokens), m))
+    return table[bucket]
