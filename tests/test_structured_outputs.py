@@ -198,7 +198,7 @@ def test_sampled_requests_with_penalties_and_logprobs_obey_their_grammar(engine)
     outs = engine.generate(PROMPTS[:4], params)
     for p, out in zip(params, outs, strict=True):
         _walk(_compiled(engine, p), out.token_ids)
-        logprobs = [lp for lp, _ in out.meta_info["output_token_logprobs"]]
+        logprobs = [entry[0] for entry in out.meta_info["output_token_logprobs"]]
         assert len(logprobs) == len(out.token_ids) and all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
     # Seeded: the same requests give the same tokens again.
     assert [o.token_ids for o in engine.generate(PROMPTS[:4], params)] == [o.token_ids for o in outs]
