@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|moe-kernel|profile-graph|profile-host|profile-spec|
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|fp8-tests|fp8|moe-kernel|profile-graph|profile-host|profile-spec|
 #                               backends-tests|backends|spec-tests|spec|spec-ngram-full|x2|x2-profile (x2: on nvidia-h200-x2)|...
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
@@ -22,6 +22,9 @@ for stage in "$@"; do
     latency-1b-fast) python -m plait bench latency --shape llama-3.2-1b --no-compile-peer --out "$OUT" 2>&1 | tail -5 ;;
     latency-8b-fast) python -m plait bench latency --shape llama-3.1-8b --no-compile-peer --prefill --out "$OUT" 2>&1 | tail -8 ;;
     fused) python benchmarks/fused_layers_bench.py "$OUT" 2>&1 | tail -40 ;;
+    fp8-tests) python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/fp8-tests.log" | tail -15 ;;
+    fp8) python -m plait bench quant --workload gemm decode-bs1 offline-throughput --sweep --out "$OUT" 2>&1 \
+           | tee "$OUT/fp8-bench.log" | grep -E '^\{"workload|measured|Error' ;;
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;

@@ -17,7 +17,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from plait.config import ATTENTION_BACKENDS, SAMPLING_DEFAULTS, EngineConfig
+from plait.cli_aliases import ALIASED_FIELDS, PlaitArgumentParser, add_engine_alias_flags
+from plait.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SAMPLING_DEFAULTS, EngineConfig
 from plait.sampling import SamplingParams
 
 logger = logging.getLogger("plait")
@@ -41,7 +42,7 @@ def _flag_type(tp: Any) -> Any:
 # Flags with a closed set of values: argparse lists them in --help and rejects others before start-up.
 FLAG_CHOICES: dict[str, tuple[str, ...]] = {name: ATTENTION_BACKENDS for name in (
     "attention_backend", "prefill_attention_backend", "decode_attention_backend",
-    "speculative_draft_attention_backend")}
+    "speculative_draft_attention_backend")} | {"quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 
 
@@ -74,12 +75,10 @@ def collect(args: argparse.Namespace, cls: type, skip: Sequence[str] = ()) -> di
 
 
 def _engine_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: demo model)")
-    # EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
-    add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP)
-    # SGLang's short forms of the parallelism flags.
-    parser.add_argument("--tp", dest="tp_size", type=int, default=None, help="alias of --tp-size")
-    parser.add_argument("--dp", dest="dp_size", type=int, default=None, help="alias of --dp-size")
+    # --model and the fields with SGLang / vLLM spellings (plait.cli_aliases); the rest come from the
+    # dataclass. EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
+    add_engine_alias_flags(parser)
+    add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP + ALIASED_FIELDS)
     parser.add_argument("--random-seed", type=int, default=None, help="EngineConfig.seed (dummy weights, "
                         "seeds of unseeded requests)")
 
@@ -99,9 +98,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     options = engine_options(args)
     params = collect(args, SamplingParams)
-    if args.model is None:
-        print("plait: no --model given; using the built-in demo model (tiny, random weights)", file=sys.stderr)
-    with Engine(model=args.model, **options) as engine:
+    model = args.model
+    if model is None:
+        from plait.models.demo import demo_model
+
+        demo = demo_model()
+        model = str(demo.path)
+        print(f"plait: no --model given; using the built-in demo model, {demo.description}", file=sys.stderr)
+    with Engine(model=model, **options) as engine:
         if args.stream:
             for chunk in engine.generate_stream(args.prompt, params):
                 print(chunk.delta_text, end="", flush=True)
@@ -148,7 +152,7 @@ def _generate_flags(parser: argparse.ArgumentParser, prompt_required: bool) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description="plait: a compact LLM serving engine")
+    parser = PlaitArgumentParser(prog="plait", description="plait: a compact LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt")
     _generate_flags(gen, prompt_required=True)

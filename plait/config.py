@@ -22,7 +22,12 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_
 # graph-safe.
 AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
-LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
+# --quantization: the weight formats plait runs (plait.layers.quantization). ``fp8`` quantizes a
+# bf16/fp16 checkpoint at load and is implied by an FP8 checkpoint's quantization_config.
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# --kv-cache-dtype: ``auto`` stores K/V in the model dtype; ``fp8`` is vLLM's alias of ``fp8_e4m3``.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SAMPLING_DEFAULTS: tuple[str, ...] = ("model", "openai")
 
 
@@ -115,13 +120,16 @@ def resolve_speculative(values: Mapping[str, Any]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to start. ``model`` is a Hugging Face checkpoint directory."""
+    """Everything the engine needs to start. ``model`` is a Hugging Face checkpoint directory or a GGUF
+    file (or a directory holding one: ``load_format`` ``auto`` reads it as ``gguf``)."""
 
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # Attention: one base field plus optional per-phase overrides. Decision code reads
     # ``attention_backends()``, never ``attention_backend`` directly.
@@ -136,7 +144,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     # Scheduling
     # Prefill tokens per step (decode tokens of running requests come on top); longer prompts are
-    # split into chunks of at most this many tokens.
+    # split into chunks of at most this many tokens. -1 (SGLang's): no chunking, see prefill_token_budget.
     chunked_prefill_size: int = 8192
     schedule_conservativeness: float = 1.0
     # Parallelism. tp_size ranks, one process each (rank 0 is the engine's process).
@@ -205,6 +213,11 @@ class EngineConfig:
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
         )
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS,
+               f"quantization must be one of {QUANTIZATIONS} (or unset for the checkpoint's own format), got "
+               f"{self.quantization!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
             value = getattr(self, name)
             _check(
@@ -228,8 +241,8 @@ class EngineConfig:
             f"context_length must be >= 2 (or unset to use the model's), got {self.context_length}",
         )
         _check(
-            self.chunked_prefill_size >= 1,
-            f"chunked_prefill_size must be >= 1 token, got {self.chunked_prefill_size}",
+            self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1,
+            f"chunked_prefill_size must be >= 1 token (or -1 to turn chunking off), got {self.chunked_prefill_size}",
         )
         _check(
             self.schedule_conservativeness > 0,
@@ -299,6 +312,11 @@ class EngineConfig:
         prefill = self.prefill_attention_backend or base
         decode = self.decode_attention_backend or base
         return (auto[0] if prefill == "auto" else prefill, auto[1] if decode == "auto" else decode)
+
+    def prefill_token_budget(self, max_context_len: int) -> int:
+        """Prefill tokens one step may carry: ``chunked_prefill_size``, or with -1 (chunking off) the
+        whole context, so that every prompt is prefilled in one step."""
+        return max_context_len if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
     def resolved_device(self) -> str:
         if self.device != "auto":

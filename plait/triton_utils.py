@@ -19,3 +19,35 @@ def patch_interpreter_for_numpy() -> None:
 
     patched._plait_numpy_fix = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
+
+
+def patch_interpreter_fp8_casts() -> None:
+    """triton 3.6's interpreter narrows floats to fp8 by truncating the mantissa, and a mantissa that
+    rounds up past its top bit wraps to the lower binade (7.95 becomes 4.0 in e4m3), where the GPU
+    rounds to nearest even. Casts to ``float8e4nv`` / ``float8e5`` go through torch's conversion
+    instead (round to nearest even, as the hardware does for in-range values). Idempotent."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_plait_fp8_fix", False):
+        return
+    torch_fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+        dst = dst_type.scalar
+        if dst in torch_fp8:
+            src_ty = src.dtype.scalar
+            data = src.data
+            if src_ty == tl.bfloat16:  # stored as uint16: widen to float32 bits
+                data = (data.astype(np.uint32) << 16).view(np.float32)
+            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            out = wide.to(torch_fp8[dst]).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(out, dst)
+        return original(self, src, dst_type, rounding_mode)
+
+    create_fp_to_fp._plait_fp8_fix = True  # type: ignore[attr-defined]
+    builder.create_fp_to_fp = create_fp_to_fp

@@ -14,9 +14,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        from plait.triton_utils import patch_interpreter_for_numpy
+        from plait.triton_utils import patch_interpreter_for_numpy, patch_interpreter_fp8_casts
 
         patch_interpreter_for_numpy()
+        patch_interpreter_fp8_casts()
     except ImportError:  # triton not installed: the Triton tests skip themselves
         pass
 

@@ -24,7 +24,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     7: ("plait.parallel",),
     8: ("plait.engine",),
     9: ("plait.server", "plait.bench"),
-    10: ("plait.cli", "plait.__main__", "plait"),
+    10: ("plait.cli", "plait.cli_aliases", "plait.__main__", "plait"),
     # Tests and benchmarks only: no production module may import it.
     11: ("plait.testing",),
 }

@@ -277,8 +277,9 @@ class TorchFlashAttnBackend(AttentionBackend):
             raise ValueError(f"torch_flash kernel_path must be one of {KERNEL_PATHS}, got {kernel_path!r}")
         self.device = kv_pool.k_buffer[0].device
         varlen = detect_varlen_kernel()
-        # FlashAttention-2 runs on CUDA in fp16/bf16 only.
-        usable = self.device.type == "cuda" and kv_pool.dtype in (torch.float16, torch.bfloat16)
+        # FlashAttention-2 runs on CUDA in fp16/bf16 only (an FP8 cache is dequantized to the model's
+        # dtype, bf16/fp16 on GPUs, before it).
+        usable = self.device.type == "cuda" and (kv_pool.dtype in (torch.float16, torch.bfloat16) or kv_pool.is_fp8)
         self.varlen = varlen if usable else None
         if kernel_path == "varlen" and self.varlen is None:
             raise ValueError("torch_flash kernel_path 'varlen' needs torch.nn.attention.varlen.varlen_attn on a CUDA "
@@ -320,13 +321,14 @@ class TorchFlashAttnBackend(AttentionBackend):
                 seg.prefix_slots = req_to_token[seg.rows, seg.cols].long()
 
     # --- extend -------------------------------------------------------------------------------------
-    def _gather(self, seg: Segments, new: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        """Contiguous K (or V) of ``seg``: cached prefix from the paged cache, new tokens from ``new``."""
+    def _gather(self, seg: Segments, new: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Contiguous K (or V) of ``seg``: cached prefix from the paged cache (an FP8 cache dequantized
+        with ``scale``), new tokens from ``new``."""
         if seg.num_prefix == 0 and seg.q_src is None:
             return new
         out = new.new_empty(seg.kv_total, *new.shape[1:])
         assert seg.prefix_slots is not None, "in_graph gathers the prefix slots"
-        out[seg.prefix_dst] = cache[seg.prefix_slots].to(new.dtype)
+        out[seg.prefix_dst] = self.kv_pool.dequantize(cache[seg.prefix_slots], scale, new.dtype)
         out[seg.new_dst] = new if seg.q_src is None else new[seg.q_src]
         return out
 
@@ -334,7 +336,9 @@ class TorchFlashAttnBackend(AttentionBackend):
         assert self.varlen is not None
         qs = q if seg.q_src is None else q[seg.q_src]
         # FlashAttention wants dense rows; k/v may be column slices of a fused qkv projection.
-        ks, vs = self._gather(seg, k, k_buf).contiguous(), self._gather(seg, v, v_buf).contiguous()
+        k_scale, v_scale = self.kv_pool.kv_scales_of(layer.layer_id)
+        ks = self._gather(seg, k, k_buf, k_scale).contiguous()
+        vs = self._gather(seg, v, v_buf, v_scale).contiguous()
         o = self.varlen(qs.contiguous(), ks, vs, seg.cu_q, seg.cu_k,
                         max(seg.ext), max(p + e for p, e in zip(seg.pre, seg.ext, strict=True)), layer.scaling,
                         layer.sliding_window)
@@ -345,7 +349,8 @@ class TorchFlashAttnBackend(AttentionBackend):
 
     def _run_masked(self, seg: Segments, q, k, v, k_buf, v_buf, layer: AttentionLayer, out: torch.Tensor) -> None:
         qs = q if seg.q_src is None else q[seg.q_src]
-        ks, vs = self._gather(seg, k, k_buf), self._gather(seg, v, v_buf)
+        k_scale, v_scale = self.kv_pool.kv_scales_of(layer.layer_id)
+        ks, vs = self._gather(seg, k, k_buf, k_scale), self._gather(seg, v, v_buf, v_scale)
         os_ = torch.empty_like(qs)
         q_off = kv_off = 0
         for e, p, tree in zip(seg.ext, seg.pre, seg.masks, strict=True):
@@ -387,6 +392,7 @@ class TorchFlashAttnBackend(AttentionBackend):
             self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k3, v3)
         if layer.logit_cap > 0:
             return self.reference.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+        k3, v3 = self.kv_pool.as_stored(layer.layer_id, k3, v3)
         md = self.extend_md
         assert md is not None, "plan the batch before the forward"
         k_buf, v_buf = self.kv_pool.get_key_buffer(layer.layer_id), self.kv_pool.get_value_buffer(layer.layer_id)
@@ -425,7 +431,9 @@ class TorchFlashAttnBackend(AttentionBackend):
         valid = pos < seq_lens
         cols = pos.clamp(max=self.req_to_token_pool.req_to_token.shape[1] - 1)
         slots = self.req_to_token_pool.req_to_token[fb.req_pool_indices.unsqueeze(1), cols].long()
-        keys = self.kv_pool.get_key_buffer(layer.layer_id)[slots].to(q.dtype)  # [bs, L, Hkv, D]
-        vals = self.kv_pool.get_value_buffer(layer.layer_id)[slots].to(q.dtype)
+        pool = self.kv_pool
+        k_scale, v_scale = pool.kv_scales_of(layer.layer_id)
+        keys = pool.dequantize(pool.get_key_buffer(layer.layer_id)[slots], k_scale, q.dtype)  # [bs, L, Hkv, D]
+        vals = pool.dequantize(pool.get_value_buffer(layer.layer_id)[slots], v_scale, q.dtype)
         o = grouped_sdpa(q3.unsqueeze(1), keys, vals, valid.unsqueeze(1), layer.scaling)  # [bs, 1, Hq, D]
         return o.reshape(-1, hq * d)

@@ -58,16 +58,25 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         return None
 
-    def _kv_of(self, layer: AttentionLayer, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv_of(self, layer: AttentionLayer, row: int, length: int, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         slots = self.req_to_token_pool.req_to_token[row, :length].long()
-        return (self.kv_pool.get_key_buffer(layer.layer_id)[slots],
-                self.kv_pool.get_value_buffer(layer.layer_id)[slots])
+        return self._read_kv(layer, slots, dtype)
+
+    def _read_kv(self, layer: AttentionLayer, slots: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``slots`` (any shape) in ``dtype``; an FP8 cache is dequantized."""
+        pool = self.kv_pool
+        k_scale, v_scale = pool.kv_scales_of(layer.layer_id)
+        return (pool.dequantize(pool.get_key_buffer(layer.layer_id)[slots], k_scale, dtype),
+                pool.dequantize(pool.get_value_buffer(layer.layer_id)[slots], v_scale, dtype))
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         if save_kv_cache:
             self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k, v = self.kv_pool.as_stored(layer.layer_id, k, v)
         assert fb.extend is not None
         mask = custom_mask_of(fb)
         rows = fb.req_pool_indices.tolist()
@@ -76,9 +85,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         start, mask_start = 0, 0
         for i, (ext, pre) in enumerate(zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu, strict=True)):
             # Prefix from the cache, new tokens from k/v (correct with save_kv_cache=False too).
-            pk, pv = self._kv_of(layer, rows[i], pre)
-            keys = torch.cat([pk.to(k.dtype), k[start : start + ext]])
-            vals = torch.cat([pv.to(v.dtype), v[start : start + ext]])
+            pk, pv = self._kv_of(layer, rows[i], pre, k.dtype)
+            keys = torch.cat([pk, k[start : start + ext]])
+            vals = torch.cat([pv, v[start : start + ext]])
             qpos = torch.arange(ext, device=q.device).unsqueeze(1) + pre
             if mask is not None:
                 allowed = mask[mask_start : mask_start + ext * (pre + ext)].view(ext, pre + ext).bool()
@@ -101,8 +110,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # One padded gather for the whole batch: rows shorter than the longest are masked.
         max_len = max(fb.seq_lens_cpu)
         slots = self.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()  # [bs, L]
-        keys = self.kv_pool.get_key_buffer(layer.layer_id)[slots]  # [bs, L, Hkv, D]
-        vals = self.kv_pool.get_value_buffer(layer.layer_id)[slots]
+        keys, vals = self._read_kv(layer, slots, torch.float32)  # [bs, L, Hkv, D]
         pos = torch.arange(max_len, device=q.device).unsqueeze(0)
         valid = pos < fb.seq_lens.unsqueeze(1)  # [bs, L]
         if layer.sliding_window:  # the new token sits at seq_len - 1

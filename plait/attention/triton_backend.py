@@ -389,8 +389,9 @@ class TritonAttnBackend(AttentionBackend):
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         k_buf = self.kv_pool.get_key_buffer(layer.layer_id)
         v_buf = self.kv_pool.get_value_buffer(layer.layer_id)
+        k_scale, v_scale = self.kv_pool.kv_scales_of(layer.layer_id)
         if save_kv_cache:
-            store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, hkv, d), v.view(-1, hkv, d))
+            store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, hkv, d), v.view(-1, hkv, d), k_scale, v_scale)
         assert self.decode_md is not None
         bufs, bs = self.decode_md
         if layer.sliding_window:
@@ -401,14 +402,16 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty_like(q3)
         decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: bs + 1], bufs.kv_indices, bufs.attn_logits,
                              bufs.attn_lse, bufs.num_kv_splits[:bs], MAX_KV_SPLITS, layer.scaling, layer.logit_cap,
-                             split_counters=bufs.split_counters, sinks=self._sinks(layer))
+                             split_counters=bufs.split_counters, sinks=self._sinks(layer),
+                             k_scale=k_scale, v_scale=v_scale)
         return o.view(-1, hq * d)
 
     def rope_kv_store_target(self, layer: AttentionLayer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Decode and every extend mode store the new tokens with store_kv at out_cache_loc; the
         # extend kernel reads the new tokens' K/V from the (rotated in place) k/v tensors, verify rows
         # read them from the cache (stored before attention either way).
-        if fb.forward_mode.is_idle():
+        # An FP8 cache stores scaled, saturated values: store_kv writes it, not the rotary kernel.
+        if fb.forward_mode.is_idle() or self.kv_pool.is_fp8:
             return None
         return self.kv_pool.get_key_buffer(layer.layer_id), self.kv_pool.get_value_buffer(layer.layer_id)
 
@@ -420,8 +423,10 @@ class TritonAttnBackend(AttentionBackend):
         # Views into the fused qkv projection's output (token stride > Hkv * D): the kernels take
         # strides, so nothing is copied.
         k3, v3 = k.view(-1, hkv, d), v.view(-1, hkv, d)
+        k_scale, v_scale = self.kv_pool.kv_scales_of(layer.layer_id)
         if save_kv_cache:
-            store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3)
+            store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3, k_scale, v_scale)
+        k3, v3 = self.kv_pool.as_stored(layer.layer_id, k3, v3)
         q3 = q.view(-1, hq, d)
         o = torch.empty_like(q3)
         rows = self.verify_md
@@ -432,7 +437,8 @@ class TritonAttnBackend(AttentionBackend):
             decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: rows.num_rows + 1], bufs.kv_indices,
                                  bufs.attn_logits, bufs.attn_lse, bufs.num_kv_splits[: rows.num_rows],
                                  VERIFY_MAX_KV_SPLITS, layer.scaling, layer.logit_cap,
-                                 split_counters=bufs.split_counters, sinks=self._sinks(layer))
+                                 split_counters=bufs.split_counters, sinks=self._sinks(layer),
+                                 k_scale=k_scale, v_scale=v_scale)
             return o.view(-1, hq * d)
         md = self.extend_md
         assert md is not None, ("a windowed layer needs the extend plan: the backend was built for the model's "
@@ -440,5 +446,6 @@ class TritonAttnBackend(AttentionBackend):
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices,
                              md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
                              is_causal=md.custom_mask is None, logit_cap=layer.logit_cap,
-                             sliding_window=layer.sliding_window, sinks=self._sinks(layer))
+                             sliding_window=layer.sliding_window, sinks=self._sinks(layer),
+                             k_scale=k_scale, v_scale=v_scale)
         return o.view(-1, hq * d)

@@ -34,3 +34,12 @@ def bf16_matmul_rate(n: int = 8192) -> float:
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     seconds = _time_cuda(lambda: a @ b, 20)
     return 2 * n**3 / seconds
+
+
+def fp8_matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of an n^3 FP8 (e4m3) ``torch._scaled_mm`` with per-tensor scales, bf16 out."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS wants
+    one = torch.ones((), device="cuda")
+    seconds = _time_cuda(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 20)
+    return 2 * n**3 / seconds

@@ -72,11 +72,15 @@ def timed(fn: Any) -> tuple[Any, float]:
 
 
 # --- floors -------------------------------------------------------------------------------------
-def decode_step_bytes(shape: str, contexts: list[int], distinct_experts: float | None = None) -> float:
+def decode_step_bytes(shape: str, contexts: list[int], distinct_experts: float | None = None,
+                      weight_bytes: float | None = None, kv_dtype_bytes: int = 2) -> float:
     """Bytes one decode step must read: every matmul weight (bf16) plus the KV cache of the batch. A
     mixture of experts reads its dense weights plus, per sparse layer, the experts the step routes to:
-    ``distinct_experts`` per layer, by default the expectation under uniform routing."""
-    kv = kv_bytes_per_token(shape) * sum(contexts)
+    ``distinct_experts`` per layer, by default the expectation under uniform routing. ``weight_bytes``:
+    the weights in all as a quantized model stores them; ``kv_dtype_bytes``: bytes per KV element."""
+    kv = kv_bytes_per_token(shape, kv_dtype_bytes) * sum(contexts)
+    if weight_bytes is not None:
+        return weight_bytes + kv
     if not is_moe(shape):
         return 2 * param_counts(shape)["matmul"] + kv
     m = moe_counts(shape)
@@ -94,14 +98,18 @@ def prefill_flops(shape: str, prompt_lens: list[int]) -> float:
     return sum(2 * p["layers"] * n + 2 * p["lm_head"] + attention_flops(shape, n, n) for n in prompt_lens)
 
 
-def throughput_floor_seconds(shape: str, prompt_lens: list[int], output_lens: list[int], lim: Limits) -> float:
+def throughput_floor_seconds(shape: str, prompt_lens: list[int], output_lens: list[int], lim: Limits,
+                             weight_bytes: float | None = None, kv_dtype_bytes: int = 2) -> float:
     """Sum over steps of max(FLOPs / matmul rate, bytes / copy bandwidth): all prefill compute-bound,
-    then one decode step per output position over the requests still running."""
+    then one decode step per output position over the requests still running. ``weight_bytes`` /
+    ``kv_dtype_bytes``: a quantized run's storage (decode_step_bytes); ``lim.matmul_rate`` is the
+    ceiling of the run's matmul type (FP8 for FP8 weights)."""
     seconds = prefill_flops(shape, prompt_lens) / lim.matmul_rate
     for step in range(1, max(output_lens)):
         contexts = [p + step for p, o in zip(prompt_lens, output_lens, strict=True) if o > step]
         seconds += max(decode_step_flops(shape, contexts) / lim.matmul_rate,
-                       decode_step_bytes(shape, contexts) / lim.copy_bw)
+                       decode_step_bytes(shape, contexts, weight_bytes=weight_bytes,
+                                         kv_dtype_bytes=kv_dtype_bytes) / lim.copy_bw)
     return seconds
 
 

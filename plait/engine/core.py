@@ -18,7 +18,7 @@ from plait.config import EngineConfig
 from plait.engine.frontend import RequestLimits
 from plait.engine.messages import RequestUpdate
 from plait.executor.model_runner import ModelRunner
-from plait.models.loader import ModelConfig, load_model_config
+from plait.models.loader import ModelConfig, load_model_config, load_tokenizer
 from plait.parallel.roles import EngineRunner, EngineScheduler
 from plait.sampling.params import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
@@ -79,10 +79,9 @@ class EngineCore:
 def build_engine_core(config: EngineConfig) -> EngineCore:
     """Load the model's config and tokenizer and build the runner and the scheduler for ``config``'s
     layout. The one place either is constructed for a front end."""
-    model_config = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    model_config = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length,
+                                     config.quantization)
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
     from plait.parallel.data_parallel import is_plain_data_parallel
 
     if is_plain_data_parallel(config):

@@ -44,10 +44,11 @@ class Engine:
             raise ValueError(f"model ({model!r}) and model_path ({model_path!r}) name the same setting: pass one")
         model = model if model is not None else model_path
         if model is None:
-            from plait.models.tiny import demo_model_path
+            from plait.models.demo import demo_model
 
-            model = str(demo_model_path())
-            logger.info("no model given: using the built-in demo model at %s (random weights)", model)
+            demo = demo_model()
+            model = str(demo.path)
+            logger.info("no model given: using the built-in demo model, %s, at %s", demo.description, model)
         self.config = EngineConfig.from_kwargs(model=model, **options)
         self.core = build_engine_core(self.config)
         # The core's parts under their own names: tests, benchmarks and the CLI reach them here.

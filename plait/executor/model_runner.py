@@ -30,8 +30,14 @@ from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs,
 from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
-from plait.layers.radix_attention import model_has_sinks, model_sliding_window
-from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, log_device_memory
+from plait.layers.radix_attention import model_has_sinks, model_kv_scales, model_sliding_window
+from plait.mem.pools import (
+    MHATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    kv_cache_dtype,
+    log_device_memory,
+)
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model, load_model_config
 from plait.sampling import Sampler
@@ -71,8 +77,11 @@ class ModelRunner:
             kv_capacity_tokens(config, mc, self.device, attn_tp.size, draft=draft))
         self.max_context_len = mc.context_length
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
-        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, mc.dtype, mc.num_layers,
-                                        mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim, self.device)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype)
+        k_scales, v_scales = model_kv_scales(self.model)
+        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, kv_dtype, mc.num_layers,
+                                        mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim, self.device,
+                                        k_scales=k_scales, v_scales=v_scales)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         log_device_memory("the weights and the KV pool", self.device)
         def new_backend() -> AttentionBackend:
@@ -112,8 +121,8 @@ class ModelRunner:
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
             self.max_total_tokens,
             self.max_total_tokens * MHATokenToKVPool.bytes_per_token(
-                mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim) / 2**30,
-            mc.dtype, self.attn_backend.name, self.max_context_len)
+                kv_dtype, mc.num_layers, mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim) / 2**30,
+            kv_dtype, self.attn_backend.name, self.max_context_len)
 
     def capture_target(self) -> CaptureTarget:
         """What the graph runners record: this runner's model, backend and hidden capture."""
@@ -201,4 +210,4 @@ class ModelRunner:
 
     def info(self) -> dict[str, Any]:
         return {"max_total_tokens": self.max_total_tokens, "attention_backend": serving_backend_name(self.attn_backend),
-                "dtype": str(self.model_config.dtype), "device": self.device}
+                "dtype": str(self.model_config.dtype), "kv_cache_dtype": str(self.kv_pool.dtype), "device": self.device}

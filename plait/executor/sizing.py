@@ -12,7 +12,7 @@ import torch
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import TPGroup
 from plait.layers.hidden_capture import HiddenCapture
-from plait.mem.pools import MHATokenToKVPool
+from plait.mem.pools import MHATokenToKVPool, kv_cache_dtype
 from plait.models.eagle import eagle3_capture_layers
 from plait.models.loader import ModelConfig, weight_bytes
 
@@ -28,8 +28,9 @@ def kv_capacity_tokens(config: EngineConfig, mc: ModelConfig, device: str, tp_si
     ``draft``: a STANDALONE draft model, loaded later, unsharded, with a KV pool of the same slot count
     (its slots mirror the target's): its weights come off the budget and its per-token bytes are
     added, so both pools fit."""
-    per_token = MHATokenToKVPool.bytes_per_token(mc.dtype, mc.num_layers, mc.num_kv_heads_per_rank(tp_size),
-                                                 mc.head_dim)
+    # Bytes per token of the pool's own storage: an FP8 cache (--kv-cache-dtype) fits twice the tokens.
+    per_token = MHATokenToKVPool.bytes_per_token(kv_cache_dtype(config.kv_cache_dtype, mc.dtype), mc.num_layers,
+                                                 mc.num_kv_heads_per_rank(tp_size), mc.head_dim)
     draft_weights = 0
     if draft is not None:
         per_token += MHATokenToKVPool.bytes_per_token(draft.dtype, draft.num_layers, draft.num_kv_heads,

@@ -3,15 +3,27 @@
 ColumnParallelLinear splits the output dimension across ranks, RowParallelLinear the input
 dimension (its partial sums are all-reduced). Fused projections (qkv, gate_up) load each
 checkpoint shard into its slice through ``weight_loader(param, loaded, shard_id)``.
+
+A quantized layer holds a ``LinearMethod`` (plait.layers.quantization) in ``quant_method``: it owns the
+layer's weight storage (FP8 weight, scales) and its matmul; None is the plain ``F.linear``.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
+
+
+class LinearMethod(Protocol):
+    """A quantized layer's matmul: ``x [..., in] -> [..., out]`` from the weight storage the method
+    placed on ``layer`` (plait.layers.quantization.fp8.Fp8LinearMethod)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -31,12 +43,25 @@ class ColumnParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(self.out_features_per_rank, dtype=dtype), requires_grad=False)
                      if bias else None)
+        self.quant_method: LinearMethod | None = None
+
+    def shard_ids(self) -> list[str | int | None]:
+        """The checkpoint shards fused into this layer, in output order (None: not fused)."""
+        return [None]
+
+    def shard_rows(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        """``(offset, size, source_rank)``: shard ``shard_id`` fills output rows ``[offset, offset +
+        size)`` of this rank from rows ``[source_rank * size, (source_rank + 1) * size)`` of the
+        checkpoint tensor."""
+        return 0, self.out_features_per_rank, self.tp.rank
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
+        offset, size, rank = self.shard_rows(shard_id)
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -48,11 +73,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias, tp, dtype)
         self.output_sizes_per_rank = [_divide(s, tp.size, "merged output") for s in output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def shard_ids(self) -> list[str | int | None]:
+        return list(range(len(self.output_sizes_per_rank)))
+
+    def shard_rows(self, shard_id: str | int | None) -> tuple[int, int, int]:
         assert isinstance(shard_id, int), "merged linear shards are numbered"
         size = self.output_sizes_per_rank[shard_id]
-        offset = sum(self.output_sizes_per_rank[:shard_id])
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+        return sum(self.output_sizes_per_rank[:shard_id]), size, self.tp.rank
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -69,17 +96,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
         super().__init__(hidden_size, out, bias, tp, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def shard_ids(self) -> list[str | int | None]:
+        return ["q", "k", "v"]
+
+    def shard_rows(self, shard_id: str | int | None) -> tuple[int, int, int]:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, rank = 0, q_size, self.tp.rank
-        elif shard_id in ("k", "v"):
+            return 0, q_size, self.tp.rank
+        if shard_id in ("k", "v"):
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, rank = kv_size, self.tp.rank // self.kv_replicas
-        else:
-            raise ValueError(f"qkv shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+            return offset, kv_size, self.tp.rank // self.kv_replicas
+        raise ValueError(f"qkv shard id must be 'q', 'k' or 'v', got {shard_id!r}")
 
 
 class RowParallelLinear(nn.Module):
@@ -92,6 +120,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, dtype=dtype),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.quant_method: LinearMethod | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if param.dim() == 1:  # bias is added once, after the reduction
@@ -100,8 +129,13 @@ class RowParallelLinear(nn.Module):
         n = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, None)
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self._matmul(x)
         if self.reduce_results:
             out = self.tp.all_reduce(out)
         return self.add_bias(out)
@@ -109,7 +143,7 @@ class RowParallelLinear(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums (no reduction, no bias): for callers that reduce another way
         (DP attention reduce-scatters) and then call ``add_bias``."""
-        return F.linear(x, self.weight)
+        return self._matmul(x)
 
     def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
         return reduced if self.bias is None else reduced + self.bias

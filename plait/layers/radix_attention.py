@@ -24,6 +24,10 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.logit_cap = logit_cap
         self.sliding_window = sliding_window
+        # FP8 KV cache multipliers (stored = k / k_scale), from the checkpoint when it has them
+        # (plait.layers.quantization.kv_cache); read by the KV pool only when it stores FP8.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.sinks: nn.Parameter | None
         self.register_parameter(
             "sinks", nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None)
@@ -52,6 +56,13 @@ def model_sliding_window(model: nn.Module) -> int | None:
     if len(windows) > 1:
         raise ValueError(f"layers with different sliding windows {sorted(windows)} are not supported")
     return windows.pop() if windows else None
+
+
+def model_kv_scales(model: nn.Module) -> tuple[list[float], list[float]]:
+    """Per-layer ``(k_scales, v_scales)`` of the model's attention layers, by layer id (the FP8 KV
+    pool's multipliers: the checkpoint's, or 1.0)."""
+    layers = sorted((m for m in model.modules() if isinstance(m, RadixAttention)), key=lambda m: m.layer_id)
+    return [m.k_scale for m in layers], [m.v_scale for m in layers]
 
 
 def model_has_sinks(model: nn.Module) -> bool:

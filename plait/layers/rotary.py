@@ -22,7 +22,7 @@ def rope_settings(hf_config: object) -> tuple[float, dict[str, Any]]:
     return theta, merged
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = float(scaling["factor"])
     low = float(scaling["low_freq_factor"])
     high = float(scaling["high_freq_factor"])
@@ -87,7 +87,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         cos_sin_scale = 1.0
         if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "yarn":
             inv_freq, cos_sin_scale = _yarn_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)

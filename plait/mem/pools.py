@@ -59,8 +59,22 @@ class ReqToTokenPool:
         self.req_to_token[rows, positions] = slots.to(torch.int32)
 
 
+KV_CACHE_FP8_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of ``--kv-cache-dtype name``: ``auto`` is the model's dtype."""
+    return model_dtype if name == "auto" else KV_CACHE_FP8_DTYPES[name]
+
+
 class MHATokenToKVPool:
-    """Per-layer K and V buffers ``[size + 1, num_kv_heads, head_dim]`` (slot 0 is the dummy)."""
+    """Per-layer K and V buffers ``[size + 1, num_kv_heads, head_dim]`` (slot 0 is the dummy).
+
+    An FP8 pool (``dtype`` float8_e4m3fn / float8_e5m2) stores ``k / k_scales[layer]`` and
+    ``v / v_scales[layer]`` saturated to the format's range; readers multiply back (``k_scale_of``,
+    ``dequantize``). The scales are host floats, fixed for the pool's life, so graphs capture them as
+    constants. Pools in the model's dtype keep scales of 1.0 and ignore any a checkpoint carries."""
 
     def __init__(
         self,
@@ -70,12 +84,21 @@ class MHATokenToKVPool:
         num_kv_heads: int,
         head_dim: int,
         device: torch.device | str,
+        k_scales: list[float] | None = None,
+        v_scales: list[float] | None = None,
     ) -> None:
         self.size = size
         self.dtype = dtype
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.is_fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        self.fp8_max = float(torch.finfo(dtype).max) if self.is_fp8 else 0.0
+        ones = [1.0] * num_layers
+        self.k_scales = list(k_scales or ones) if self.is_fp8 else ones
+        self.v_scales = list(v_scales or ones) if self.is_fp8 else ones
+        if len(self.k_scales) != num_layers or len(self.v_scales) != num_layers:
+            raise ValueError(f"KV scales for {len(self.k_scales)}/{len(self.v_scales)} layers, pool has {num_layers}")
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -90,10 +113,37 @@ class MHATokenToKVPool:
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id]
 
+    def kv_scales_of(self, layer_id: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)``: what a stored value of ``layer_id`` is multiplied by when read."""
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
+    def _encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.is_fp8:
+            return x.to(self.dtype)
+        return (x.float() * (1.0 / scale)).clamp(-self.fp8_max, self.fp8_max).to(self.dtype)
+
+    def dequantize(self, stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """Values read from the buffers (any rows) in ``dtype``."""
+        if not self.is_fp8:
+            return stored.to(dtype)
+        return (stored.float() * scale).to(dtype)
+
+    def as_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens' K/V as a reader of the cache sees them (an FP8 round trip; unchanged otherwise).
+        Extends attend to their own tokens through this, so a token's attention reads the same K/V
+        whether it comes from this batch or from the cache: chunking a prompt, reusing a cached
+        prefix or recomputing a retracted request changes no value."""
+        if not self.is_fp8:
+            return k, v
+        k_scale, v_scale = self.kv_scales_of(layer_id)
+        return (self.dequantize(self._encode(k, k_scale), k_scale, k.dtype),
+                self.dequantize(self._encode(v, v_scale), v_scale, v.dtype))
+
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V ([T, num_kv_heads, head_dim]) at slots ``loc`` ([T])."""
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        k_scale, v_scale = self.kv_scales_of(layer_id)
+        self.k_buffer[layer_id][loc] = self._encode(k, k_scale)
+        self.v_buffer[layer_id][loc] = self._encode(v, v_scale)
 
 
 class TokenToKVPoolAllocator:

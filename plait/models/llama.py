@@ -23,6 +23,7 @@ from plait.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, R
 from plait.layers.logits import LogitsProcessor
 from plait.layers.norm import RMSNorm
 from plait.layers.overlap import LayerOps, run_overlapped
+from plait.layers.quantization.kv_cache import load_kv_scale
 from plait.layers.radix_attention import RadixAttention
 from plait.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -281,6 +282,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the head
+            if load_kv_scale(self, name, tensor):
+                continue  # an FP8 KV-cache scale: a float on the layer's RadixAttention
             target, shard_id = name, None
             for ckpt, (fused, sid) in self.packed_modules_mapping.items():
                 if f".{ckpt}." in name:
@@ -290,7 +293,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[target]
             owner = self.get_submodule(target.rsplit(".", 1)[0])
-            loader = getattr(owner, "weight_loader", None)
+            # A quantized layer's scales bring their own loader (plait.layers.quantization.fp8).
+            loader = getattr(param, "weight_loader", None) or getattr(owner, "weight_loader", None)
             if loader is None:
                 if param.shape != tensor.shape:
                     raise ValueError(

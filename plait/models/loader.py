@@ -1,5 +1,5 @@
-"""Read a Hugging Face checkpoint directory: config, dtype, and weights (safetensors, sharded or not,
-or random ``dummy`` weights built from config.json alone)."""
+"""Read a checkpoint: a Hugging Face directory (config, dtype, safetensors weights, sharded or not, or
+random ``dummy`` weights built from config.json alone) or a GGUF file (plait.models.gguf_loader)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.distributed.sharded_load import LazySlice
+from plait.layers.quantization.fp8 import Fp8Config, finish_quantization, quantize_linear_layers, resolve_fp8_config
+from plait.models.gguf_loader import find_gguf, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
 from plait.models.llama import head_dim_of
 from plait.models.moe import moe_mlp_params
 from plait.models.registry import DEQUANTIZED_AT_LOAD, MODEL_REGISTRY, MOE_CONFIG_FIELDS, supported_architectures
+from plait.models.tiny import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,10 @@ class ModelConfig:
     head_dim: int
     hidden_size: int
     eos_token_ids: tuple[int, ...]
+    # "safetensors" (a Hugging Face directory; ``path`` is the directory) or "gguf" (``path`` is the file).
+    checkpoint_format: str = "safetensors"
+    # FP8 linear layers (from the checkpoint's quantization_config, or --quantization fp8); None: dense
+    quantization: Fp8Config | None = None
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         return max(1, self.num_kv_heads // tp_size)
@@ -86,17 +93,35 @@ def _eos_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _refuse_remote_code(root: Path) -> None:
+    """A checkpoint whose architecture plait does not implement and that ships its own modelling code
+    (``auto_map``) fails here, naming the architecture: plait never runs a checkpoint's code, with
+    ``--trust-remote-code`` or without (read before transformers, which would ask for that flag)."""
+    raw = json.loads((root / "config.json").read_text())
+    archs = list(raw.get("architectures") or [])
+    if raw.get("auto_map") and not any(a in MODEL_REGISTRY for a in archs):
+        raise ValueError(
+            f"architecture {archs} needs remote code (config.json has auto_map), and plait runs no code from "
+            f"checkpoints, even with --trust-remote-code; supported architectures: {supported_architectures()}"
+        )
+
+
 def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
-                      context_length: int | None = None) -> ModelConfig:
+                      context_length: int | None = None, quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
 
-    root = Path(path)
-    if not (root / "config.json").exists():
+    gguf_file = find_gguf(path)
+    root = gguf_file or Path(path)
+    if gguf_file is not None:
+        hf_config = gguf_hf_config(gguf_file)
+    elif not (root / "config.json").exists():
         raise FileNotFoundError(
-            f"{path!r} is not a Hugging Face checkpoint directory (no config.json); pass --model PATH "
-            "to a local directory (plait never downloads weights)"
+            f"{path!r} is not a Hugging Face checkpoint directory (no config.json) nor a GGUF file; pass "
+            "--model PATH to a local directory or .gguf file (plait never downloads weights)"
         )
-    hf_config = AutoConfig.from_pretrained(root)
+    else:
+        _refuse_remote_code(root)
+        hf_config = AutoConfig.from_pretrained(root)
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in MODEL_REGISTRY), None)
     if arch is None:
@@ -104,14 +129,12 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
             getattr(hf_config, f, None) for f in MOE_CONFIG_FIELDS) else "architecture"
         raise ValueError(f"{kind} {archs} is not supported; supported: {supported_architectures()}")
     quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else type(quant).__name__
-        if method not in DEQUANTIZED_AT_LOAD.get(arch, ()):
-            raise ValueError(
-                f"quantized checkpoint ({method}) is not supported yet; plait loads unquantized "
-                f"float32/float16/bfloat16 checkpoints of {supported_architectures()} (and dequantizes "
-                f"{DEQUANTIZED_AT_LOAD} at load)"
-            )
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {"quant_method": type(quant).__name__}
+    if quant and quant.get("quant_method") in DEQUANTIZED_AT_LOAD.get(arch, ()):
+        quant = None  # the architecture's loader dequantizes it (plait.models.registry)
+    # FP8 checkpoints, or --quantization fp8; any other format raises, naming it.
+    fp8 = resolve_fp8_config(quant, quantization)
     max_ctx = int(hf_config.max_position_embeddings)
     if context_length is not None and context_length > max_ctx:
         raise ValueError(
@@ -127,8 +150,21 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
         num_kv_heads=int(hf_config.num_key_value_heads),
         head_dim=head_dim_of(hf_config),
         hidden_size=int(hf_config.hidden_size),
-        eos_token_ids=_eos_ids(root, hf_config),
+        eos_token_ids=_eos_ids(root.parent if gguf_file else root, hf_config),
+        checkpoint_format="gguf" if gguf_file else "safetensors",
+        quantization=fp8,
     )
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a checkpoint directory, or the one stored in a GGUF file's metadata (``path``
+    the file or a directory holding it)."""
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file, cache_root() / "gguf-tokenizers")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -172,13 +208,24 @@ def dummy_checkpoint(mc: ModelConfig, device: torch.device | str, seed: int) -> 
         yield name, torch.empty(p.shape, dtype=mc.dtype, device=device).uniform_(-scale, scale, generator=gen)
 
 
+def _checkpoint_weights(mc: ModelConfig, load_format: str, lazy: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors for ``load_format``: ``auto`` reads what the path holds, ``gguf`` and
+    ``safetensors`` insist on it."""
+    if load_format not in ("auto", mc.checkpoint_format):
+        raise ValueError(f"load_format {load_format!r} does not match {mc.path!r}, a {mc.checkpoint_format} "
+                         f"checkpoint: use load_format 'auto' or {mc.checkpoint_format!r}")
+    if mc.checkpoint_format == "gguf":
+        return iter_gguf_weights(mc.path, mc.hf_config)
+    return iter_safetensors(mc.path, lazy=lazy)
+
+
 def load_full_tensors(mc: ModelConfig, names: set[str], load_format: str, seed: int,
                       device: torch.device | str) -> dict[str, torch.Tensor]:
     """The named checkpoint tensors whole (not sharded), in the model dtype: for a part of the model
     that one rank runs by itself while the rest is sharded (a speculative head's embedding and LM
     head under tensor parallelism). Dummy weights are the same draws ``load_model`` shards."""
     source = (dummy_checkpoint(mc, device, seed) if load_format == "dummy"
-              else iter_safetensors(mc.path, lazy=True))
+              else _checkpoint_weights(mc, load_format, lazy=True))
     found: dict[str, torch.Tensor] = {}
     for name, tensor in source:
         if name in names:
@@ -191,6 +238,7 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
                seed: int = 0, attn_tp: TPGroup | None = None, ep_size: int = 1) -> nn.Module:
     """``ep_size``: expert parallelism over ``tp``'s ranks (mixture-of-experts models only)."""
     cls = MODEL_REGISTRY[mc.architecture]
+    weights = None if load_format == "dummy" else _checkpoint_weights(mc, load_format, lazy=tp.size > 1)
     moe_kwargs: dict[str, int] = {}
     if ep_size > 1:
         if not getattr(cls, "is_moe", False):
@@ -204,15 +252,18 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     try:
         with torch.device(device):
             model = cls(mc.hf_config, tp, attn_tp=attn_tp, **moe_kwargs)
+        quantized = (quantize_linear_layers(model, mc.quantization, getattr(cls, "packed_modules_mapping", {}))
+                     if mc.quantization is not None else [])
     finally:
         torch.set_default_dtype(previous)
-    if load_format == "dummy":
+    if weights is None:
         loaded = model.load_weights(dummy_checkpoint(mc, next(model.parameters()).device, seed))
     else:
-        loaded = model.load_weights(iter_safetensors(mc.path, lazy=tp.size > 1))
+        loaded = model.load_weights(weights)
     missing = set(dict(model.named_parameters())) - loaded
     if missing:
         raise ValueError(f"checkpoint {mc.path!r} ({load_format}) lacks weights for {sorted(missing)[:8]}")
+    finish_quantization(quantized)
     model.eval()
     return model
 

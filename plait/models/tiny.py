@@ -25,6 +25,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -462,31 +463,36 @@ def make_tiny_model(
     return out
 
 
-def _cache_root() -> pathlib.Path:
+def cache_root() -> pathlib.Path:
+    """plait's cache directory (``PLAIT_CACHE``, else ~/.cache/plait): the demo models live here."""
     env = envs.CACHE.get()
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "plait"
 
 
-def demo_model_path() -> pathlib.Path:
-    """Return the shared llama demo checkpoint, building it on first use.
+def build_in_place(target: pathlib.Path, build: Callable[[pathlib.Path], object], marker: str) -> pathlib.Path:
+    """``target`` (a directory), built by ``build(directory)`` unless ``target / marker`` exists.
 
     Built into a temporary sibling directory and renamed into place, so a crash or a concurrent
-    builder never leaves a half-written model where readers look; a reader that loses the rename
-    race simply uses the winner's copy.
-    """
-    target = _cache_root() / "demo-model"
-    if (target / "config.json").is_file():
+    builder never leaves a half-written directory where readers look; a builder that loses the rename
+    race simply uses the winner's copy."""
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".demo-model-", dir=target.parent))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        make_tiny_model(tmp, "llama", seed=0)
+        build(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
             # Another process finished first (target exists and is non-empty); keep its copy.
-            if not (target / "config.json").is_file():
+            if not (target / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def demo_model_path() -> pathlib.Path:
+    """Return the tiny random-weight llama demo checkpoint (the demo's offline fallback, see
+    plait.models.demo), building it on first use (``build_in_place``)."""
+    return build_in_place(cache_root() / "demo-model", lambda d: make_tiny_model(d, "llama", seed=0), "config.json")

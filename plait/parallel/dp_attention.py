@@ -174,7 +174,7 @@ class DPAttentionRunner(ModelRunner):
         # at most a prefill chunk plus a decode token per running request.
         device = use_rank_device(config, groups.tp)
         row_exchange = None if config.disable_copy_engine_rows else copy_engine_rows(
-            groups.tp, groups.store, config.chunked_prefill_size + config.max_running_requests,
+            groups.tp, groups.store, config.prefill_token_budget(mc.context_length) + config.max_running_requests,
             mc.hidden_size, mc.dtype, device, timedelta(seconds=config.dist_timeout))
         # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
         # every rank captures the same buckets in the same order, so the recorded collectives pair up.
@@ -407,12 +407,11 @@ class DPAttentionScheduler:
 # --- ranks > 0 ----------------------------------------------------------------------------------------
 def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     """Serve the requests rank 0 assigns to this rank, one lockstep round per engine step."""
-    from transformers import AutoTokenizer
-
+    from plait.models.loader import load_tokenizer
     from plait.parallel.step_sync import IDLE_WAIT
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
     scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)

@@ -165,7 +165,7 @@ def run_worker(rank: int, world: int, config: EngineConfig, store: Any, local_wo
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         store.set(JOINED_KEY.format(rank=rank), "1")
         groups = build_groups(store, rank, world, device, startup_timeout(config))
-        mc = load_model_config(config.model, config.dtype, device, config.context_length)
+        mc = load_model_config(config.model, config.dtype, device, config.context_length, config.quantization)
         runner: ModelRunner
         serve: Callable[[], None]
         if config.enable_dp_attention:

@@ -279,7 +279,7 @@ class Scheduler:
         decode_slots = self.alloc_kv_slots(len(decodes)) if decodes else None
         entries = [BatchEntry(r, r.kv_len, 1, sample=True, is_decode=True) for r in decodes]
         locs = [decode_slots] if decode_slots is not None else []
-        budget = self.config.chunked_prefill_size
+        budget = self.config.prefill_token_budget(self.runner.max_context_len)
         self.admit()
         for req in self.prefilling:
             if budget <= 0:
@@ -336,7 +336,7 @@ class Scheduler:
         """Move waiting requests to ``prefilling`` while rows, budget and reserved KV allow."""
         while self.waiting and self.num_running() < self.config.max_running_requests:
             pending_prefill = sum(r.fill_len - r.kv_len for r in self.prefilling)
-            if pending_prefill >= self.config.chunked_prefill_size:
+            if pending_prefill >= self.config.prefill_token_budget(self.runner.max_context_len):
                 break  # this step's prefill budget is already spoken for
             # The first request in arrival order that can run (one whose grammar still compiles waits).
             req = next((r for r in self.waiting if r.grammar_future is None), None)

@@ -32,7 +32,10 @@ from plait.server.http import PayloadLimitMiddleware
 from plait.server.metrics import CONTENT_TYPE, ServerMetrics
 from plait.server.native_api import NativeServing, add_native_routes
 from plait.server.openai_serving import OpenAIServing
+from plait.server.operator_flags import DEFAULT_MAX_STREAM_BUFFER
+from plait.server.request_log import RequestLog
 from plait.server.scheduler_client import SchedulerClient, State
+from plait.server.security import install_access_control
 from plait.server.tool_calling import ChatOptions
 
 logger = logging.getLogger(__name__)
@@ -50,14 +53,26 @@ class ServerArgs:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    # plait.server.operator_flags
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] | None = None  # None: every origin
+    log_requests: bool = False
+    log_requests_level: int = 0
+    sglang_metrics: bool = False
+    trust_request_chat_template: bool = False
+    max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER
 
 
 def build_app(config: EngineConfig, args: ServerArgs,
-              on_startup_failure: Callable[[str], None] | None = None) -> FastAPI:
-    metrics = ServerMetrics()
-    client = SchedulerClient(config, metrics, args.max_queued_requests, on_startup_failure)
+              on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    model_name = args.served_model_name or config.model
+    metrics = ServerMetrics(model_name, sglang_names=args.sglang_metrics)
+    client = SchedulerClient(config, metrics, args.max_queued_requests, on_fatal,
+                             RequestLog(args.log_requests_level) if args.log_requests else None,
+                             args.max_stream_buffer)
     chat_options = ChatOptions.from_flags(args.tool_call_parser, args.reasoning_parser, args.chat_template)
-    serving = OpenAIServing(client, args.served_model_name or config.model, config, chat_options)
+    serving = OpenAIServing(client, model_name, config, trust_request_chat_template=args.trust_request_chat_template,
+                            max_rendered_chars=args.max_payload_bytes, chat_options=chat_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,6 +81,7 @@ def build_app(config: EngineConfig, args: ServerArgs,
             yield
         finally:
             await client.shutdown()
+            serving.prompt_work.close()
 
     app = FastAPI(title="plait", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.client = client
@@ -118,7 +134,8 @@ def build_app(config: EngineConfig, args: ServerArgs,
     async def server_info() -> Response:
         return JSONResponse(_server_info(client, serving, args))
 
-    native = NativeServing(client, config, serving.model_name, lambda: _server_info(client, serving, args))
+    native = NativeServing(client, config, serving.model_name, lambda: _server_info(client, serving, args),
+                           serving.prompt_work)
     add_native_routes(app, native, guarded)
 
     @app.exception_handler(RequestValidationError)
@@ -132,6 +149,7 @@ def build_app(config: EngineConfig, args: ServerArgs,
         return APIError(exc.status_code, str(exc.detail)).response()
 
     app.add_middleware(PayloadLimitMiddleware, max_bytes=args.max_payload_bytes)
+    install_access_control(app, args.api_key, args.allowed_origins)
     return app
 
 
@@ -151,7 +169,7 @@ def _server_info(client: SchedulerClient, serving: OpenAIServing, args: ServerAr
         "served_model_name": serving.model_name,
         "attention_backend": serving.attention_backend,
         "config": dataclasses.asdict(serving.config),
-        "server_args": dataclasses.asdict(args),
+        "server_args": {**dataclasses.asdict(args), "api_key": "<set>" if args.api_key else None},
         "scheduler": dataclasses.asdict(ready) if ready is not None else None,
         # Ids past the tokenizer's (padding rows of the embedding) are valid input but not text.
         "tokenizer_vocab_size": len(client.tokenizer) if client.tokenizer is not None else None,

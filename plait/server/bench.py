@@ -206,12 +206,13 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 
 def read_metrics(base_url: str) -> dict[str, float]:
+    """The samples of /metrics whose only label is ``model_name`` (or none), as name -> value."""
     text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30).text
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)$", line)
+        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{model_name="[^"]*"\})? (\S+)$', line)
         if m:
-            out[m.group(1)] = float(m.group(2))
+            out[m.group(1)] = float(m.group(3))
     return out
 
 

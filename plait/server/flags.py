@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from plait.server.operator_flags import add_operator_flags
+
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 # The keys of plait.server.function_call.TOOL_CALL_PARSERS and plait.server.reasoning.REASONING_PARSERS.
 TOOL_CALL_PARSER_NAMES = ("llama3", "hermes", "qwen25", "mistral", "pythonic")
@@ -31,6 +33,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="move the thinking span of chat outputs into reasoning_content")
     group.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template that replaces the checkpoint's (e.g. a tools-aware one)")
+    add_operator_flags(parser)
 
 
 def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:

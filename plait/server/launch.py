@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -30,12 +31,17 @@ import uvicorn
 
 from plait.config import EngineConfig
 from plait.server.app import ServerArgs, build_app
+from plait.server.operator_flags import flatten_origins
 from plait.server.scheduler_client import SchedulerClient
 
 logger = logging.getLogger(__name__)
 
 # After SIGTERM, uvicorn itself gives up on connections this long after our own deadline.
 _UVICORN_GRACE_S = 10.0
+# Kernel send buffer of every connection (inherited from the listening socket; fixing it turns the
+# kernel's growth up to tcp_wmem's maximum off). With --max-stream-buffer this bounds what a client
+# that stops reading a stream can make the server hold before its request is aborted.
+SOCKET_SEND_BUFFER_BYTES = 128 * 1024
 
 
 class PlaitServer(uvicorn.Server):
@@ -76,27 +82,29 @@ class PlaitServer(uvicorn.Server):
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self.client.drain(self.shutdown_timeout))
 
-    def fail_startup(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
+        """The server cannot serve (startup failed, the scheduler process died): exit non-zero."""
         self.exit_code = 1
         self.should_exit = True
 
 
 def server_args_from(args: argparse.Namespace) -> ServerArgs:
-    return ServerArgs(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                      max_queued_requests=args.max_queued_requests, max_payload_bytes=args.max_payload_bytes,
-                      shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-                      reasoning_parser=args.reasoning_parser, chat_template=args.chat_template)
+    # Every ServerArgs field is the flag of the same name (a field without a flag keeps its default).
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs) if hasattr(args, f.name)}
+    return ServerArgs(**{**values, "allowed_origins": flatten_origins(args.allowed_origins)})
 
 
 def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
     holder: dict[str, PlaitServer] = {}
-    app = build_app(config, sargs, on_startup_failure=lambda reason: holder["server"].fail_startup(reason))
+    app = build_app(config, sargs, on_fatal=lambda reason: holder["server"].fail(reason))
     uv_config = uvicorn.Config(app, host=sargs.host, port=sargs.port, log_config=None, access_log=False,
                                lifespan="on", timeout_graceful_shutdown=sargs.shutdown_timeout + _UVICORN_GRACE_S)
     server = PlaitServer(uv_config, app.state.client, sargs.shutdown_timeout)
     holder["server"] = server
     try:
-        server.run()
+        sock = uv_config.bind_socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER_BYTES)
+        server.run(sockets=[sock])
     finally:
         app.state.client.close()  # idempotent; covers exits that skipped the lifespan shutdown
     if not server.started and server.exit_code == 0:
@@ -109,9 +117,10 @@ def cmd_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     """Entry of ``plait serve`` (the CLI parses; engine flags arrive as EngineConfig options)."""
     model = args.model
     if model is None:
-        from plait.models.tiny import demo_model_path
+        from plait.models.demo import demo_model
 
-        model = str(demo_model_path())
-        logger.info("no --model given: serving the built-in demo model at %s (tiny, random weights)", model)
+        demo = demo_model()
+        model = str(demo.path)
+        logger.info("no --model given: serving the built-in demo model, %s, at %s", demo.description, model)
     config = EngineConfig.from_kwargs(model=model, **engine_options)
     return run_server(config, server_args_from(args))

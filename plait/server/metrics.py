@@ -1,4 +1,6 @@
-"""Prometheus metrics, named as vLLM names them, under a ``plait:`` prefix.
+"""Prometheus metrics, named as vLLM names them, under a ``plait:`` prefix, each labelled with
+``model_name``; with ``--sglang-metrics`` also under SGLang's names (``sglang:num_running_reqs``, ...),
+so dashboards built for SGLang work unchanged.
 
 Two sources. Latencies (TTFT, inter-token, end-to-end) are what a client sees, so the HTTP process
 measures them per request into histograms. Everything the scheduler knows (queue lengths, KV use,
@@ -9,7 +11,10 @@ cannot drift from it.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -29,47 +34,77 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+# The gauge gen_throughput averages generated tokens over this trailing window.
+THROUGHPUT_WINDOW_S = 5.0
+MODEL_LABEL = ("model_name",)
+
+
 class _SchedulerCollector(Collector):
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
         s = self.metrics.snapshot or SchedulerSnapshot()
+        c = s.counters
+        usage = s.kv_slots_in_use / s.max_total_tokens if s.max_total_tokens else 0.0
+        # Prompt tokens of first admissions are the prefix cache's queries; its matches the hits.
+        hit_rate = c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
         gauges = [
             ("plait:num_requests_running", "Requests admitted by the scheduler (prefilling or decoding).",
              s.num_running),
             ("plait:num_requests_waiting", "Requests waiting for admission.", s.num_waiting),
-            ("plait:kv_cache_usage_perc", "Fraction of KV slots held by live requests (1 = full).",
-             s.kv_slots_in_use / s.max_total_tokens if s.max_total_tokens else 0.0),
+            ("plait:kv_cache_usage_perc", "Fraction of KV slots held by live requests (1 = full).", usage),
             ("plait:kv_slots_in_use", "KV slots held by live requests (neither free nor evictable cache).",
              s.kv_slots_in_use),
             ("plait:kv_slots_total", "KV pool size in tokens.", s.max_total_tokens),
             ("plait:prefix_cache_evictable_tokens", "KV slots holding evictable prefix-cache entries.",
              s.evictable_tokens),
+            ("plait:prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) since start.", hit_rate),
         ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
         counters = [
-            ("plait:prompt_tokens", "Prompt tokens admitted.", s.counters.prompt_tokens),
-            ("plait:generation_tokens", "Tokens generated.", s.counters.generation_tokens),
-            ("plait:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", s.counters.cached_tokens),
-            ("plait:num_retractions", "Requests retracted (KV freed, requeued) for lack of KV.",
-             s.counters.num_retractions),
-            ("plait:num_aborted_requests", "Requests aborted (client disconnect, shutdown).", s.counters.num_aborts),
-            ("plait:forward_steps", "Model forward steps.", s.counters.forward_steps),
-            ("plait:grammar_compiles", "Grammars compiled (constrained decoding).", s.counters.grammar_compiles),
-            ("plait:grammar_compile_failures", "Grammars that failed to compile.",
-             s.counters.grammar_compile_failures),
+            ("plait:prompt_tokens", "Prompt tokens admitted.", c.prompt_tokens),
+            ("plait:generation_tokens", "Tokens generated.", c.generation_tokens),
+            ("plait:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", c.prompt_tokens),
+            ("plait:prefix_cache_hits", "Prompt tokens found in the prefix cache.", c.cached_tokens),
+            ("plait:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", c.cached_tokens),
+            ("plait:num_retractions", "Requests retracted (KV freed, requeued) for lack of KV.", c.num_retractions),
+            ("plait:num_aborted_requests", "Requests aborted (client disconnect, shutdown).", c.num_aborts),
+            ("plait:forward_steps", "Model forward steps.", c.forward_steps),
+            ("plait:grammar_compiles", "Grammars compiled (constrained decoding).", c.grammar_compiles),
+            ("plait:grammar_compile_failures", "Grammars that failed to compile.", c.grammar_compile_failures),
             ("plait:grammar_cache_hits", "Constrained requests whose grammar was compiled (or compiling) already.",
-             s.counters.grammar_cache_hits),
+             c.grammar_cache_hits),
         ]
+        if self.metrics.sglang_names:
+            gauges += [
+                ("sglang:num_running_reqs", "The number of running requests.", s.num_running),
+                ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", s.num_waiting),
+                ("sglang:num_used_tokens", "The number of used tokens.", s.kv_slots_in_use),
+                ("sglang:token_usage", "The token usage.", usage),
+                ("sglang:cache_hit_rate", "The prefix cache hit rate.", hit_rate),
+                ("sglang:gen_throughput", "The generation throughput (token/s).", self.metrics.gen_throughput()),
+            ]
+            counters += [
+                ("sglang:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens),
+                ("sglang:generation_tokens", "Number of generation tokens processed.", c.generation_tokens),
+                ("sglang:cached_tokens", "Number of cached prompt tokens.", c.cached_tokens),
+                ("sglang:num_aborted_requests", "Number of requests aborted.", c.num_aborts),
+                ("sglang:num_retracted_reqs", "Number of retracted requests.", c.num_retractions),
+            ]
+        labels = [self.metrics.model_name]
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=MODEL_LABEL)
+            family.add_metric(labels, value)
+            yield family
         for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+            counter = CounterMetricFamily(name, doc, labels=MODEL_LABEL)
+            counter.add_metric(labels, value)
+            yield counter
         yield _histogram("plait:grammar_compile_time_seconds", "Time to compile one grammar.",
-                         s.counters.grammar_compile_seconds, s.counters.grammar_compile_seconds_sum)
+                         c.grammar_compile_seconds, c.grammar_compile_seconds_sum, labels)
 
 
-def _histogram(name: str, doc: str, h: BucketCounts, total: float) -> HistogramMetricFamily:
+def _histogram(name: str, doc: str, h: BucketCounts, total: float, labels: list[str]) -> HistogramMetricFamily:
     """A Prometheus histogram (cumulative buckets) from the scheduler's per-bucket counts."""
     buckets: list[tuple[str, float]] = []
     running = 0
@@ -77,23 +112,76 @@ def _histogram(name: str, doc: str, h: BucketCounts, total: float) -> HistogramM
         running += count
         buckets.append((repr(float(bound)), running))
     buckets.append(("+Inf", sum(h.counts)))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+    family = HistogramMetricFamily(name, doc, labels=MODEL_LABEL)
+    family.add_metric(labels, buckets, sum_value=total)
+    return family
+
+
+class _Histograms:
+    """One latency observed into plait's histogram and, with SGLang's names on, SGLang's too."""
+
+    def __init__(self, children: list[Any]) -> None:
+        self.children = children
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    """Every sample carries ``model_name`` (the served model name), as in SGLang and vLLM."""
+
+    def __init__(self, model_name: str = "", sglang_names: bool = False) -> None:
         # A registry per server, not prometheus_client's global one: tests build several apps.
         self.registry = CollectorRegistry()
-        self.snapshot: SchedulerSnapshot | None = None
-        self.ttft = Histogram("plait:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("plait:inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("plait:e2e_request_latency_seconds", "Request latency, arrival to finish.",
-                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.model_name = model_name
+        self.sglang_names = sglang_names
+        self._snapshot: SchedulerSnapshot | None = None
+        # (monotonic time, generation tokens so far) per snapshot, for gen_throughput.
+        self._generated: deque[tuple[float, int]] = deque()
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], sglang: str) -> _Histograms:
+            names = [name] + ([sglang] if sglang_names else [])
+            return _Histograms([Histogram(n, doc, MODEL_LABEL, buckets=buckets, registry=self.registry)
+                                .labels(model_name) for n in names])
+
+        self.ttft = histogram("plait:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS,
+                              "sglang:time_to_first_token_seconds")
+        self.itl = histogram("plait:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS,
+                             "sglang:inter_token_latency_seconds")
+        self.e2e = histogram("plait:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             _E2E_BUCKETS, "sglang:e2e_request_latency_seconds")
         self.rejected = Counter("plait:num_rejected_requests", "Requests refused with 503 (queue full, "
-                                "starting, shutting down).", registry=self.registry)
+                                "starting, shutting down).", MODEL_LABEL, registry=self.registry).labels(model_name)
         self.registry.register(_SchedulerCollector(self))
+
+    @property
+    def snapshot(self) -> SchedulerSnapshot | None:
+        return self._snapshot
+
+    @snapshot.setter
+    def snapshot(self, snapshot: SchedulerSnapshot) -> None:
+        self._snapshot = snapshot
+        now = time.monotonic()
+        self._generated.append((now, snapshot.counters.generation_tokens))
+        # Keep one point at or before the window's start: the baseline of the rate.
+        while len(self._generated) > 2 and self._generated[1][0] <= now - THROUGHPUT_WINDOW_S:
+            self._generated.popleft()
+
+    def gen_throughput(self) -> float:
+        """Tokens generated per second over the last THROUGHPUT_WINDOW_S seconds (0 when idle)."""
+        if not self._generated:
+            return 0.0
+        now = time.monotonic()
+        start = now - THROUGHPUT_WINDOW_S
+        base_t, base_tokens = self._generated[0]
+        for t, tokens in self._generated:
+            if t > start:
+                break
+            base_t, base_tokens = t, tokens
+        last_tokens = self._generated[-1][1]
+        elapsed = now - base_t
+        return (last_tokens - base_tokens) / elapsed if elapsed > 0 else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,6 +40,7 @@ from plait.sampling.params import MAX_TOP_LOGPROBS, SamplingParams, seed_to_int6
 from plait.server import protocol
 from plait.server.errors import APIError, bad_request, unsupported
 from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, replayed, sse, unless_disconnected
+from plait.server.prompt_work import PromptTooLong, PromptWork, tokenize_prompt
 from plait.server.scheduler_client import SchedulerClient, State
 
 # SGLang's bound on /health_generate's probe (HEALTH_CHECK_TIMEOUT).
@@ -204,8 +205,9 @@ class NativeServing:
     """SGLang's native routes over the server's SchedulerClient."""
 
     def __init__(self, client: SchedulerClient, config: EngineConfig, model_name: str,
-                 server_info: Callable[[], dict[str, Any]]) -> None:
+                 server_info: Callable[[], dict[str, Any]], prompt_work: PromptWork) -> None:
         self.client = client
+        self.prompt_work = prompt_work  # tokenization runs there, off the event loop
         self.config = config
         self.model_name = model_name
         self.server_info = server_info
@@ -266,7 +268,9 @@ class NativeServing:
                 param = f"{where}.{first}" if first.isidentifier() else where
                 raise bad_request(f"{where}: {message}", param) from None
             try:
-                ids = frontend.tokenize(prompt)
+                ids = tokenize_prompt(frontend, prompt)
+            except PromptTooLong as e:
+                raise bad_request(str(e), field_name, "context_length_exceeded") from None
             except ValueError as e:
                 raise bad_request(str(e).replace("prompt", field_name, 1), field_name) from None
             try:
@@ -287,7 +291,7 @@ class NativeServing:
     async def generate(self, request: Request) -> Response:
         req = parse_body(GenerateReqInput, await request.body())
         self.client.check_accepting()
-        items, single = self._items(req)
+        items, single = await self.prompt_work.run(self._items, req)
         groups = self._group(items)
         gen = self.client.generate([it.prepared for it in items], stream=req.stream, rids=[it.rid for it in items])
         text = self._token_text if req.return_text_in_logprobs else None
@@ -366,7 +370,8 @@ class NativeServing:
         self.client.check_accepting()
         tok = self.client.tokenizer
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        tokens = [tok.encode(p, add_special_tokens=req.add_special_tokens) for p in prompts]
+        tokens = await self.prompt_work.run(
+            lambda: [tok.encode(p, add_special_tokens=req.add_special_tokens) for p in prompts])
         frontend = self.client.frontend
         assert frontend is not None
         limit = frontend.limits.max_request_tokens

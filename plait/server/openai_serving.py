@@ -22,6 +22,7 @@ from plait.server import protocol
 from plait.server.errors import APIError, bad_request
 from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, replayed, sse, unless_disconnected
 from plait.server.logprobs import LogprobsRenderer, TopLogprobs, TopPairs
+from plait.server.prompt_work import PromptTooLong, PromptWork, check_rendered, encode_bounded, tokenize_prompt
 from plait.server.scheduler_client import SchedulerClient
 from plait.server.tool_calling import ChatOptions, ChatOutput, ToolPlan, plan_tools, template_messages
 
@@ -99,12 +100,17 @@ class _Job:
 class OpenAIServing:
     """/v1/completions, /v1/chat/completions and the model card, over one SchedulerClient."""
 
-    def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig,
+    def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig, *,
+                 trust_request_chat_template: bool = False, max_rendered_chars: int = 16 * 2**20,
                  chat_options: ChatOptions | None = None) -> None:
         self.client = client
         self.model_name = model_name
         self.config = config
+        self.trust_request_chat_template = trust_request_chat_template
+        self.max_rendered_chars = max_rendered_chars
         self.chat_options = chat_options or ChatOptions()
+        # Tokenization and templating run here, off the event loop (plait.server.prompt_work).
+        self.prompt_work = PromptWork()
         self.created = int(time.time())
         self._renderer: LogprobsRenderer | None = None
 
@@ -165,7 +171,9 @@ class OpenAIServing:
         out = []
         for p in prompts:
             try:
-                out.append(self.frontend.tokenize(p))
+                out.append(tokenize_prompt(self.frontend, p))
+            except PromptTooLong as e:
+                raise bad_request(str(e), "prompt", "context_length_exceeded") from None
             except ValueError as e:
                 raise bad_request(str(e), "prompt") from None
         return out
@@ -187,7 +195,7 @@ class OpenAIServing:
         top = req.logprobs or 0
         # echo with logprobs scores the prompt too (OpenAI lists its tokens first).
         sp = self._sampling(req, max_new, req.logprobs is not None, top, "max_tokens", 0 if req.echo else -1)
-        prompt_ids = self._completion_prompts(req.prompt)
+        prompt_ids = await self.prompt_work.run(self._completion_prompts, req.prompt)
         for ids in prompt_ids:
             self._check_length(ids, sp, "prompt")
         echo_texts = self._echo_texts(req.prompt, prompt_ids) if req.echo else None
@@ -199,16 +207,21 @@ class OpenAIServing:
     # --- /v1/chat/completions ---
     def _chat_prompt(self, req: protocol.ChatCompletionRequest, tool_plan: ToolPlan) -> list[int]:
         tok = self.client.tokenizer
-        template = self.chat_options.chat_template  # --chat-template, else the checkpoint's
-        if template is None and not getattr(tok, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template; use /v1/completions or start the "
-                              "server with --chat-template FILE", "messages")
         kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
                                   "continue_final_message": req.continue_final_message}
         kwargs.update(req.chat_template_kwargs or {})
+        if req.chat_template is not None:
+            kwargs["chat_template"] = req.chat_template
+        if "chat_template" in kwargs and not self.trust_request_chat_template:
+            # A template is code the server runs (and can render without bound): only the operator's.
+            raise bad_request("a chat template supplied by the request is refused: this server renders only its "
+                              "own (start it with --trust-request-chat-template to allow them)", "chat_template")
+        if "chat_template" not in kwargs and self.chat_options.chat_template is not None:
+            kwargs["chat_template"] = self.chat_options.chat_template  # --chat-template
+        if not getattr(tok, "chat_template", None) and "chat_template" not in kwargs:
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions or start the "
+                              "server with --chat-template FILE", "messages")
         kwargs["tokenize"] = False
-        if template is not None:
-            kwargs["chat_template"] = template
         kwargs["tools"] = tool_plan.template_tools()
         messages = template_messages(req)
         try:
@@ -216,10 +229,13 @@ class OpenAIServing:
         except Exception as e:  # a template or its kwargs rejected these messages: the client's input
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from None
-        # The template writes the special tokens (BOS, turn markers) itself.
-        ids = tok.encode(text, add_special_tokens=False)
         try:
+            check_rendered(text, self.max_rendered_chars)
+            # The template writes the special tokens (BOS, turn markers) itself.
+            ids = encode_bounded(self.frontend, text, add_special_tokens=False)
             self.frontend.check_input_ids(ids)
+        except PromptTooLong as e:
+            raise bad_request(str(e), "messages", "context_length_exceeded") from None
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         return ids
@@ -230,7 +246,7 @@ class OpenAIServing:
         self.check_model(req.model)
         self.client.check_accepting()
         tool_plan = plan_tools(req, self.chat_options)
-        ids = self._chat_prompt(req, tool_plan)
+        ids = await self.prompt_work.run(self._chat_prompt, req, tool_plan)
         if req.max_completion_tokens is not None:
             max_name, max_new = "max_completion_tokens", req.max_completion_tokens
         elif req.max_tokens is not None:

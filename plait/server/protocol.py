@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's ceiling for n.
 MAX_N = 128
+# Stop conditions are checked on every generated token: bounded so one request cannot make that slow.
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 # OpenAI fields that plait accepts and ignores (they do not change the tokens produced).
 IGNORED_FIELDS: frozenset[str] = frozenset({
@@ -111,6 +115,7 @@ class ChatCompletionRequest(GenerationRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's; refused unless --trust-request-chat-template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -171,6 +176,14 @@ def _check_common(req: GenerationRequest) -> None:
         raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"each stop sequence may be at most {MAX_STOP_CHARS} characters", "stop")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                          f"{len(req.stop_token_ids)}", "stop_token_ids")
 
 
 def check_completion(req: CompletionRequest) -> None:

@@ -8,7 +8,12 @@ a background task hands each request's updates to the coroutine that serves it.
 Lifecycle: ``starting`` (child loading the model; /health 503, requests 503) -> ``ready`` ->
 ``draining`` (SIGTERM: new requests 503, in-flight ones finish or are aborted) -> ``stopped``. If
 the child dies at any point the state becomes ``dead``: /health 503, every pending and new request
-fails with a 500. A watchdog polls the child every 50 ms, so that happens within a second.
+fails with a 500. A watchdog polls the child every 50 ms, so that happens within a second; the
+server then exits non-zero ``DEAD_EXIT_DELAY_S`` later (``on_fatal``), so a supervisor restarts it.
+
+A streaming request whose client stops reading has its updates queue up here; past
+``max_stream_buffer`` updates per choice it is aborted (its KV freed), so a stalled client costs a
+bounded buffer and slows no one else.
 """
 
 from __future__ import annotations
@@ -46,11 +51,14 @@ from plait.engine.messages import (
 )
 from plait.server.errors import APIError
 from plait.server.metrics import ServerMetrics
+from plait.server.request_log import RequestLog, RequestRecord
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.05
 CHILD_EXIT_WAIT_S = 5.0
+# After the scheduler process died: how long /health answers 503 (load balancers see it) before exit.
+DEAD_EXIT_DELAY_S = 1.0
 
 
 class State(enum.StrEnum):
@@ -69,11 +77,16 @@ class _Timing:
 
 class SchedulerClient:
     def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_queued_requests: int | None,
-                 on_startup_failure: Callable[[str], None] | None = None) -> None:
+                 on_fatal: Callable[[str], None] | None = None, request_log: RequestLog | None = None,
+                 max_stream_buffer: int | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
-        self.on_startup_failure = on_startup_failure
+        # Called once the server cannot serve any more (startup failed, the scheduler died): it exits.
+        self.on_fatal = on_fatal
+        self.request_log = request_log
+        self.max_stream_buffer = max_stream_buffer
+        self._buffer_limits: dict[str, int] = {}  # rid -> most queued updates (streams only)
         self.state = State.STARTING
         self.dead_reason = ""
         self.ready: Ready | None = None
@@ -111,9 +124,9 @@ class SchedulerClient:
         self._tasks.append(asyncio.create_task(self._startup()))
 
     def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer  # slow first import: keep it off the event loop
+        from plait.models.loader import load_tokenizer  # slow first import: keep it off the event loop
 
-        return AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        return load_tokenizer(self.config.tokenizer or self.config.model)
 
     async def _startup(self) -> None:
         try:
@@ -126,8 +139,8 @@ class SchedulerClient:
         self.state = State.DEAD
         self.dead_reason = f"the server failed to start ({reason})"
         logger.error("%s", self.dead_reason)
-        if self.on_startup_failure is not None:
-            self.on_startup_failure(self.dead_reason)
+        if self.on_fatal is not None:
+            self.on_fatal(self.dead_reason)
 
     async def _await_ready(self) -> None:
         assert self.proc is not None
@@ -145,6 +158,8 @@ class SchedulerClient:
                 self._startup_failed(f"the scheduler process exited: {reason}")
                 return
         self.tokenizer = await tokenizer_task
+        if self.request_log is not None:
+            self.request_log.tokenizer = self.tokenizer
         ready = self.ready
         self.frontend = Frontend(self.tokenizer, RequestLimits(ready.vocab_size, ready.max_context_len,
                                                                ready.max_total_tokens), seed=self.config.seed,
@@ -168,6 +183,9 @@ class SchedulerClient:
                     queue.put_nowait(upd)
                     if upd.finished:
                         del self._queues[upd.rid]
+                        self._buffer_limits.pop(upd.rid, None)
+                    elif queue.qsize() > self._buffer_limits.get(upd.rid, queue.qsize()):
+                        self._abort_unread(queue)
             elif isinstance(msg, FlushCacheReply):
                 if self._flush_waiters:
                     waiter = self._flush_waiters.pop(0)
@@ -187,6 +205,22 @@ class SchedulerClient:
         logger.error("%s: failing %d in-flight requests", self.dead_reason, len(self._queues))
         self.state = State.DEAD
         self._fail_all(500, self.dead_reason)
+        await asyncio.sleep(DEAD_EXIT_DELAY_S)
+        if self.on_fatal is not None:
+            self.on_fatal(self.dead_reason)
+
+    def _abort_unread(self, queue: asyncio.Queue[RequestUpdate]) -> None:
+        """A stream's client stopped reading: abort its requests and stop buffering for them."""
+        rids = [rid for rid, q in self._queues.items() if q is queue]
+        logger.warning("aborting request %s: its client stopped reading (%d updates queued, limit "
+                       "--max-stream-buffer %s per choice)", rids[0].rsplit("-", 1)[0], queue.qsize(),
+                       self.max_stream_buffer)
+        self._send(AbortRequest(rids))
+        for rid in rids:
+            del self._queues[rid]
+            self._buffer_limits.pop(rid, None)
+            queue.put_nowait(RequestUpdate(rid, error="the client stopped reading the stream; the request was "
+                                           "aborted (--max-stream-buffer)", error_status=499))
 
     def _fail_all(self, status: int, message: str) -> None:
         for rid, queue in self._queues.items():
@@ -294,13 +328,20 @@ class SchedulerClient:
         now = time.perf_counter()
         timings = [_Timing(now) for _ in rids]
         pending = set(rids)
+        records = None if self.request_log is None else [
+            RequestRecord(rid, req.input_ids, req.sampling_params) for rid, req in zip(rids, requests, strict=True)]
         for rid in rids:
             self._queues[rid] = queue
+            if stream and self.max_stream_buffer is not None:
+                # Every choice of this request shares the queue.
+                self._buffer_limits[rid] = self.max_stream_buffer * len(rids)
         try:
             for rid, req in zip(rids, requests, strict=True):
                 self._send(GenerateRequest(rid, req.input_ids, req.sampling_params, req.seed, stream))
             while pending:
                 upd = await queue.get()
+                if records is not None:
+                    self._record(records[index[upd.rid]], upd)
                 if upd.error is not None:
                     pending.discard(upd.rid)
                     if upd.error_status == 503:
@@ -316,6 +357,22 @@ class SchedulerClient:
             # No await here: this runs during cancellation and generator close as well.
             if pending:
                 self.abort(sorted(pending))
+            for rid in rids:
+                self._buffer_limits.pop(rid, None)
+            if records is not None and self.request_log is not None:
+                for rec in records:
+                    self.request_log.write(rec)
+
+    def _record(self, rec: RequestRecord, upd: RequestUpdate) -> None:
+        if upd.token_ids and rec.first_token is None:
+            rec.first_token = time.perf_counter()
+        rec.output_tokens = max(rec.output_tokens, upd.completion_tokens)  # a running count
+        if self.request_log is not None and self.request_log.keeps_text and upd.text:
+            rec.output_text.append(upd.text)
+        if upd.error is not None:
+            rec.status = f"error {upd.error_status or 500}: {upd.error}"
+        elif upd.finish_reason is not None:
+            rec.status = upd.finish_reason
 
     def _observe(self, t: _Timing, upd: RequestUpdate) -> None:
         now = time.perf_counter()

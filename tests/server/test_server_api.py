@@ -64,11 +64,11 @@ def test_metrics_use_vllm_names_with_the_plait_prefix(server, client, model_name
     for name in ("plait:num_requests_running", "plait:num_requests_waiting", "plait:kv_cache_usage_perc",
                  "plait:kv_slots_in_use", "plait:prompt_tokens_total", "plait:generation_tokens_total",
                  "plait:num_retractions_total", "plait:num_aborted_requests_total"):
-        assert f"\n{name} " in text, name
+        assert f'\n{name}{{model_name="{model_name}"}} ' in text, name
     for hist in ("plait:time_to_first_token_seconds", "plait:inter_token_latency_seconds",
                  "plait:e2e_request_latency_seconds"):
         assert f"# TYPE {hist} histogram" in text, hist
-        assert f'{hist}_bucket{{le="+Inf"}}' in text
+        assert f'{hist}_bucket{{le="+Inf",model_name="{model_name}"}}' in text
     m = server.metrics()
     assert m["plait:generation_tokens_total"] >= 3
     assert m["plait:e2e_request_latency_seconds_count"] >= 1

@@ -76,7 +76,8 @@ def _decode_stage1_kernel(
     Out,  # [bs, Hq, DV]: written here only when FUSED_REDUCE
     Split_Counters,  # [bs, Hkv] int32, zero between launches: splits finished (FUSED_REDUCE)
     Sinks,  # [Hq] fp32 per-head sink logits (natural log units; read only when HAS_SINKS)
-    sm_scale,
+    sm_scale,  # the K cache scale folded in
+    v_scale,
     logit_cap,
     stride_qb,
     stride_qh,
@@ -138,7 +139,9 @@ def _decode_stage1_kernel(
             mask_n = offs_n < split_end
             loc = tl.load(Kv_Indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
             k = tl.load(k_head + loc[:, None] * stride_kbs + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [BLOCK_H, BLOCK_N] fp32
+            # An FP8 cache converts in registers; its K scale is folded into sm_scale, its V scale
+            # multiplies each split's output (the merge is linear in V).
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION)  # [BLOCK_H, BLOCK_N] fp32
             qk = scale_logits(qk, sm_scale, logit_cap, USE_LOGIT_CAP)
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
 
@@ -147,10 +150,10 @@ def _decode_stage1_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_head + loc[:, None] * stride_vbs + offs_dv[None, :], mask=mask_n[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
             m_i = m_new
 
-        out = acc / l_i[:, None]
+        out = acc / l_i[:, None] * v_scale
         lse = m_i * 0.6931471805599453 + tl.log(l_i)  # base-2 max -> natural-log LSE
         o_ptrs = (
             Att_Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split_id * stride_os + offs_dv[None, :]
@@ -284,8 +287,13 @@ def decode_attention_fwd(
     config: LaunchConfig | None = None,
     split_counters: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Decode attention over a page-size-1 paged KV cache, written into ``o``.
+
+    The cache may hold FP8 (--kv-cache-dtype fp8_*): K and V are ``stored * k_scale`` /
+    ``stored * v_scale``, converted to q's dtype as they are read.
 
     q ``[bs, Hq, D]``; o ``[bs, Hq, Dv]``; k_buffer/v_buffer ``[num_slots, Hkv, D/Dv]``;
     kv_indptr ``[bs + 1]`` int32 and kv_indices int32: request i attends to slots
@@ -340,7 +348,8 @@ def decode_attention_fwd(
         o,
         split_counters if fused else num_kv_splits,  # unused when not fused
         sinks_arg,
-        sm_scale,
+        sm_scale * k_scale,
+        v_scale,
         logit_cap,
         q.stride(0),
         q.stride(1),

@@ -74,17 +74,19 @@ def _attend_tile(
     v_ptrs,  # [BLOCK_N, DV] pointers
     mask_n,  # [BLOCK_N] rows of K/V that exist (used only when MASKED)
     visible,  # [BLOCK_M, BLOCK_N] which (query, key) pairs may attend (used only when MASKED)
-    sm_scale,
+    sm_scale,  # includes the K cache scale for tiles of an FP8 cache
+    v_scale,  # the V cache scale (1.0 for the new tokens' own V)
     logit_cap,
     MASKED: tl.constexpr,
     USE_LOGIT_CAP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
+    # K/V may be FP8 (the cache of --kv-cache-dtype fp8_*): converted to q's dtype in registers.
     if MASKED:
         k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION)
     qk = scale_logits(qk, sm_scale, logit_cap, USE_LOGIT_CAP)
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
@@ -98,7 +100,7 @@ def _attend_tile(
         v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot((p * v_scale).to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -117,6 +119,8 @@ def _extend_kernel(
     Mask_Indptr,
     Sinks,  # [Hq] fp32 per-head sink logits (natural log units; read only when HAS_SINKS)
     sm_scale,
+    k_scale,  # multipliers of the cached prefix's K / V (an FP8 cache; 1.0 otherwise)
+    v_scale,
     logit_cap,
     stride_qt,
     stride_qh,
@@ -203,7 +207,8 @@ def _extend_kernel(
                 vb_head + loc[:, None] * stride_vbs + offs_dv[None, :],
                 offs_nb,
                 offs_nb[None, :],
-                sm_scale,
+                sm_scale * k_scale,
+                v_scale,
                 logit_cap,
                 MASKED=False,
                 USE_LOGIT_CAP=USE_LOGIT_CAP,
@@ -228,7 +233,8 @@ def _extend_kernel(
                 vb_head + loc[:, None] * stride_vbs + offs_dv[None, :],
                 mask_n,
                 visible,
-                sm_scale,
+                sm_scale * k_scale,
+                v_scale,
                 logit_cap,
                 MASKED=True,
                 USE_LOGIT_CAP=USE_LOGIT_CAP,
@@ -265,6 +271,7 @@ def _extend_kernel(
                 offs_nb,
                 offs_nb[None, :],
                 sm_scale,
+                1.0,
                 logit_cap,
                 MASKED=False,
                 USE_LOGIT_CAP=USE_LOGIT_CAP,
@@ -292,6 +299,7 @@ def _extend_kernel(
                 mask_n,
                 visible,
                 sm_scale,
+                1.0,
                 logit_cap,
                 MASKED=True,
                 USE_LOGIT_CAP=USE_LOGIT_CAP,
@@ -335,8 +343,13 @@ def extend_attention_fwd(
     config: LaunchConfig | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of new tokens over (cached prefix + new tokens), written into ``o_extend``.
+
+    ``k_buffer`` / ``v_buffer`` may hold FP8 (an FP8 KV cache): the prefix's K and V are then
+    ``stored * k_scale`` / ``stored * v_scale``; the new tokens' own K/V are read as given.
 
     ``sliding_window`` W (Mistral style): a query at position i sees keys at positions j > i - W, on
     top of the causal rule or the custom mask. ``sinks`` fp32 ``[Hq]`` (gpt-oss): per-head logits
@@ -398,6 +411,8 @@ def extend_attention_fwd(
         mask_indptr_arg,
         sinks if sinks is not None else qo_indptr,  # unused without sinks
         sm_scale,
+        k_scale,
+        v_scale,
         logit_cap,
         q_extend.stride(0),
         q_extend.stride(1),

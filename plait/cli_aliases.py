@@ -1,0 +1,147 @@
+"""SGLang's and vLLM's spellings of plait's engine flags, the values they accept, and the parser that
+names the closest flag when a user types one plait does not have.
+
+One argparse action per option carries every spelling (``--tp-size``, ``--tp``,
+``--tensor-parallel-size``), so an alias cannot drift from plait's own flag: it is the same action,
+with the same type, default and ``dest`` (the ``EngineConfig`` field). docs/sglang-compat.md is the
+table of all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# EngineConfig fields whose flags are declared here (with their aliases) instead of being generated
+# from the dataclass by plait.cli.add_dataclass_flags.
+ALIASED_FIELDS: tuple[str, ...] = (
+    "tokenizer", "dtype", "mem_fraction_static", "max_running_requests", "context_length",
+    "chunked_prefill_size", "tp_size", "dp_size",
+)
+
+# --dtype: vLLM's and SGLang's names -> EngineConfig.dtype.
+DTYPE_ALIASES: dict[str, str] = {
+    "auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+    "float": "float32", "float32": "float32",
+}
+
+# Suffixes of token counts as vLLM reads them: lower case decimal, upper case binary.
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
+_COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kmgKMG]?)")
+
+
+def parse_token_count(raw: str) -> int:
+    """``32k`` -> 32000, ``32K`` -> 32768, ``1.5k`` -> 1500, ``4096`` -> 4096; anything else raises
+    ``ValueError`` (a binary suffix takes a whole number, as in vLLM)."""
+    m = _COUNT.fullmatch(raw.strip())
+    if m is None:
+        raise ValueError(raw)
+    num, suffix = m["num"], m["suffix"]
+    if suffix in _BINARY:
+        if "." in num:
+            raise ValueError(raw)
+        return int(num) * _BINARY[suffix]
+    scale = _DECIMAL.get(suffix, 1)
+    value = float(num) * scale if "." in num else int(num) * scale
+    if value != int(value):
+        raise ValueError(raw)
+    return int(value)
+
+
+def token_count_type(flag: str) -> Callable[[str], int]:
+    """argparse type for a token count; argparse prefixes the error with the flag's spellings."""
+
+    def parse(raw: str) -> int:
+        try:
+            return parse_token_count(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes a token count: a whole number, or one with a suffix as vLLM reads it "
+                f"(k = 1000, m = 10^6, K = 1024, M = 2^20: 32k = 32000, 32K = 32768); got {raw!r}") from None
+
+    return parse
+
+
+def dtype_type(raw: str) -> str:
+    try:
+        return DTYPE_ALIASES[raw]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"--dtype must be one of {', '.join(DTYPE_ALIASES)}; got {raw!r}") from None
+
+
+def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine flags that have other spellings (SGLang's first, then vLLM's)."""
+    group = parser.add_argument_group("engine flags with SGLang / vLLM spellings")
+    group.add_argument("--model", "--model-path", dest="model", default=None,
+                       help="Hugging Face checkpoint directory or GGUF file (default: the demo model, "
+                       "SmolLM2-135M-Instruct)")
+    group.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
+                       help="tokenizer directory (default: the --model directory)")
+    group.add_argument("--dtype", type=dtype_type, default=None, metavar="{" + ",".join(DTYPE_ALIASES) + "}",
+                       help="weights and activations (half = float16, float = float32; auto: the checkpoint's)")
+    group.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=None,
+                       help="tensor-parallel ranks")
+    group.add_argument("--dp-size", "--dp", "--data-parallel-size", dest="dp_size", type=int, default=None,
+                       help="data-parallel replicas (or DP-attention ranks with --enable-dp-attention)")
+    group.add_argument("--mem-fraction-static", "--gpu-memory-utilization", dest="mem_fraction_static",
+                       type=float, default=None, help="fraction of GPU memory for weights and the KV pool")
+    group.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int,
+                       default=None, help="requests decoded together at most")
+    group.add_argument("--context-length", "--max-model-len", dest="context_length",
+                       type=token_count_type("--context-length"), default=None,
+                       help="longest prompt + output in tokens (32k = 32000, 32K = 32768; default: the model's)")
+    group.add_argument("--chunked-prefill-size", dest="chunked_prefill_size", type=int, default=None,
+                       help="prefill tokens per step; longer prompts are split (-1: no chunking, a prompt is "
+                       "prefilled in one step)")
+    group.add_argument("--trust-remote-code", action="store_true", default=False,
+                       help="accepted for SGLang / vLLM commands; plait runs no code from checkpoints, and one "
+                       "that needs it (auto_map, an architecture plait does not implement) is refused")
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    # argparse has no public list of a parser's flags; its actions are the one source.
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
+def unrecognized_message(extras: Sequence[str], known: Sequence[str]) -> str:
+    """'unrecognized argument --x; the closest flag is --y' for each unknown flag in ``extras``."""
+    parts = []
+    for arg in extras:
+        if not arg.startswith("-"):
+            continue  # the value of an unknown flag
+        name = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+        hint = f"; the closest flag is {close[0]}" if close else "; see --help for the flags"
+        parts.append(f"unrecognized argument {name} (plait does not implement it){hint}")
+    return "; ".join(parts) or f"unrecognized arguments: {' '.join(extras)}"
+
+
+class PlaitArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose error for an unknown flag names the closest flag of the (sub)command
+    that was given it, not just 'unrecognized arguments'."""
+
+    _UNKNOWN_FROM = "_plait_unknown_flags_parser"
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        # The innermost subcommand parser runs first (argparse calls it from its parent's action)
+        # and records itself; its parents see the attribute already set.
+        if extras and not hasattr(ns, self._UNKNOWN_FROM):
+            setattr(ns, self._UNKNOWN_FROM, self)
+        return ns, extras
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        ns, extras = self.parse_known_args(args, namespace)
+        owner: Any = getattr(ns, self._UNKNOWN_FROM, self)
+        if extras:
+            owner.error(unrecognized_message(extras, option_strings(owner)))
+        if hasattr(ns, self._UNKNOWN_FROM):
+            delattr(ns, self._UNKNOWN_FROM)
+        return ns

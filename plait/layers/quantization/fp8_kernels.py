@@ -1,0 +1,371 @@
+"""FP8 matmul kernels and their references.
+
+Weights are ``float8_e4m3fn [N, K]`` (row-major, as checkpoints store them) with one of two scale
+layouts (``W = q * s``):
+  channel  ``scale [N]`` fp32: one scale per output row
+  block    ``scale [ceil(N / bn), ceil(K / bk)]`` fp32: one scale per ``bn x bk`` tile (128 x 128)
+
+Paths (``fp8_linear`` picks one):
+  GEMV    few tokens (decode): ``fp8_gemv`` reads the FP8 weight once, converts it in registers and
+          multiplies the activations as they are (bf16/fp16/fp32: weight-only dequantization). The
+          grid splits N into tiles and K into ``split_k`` slices so a bs-1 matvec fills every SM;
+          the slices' fp32 partial sums are added by one ``sum`` (deterministic, no atomics).
+  GEMM    many tokens (prefill): activations are quantized to FP8 (per token for channel weights,
+          per token and 128-column group for block weights, or a checkpoint's static per-tensor
+          scale), then ``torch._scaled_mm`` with rowwise scales (channel) or ``w8a8_block_matmul``,
+          a Triton kernel applying both block scales per K tile (block).
+  CPU     the dequantizing reference: the fp32 dequantized weight times the activations as they are
+          (the GEMV's arithmetic, exact in fp32). Activations are not quantized there: a dynamic
+          quantizer is discontinuous, and two fp32 computations of one model that differ in the last
+          bit before it (a different summation order) drift apart layer over layer once rounding
+          steps flip, so a simulation could not be compared with it token for token.
+          ``reference_fp8_linear`` (activations quantized as the GEMM path does) is the kernels'
+          reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Smallest scale a quantizer hands out: an all-zero row quantizes to zeros, not NaN.
+MIN_SCALE = 1e-12
+# Tokens up to which the GEMV path serves a matmul on the GPU (decode batches); larger batches take
+# the FP8 GEMM. Measured at the llama-3.1-8b shapes (docs/quantization.md).
+GEMV_MAX_TOKENS = 16
+
+
+# --- quantizers (torch; shared by the GPU GEMM path and the reference) ----------------------------
+@triton.jit
+def _quantize_groups_kernel(X, Q, S, K, stride_xm, stride_qm, stride_sm, FP8_MAX_V: tl.constexpr,
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr, MIN_S: tl.constexpr):
+    """Program (row, group): scale = max|x| / FP8_MAX over columns [g * GROUP, (g + 1) * GROUP) of the
+    row, then q = x / scale saturated. Two passes over the group (max, then quantize), BLOCK at a time."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    lo = g * GROUP
+    hi = tl.minimum(lo + GROUP, K)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_xm + offs, mask=offs < hi, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_V, MIN_S)
+    for k0 in range(lo, hi, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_xm + offs, mask=offs < hi, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX_V, FP8_MAX_V)
+        tl.store(Q + row * stride_qm + offs, q.to(Q.dtype.element_ty), mask=offs < hi)
+    tl.store(S + row * stride_sm + g, scale)
+
+
+def quantize_rows_triton(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` in one launch: a program per (row, group)."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    g = k if group is None else group
+    groups = -(-k // g)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups_kernel[(m, groups)](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+                                             FP8_MAX_V=FP8_MAX, GROUP=g, BLOCK=min(1024, triton.next_power_of_2(g)),
+                                             MIN_S=MIN_SCALE, num_warps=4)
+    return q, scale
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric FP8 quantization of ``x [M, K]``: per row (``group`` None: scale ``[M, 1]``)
+    or per row and ``group``-column group (scale ``[M, ceil(K / group)]``). ``x ~= q * scale``.
+    One Triton launch on a GPU (``quantize_rows_triton``); torch ops on the CPU."""
+    if x.device.type == "cuda":
+        return quantize_rows_triton(x, group)
+    m, k = x.shape
+    xf = x.float()
+    if group is None:
+        scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(xf, (0, groups * group - k)).view(m, groups, group)
+    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, groups * group)[:, :k]
+    return q.contiguous(), scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 with a fixed per-tensor ``scale`` (a checkpoint's ``input_scale``)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online quantization of a bf16/fp16/fp32 weight ``[N, K]``: FP8 rows and their scales ``[N]``."""
+    q, scale = quantize_rows(w)
+    return q, scale.view(-1)
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """fp32 ``W = q * s`` of a channel (``scale [N]``) or block (``scale [nb, kb]``) FP8 weight."""
+    wf = q.float()
+    if block is None:
+        return wf * scale.view(-1, 1).float()
+    bn, bk = block
+    n, k = wf.shape
+    full = scale.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return wf * full
+
+
+def reference_fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                         input_scale: torch.Tensor | None) -> torch.Tensor:
+    """The CPU path and the kernels' reference, ``x [M, K] -> [M, N]`` in fp32: activations
+    quantized and dequantized exactly as the GPU GEMM quantizes them, times the dequantized weight."""
+    if input_scale is not None:
+        xd = quantize_static(x, input_scale).float() * input_scale.float()
+    elif block is None:
+        xq, xs = quantize_rows(x)
+        xd = xq.float() * xs
+    else:
+        bk = block[1]
+        xq, xs = quantize_rows(x, bk)
+        xd = xq.float() * xs.repeat_interleave(bk, dim=1)[:, : x.shape[1]]
+    return xd @ dequantize_weight(q, scale, block).t()
+
+
+# --- GEMV: few tokens, FP8 weights read once -----------------------------------------------------
+@triton.jit
+def _fp8_gemv_kernel(
+    X,  # [M, K] activations (bf16 / fp16 / fp32)
+    W,  # [N, K] fp8
+    S,  # channel: [N] fp32; block: [ceil(N / BN_SCALE), ceil(K / BK_SCALE)] fp32
+    Partial,  # [SPLIT_K, M, N] fp32
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    k_per_split,  # multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    BN_SCALE: tl.constexpr,
+    BK_SCALE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # BLOCK_M == 1: products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile, reduced over K once
+    # at the end (no cross-thread reduction per K step).
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_hi
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)
+        if BLOCK_SCALES:
+            # BLOCK_K divides BK_SCALE: the tile lies in one K block; the scale varies along N only.
+            s = tl.load(S + (offs_n // BN_SCALE) * stride_sn + k0 // BK_SCALE, mask=mask_n, other=0.0)
+        if BLOCK_M == 1:
+            prod = w.to(tl.float32) * x.to(tl.float32)
+            if BLOCK_SCALES:
+                prod = prod * s[:, None]
+            acc2 += prod
+        else:  # the weight converted to the activations' dtype (exact for e4m3 in bf16/fp16/fp32)
+            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION)
+            if BLOCK_SCALES:
+                part = part * s[None, :]
+            acc += part
+    if BLOCK_M == 1:
+        acc += tl.sum(acc2, axis=1)[None, :]
+    if not BLOCK_SCALES:
+        s = tl.load(S + offs_n, mask=mask_n, other=0.0)
+        acc = acc * s[None, :]
+    out = Partial + pid_k.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(t: torch.Tensor) -> int:
+    if t.device.type != "cuda":
+        return 8  # the interpreter: any positive value
+    return _cuda_num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def gemv_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps) for an ``m``-token FP8 GEMV: N tiles x K slices
+    about four programs per SM, each K slice a whole number of 128-column blocks (the H200 sweep of
+    ``plait bench quant --sweep`` at the llama-3.1-8b shapes)."""
+    if m == 1:
+        block_m, block_n, warps = 1, 128, 8
+    else:
+        block_m, block_n, warps = max(16, triton.next_power_of_2(m)), 64, 4
+    block_k = 128
+    n_tiles = triton.cdiv(n, block_n)
+    split_k = max(1, min(triton.cdiv(k, block_k), round(4 * num_sms / n_tiles)))
+    return block_m, block_n, block_k, split_k, warps
+
+
+@triton.jit
+def _sum_splits_kernel(Partial, Out, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Out[i] = sum over the K slices of Partial[:, i], cast to Out's dtype (one pass)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(Partial + s * MN + offs, mask=mask, other=0.0)
+    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+             config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(q, scale).T -> [M, N]`` in x's dtype, weight-only dequantization."""
+    m, k = x.shape
+    n = q.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_m, block_n, block_k, split_k, warps = config or gemv_config(m, n, k, _num_sms(x))
+    if block is not None and block[1] % block_k:
+        raise ValueError(f"fp8_gemv: BLOCK_K {block_k} must divide the scale block {block[1]}")
+    k_blocks = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    bn_s, bk_s = block if block is not None else (1, 1)
+    grid = (triton.cdiv(n, block_n), split_k)
+    _fp8_gemv_kernel[grid](
+        x, q, scale, partial, m, n, k, x.stride(0), q.stride(0), scale.stride(0) if block is not None else 0,
+        k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=block is not None,
+        BN_SCALE=bn_s, BK_SCALE=bk_s, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        num_warps=warps)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=1024)
+    return out
+
+
+# --- block-scaled W8A8 GEMM ------------------------------------------------------------------------
+@triton.jit
+def _w8a8_block_matmul_kernel(
+    A,  # [M, K] fp8
+    B,  # [N, K] fp8
+    C,  # [M, N]
+    As,  # [M, ceil(K / BK_SCALE)] fp32
+    Bs,  # [ceil(N / BN_SCALE), ceil(K / BK_SCALE)] fp32
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_bsn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # == BK_SCALE: one scale pair per K tile
+    BN_SCALE: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row tiles share each column tile while it is in L2.
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am
+    b_ptrs = B + offs_n.to(tl.int64)[:, None] * stride_bn
+    as_ptrs = As + offs_m * stride_asm
+    bs_ptrs = Bs + (offs_n // BN_SCALE) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(a_ptrs + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=mask_m, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=mask_n, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    c = C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def w8a8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                      block: tuple[int, int], out_dtype: torch.dtype,
+                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``(a * a_scale) @ (b * b_scale).T``: a ``[M, K]`` fp8 with per-token-group scales ``[M, K/bk]``,
+    b ``[N, K]`` fp8 with block scales ``[N/bn, K/bk]``; -> ``[M, N]`` in ``out_dtype``."""
+    m, k = a.shape
+    n = b.shape[0]
+    bn, bk = block
+    if config is None:
+        block_m = 64 if m <= 64 else 128
+        config = (block_m, 128, 4 if block_m == 64 else 8, 3)
+    block_m, block_n, warps, stages = config
+    if bn % block_n and block_n % bn:
+        raise ValueError(f"w8a8_block_matmul: BLOCK_N {block_n} and the scale block {bn} must nest")
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _w8a8_block_matmul_kernel[grid](
+        a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale.stride(0),
+        b_scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, BN_SCALE=bn, GROUP_M=8,
+        num_warps=warps, num_stages=stages)
+    return c
+
+
+# --- dispatch ------------------------------------------------------------------------------------
+def scaled_mm_rowwise(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS FP8 GEMM with a scale per token ``[M, 1]`` and per output channel ``[1, N]``."""
+    return torch._scaled_mm(xq, q.t(), scale_a=x_scale.float().contiguous(),
+                            scale_b=scale.float().view(1, -1), out_dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K] -> [..., N]`` through the path for the device and the token count (module doc)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    if m == 0:
+        out = x2.new_empty(0, q.shape[0])
+    elif x.device.type != "cuda":
+        out = (x2.float() @ dequantize_weight(q, scale, block).t()).to(x.dtype)
+    elif m <= GEMV_MAX_TOKENS:
+        out = fp8_gemv(x2, q, scale, block)
+    elif block is not None:
+        xq, xs = quantize_rows(x2, block[1])
+        out = w8a8_block_matmul(xq, xs, q, scale, block, x.dtype)
+    else:
+        if input_scale is not None:
+            xq, xs = quantize_static(x2, input_scale), input_scale.float().expand(m, 1)
+        else:
+            xq, xs = quantize_rows(x2)
+        out = scaled_mm_rowwise(xq, xs, q, scale, x.dtype if x.dtype != torch.float32 else torch.bfloat16
+                                ).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], q.shape[0])

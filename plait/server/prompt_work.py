@@ -1,0 +1,81 @@
+"""Tokenization and chat templating of HTTP requests: off the event loop, with bounds on their input
+and output, so that a huge prompt or a template that renders megabytes never stalls the server.
+
+* Off the loop: the work runs on one worker thread (``PromptWork``). The Rust tokenizer releases the
+  GIL while it encodes, so /health and the streams of other requests keep flowing; one thread because
+  a Hugging Face tokenizer is not safe to call from several threads at once.
+* Input bound: a text prompt longer than ``PREFIX_CHARS_PER_TOKEN`` characters per token of the
+  request limit is first tokenized on that prefix only; when the prefix alone is over the limit the
+  request is refused at once (400, context_length_exceeded) instead of tokenizing megabytes.
+* Output bound: a rendered chat template longer than the request-body limit (``--max-payload-bytes``)
+  is refused before it is tokenized: the messages came in a body under that limit, so a rendering
+  beyond it was made by the template, not by the conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from plait.engine.frontend import Frontend
+
+T = TypeVar("T")
+
+# Characters per token beyond which a prompt is first tokenized on a prefix. Tokens of real text
+# average about four characters; 16 leaves room for whitespace runs and long code tokens.
+PREFIX_CHARS_PER_TOKEN = 16
+# Tokens a prefix may gain or lose at its cut (the last word split differently).
+CUT_MARGIN_TOKENS = 16
+
+
+class PromptTooLong(ValueError):
+    """The prompt's prefix alone is over the request limit; ``min_tokens`` is a lower bound."""
+
+    def __init__(self, min_tokens: int, chars: int, limit: int) -> None:
+        self.min_tokens = min_tokens
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, the prompt alone is more than "
+            f"{min_tokens} tokens (counted on its first {chars} characters). Please reduce the length of the "
+            "prompt.")
+
+
+def encode_bounded(frontend: Frontend, text: str, add_special_tokens: bool) -> list[int]:
+    """``text``'s token ids; raises PromptTooLong early for a text far over the request limit."""
+    limit = frontend.limits.max_request_tokens
+    tok = frontend.tokenizer
+    cut = limit * PREFIX_CHARS_PER_TOKEN
+    if len(text) > cut:
+        head = tok.encode(text[:cut], add_special_tokens=add_special_tokens)
+        if len(head) > limit + CUT_MARGIN_TOKENS:
+            raise PromptTooLong(len(head) - CUT_MARGIN_TOKENS, cut, limit)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def tokenize_prompt(frontend: Frontend, prompt: str | list[int]) -> list[int]:
+    """Frontend.tokenize with the prefix bound for text prompts."""
+    if isinstance(prompt, str) and prompt:
+        ids = encode_bounded(frontend, prompt, add_special_tokens=True)
+        frontend.check_input_ids(ids)
+        return ids
+    return frontend.tokenize(prompt)
+
+
+def check_rendered(text: str, max_chars: int) -> None:
+    if len(text) > max_chars:
+        raise ValueError(f"the chat template rendered {len(text)} characters, over the limit of {max_chars} "
+                         "(--max-payload-bytes)")
+
+
+class PromptWork:
+    """The worker thread that tokenizes and renders chat templates for the HTTP process."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="plait-prompts")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
