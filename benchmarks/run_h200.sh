@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
 #   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|fp8-tests|fp8|moe-kernel|profile-graph|profile-host|profile-spec|
-#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|x2|x2-profile (x2: on nvidia-h200-x2)|...
+#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|moe|x2|x2-profile (x2: on nvidia-h200-x2)|...
+# moe: decode-bs1 and offline-throughput for qwen3-30b-a3b and gpt-oss-20b (random weights of the real
+# shapes) against transformers generate / generate_batch in the same run.
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
@@ -30,6 +32,11 @@ for stage in "$@"; do
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
     profile-spec) python benchmarks/profile_spec.py "$OUT" 2>&1 | grep -v " INFO " | tail -6 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
+    moe)
+      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6
+      for shape in qwen3-30b-a3b gpt-oss-20b; do
+        python -m plait bench offline --workload offline-throughput --shape $shape --peer --out "$OUT" 2>&1 | tail -3
+      done ;;
     backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
                       | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;
     backends)

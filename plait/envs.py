@@ -81,6 +81,11 @@ FAULT_INJECT_TOKEN = _int_var(
     "A token id: a request whose prompt contains it fails inside the scheduler process as an internal "
     "error would (reported to its client, the server keeps serving). A test hook; unset normally.")
 
+COUNT_ROUTED_EXPERTS = _flag_var(
+    "PLAIT_COUNT_ROUTED_EXPERTS",
+    "1: count the distinct experts every sparse-layer forward routes to, on the device (plait bench's MoE "
+    "decode floor; attached before CUDA graph capture, so replays count too). Off: nothing is counted.")
+
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
-                                    TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN)
+                                    TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS)

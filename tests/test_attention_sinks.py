@@ -1,8 +1,8 @@
 """Attention sinks (gpt-oss): per-head logits that join the softmax denominator. The Triton kernels
 against the plain-torch reference (interpreter, tiny shapes; decode with split KV, two-stage and
 fused, extend with a prefix and a sliding window), the Triton backend against torch_native on the
-tiny gpt-oss (prefill, decode, verify), the fp32 cache keyed by (id, _version), eager and under graph
-replay, and torch_flash's refusal."""
+tiny gpt-oss whose layers have two window sizes and a full layer (prefill, decode, verify), the fp32
+cache keyed by (id, _version), eager and under graph replay, and torch_flash's refusal."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 from plait.attention.triton import kernels as K  # noqa: E402
 from plait.attention.triton import reference as R  # noqa: E402
 
-GREEDY8 = {"temperature": 0.0, "max_new_tokens": 8}
-# 20 tokens: longer than the tiny gpt-oss's window (12), so the sliding layer drops keys.
-PROMPTS = [prompt_ids(5, seed=3)[4]]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
+# 14 tokens: longer than both windows (12 and 7), so both sliding layers drop keys from the prefill on.
+PROMPTS = [prompt_ids(13, seed=3)[12]]
 
 
 # --- the fp32 cache -----------------------------------------------------------------------------
@@ -99,39 +99,55 @@ def test_extend_kernel_with_sinks_and_window_matches_reference():
     torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
 
 
-# --- the backends on the tiny gpt-oss ------------------------------------------------------------
+# --- the backends on a tiny gpt-oss with two window sizes ----------------------------------------
+
+# Layer 0 slides over 12 keys (the checkpoint's window), layer 1 is full, layer 2 slides over 7: no
+# checkpoint format gives layers different window sizes, so the models are built with layer 2's
+# window patched in (torch_native and triton alike).
+WINDOWS = (12, None, 7)
 
 
 @pytest.fixture(scope="module")
-def gpt_oss(tiny_model_dir):
-    return tiny_model_dir("gpt-oss")
+def gpt_oss(tmp_path_factory):
+    from plait.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("gpt-oss-3"), "gpt-oss", seed=0, num_hidden_layers=3,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_window_sizes():
+    import plait.models.llama as llama
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama, "sliding_window_of", lambda cfg, layer_id: WINDOWS[layer_id])
+        yield
 
 
 @pytest.fixture(scope="module")
 def native_tokens(gpt_oss):
-    with make_engine(gpt_oss) as engine:
-        return [o.token_ids for o in engine.generate(PROMPTS, GREEDY8)]
+    with make_engine(gpt_oss, max_total_tokens=256) as engine:
+        assert [m.self_attn.attn.sliding_window for m in engine.runner.model.model.layers] == list(WINDOWS)
+        return [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
 
 
-def test_triton_backend_prefill_and_decode_with_sinks_and_windows_equal_torch_native(gpt_oss, native_tokens):
-    with make_engine(gpt_oss, attention_backend="triton", max_total_tokens=512) as engine:
-        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY8)] == native_tokens
-
-
-def test_triton_verify_with_sinks_equals_torch_native(gpt_oss, native_tokens):
+def test_triton_prefill_decode_and_verify_with_sinks_and_two_window_sizes_equal_torch_native(gpt_oss,
+                                                                                          native_tokens):
     spec = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1}
-    with make_engine(gpt_oss, attention_backend="triton", max_total_tokens=512, **spec) as engine:
-        engine.generate(PROMPTS, GREEDY8)  # fills the n-gram cache with the answers
-        again = engine.generate(PROMPTS, GREEDY8)
+    with make_engine(gpt_oss, attention_backend="triton", max_total_tokens=256, **spec) as engine:
+        assert engine.runner.attn_backend.sliding_windows == (7, 12)
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == native_tokens
+        verified = engine.scheduler.spec_worker.stats.verify_steps
+        again = engine.generate(PROMPTS, GREEDY)  # the n-gram cache now holds the answers: drafts verify
         assert [o.token_ids for o in again] == native_tokens
-        assert engine.scheduler.spec_worker.stats.verify_steps > 0
+        assert engine.scheduler.spec_worker.stats.verify_steps > verified
 
 
 def test_graph_replay_reads_sinks_updated_in_place(gpt_oss, monkeypatch):
     """Under graph replay (PLAIT_CPU_GRAPHS=1: the graph runners over the eager stand-in) with bf16
-    sinks: after an in-place update the replayed decode equals an eager engine given the same
-    update at the same point, and each layer converted its sinks once more, not once per step. (The
-    radix cache keeps the prompt's KV from before the update in both engines.)"""
+    sinks: after an in-place update the replayed decode (triton, both windows' static plans) equals
+    torch_native given the same update, and each layer converted its sinks once more, not once per
+    step. (Both engines keep the prompt's KV from before the update in their radix caches.)"""
     def bf16_sinks(engine):
         layers = [m.self_attn.attn for m in engine.runner.model.model.layers]
         for attn in layers:
@@ -141,26 +157,27 @@ def test_graph_replay_reads_sinks_updated_in_place(gpt_oss, monkeypatch):
     def update(layers):
         with torch.no_grad():
             for attn in layers:
-                attn.sinks.copy_(-attn.sinks.float() + 1.0)
+                attn.sinks.fill_(5.0)  # sinks that take most of the attention mass
 
-    with make_engine(gpt_oss, attention_backend="triton", max_total_tokens=512, disable_cuda_graph=True) as eager:
+    with make_engine(gpt_oss, max_total_tokens=256) as eager:
         layers = bf16_sinks(eager)
-        eager.generate(PROMPTS, GREEDY8)
+        before = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
         update(layers)
-        expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY8)]
+        expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+    assert expected != before, "the update changed nothing"
     monkeypatch.setenv("PLAIT_CPU_GRAPHS", "1")
-    with make_engine(gpt_oss, attention_backend="triton", max_total_tokens=512, cuda_graph_max_bs=1) as engine:
+    with make_engine(gpt_oss, attention_backend="triton", max_total_tokens=256, cuda_graph_max_bs=1) as engine:
         graphs = engine.runner.graph_runner
-        assert graphs is not None
+        assert graphs is not None and len(graphs.graphs) == 1
         layers = bf16_sinks(engine)
-        before = [o.token_ids for o in engine.generate(PROMPTS, GREEDY8)]
+        engine.generate(PROMPTS, {**GREEDY, "max_new_tokens": 2})  # the prompt's KV, one replayed step
         cache = engine.runner.attn_backend.sinks_fp32
         converted = cache.conversions
         replays = sum(g.replays for g in graphs.graphs.values())
         update(layers)
-        after = [o.token_ids for o in engine.generate(PROMPTS, GREEDY8)]
+        after = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
         assert sum(g.replays for g in graphs.graphs.values()) > replays, "decode did not replay graphs"
-        assert after == expected and after != before
+        assert after == expected
         assert cache.conversions - converted == len(layers)
 
 

@@ -17,7 +17,9 @@ merge instead of the extend kernel's one program per query block, which leaves m
 at small batches. out_graph writes ``qo_indptr`` and
 ``mask_indptr``; in_graph builds the rows (``build_verify_kv_indices``: row lengths, their cumsum, the
 fill) and their split counts. Layers with a sliding window keep the extend kernel (it applies the
-window; the rows do not), so a windowed model plans both; PLAIT_TRITON_VERIFY_EXTEND=1 sends every
+window; the rows do not), so a windowed model plans both. Windows are per layer (gpt-oss alternates
+windowed and full layers; a model may mix several window sizes): decode plans one window plan per
+distinct window and each layer reads the plan of its own window; PLAIT_TRITON_VERIFY_EXTEND=1 sends every
 verify layer to the extend kernel (A/B measurement). TARGET_VERIFY batches that fit use static
 buffers the same way as decode (verify graphs): the row buffers sized for ``max_num_tokens`` rows,
 and the extend indptrs/prefix indices; the custom tree mask is the batch's (the graph runner hands a
@@ -28,6 +30,7 @@ only, so tree-draft graphs (plait.speculative.tree_draft_graph) get the static b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +67,9 @@ VERIFY_ROWS_MAX_BS = 8
 # fewer splits per row than decode does: half the decode cap loses nothing at W >= 2 and halves the
 # per-row workspace (attn_logits is rows x Hq x splits x D fp32).
 VERIFY_MAX_KV_SPLITS = MAX_KV_SPLITS // 2
+# The split cap in the Triton interpreter (CPU tests): stage 1's grid has max_kv_splits programs per
+# (request, kv head), idle ones included, and the interpreter runs each one in Python; 4 still splits.
+INTERPRETER_MAX_KV_SPLITS = 4
 
 
 @dataclass
@@ -134,12 +140,16 @@ class TritonAttnBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_q_heads: int,
-                 sliding_window: int | None = None, verify_via_decode: bool | None = None) -> None:
+                 sliding_window: int | Sequence[int] | None = None, verify_via_decode: bool | None = None) -> None:
         super().__init__(req_to_token_pool, kv_pool)
         self.num_q_heads = num_q_heads
-        # The model's window (layers with one read only the last W keys): decode plans a second set
-        # of indices covering just the window, so windowed layers read W keys, not the whole context.
-        self.sliding_window = sliding_window
+        # The distinct windows of the model's windowed layers (a layer with window W reads only the
+        # last W keys), ascending: decode plans one more set of indices per window, covering just
+        # that window, so a windowed layer reads W keys, not the whole context.
+        windows = [sliding_window] if isinstance(sliding_window, int) else list(sliding_window or ())
+        if any(w <= 0 for w in windows):
+            raise ValueError(f"sliding windows must be positive, got {windows}")
+        self.sliding_windows: tuple[int, ...] = tuple(sorted(set(windows)))
         # TARGET_VERIFY through the decode kernel (module docstring); None: VERIFY_VIA_DECODE.
         self.verify_via_decode = VERIFY_VIA_DECODE if verify_via_decode is None else verify_via_decode
         self.head_dim = kv_pool.head_dim
@@ -148,8 +158,11 @@ class TritonAttnBackend(AttentionBackend):
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             self.num_sms = 8  # interpreter runs (tests): any positive value
+        # Split caps of decode and of verify rows (plans, workspaces and kernel launches agree on them).
+        self.max_kv_splits = MAX_KV_SPLITS if self.device.type == "cuda" else INTERPRETER_MAX_KV_SPLITS
+        self.verify_max_kv_splits = max(1, self.max_kv_splits * VERIFY_MAX_KV_SPLITS // MAX_KV_SPLITS)
         self.graph_buffers: DecodeBuffers | None = None
-        self.graph_window_buffers: DecodeBuffers | None = None
+        self.graph_window_buffers: dict[int, DecodeBuffers] = {}  # window -> static buffers
         self.graph_verify_buffers: VerifyBuffers | None = None
         self.graph_max_bs = 0
         # Data pointers of the graph runner's static tensors that in_graph reads, recorded at capture:
@@ -158,7 +171,7 @@ class TritonAttnBackend(AttentionBackend):
         # (a replay cannot feed it anything else).
         self._capture_input_ptrs: tuple[int, ...] | None = None
         self.decode_md: tuple[DecodeBuffers, int] | None = None
-        self.window_md: DecodeBuffers | None = None  # same bs as decode_md
+        self.window_md: dict[int, DecodeBuffers] = {}  # window -> plan, same bs as decode_md
         # Extend plans: extend_md for the extend kernel, verify_md for TARGET_VERIFY's decode rows
         # (a verify plan may hold both: windowed layers take the extend kernel).
         self.extend_md: ExtendMetadata | None = None
@@ -169,7 +182,8 @@ class TritonAttnBackend(AttentionBackend):
         self._planned_for_capture = False
 
     # --- graph state ------------------------------------------------------------------------------
-    def _decode_buffers(self, bs: int, kv_tokens: int, max_kv_splits: int = MAX_KV_SPLITS) -> DecodeBuffers:
+    def _decode_buffers(self, bs: int, kv_tokens: int, max_kv_splits: int | None = None) -> DecodeBuffers:
+        max_kv_splits = max_kv_splits or self.max_kv_splits
         f32 = dict(dtype=torch.float32, device=self.device)
         i32 = dict(dtype=torch.int32, device=self.device)
         return DecodeBuffers(
@@ -197,9 +211,8 @@ class TritonAttnBackend(AttentionBackend):
         max_context = self.req_to_token_pool.max_context_len
         if self.graph_buffers is None:
             self.graph_buffers = self._decode_buffers(max_bs, max_bs * max_context)
-            if self.sliding_window:
-                self.graph_window_buffers = self._decode_buffers(max_bs,
-                                                                 max_bs * min(self.sliding_window, max_context))
+            self.graph_window_buffers = {w: self._decode_buffers(max_bs, max_bs * min(w, max_context))
+                                         for w in self.sliding_windows}
             self.graph_max_bs = max_bs
         if max_num_tokens > max_bs and verify is None:
             i32 = dict(dtype=torch.int32, device=self.device)
@@ -212,7 +225,7 @@ class TritonAttnBackend(AttentionBackend):
                 # 16 MiB); the fp32 workspaces row_cap * Hq * VERIFY_MAX_KV_SPLITS * (D + 1) * 4 B.
                 width = max(1, max_num_tokens // max_bs)
                 row_cap = min(max_num_tokens, VERIFY_ROWS_MAX_BS * width)
-                rows = self._decode_buffers(row_cap, row_cap * max_context, VERIFY_MAX_KV_SPLITS)
+                rows = self._decode_buffers(row_cap, row_cap * max_context, self.verify_max_kv_splits)
                 row_lens = torch.zeros(row_cap, **i32)
             # The three per-request indptrs in one buffer: a plan fills them with one host-to-device copy.
             packed = torch.zeros(3, n, **i32)
@@ -230,18 +243,16 @@ class TritonAttnBackend(AttentionBackend):
             bs = fb.batch_size
             static = self.graph_buffers is not None and bs <= self.graph_max_bs
             bufs = self.graph_buffers if static else self._decode_buffers(bs, fb.seq_lens_sum)
-            self.window_md = None
-            if self.sliding_window:
-                self.window_md = self.graph_window_buffers if static else self._decode_buffers(
-                    bs, bs * self.sliding_window)
+            self.window_md = {w: self.graph_window_buffers[w] if static else self._decode_buffers(bs, bs * w)
+                              for w in self.sliding_windows}
             # Capture planning arms the check in in_graph; any other planning disarms it.
             self._capture_input_ptrs = (
                 (fb.req_pool_indices.data_ptr(), fb.seq_lens.data_ptr()) if in_capture else None)
             num_kv_heads = self.kv_pool.num_kv_heads
-            get_num_kv_splits(fb.seq_lens, bufs.num_kv_splits, MAX_KV_SPLITS, self.num_sms, num_kv_heads)
-            if self.window_md is not None:
-                get_num_kv_splits(fb.seq_lens.clamp(max=self.sliding_window), self.window_md.num_kv_splits,
-                                  MAX_KV_SPLITS, self.num_sms, num_kv_heads)
+            get_num_kv_splits(fb.seq_lens, bufs.num_kv_splits, self.max_kv_splits, self.num_sms, num_kv_heads)
+            for w, win in self.window_md.items():
+                get_num_kv_splits(fb.seq_lens.clamp(max=w), win.num_kv_splits, self.max_kv_splits, self.num_sms,
+                                  num_kv_heads)
             self.decode_md = (bufs, bs)
             return
         assert fb.extend is not None
@@ -285,7 +296,7 @@ class TritonAttnBackend(AttentionBackend):
         if static is not None and (bs > self.graph_max_bs or (
                 use_rows and static.rows is not None and num_rows > static.rows.num_kv_splits.shape[0])):
             static = None
-        use_extend = not use_rows or bool(self.sliding_window)
+        use_extend = not use_rows or bool(self.sliding_windows)
 
         # qo / kv / mask indptrs from the host lists, in one pinned copy (a verify step's planning runs
         # while the GPU idles: one copy, not three cumsums and their stores). Request b's mask block
@@ -320,7 +331,7 @@ class TritonAttnBackend(AttentionBackend):
                 # Row b,i holds at most prefix_b + ext_b slots: the mask size bounds the total.
                 kv_tokens = sum(e * (p + e) for e, p in zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu,
                                                             strict=True))
-                bufs = self._decode_buffers(num_rows, kv_tokens, VERIFY_MAX_KV_SPLITS)
+                bufs = self._decode_buffers(num_rows, kv_tokens, self.verify_max_kv_splits)
                 row_lens = torch.empty(num_rows, dtype=torch.int32, device=self.device)
             self.verify_md = VerifyRowsMetadata(bufs=bufs, row_lens=row_lens, num_rows=num_rows, max_width=max_width,
                                                 qo_indptr=qo_indptr, mask_indptr=mask_indptr)
@@ -351,9 +362,8 @@ class TritonAttnBackend(AttentionBackend):
             bufs.kv_indptr[1 : bs + 1] = torch.cumsum(fb.seq_lens, 0)
             build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              bufs.kv_indptr, bufs.kv_indices)
-            if self.window_md is not None:
-                win = self.window_md
-                lens = fb.seq_lens.clamp(max=self.sliding_window)
+            for w, win in self.window_md.items():
+                lens = fb.seq_lens.clamp(max=w)
                 win.kv_indptr[1 : bs + 1] = torch.cumsum(lens, 0)
                 build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, lens, win.kv_indptr,
                                  win.kv_indices, kv_start_idx=fb.seq_lens - lens)
@@ -374,7 +384,7 @@ class TritonAttnBackend(AttentionBackend):
                                     rows.qo_indptr, fb.out_cache_loc, custom_mask_of(fb), rows.mask_indptr,
                                     rows.max_width, rows.row_lens, rows.bufs.kv_indptr, rows.bufs.kv_indices)
             # From the row lengths just built: in the graph, so a replay recomputes them too.
-            get_num_kv_splits(rows.row_lens, rows.bufs.num_kv_splits, VERIFY_MAX_KV_SPLITS, self.num_sms,
+            get_num_kv_splits(rows.row_lens, rows.bufs.num_kv_splits, self.verify_max_kv_splits, self.num_sms,
                               self.kv_pool.num_kv_heads)
 
     # --- compute ----------------------------------------------------------------------------------
@@ -395,13 +405,14 @@ class TritonAttnBackend(AttentionBackend):
         assert self.decode_md is not None
         bufs, bs = self.decode_md
         if layer.sliding_window:
-            assert self.window_md is not None and layer.sliding_window == self.sliding_window, (
-                "the backend was built for the model's sliding window")
-            bufs = self.window_md
+            assert layer.sliding_window in self.window_md, (
+                f"layer {layer.layer_id}'s sliding window {layer.sliding_window} is not among the backend's "
+                f"{self.sliding_windows}: build it with every window of the model")
+            bufs = self.window_md[layer.sliding_window]
         q3 = q.view(-1, hq, d)
         o = torch.empty_like(q3)
         decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: bs + 1], bufs.kv_indices, bufs.attn_logits,
-                             bufs.attn_lse, bufs.num_kv_splits[:bs], MAX_KV_SPLITS, layer.scaling, layer.logit_cap,
+                             bufs.attn_lse, bufs.num_kv_splits[:bs], self.max_kv_splits, layer.scaling, layer.logit_cap,
                              split_counters=bufs.split_counters, sinks=self._sinks(layer),
                              k_scale=k_scale, v_scale=v_scale)
         return o.view(-1, hq * d)
@@ -436,13 +447,13 @@ class TritonAttnBackend(AttentionBackend):
             bufs = rows.bufs
             decode_attention_fwd(q3, k_buf, v_buf, o, bufs.kv_indptr[: rows.num_rows + 1], bufs.kv_indices,
                                  bufs.attn_logits, bufs.attn_lse, bufs.num_kv_splits[: rows.num_rows],
-                                 VERIFY_MAX_KV_SPLITS, layer.scaling, layer.logit_cap,
+                                 self.verify_max_kv_splits, layer.scaling, layer.logit_cap,
                                  split_counters=bufs.split_counters, sinks=self._sinks(layer),
                                  k_scale=k_scale, v_scale=v_scale)
             return o.view(-1, hq * d)
         md = self.extend_md
-        assert md is not None, ("a windowed layer needs the extend plan: the backend was built for the model's "
-                                "sliding window")
+        assert md is not None, ("a windowed layer needs the extend plan: build the backend with every window of "
+                                "the model")
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices,
                              md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
                              is_causal=md.custom_mask is None, logit_cap=layer.logit_cap,

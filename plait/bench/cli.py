@@ -9,9 +9,9 @@ import traceback
 from typing import Any
 
 from plait.bench import peer_hf
-from plait.bench.hardware import bf16_matmul_rate, hbm_bandwidth
+from plait.bench.hardware import bench_dtype, bf16_matmul_rate, hbm_bandwidth
 from plait.bench.results import write_result
-from plait.bench.shapes import SHAPES, param_counts, write_shape_dir
+from plait.bench.shapes import SHAPES, is_moe, param_counts, write_shape_dir
 from plait.bench.workloads import (
     Limits,
     decode_step_bytes,
@@ -99,19 +99,23 @@ def cmd_latency(args: argparse.Namespace) -> int:
         graph = plait_decode_bs1(shape, shape_dir, prompt, new, **backends)
         eager = plait_decode_bs1(shape, shape_dir, prompt, new, **{**backends, "disable_cuda_graph": True})
         contexts = [128 + new // 2]  # mean context over the decode
-        bytes_step = decode_step_bytes(shape, contexts)
+        # MoE: the distinct experts the timed decode steps routed to, counted in the run.
+        distinct = graph.get("distinct_experts_per_layer_step")
+        bytes_step = decode_step_bytes(shape, contexts, distinct)
+        moe_detail = {"distinct_experts_per_layer_step": distinct} if is_moe(shape) else {}
         floor = lim.copy_bw / bytes_step
         fastest = max((p.get("tok_s", 0.0) for p in peers.values()), default=0.0) or None
         peer_name = "transformers " + ("static cache + torch.compile(reduce-overhead)" if fastest and fastest ==
                                        peers.get("static_compile", {}).get("tok_s") else "generate")
         write_result(
             args.out, "decode-bs1", shape, "decode_tok_s", graph["tok_s"], peer_name if fastest else None, fastest,
-            floor, {"dtype": "bfloat16", "load_format": "dummy", "input_len": 128, "output_len": new,
+            floor, {"dtype": bench_dtype(), "load_format": "dummy", "input_len": 128, "output_len": new,
                     "cuda_graph": graph["cuda_graph"], "overlap_schedule": True, **backends}, tag=tag,
             ms_per_step=graph["ms_per_step"], eager=eager, graph=graph,
             graph_speedup_over_eager=graph["tok_s"] / eager["tok_s"], peers=peers,
             floor_definition="copy HBM bandwidth / (bf16 matmul weights + KV cache read at the mean context) "
-                             "per step",
+                             "per step" + ("; MoE: dense weights + the distinct experts each step routed to "
+                                           "(counted in the run, per layer)" if moe_detail else ""), **moe_detail,
             floor_read_bandwidth_tok_s=lim.read_bw / bytes_step, bytes_per_step=bytes_step,
             kv_capacity_tokens=graph["kv_capacity_tokens"], **_limits_detail(lim))
         if args.prefill and shape == "llama-3.1-8b":
@@ -138,9 +142,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
     if args.workload == "offline-throughput":
         shape = args.shape or "llama-3.2-1b"
         vocab = SHAPES[shape]["vocab_size"]
-        prompts = random_prompts(args.num_requests, 512, vocab, seed=0)
-        out_lens = [128] * args.num_requests
-        params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 128}] * args.num_requests
+        prompts = random_prompts(args.num_requests, args.input_len, vocab, seed=0)
+        out_lens = [args.output_len] * args.num_requests
+        params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": args.output_len}] * args.num_requests
     else:  # nano-vllm: its own benchmark's recipe (random.seed(0), randint lengths, temperature 0.6)
         shape = args.shape or "qwen3-0.6b"
         vocab = SHAPES[shape]["vocab_size"]
@@ -155,8 +159,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
         peer = _peer(peer_hf.generate_batch_throughput, shape, prompts,
                      out_lens[0] if len(set(out_lens)) == 1 else out_lens)
     options = {"max_running_requests": args.num_requests, **backend_options(args)}
-    result = plait_throughput(shape_dir, prompts, params, **options)
-    floor_s = throughput_floor_seconds(shape, [len(p) for p in prompts], out_lens, lim)
+    result = plait_throughput(shape_dir, prompts, params, count_experts=is_moe(shape), **options)
+    distinct = result.get("distinct_experts_by_tokens")
+    floor_s = throughput_floor_seconds(shape, [len(p) for p in prompts], out_lens, lim, distinct_by_tokens=distinct)
     floor = sum(out_lens) / floor_s
     details: dict[str, Any] = {}
     if args.workload == "offline-throughput" and args.overlap_check:
@@ -165,10 +170,13 @@ def cmd_offline(args: argparse.Namespace) -> int:
     write_result(
         args.out, args.workload, shape, "output_tok_s", result["output_tok_s"],
         "transformers generate_batch" if peer.get("output_tok_s") else None, peer.get("output_tok_s"), floor,
-        {"dtype": "bfloat16", "load_format": "dummy", **options, "requests": args.num_requests},
+        {"dtype": bench_dtype(), "load_format": "dummy", **options, "requests": args.num_requests,
+         "input_len": args.input_len, "output_len": args.output_len},
         tag=backend_tag(options), detail=result, peer_detail=peer, floor_seconds=floor_s,
         floor_definition="sum over steps of max(FLOPs / bf16 matmul rate, bytes / copy bandwidth): prefill "
-                         "compute-bound, then one decode step per position over the running requests",
+                         "compute-bound, then one decode step per position over the running requests"
+                         + ("; MoE: decode bytes from the distinct experts the run's steps routed to (counted, "
+                            "per layer call size), prefill FLOPs from the active parameters" if distinct else ""),
         mfu_prefill_flops_only=flops / result["seconds"] / lim.matmul_rate,
         matmul_params=param_counts(shape)["matmul"], **details, **_limits_detail(lim))
     return 0
@@ -189,6 +197,8 @@ def add_bench_parsers(bench_sub: Any) -> None:
     off.add_argument("--workload", choices=["offline-throughput", "nano-vllm"], default="offline-throughput")
     off.add_argument("--shape", choices=sorted(SHAPES), default=None)
     off.add_argument("--num-requests", type=int, default=256)
+    off.add_argument("--input-len", type=int, default=512, help="offline-throughput: prompt tokens per request")
+    off.add_argument("--output-len", type=int, default=128, help="offline-throughput: new tokens per request")
     off.add_argument("--peer", action="store_true", help="run transformers generate_batch in the same run")
     off.add_argument("--overlap-check", action="store_true", help="bs=256 step time vs graph replay")
     off.add_argument("--out", default="benchmarks/results")

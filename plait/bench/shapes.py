@@ -56,6 +56,16 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 
+# CPU smoke runs of the MoE benchmark path (tests/test_bench_moe.py): the two real MoE shapes' layouts
+# (routing, sinks, alternating windows, biases) at a tiny size: 2 layers, hidden 64, 8 experts of 32, top 2.
+_TINY_MOE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "vocab_size": 4096, "max_position_embeddings": 4096, "num_experts_per_tok": 2,
+             "eos_token_id": 0}
+SHAPES["tiny-qwen3-moe"] = {**SHAPES["qwen3-30b-a3b"], **_TINY_MOE, "intermediate_size": 128,
+                            "moe_intermediate_size": 32, "num_experts": 8}
+SHAPES["tiny-gpt-oss"] = {**SHAPES["gpt-oss-20b"], **_TINY_MOE, "intermediate_size": 32, "num_local_experts": 8,
+                          "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
+
 
 def is_moe(shape: str) -> bool:
     c = SHAPES[shape]

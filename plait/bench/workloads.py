@@ -9,6 +9,7 @@ prefill             8 x 2048-token prompts: prefill tokens/s and MFU
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 
+from plait import envs
+from plait.bench.hardware import bench_dtype, sync
 from plait.bench.shapes import (
     attention_flops,
     expected_distinct_experts,
@@ -26,6 +29,8 @@ from plait.bench.shapes import (
     moe_counts,
     param_counts,
 )
+from plait.layers.moe import routing_stats
+from plait.layers.moe.routing_stats import RoutedExpertCounter
 
 
 @dataclass(frozen=True)
@@ -35,13 +40,34 @@ class Limits:
     matmul_rate: float  # bf16 FLOP/s
 
 
-def make_engine(shape_dir: str, **options: Any):
+def make_engine(shape_dir: str, count_experts: bool = False, **options: Any):
+    """``count_experts``: the engine counts the distinct experts each sparse-layer call routes to
+    (plait.layers.moe.routing_stats; read back with ``routed_expert_counts``)."""
     from plait.engine import Engine
 
     options.setdefault("load_format", "dummy")
-    options.setdefault("dtype", "bfloat16")
+    options.setdefault("dtype", bench_dtype())
     options.setdefault("context_length", 4096)
-    return Engine(model=shape_dir, **options)
+    if not torch.cuda.is_available():  # CPU smoke runs: a pool sized from host memory costs seconds per step
+        options.setdefault("max_total_tokens", 16384)
+    if not count_experts:
+        return Engine(model=shape_dir, **options)
+    # Read while the engine builds its model (and inherited by spawned ranks), before graph capture.
+    name, before = envs.COUNT_ROUTED_EXPERTS.name, os.environ.get(envs.COUNT_ROUTED_EXPERTS.name)
+    os.environ[name] = "1"
+    try:
+        return Engine(model=shape_dir, **options)
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def routed_expert_counter(engine: Any) -> RoutedExpertCounter:
+    counter = routing_stats.counter_of(engine.runner.model)
+    assert counter is not None, "the engine was not built with count_experts=True (or its model is dense)"
+    return counter
 
 
 def release(engine: Any) -> None:
@@ -58,16 +84,11 @@ def random_prompts(n: int, length: int | list[int], vocab: int, seed: int) -> li
     return [[rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in lengths]
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed(fn: Any) -> tuple[Any, float]:
-    _sync()
+    sync()
     t0 = time.perf_counter()
     out = fn()
-    _sync()
+    sync()
     return out, time.perf_counter() - t0
 
 
@@ -76,8 +97,9 @@ def decode_step_bytes(shape: str, contexts: list[int], distinct_experts: float |
                       weight_bytes: float | None = None, kv_dtype_bytes: int = 2) -> float:
     """Bytes one decode step must read: every matmul weight (bf16) plus the KV cache of the batch. A
     mixture of experts reads its dense weights plus, per sparse layer, the experts the step routes to:
-    ``distinct_experts`` per layer, by default the expectation under uniform routing. ``weight_bytes``:
-    the weights in all as a quantized model stores them; ``kv_dtype_bytes``: bytes per KV element."""
+    ``distinct_experts`` per layer (counted in the run: ``distinct_for_step``), else the expectation
+    under uniform routing. ``weight_bytes``: the weights in all as a quantized model stores them;
+    ``kv_dtype_bytes``: bytes per KV element."""
     kv = kv_bytes_per_token(shape, kv_dtype_bytes) * sum(contexts)
     if weight_bytes is not None:
         return weight_bytes + kv
@@ -86,6 +108,14 @@ def decode_step_bytes(shape: str, contexts: list[int], distinct_experts: float |
     m = moe_counts(shape)
     routed = expected_distinct_experts(shape, len(contexts)) if distinct_experts is None else distinct_experts
     return 2 * (param_counts(shape)["dense_matmul"] + m["sparse_layers"] * routed * m["per_expert"]) + kv
+
+
+def distinct_for_step(measured: dict[int, float] | None, tokens: int) -> float | None:
+    """The run's mean distinct experts per layer call for a decode step of ``tokens`` requests: the
+    calls of the smallest recorded size in [tokens, 2 * tokens] (a CUDA graph pads the batch up to its
+    bucket, and the padding rows route too); None when the run recorded no such call."""
+    sizes = [t for t in (measured or {}) if tokens <= t <= 2 * tokens]
+    return measured[min(sizes)] if measured and sizes else None
 
 
 def decode_step_flops(shape: str, contexts: list[int]) -> float:
@@ -99,29 +129,41 @@ def prefill_flops(shape: str, prompt_lens: list[int]) -> float:
 
 
 def throughput_floor_seconds(shape: str, prompt_lens: list[int], output_lens: list[int], lim: Limits,
-                             weight_bytes: float | None = None, kv_dtype_bytes: int = 2) -> float:
+                             weight_bytes: float | None = None, kv_dtype_bytes: int = 2,
+                             distinct_by_tokens: dict[int, float] | None = None) -> float:
     """Sum over steps of max(FLOPs / matmul rate, bytes / copy bandwidth): all prefill compute-bound,
     then one decode step per output position over the requests still running. ``weight_bytes`` /
     ``kv_dtype_bytes``: a quantized run's storage (decode_step_bytes); ``lim.matmul_rate`` is the
-    ceiling of the run's matmul type (FP8 for FP8 weights)."""
+    ceiling of the run's matmul type (FP8 for FP8 weights). ``distinct_by_tokens``: a MoE run's
+    counted distinct experts per layer call, by call size (``distinct_for_step``)."""
     seconds = prefill_flops(shape, prompt_lens) / lim.matmul_rate
     for step in range(1, max(output_lens)):
         contexts = [p + step for p, o in zip(prompt_lens, output_lens, strict=True) if o > step]
         seconds += max(decode_step_flops(shape, contexts) / lim.matmul_rate,
-                       decode_step_bytes(shape, contexts, weight_bytes=weight_bytes,
-                                         kv_dtype_bytes=kv_dtype_bytes) / lim.copy_bw)
+                       decode_step_bytes(shape, contexts, distinct_for_step(distinct_by_tokens, len(contexts)),
+                                         weight_bytes=weight_bytes, kv_dtype_bytes=kv_dtype_bytes) / lim.copy_bw)
     return seconds
 
 
 # --- workloads ----------------------------------------------------------------------------------
 def plait_decode_bs1(shape: str, shape_dir: str, prompt: list[int], new_tokens: int, **options: Any
                      ) -> dict[str, Any]:
-    engine = make_engine(shape_dir, disable_radix_cache=True, max_running_requests=8, **options)
+    """A MoE shape also counts the distinct experts of the timed run's decode steps (one token each:
+    top_k of them at most), per layer: ``distinct_experts_per_layer_step``."""
+    moe = is_moe(shape)
+    engine = make_engine(shape_dir, count_experts=moe, disable_radix_cache=True, max_running_requests=8, **options)
     params = {"temperature": 0.0, "ignore_eos": True}
-    engine.generate(prompt, {**params, "max_new_tokens": 32})  # warm-up
+    engine.generate(prompt, {**params, "max_new_tokens": min(32, new_tokens)})  # warm-up
     t_one = min(timed(lambda: engine.generate(prompt, {**params, "max_new_tokens": 1}))[1] for _ in range(3))
+    if moe:
+        routed_expert_counter(engine).reset()
     _, t_all = timed(lambda: engine.generate(prompt, {**params, "max_new_tokens": new_tokens}))
-    info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "attention_backend": engine.runner.attn_backend.name,
+    routing: dict[str, Any] = {}
+    if moe:
+        by_tokens = routed_expert_counter(engine).mean_distinct_by_tokens()
+        routing = {"distinct_experts_per_layer_step": by_tokens.get(1), "routing_calls_by_tokens": by_tokens}
+    info = {**routing, "kv_capacity_tokens": engine.runner.max_total_tokens,
+            "attention_backend": engine.runner.attn_backend.name,
             "cuda_graph": engine.runner.graph_runner is not None, **symmetric_paths(engine)}
     release(engine)
     tok_s = (new_tokens - 1) / (t_all - t_one)
@@ -140,21 +182,27 @@ def plait_prefill(shape: str, shape_dir: str, n: int, length: int, vocab: int, *
     return {"tokens_per_s": n * length / seconds, "seconds": seconds, "attention_backend": backend}
 
 
-def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict[str, Any]], **options: Any
-                     ) -> dict[str, Any]:
-    engine = make_engine(shape_dir, **options)
+def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict[str, Any]],
+                     count_experts: bool = False, **options: Any) -> dict[str, Any]:
+    """``count_experts`` (MoE shapes): ``distinct_experts_by_tokens``, the timed run's mean distinct
+    experts per sparse-layer call, by the call's token count."""
+    engine = make_engine(shape_dir, count_experts=count_experts, **options)
     # Warm-up is the whole workload once: Triton compiles a kernel variant per launch shape class
     # (tile sizes, integer specialisations), and a partial warm-up leaves compiles inside the timing.
     engine.generate(prompts, params)
     engine.scheduler.tree_cache.reset()
+    if count_experts:
+        routed_expert_counter(engine).reset()
     with step_timing(engine.scheduler) as steps:
         outs, seconds = timed(lambda: engine.generate(prompts, params))
+    routing = ({"distinct_experts_by_tokens": routed_expert_counter(engine).mean_distinct_by_tokens()}
+               if count_experts else {})
     generated = sum(len(o.token_ids) for o in outs)
     stats = engine.scheduler.stats
     info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "retractions": stats.num_retractions,
             "attention_backend": engine.runner.attn_backend.name, "cuda_graph": engine.runner.graph_runner is not None,
             "forward_steps": stats.forward_steps, "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use(),
-            **symmetric_paths(engine)}
+            **symmetric_paths(engine), **routing}
     release(engine)
     return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info,
             "steps": steps.summary(seconds)}
@@ -223,11 +271,11 @@ def steady_decode_timing(engine: Any, bs: int, vocab: int, steps: int = 50, seed
         sched.step()
     if on_steady is not None:
         on_steady()
-    _sync()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         sched.step()
-    _sync()
+    sync()
     step_s = (time.perf_counter() - t0) / steps
     if after_timed is not None:
         after_timed()

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from plait import envs
 from plait.attention.base import AttentionBackend
 from plait.attention.hybrid import serving_backend_name
 from plait.attention.plan_check import maybe_check_plans
@@ -30,7 +31,8 @@ from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs,
 from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
-from plait.layers.radix_attention import model_has_sinks, model_kv_scales, model_sliding_window
+from plait.layers.moe import routing_stats
+from plait.layers.radix_attention import model_has_sinks, model_kv_scales, model_sliding_windows
 from plait.mem.pools import (
     MHATokenToKVPool,
     ReqToTokenPool,
@@ -64,6 +66,8 @@ class ModelRunner:
         attn_tp = SINGLE if config.enable_dp_attention else tp
         self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp,
                                 ep_size=config.ep_size)
+        if envs.COUNT_ROUTED_EXPERTS.get():  # benchmarks: before any graph is captured
+            routing_stats.attach(self.model, self.device)
         log_device_memory("the weights", self.device)
         # Rank 0 schedules KV slots for every rank: all ranks take the smallest capacity.
         draft = None
@@ -87,7 +91,7 @@ class ModelRunner:
         def new_backend() -> AttentionBackend:
             return create_attention_backend(
                 config.attention_backends(), self.req_to_token_pool, self.kv_pool, mc.num_heads // attn_tp.size,
-                config.speculative_attention_mode, sliding_window=model_sliding_window(self.model),
+                config.speculative_attention_mode, sliding_windows=model_sliding_windows(self.model),
                 has_sinks=model_has_sinks(self.model))
 
         self.attn_backend: AttentionBackend = new_backend()

@@ -50,12 +50,11 @@ class RadixAttention(nn.Module):
         return backend.forward(q, k, v, self, fb, save_kv_cache=False)
 
 
-def model_sliding_window(model: nn.Module) -> int | None:
-    """The window of the model's windowed attention layers (None when every layer is full)."""
-    windows = {m.sliding_window for m in model.modules() if isinstance(m, RadixAttention) and m.sliding_window}
-    if len(windows) > 1:
-        raise ValueError(f"layers with different sliding windows {sorted(windows)} are not supported")
-    return windows.pop() if windows else None
+def model_sliding_windows(model: nn.Module) -> tuple[int, ...]:
+    """The distinct windows of the model's windowed attention layers, ascending (empty when every
+    layer is full). Layers may differ: each backend applies a layer's own window."""
+    return tuple(sorted({m.sliding_window for m in model.modules()
+                         if isinstance(m, RadixAttention) and m.sliding_window}))
 
 
 def model_kv_scales(model: nn.Module) -> tuple[list[float], list[float]]:

@@ -24,6 +24,7 @@ from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import ShardedMLP
 from plait.layers.moe.reference import ACTIVATIONS, fused_experts_reference
 from plait.layers.moe.router import RouterConfig, select_experts
+from plait.layers.moe.routing_stats import RoutedExpertCounter
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -156,9 +157,13 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = (nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None)
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.weight.requires_grad_(False)
+        # Benchmarks only (plait.layers.moe.routing_stats): None keeps the hot path free of counting.
+        self.routing_counter: RoutedExpertCounter | None = None
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(x), self.router_config)
+        if self.routing_counter is not None:
+            self.routing_counter.record(topk_ids)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None

@@ -1,0 +1,78 @@
+"""The MoE benchmark path on the CPU: the device-side count of distinct routed experts (the decode
+floor's), and ``plait bench latency`` / ``plait bench offline`` end to end on tiny MoE shapes with
+the transformers peer, writing result JSON as the H200 runs do."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from plait import cli
+from plait.bench.shapes import moe_counts
+from plait.bench.workloads import decode_step_bytes, distinct_for_step
+from plait.layers.moe import routing_stats
+from plait.layers.moe.routing_stats import RoutedExpertCounter
+from tests.helpers import make_engine
+
+
+def test_counter_records_tokens_and_distinct_experts_per_call_in_a_ring():
+    counter = RoutedExpertCounter(num_experts=8, device="cpu", capacity=2)
+    counter.record(torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32))  # 3 tokens, experts {0, 1, 2}
+    counter.record(torch.tensor([[5, 7]], dtype=torch.int32))
+    assert counter.calls() == [(3, 3), (1, 2)]
+    counter.record(torch.tensor([[4, 4], [4, 6]], dtype=torch.int32))  # overwrites the oldest call
+    assert counter.calls() == [(1, 2), (2, 2)]
+    assert counter.mean_distinct_by_tokens() == {1: 2.0, 2: 2.0}
+    counter.reset()
+    assert counter.calls() == []
+
+
+def test_engine_counts_every_sparse_layer_call_only_when_enabled(tiny_model_dir, monkeypatch):
+    path = tiny_model_dir("qwen3-moe")  # layer 0 sparse (8 experts, top 2), layer 1 dense
+    with make_engine(path, max_total_tokens=128) as plain:
+        assert routing_stats.counter_of(plain.runner.model) is None
+    monkeypatch.setenv("PLAIT_COUNT_ROUTED_EXPERTS", "1")
+    with make_engine(path, max_total_tokens=128) as engine:
+        counter = routing_stats.counter_of(engine.runner.model)
+        assert counter is not None
+        engine.generate([[11, 12, 13, 14, 15]], {"temperature": 0.0, "max_new_tokens": 3})
+        calls = counter.calls()
+    # One sparse layer: the 5-token prefill, then two one-token decode steps (top 2: two experts each).
+    assert [t for t, _ in calls] == [5, 1, 1]
+    assert 2 <= calls[0][1] <= 8 and [d for _, d in calls[1:]] == [2, 2]
+
+
+def test_decode_floor_reads_the_counted_experts_of_the_step_size():
+    measured = {1: 4.0, 256: 120.0, 4096: 128.0}
+    assert distinct_for_step(measured, 1) == 4.0
+    assert distinct_for_step(measured, 200) == 120.0  # a graph bucket of 256 served 200 requests
+    assert distinct_for_step(measured, 2000) is None  # the 4096-token calls were prefill, not this step
+    m = moe_counts("qwen3-30b-a3b")
+    fewer, more = (decode_step_bytes("qwen3-30b-a3b", [100], d) for d in (8.0, 16.0))
+    assert more - fewer == 2 * 8 * m["sparse_layers"] * m["per_expert"]  # bf16 bytes of 8 more experts per layer
+
+
+def _result(out, workload: str, shape: str) -> dict:
+    (file,) = out.glob(f"*-{workload}-{shape}-cpu.json")
+    return json.loads(file.read_text())
+
+
+def test_bench_latency_and_offline_run_tiny_moe_shapes_with_the_transformers_peer(tmp_path):
+    out = tmp_path / "results"
+    assert cli.main(["bench", "latency", "--shape", "tiny-qwen3-moe", "--output-len", "6", "--no-compile-peer",
+                     "--out", str(out)]) == 0
+    decode = _result(out, "decode-bs1", "tiny-qwen3-moe")
+    assert decode["plait"] > 0 and decode["peer"] > 0 and decode["peer_name"] == "transformers generate"
+    assert decode["distinct_experts_per_layer_step"] == 2.0  # one token, top 2
+    assert decode["bytes_per_step"] == decode_step_bytes("tiny-qwen3-moe", [128 + 3], 2.0)
+    assert decode["floor"] > 0 and decode["fraction_of_floor"] > 0
+
+    assert cli.main(["bench", "offline", "--shape", "tiny-gpt-oss", "--num-requests", "3", "--input-len", "16",
+                     "--output-len", "4", "--peer", "--out", str(out)]) == 0
+    offline = _result(out, "offline-throughput", "tiny-gpt-oss")
+    assert offline["plait"] > 0 and offline["peer"] > 0 and offline["peer_name"] == "transformers generate_batch"
+    assert offline["detail"]["generated_tokens"] == 3 * 4
+    by_tokens = {int(t): d for t, d in offline["detail"]["distinct_experts_by_tokens"].items()}
+    assert 2 <= by_tokens[3] <= 6  # decode steps of the three requests: top 2 each, of 8 experts
+    assert offline["floor"] > 0 and "distinct experts" in offline["floor_definition"]
