@@ -5,9 +5,9 @@ not silently coerced) and every failure is an ``APIError(400)`` naming the field
 extra fields:
 
 * OpenAI fields that plait does not use and that change nothing about the result (``user``,
-  ``store``, ``parallel_tool_calls``, ...): accepted and ignored, with a debug log;
-* OpenAI features that would change the result and that plait does not implement (``tools``,
-  ``suffix``, ...): 400 saying so;
+  ``store``, ...): accepted and ignored, with a debug log;
+* OpenAI features that would change the result and that plait does not implement (the legacy
+  ``functions``, ``suffix``, ...): 400 saying so;
 * anything else: 400 "Unrecognized request argument supplied", as OpenAI answers, so that a typo
   such as ``temprature`` cannot silently fall back to a default.
 """
@@ -34,7 +34,7 @@ MAX_STOP_TOKEN_IDS = 1024
 
 # OpenAI fields that plait accepts and ignores (they do not change the tokens produced).
 IGNORED_FIELDS: frozenset[str] = frozenset({
-    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+    "user", "store", "metadata", "service_tier", "prompt_cache_key",
     "safety_identifier", "modalities", "verbosity", "reasoning_effort", "web_search_options", "audio",
     "prediction",
 })
@@ -108,8 +108,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Validated by plait.server.tool_calling.plan_tools.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -194,12 +196,8 @@ def check_completion(req: CompletionRequest) -> None:
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise unsupported("tools (function calling)", "tools")
     if req.functions:
-        raise unsupported("functions (function calling)", "functions")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise unsupported("tool_choice", "tool_choice")
+        raise unsupported("functions (the legacy form of tools)", "functions")
     if req.function_call not in (None, "none", "auto"):
         raise unsupported("function_call", "function_call")
     if req.top_logprobs is not None:
@@ -260,9 +258,9 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
+        **grammar_fields(req.response_format, req.regex, req.ebnf),
         "logit_bias": req.logit_bias,
         "logprob_start_len": logprob_start_len if logprobs else -1,
-        **grammar_fields(req.response_format, req.regex, req.ebnf),
     }
 
 

@@ -180,8 +180,7 @@ def test_invalid_chat_request_is_a_400(server, model_name, chat, fields, param, 
 
 
 UNSUPPORTED = [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
 ]
 
 
