@@ -210,3 +210,6 @@ def add_bench_parsers(bench_sub: Any) -> None:
     from plait.bench.quant import add_quant_parser
 
     add_quant_parser(bench_sub)  # FP8: decode-bs1, offline-throughput, gemm
+    from plait.bench.structured import add_structured_parser
+
+    add_structured_parser(bench_sub)  # structured-overhead

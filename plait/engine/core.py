@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.config import EngineConfig
 from plait.engine.frontend import RequestLimits
@@ -25,6 +25,9 @@ from plait.scheduler.detokenizer import IncrementalDetokenizer
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 from plait.speculative.factory import create_spec_worker
+
+if TYPE_CHECKING:
+    from plait.sampling.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +90,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         from plait.parallel.data_parallel import DataParallelRunner, DataParallelScheduler
 
         replicas = DataParallelRunner(config, model_config)
-        return EngineCore(config, model_config, tokenizer, replicas, DataParallelScheduler(config, replicas))
+        dp_scheduler = DataParallelScheduler(config, replicas)
+        for replica in dp_scheduler.replicas:
+            replica.grammar_backend = grammar_backend(tokenizer, model_config)
+        return EngineCore(config, model_config, tokenizer, replicas, dp_scheduler)
     runner: ModelRunner
     if config.tp_size > 1:
         # This process is rank 0 (it schedules and samples); the other ranks are spawned from here.
@@ -102,8 +108,17 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     else:
         runner = ModelRunner(config, model_config)
     # --- the scheduler ---
-    scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
+    scheduler = Scheduler(config, runner, create_spec_worker(config, runner),
+                          grammar_backend=grammar_backend(tokenizer, model_config))
     return EngineCore(config, model_config, tokenizer, runner, scheduler)
+
+
+def grammar_backend(tokenizer: Any, model_config: ModelConfig) -> GrammarBackend:
+    """The grammar compiler of one scheduler: the tokenizer over the model's (padded) vocabulary,
+    the model's EOS ids as the grammars' stop tokens. Cheap until the first constrained request."""
+    from plait.sampling.grammar import GrammarBackend
+
+    return GrammarBackend(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
 
 @dataclass

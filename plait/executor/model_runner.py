@@ -26,7 +26,7 @@ from plait.attention.tbo_backend import TboAttnBackend
 from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner
-from plait.executor.forward_output import ForwardOutput, HostCopy, score_prompt_rows
+from plait.executor.forward_output import ForwardOutput, HostCopy, InputLogprobs, score_prompt_rows
 from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
 from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
@@ -174,18 +174,28 @@ class ModelRunner:
         # No tokens: the model still runs (collectives of TP/DP ranks must match), on empty input.
         return self._run_model(fb)
 
-    def forward_batch(self, fb: ForwardBatch) -> ForwardOutput:
+    def forward_batch(self, fb: ForwardBatch, sample: bool = True) -> ForwardOutput:
         """One scheduler step: the forward, then, when the batch samples (``fb.sampling_info``), the
         sampler and the asynchronous host copy of its results. Nothing here waits for the device:
-        the caller reads the copy later (``HostCopy.wait``), after launching the next step."""
+        the caller reads the copy later (``HostCopy.wait``), after launching the next step.
+
+        ``sample=False`` returns after the forward: the caller finishes the batch's info first (a
+        constrained batch's vocabulary mask) and then calls ``sample``."""
         logits = self.forward(fb)
         scored = None
         if fb.input_logprobs is not None:
             scored, logits = score_prompt_rows(logits, fb.input_logprobs)
-        if fb.sampling_info is None:
+        if fb.sampling_info is None or not sample:
             return ForwardOutput(logits, input_logprobs=scored)
+        return self.sample(fb, logits, scored)
+
+    def sample(self, fb: ForwardBatch, logits: LogitsOutput, input_logprobs: InputLogprobs | None = None
+               ) -> ForwardOutput:
+        """The sampler on a forward's logits with ``fb.sampling_info``, and the host copy
+        (``input_logprobs``: the forward's prompt scores, passed through)."""
+        assert fb.sampling_info is not None
         sample = self.sampler(logits.next_token_logits, fb.sampling_info)
-        return ForwardOutput(logits, sample, HostCopy.start(sample), scored)
+        return ForwardOutput(logits, sample, HostCopy.start(sample), input_logprobs)
 
     def close(self) -> None:
         """Drop the model, pools, backend and graphs so their device memory can be reused (graphs and

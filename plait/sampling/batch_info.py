@@ -59,6 +59,10 @@ class SamplingBatchInfo:
     need_logprobs: bool = False
     top_logprobs_num: int = 0
     seeds_host: tuple[int, ...] = ()  # int64-wrapped seeds, kept to re-key the draws (with_steps)
+    # Constrained decoding: xgrammar's token bitmask of this step, int32 [bs, ceil(V / 32)] on the
+    # device (bit set = allowed; unconstrained rows all ones). Filled per step by the scheduler from
+    # the requests' matchers, after build (never reused by with_steps); None when no row is constrained.
+    vocab_mask: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -83,7 +87,7 @@ class SamplingBatchInfo:
                              f"and one step per row ({self.batch_size}), got {len(steps)}")
         ints = to_device(torch.tensor([list(steps), row_keys_host(self.seeds_host, steps)], dtype=torch.int64),
                          self.temperatures.device)
-        return dataclasses.replace(self, steps=ints[0], noise_keys=ints[1])
+        return dataclasses.replace(self, steps=ints[0], noise_keys=ints[1], vocab_mask=None)
 
     @classmethod
     def build(

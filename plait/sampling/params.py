@@ -1,7 +1,8 @@
 """Per-request sampling parameters, validated once at the front end.
 
 `SamplingParams` is read by the server (parsing), the scheduler (stop checks, token budgets) and
-the sampler (device tensors), so it lives on the ground floor and imports nothing from plait.
+the sampler (device tensors), so it lives on the ground floor and imports nothing from plait but the
+grammar validation of its sibling ``plait.sampling.grammar`` (loaded only when a grammar is given).
 Every rejection is a `ValueError` naming the field and its limit, so a bad request fails alone at
 admission instead of poisoning a batch later.
 """
@@ -90,6 +91,12 @@ class SamplingParams:
     # SGLang's logprob_start_len: with logprobs, also return the logprobs of the prompt tokens from
     # this index on (prompt scoring). -1: output tokens only.
     logprob_start_len: int = -1
+    # Constrained decoding (SGLang's fields; at most one). json_schema may be given as a dict; it is
+    # stored as its JSON text. structural_tag is xgrammar's structural-tag JSON (str or dict).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalised values (int -> float, list -> tuple) are written with object.__setattr__.
@@ -154,6 +161,15 @@ class SamplingParams:
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
 
+        if any(getattr(self, name) is not None for name in ("json_schema", "regex", "ebnf", "structural_tag")):
+            # Imported here: xgrammar loads only in processes that see a constrained request.
+            from plait.sampling.grammar import grammar_spec, validate_grammar
+
+            key = grammar_spec(self.json_schema, self.regex, self.ebnf, self.structural_tag)
+            assert key is not None
+            set_(key[0], key[1])
+            validate_grammar(key)
+
     # ----------------------------------------------------------------------------------------------
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -183,6 +199,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The grammar constraint as (field name, text), or None: the key grammars are cached by."""
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -5,7 +5,8 @@ One `SamplingBatchInfo` is built per forward from the requests' `SamplingParams`
 whole batch, when it copies the tokens back).
 
 Order of operations, per row:
-  penalties (repetition over prompt+output, frequency/presence over output)
+  grammar mask (constrained rows: tokens the grammar does not allow next are set to -inf)
+  -> penalties (repetition over prompt+output, frequency/presence over output)
   -> logit_bias (OpenAI's, added to the logits)
   -> min_new_tokens mask (stop ids set to -inf until enough tokens were generated)
   -> logprobs are taken here (penalised distribution at temperature 1)
@@ -112,6 +113,14 @@ class Sampler:
         """Penalties, logit_bias and the min_new_tokens mask, in float32; returns a new tensor when it changes
         anything, so the caller's logits stay intact."""
         x = logits.float()
+        if info.vocab_mask is not None:
+            # Imported here: xgrammar loads only where constrained requests exist.
+            from plait.sampling.grammar import apply_vocab_mask
+
+            # xgrammar's kernel writes in place into a dense tensor: a copy keeps the caller's
+            # logits intact (and makes a sliced, padded-vocabulary view contiguous).
+            x = x.clone(memory_format=torch.contiguous_format)
+            apply_vocab_mask(x, info.vocab_mask)
         if info.seen_token_mask is not None:
             assert info.repetition_penalties is not None
             x = apply_repetition_penalty(x, info.seen_token_mask, info.repetition_penalties)

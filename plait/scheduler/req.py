@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.sampling import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from plait.sampling.grammar import GrammarMatcherState
 
 
 class FinishReason(enum.StrEnum):
@@ -53,6 +57,11 @@ class Req:
     # (accepted drafts + the bonus token); meta_info reports their ratio as spec_accept_length.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # Constrained decoding: the matcher of the request's grammar (None when unconstrained), which has
+    # accepted exactly ``output_ids`` (see plait.sampling.grammar); until the grammar is compiled,
+    # ``grammar_future`` is set and admission passes the request over.
+    grammar: GrammarMatcherState | None = None
+    grammar_future: Future[Any] | None = None
 
     @property
     def next_scored_position(self) -> int | None:

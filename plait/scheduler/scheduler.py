@@ -15,9 +15,13 @@ after release nothing of the request is held outside the radix cache.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,7 +35,12 @@ from plait.scheduler.interface import SpecWorker
 from plait.scheduler.kv_cache import KVCacheManager
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
-from plait.scheduler.stats import SchedulerStats
+from plait.scheduler.stats import BucketCounts, SchedulerStats
+from plait.transfer import to_device
+
+if TYPE_CHECKING:
+    from plait.executor.forward_output import ForwardOutput
+    from plait.sampling.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +48,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 RETRACT_DECODE_STEPS = 20
+# How long an otherwise idle step waits for a grammar compile to finish (seconds): the loop neither
+# spins nor sleeps past the compile.
+GRAMMAR_POLL_S = 0.05
 
 
 @dataclass
@@ -50,9 +62,15 @@ class _LastSampling:
 class Scheduler:
     """``spec_worker``: the speculative decoder (None when speculation is off), built by
     ``plait.speculative.factory.create_spec_worker``; it drives this scheduler through the
-    ``SchedulerAPI`` methods below (plait.scheduler.interface)."""
+    ``SchedulerAPI`` methods below (plait.scheduler.interface).
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, spec_worker: SpecWorker | None = None) -> None:
+    ``grammar_backend``: compiles the grammars of constrained requests (None: such requests are
+    refused with a finish message). A constrained request waits in ``grammar_queue`` until its
+    grammar is compiled (in ``waiting``, skipped by admission); nothing else waits for it.
+    """
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, spec_worker: SpecWorker | None = None,
+                 grammar_backend: GrammarBackend | None = None) -> None:
         self.config = config
         self.runner = runner
         self.kv = KVCacheManager(runner.req_to_token_pool, runner.allocator, runner.max_total_tokens,
@@ -75,6 +93,7 @@ class Scheduler:
         self.on_logits: Callable[[list[Req], torch.Tensor], None] | None = None
         # Speculative decoding (None when off): decodes running requests through draft + verify.
         self.spec_worker = spec_worker
+        self.grammar_backend = grammar_backend
 
     # --- requests in and out ----------------------------------------------------------------------
     @property
@@ -83,7 +102,44 @@ class Scheduler:
         return min(self.runner.max_context_len, self.runner.max_total_tokens)
 
     def add_request(self, req: Req) -> None:
+        key = req.sampling_params.grammar
+        if key is not None and req.grammar is None:
+            if self.grammar_backend is None:
+                self._finish(req, FinishReason.ABORT,
+                             f"{key[0]}: constrained decoding is not available in this engine layout")
+                return
+            req.grammar_future = self.grammar_backend.request(key)
         self.waiting.append(req)
+
+    def _poll_grammars(self) -> None:
+        """Give waiting requests whose grammar compiled their matcher (admission skips the others);
+        finish those whose grammar failed to compile. Never waits, unless nothing else can run."""
+        compiling = [r for r in self.waiting if r.grammar_future is not None]
+        if not compiling:
+            return
+        if len(compiling) == len(self.waiting) and not (self.prefilling or self.running or self._in_flight):
+            wait_futures([r.grammar_future for r in compiling if r.grammar_future is not None],
+                         timeout=GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+        assert self.grammar_backend is not None
+        for req in compiling:
+            fut = req.grammar_future
+            assert fut is not None
+            if not fut.done():
+                continue
+            req.grammar_future = None
+            error = fut.exception()
+            if error is not None:
+                self.waiting.remove(req)
+                self._finish(req, FinishReason.ABORT, str(error))
+                self._updated.append(req)
+            else:
+                req.grammar = self.grammar_backend.new_matcher(fut.result())
+        st = self.grammar_backend.stats
+        self.stats.grammar_compiles = st.compiles
+        self.stats.grammar_compile_failures = st.compile_failures
+        self.stats.grammar_cache_hits = st.cache_hits
+        self.stats.grammar_compile_seconds_sum = st.compile_seconds_sum
+        self.stats.grammar_compile_seconds = BucketCounts(st.bucket_bounds, tuple(st.compile_seconds_buckets))
 
     def abort(self, rid: str) -> bool:
         for req in list(self.waiting):
@@ -112,6 +168,7 @@ class Scheduler:
         previous step: the host reads them while the device runs the batch just launched.
         """
         self._updated = self._process_aborts()
+        self._poll_grammars()
         advanced: set[int] = set()  # id() of requests the speculative step advanced
         if self.spec_worker is not None and self.spec_worker.should_speculate():
             # Speculative steps run with overlap drained: drafting and acceptance need every
@@ -121,9 +178,15 @@ class Scheduler:
         batch = self._schedule(advanced)
         launched = self._launch(batch) if batch is not None else None
         if self.overlap:
+            # A constrained batch's forward is queued but not sampled: its masks need the tokens of
+            # the in-flight batch, which processing it feeds to the matchers. Only sampling waits.
             self._drain()
+            if launched is not None and launched.unsampled is not None:
+                self._sample(launched)
             self._in_flight = launched
         elif launched is not None:
+            if launched.unsampled is not None:
+                self._sample(launched)
             self._process(launched)
         if self.spec_worker is not None and not self.has_work():
             self.spec_worker.on_idle(self)
@@ -276,7 +339,10 @@ class Scheduler:
             pending_prefill = sum(r.fill_len - r.kv_len for r in self.prefilling)
             if pending_prefill >= self.config.prefill_token_budget(self.runner.max_context_len):
                 break  # this step's prefill budget is already spoken for
-            req = self.waiting[0]
+            # The first request in arrival order that can run (one whose grammar still compiles waits).
+            req = next((r for r in self.waiting if r.grammar_future is None), None)
+            if req is None:
+                break
             fill = req.fill_ids
             # Leave at least one token to compute: its logits give the next token. Prompt positions
             # still to be scored for their logprobs are computed too, never taken from the cache.
@@ -297,7 +363,7 @@ class Scheduler:
                 break
             if not self.kv.admit(req, match):
                 break  # no request-pool row free
-            self.waiting.popleft()
+            self.waiting.remove(req)
             sp = req.sampling_params
             if sp.wants_input_logprobs and sp.logprob_start_len == 0 and not req.input_token_logprobs:
                 # The first prompt token follows nothing: SGLang reports it with a None logprob.
@@ -337,7 +403,9 @@ class Scheduler:
         # Sampling info depends only on each request's params, seed and step count: the next step of the
         # same requests (compared by identity, in order) reuses it.
         self._last_sampling = _LastSampling([e.req for e in sampled], fb.sampling_info) if sampled else None
-        out = self.runner.forward_batch(fb)  # forward, sampler and host copy: no host sync
+        # A constrained batch samples later (_sample), once its masks can be filled.
+        constrained = any(e.req.grammar is not None for e in sampled)
+        out = self.runner.forward_batch(fb, sample=not constrained)  # forward (+ sampler, host copy): no sync
         if out.input_logprobs is not None:
             assert fb.input_logprobs is not None
             self._store_input_logprobs(batch, fb.input_logprobs.counts, out.input_logprobs)
@@ -350,15 +418,40 @@ class Scheduler:
             return InFlight(sampled, None)
         if self.on_logits is not None:
             self.on_logits([e.req for e in sampled], out.logits.next_token_logits)
+        for e in sampled:
+            if not e.is_decode:
+                self.prefilling.remove(e.req)
+                self.running.append(e.req)
+            e.req.pending += 1
+        if constrained:
+            return InFlight(sampled, None, unsampled=(fb, out))
+        self._set_future_tokens(sampled, out)
+        return InFlight(sampled, out.host_copy)
+
+    def _sample(self, launched: InFlight) -> None:
+        """Fill the vocabulary mask of a constrained batch from its requests' matchers (each has
+        accepted every token but the one this batch samples) and run the sampler."""
+        assert launched.unsampled is not None and self.grammar_backend is not None
+        fb, out = launched.unsampled
+        matchers = []
+        for e in launched.sampled:
+            m = e.req.grammar
+            # Invariant (plait.sampling.grammar): the matcher follows the host-known tokens. A
+            # request finished meanwhile gets whatever row: its token is discarded.
+            assert m is None or e.req.finished or m.num_accepted == len(e.req.output_ids), e.req.rid
+            matchers.append(m)
+        assert fb.sampling_info is not None
+        fb.sampling_info.vocab_mask = to_device(self.grammar_backend.fill_vocab_mask(matchers), self.runner.device)
+        out = self.runner.sample(fb, out.logits, out.input_logprobs)
+        launched.unsampled = None
+        launched.results = out.host_copy
+        self._set_future_tokens(launched.sampled, out)
+
+    @staticmethod
+    def _set_future_tokens(sampled: list[BatchEntry], out: ForwardOutput) -> None:
         assert out.sample is not None and out.host_copy is not None
         for i, e in enumerate(sampled):
-            req = e.req
-            if not e.is_decode:
-                self.prefilling.remove(req)
-                self.running.append(req)
-            req.pending += 1
-            req.future_token = (out.sample.next_token_ids, i)
-        return InFlight(sampled, out.host_copy)
+            e.req.future_token = (out.sample.next_token_ids, i)
 
     @staticmethod
     def _store_input_logprobs(batch: ScheduleBatch, counts: Sequence[int], scored: InputLogprobs) -> None:
@@ -396,12 +489,20 @@ class Scheduler:
                 req.output_logprobs.append(logprobs[i])
                 if top_ids is not None and top_vals is not None and req.sampling_params.top_logprobs:
                     k = req.sampling_params.top_logprobs
-                    req.output_top_logprobs.append(list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)))
+                    # A grammar can leave fewer than k tokens possible: the impossible (-inf) are not listed.
+                    req.output_top_logprobs.append([(t, v) for t, v in zip(top_ids[i][:k], top_vals[i][:k], strict=True)
+                                                    if v != -math.inf])
             if req.finished:
                 self._retire(req)
             self._updated.append(req)
 
     def _append_token(self, req: Req, token: int) -> None:
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            # The mask allows only grammar tokens, so this means a sampler row with nothing allowed
+            # (e.g. min_new_tokens holding back the only token the grammar accepts).
+            kind = req.sampling_params.grammar[0] if req.sampling_params.grammar else "grammar"
+            self._finish(req, FinishReason.ABORT, f"token {token} is not allowed by the request's {kind}")
+            return
         req.output_ids.append(token)
         self.stats.generation_tokens += 1
         req.detokenizer.add_token(token)
@@ -432,6 +533,8 @@ class Scheduler:
         vars(self).pop("kv", None)
         if self.spec_worker is not None:
             self.spec_worker.close()  # a draft model and its KV pool live there
+        if self.grammar_backend is not None:
+            self.grammar_backend.close()
 
     # --- introspection (tests, metrics) -----------------------------------------------------------
     def kv_tokens_in_use(self) -> int:

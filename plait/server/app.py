@@ -36,6 +36,7 @@ from plait.server.operator_flags import DEFAULT_MAX_STREAM_BUFFER
 from plait.server.request_log import RequestLog
 from plait.server.scheduler_client import SchedulerClient, State
 from plait.server.security import install_access_control
+from plait.server.tool_calling import ChatOptions
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class ServerArgs:
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get a 503
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    # Chat completions (plait.server.tool_calling): parser names and a template file path.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
     # plait.server.operator_flags
     api_key: str | None = None
     allowed_origins: tuple[str, ...] | None = None  # None: every origin
@@ -65,8 +70,9 @@ def build_app(config: EngineConfig, args: ServerArgs,
     client = SchedulerClient(config, metrics, args.max_queued_requests, on_fatal,
                              RequestLog(args.log_requests_level) if args.log_requests else None,
                              args.max_stream_buffer)
+    chat_options = ChatOptions.from_flags(args.tool_call_parser, args.reasoning_parser, args.chat_template)
     serving = OpenAIServing(client, model_name, config, trust_request_chat_template=args.trust_request_chat_template,
-                            max_rendered_chars=args.max_payload_bytes)
+                            max_rendered_chars=args.max_payload_bytes, chat_options=chat_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

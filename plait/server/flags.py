@@ -8,6 +8,9 @@ import argparse
 from plait.server.operator_flags import add_operator_flags
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+# The keys of plait.server.function_call.TOOL_CALL_PARSERS and plait.server.reasoning.REASONING_PARSERS.
+TOOL_CALL_PARSER_NAMES = ("llama3", "hermes", "qwen25", "mistral", "pythonic")
+REASONING_PARSER_NAMES = ("qwen3", "deepseek-r1")
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +25,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="request bodies over this size get a 413")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    # Names listed here, not imported: this module must not need the server extra.
+    group.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
+                       help="find tool calls in the output of chat requests with tool_choice 'auto' "
+                       "(docs/tool-calling.md)")
+    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
+                       help="move the thinking span of chat outputs into reasoning_content")
+    group.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template that replaces the checkpoint's (e.g. a tools-aware one)")
     add_operator_flags(parser)
 
 

@@ -17,10 +17,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from plait.engine.messages import SchedulerSnapshot
+from plait.scheduler.stats import BucketCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -69,6 +70,10 @@ class _SchedulerCollector(Collector):
             ("plait:num_retractions", "Requests retracted (KV freed, requeued) for lack of KV.", c.num_retractions),
             ("plait:num_aborted_requests", "Requests aborted (client disconnect, shutdown).", c.num_aborts),
             ("plait:forward_steps", "Model forward steps.", c.forward_steps),
+            ("plait:grammar_compiles", "Grammars compiled (constrained decoding).", c.grammar_compiles),
+            ("plait:grammar_compile_failures", "Grammars that failed to compile.", c.grammar_compile_failures),
+            ("plait:grammar_cache_hits", "Constrained requests whose grammar was compiled (or compiling) already.",
+             c.grammar_cache_hits),
         ]
         if self.metrics.sglang_names:
             gauges += [
@@ -95,6 +100,19 @@ class _SchedulerCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=MODEL_LABEL)
             counter.add_metric(labels, value)
             yield counter
+        yield _histogram("plait:grammar_compile_time_seconds", "Time to compile one grammar.",
+                         c.grammar_compile_seconds, c.grammar_compile_seconds_sum)
+
+
+def _histogram(name: str, doc: str, h: BucketCounts, total: float) -> HistogramMetricFamily:
+    """A Prometheus histogram (cumulative buckets) from the scheduler's per-bucket counts."""
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip(h.bounds, h.counts, strict=False):
+        running += count
+        buckets.append((repr(float(bound)), running))
+    buckets.append(("+Inf", sum(h.counts)))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 
 class _Histograms:

@@ -24,6 +24,7 @@ from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, repl
 from plait.server.logprobs import LogprobsRenderer, TopLogprobs, TopPairs
 from plait.server.prompt_work import PromptTooLong, PromptWork, check_rendered, encode_bounded, tokenize_prompt
 from plait.server.scheduler_client import SchedulerClient
+from plait.server.tool_calling import ChatOptions, ChatOutput, ToolPlan, plan_tools, template_messages
 
 # OpenAI's default max_tokens for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -80,6 +81,13 @@ class _Job:
     return_token_ids: bool
     include_usage: bool
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its choices
+    # Chat: turns a choice's text into content, reasoning_content and tool_calls.
+    tool_plan: ToolPlan | None = None
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
+
+    def chat_output(self) -> ChatOutput:
+        assert self.tool_plan is not None
+        return ChatOutput.for_request(self.tool_plan, self.chat_options)
 
     def usage(self, choices: Sequence[_Choice]) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.prompt_ids)
@@ -93,12 +101,14 @@ class OpenAIServing:
     """/v1/completions, /v1/chat/completions and the model card, over one SchedulerClient."""
 
     def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig, *,
-                 trust_request_chat_template: bool = False, max_rendered_chars: int = 16 * 2**20) -> None:
+                 trust_request_chat_template: bool = False, max_rendered_chars: int = 16 * 2**20,
+                 chat_options: ChatOptions | None = None) -> None:
         self.client = client
         self.model_name = model_name
         self.config = config
         self.trust_request_chat_template = trust_request_chat_template
         self.max_rendered_chars = max_rendered_chars
+        self.chat_options = chat_options or ChatOptions()
         # Tokenization and templating run here, off the event loop (plait.server.prompt_work).
         self.prompt_work = PromptWork()
         self.created = int(time.time())
@@ -123,10 +133,12 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def _sampling(self, req: protocol.GenerationRequest, max_new: int, logprobs: bool, top: int,
-                  max_name: str, logprob_start_len: int = -1) -> SamplingParams:
+                  max_name: str, logprob_start_len: int = -1, tool_plan: ToolPlan | None = None) -> SamplingParams:
+        fields = protocol.sampling_dict(req, max_new, logprobs, top, logprob_start_len)
+        if tool_plan is not None:
+            fields = tool_plan.sampling_fields(fields)
         try:
-            return self.frontend.sampling_params(protocol.sampling_dict(req, max_new, logprobs, top,
-                                                                        logprob_start_len))
+            return self.frontend.sampling_params(fields)
         except ValueError as e:
             raise protocol.value_error_to_api(e, max_name) from None
 
@@ -193,7 +205,7 @@ class OpenAIServing:
         return await self._respond(request, job, req.stream)
 
     # --- /v1/chat/completions ---
-    def _chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: protocol.ChatCompletionRequest, tool_plan: ToolPlan) -> list[int]:
         tok = self.client.tokenizer
         kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
                                   "continue_final_message": req.continue_final_message}
@@ -204,11 +216,16 @@ class OpenAIServing:
             # A template is code the server runs (and can render without bound): only the operator's.
             raise bad_request("a chat template supplied by the request is refused: this server renders only its "
                               "own (start it with --trust-request-chat-template to allow them)", "chat_template")
+        if "chat_template" not in kwargs and self.chat_options.chat_template is not None:
+            kwargs["chat_template"] = self.chat_options.chat_template  # --chat-template
         if not getattr(tok, "chat_template", None) and "chat_template" not in kwargs:
-            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions or start the "
+                              "server with --chat-template FILE", "messages")
         kwargs["tokenize"] = False
+        kwargs["tools"] = tool_plan.template_tools()
+        messages = template_messages(req)
         try:
-            text = tok.apply_chat_template(protocol.chat_messages(req), **kwargs)
+            text = tok.apply_chat_template(messages, **kwargs)
         except Exception as e:  # a template or its kwargs rejected these messages: the client's input
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from None
@@ -228,7 +245,8 @@ class OpenAIServing:
         protocol.check_chat(req)
         self.check_model(req.model)
         self.client.check_accepting()
-        ids = await self.prompt_work.run(self._chat_prompt, req)
+        tool_plan = plan_tools(req, self.chat_options)
+        ids = await self.prompt_work.run(self._chat_prompt, req, tool_plan)
         if req.max_completion_tokens is not None:
             max_name, max_new = "max_completion_tokens", req.max_completion_tokens
         elif req.max_tokens is not None:
@@ -236,11 +254,12 @@ class OpenAIServing:
         else:  # OpenAI: up to the context limit
             max_name, max_new = "max_completion_tokens", max(1, self.frontend.limits.max_request_tokens - len(ids))
         top = req.top_logprobs or 0
-        sp = self._sampling(req, max_new, req.logprobs, top, max_name)
+        sp = self._sampling(req, max_new, req.logprobs, top, max_name, tool_plan=tool_plan)
         self._check_length(ids, sp, "messages")
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, [ids], req.n,
                    self._fan_out([ids], sp, req.n), req.logprobs, top, req.return_token_ids,
-                   bool(req.stream_options and req.stream_options.include_usage))
+                   bool(req.stream_options and req.stream_options.include_usage), tool_plan=tool_plan,
+                   chat_options=self.chat_options)
         return await self._respond(request, job, req.stream)
 
     # --- running a job ---
@@ -268,8 +287,9 @@ class OpenAIServing:
         for i, c in enumerate(choices):
             text, lp = self._with_echo(job, i, c, c.text, c.token_ids, c.logprobs, c.top_logprobs)
             if job.kind == "chat":
-                choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": c.text},
-                                          "logprobs": lp, "finish_reason": c.finish_reason}
+                output = job.chat_output()
+                choice: dict[str, Any] = {"index": i, "message": output.message(c.text), "logprobs": lp,
+                                          "finish_reason": output.finish_reason(c.finish_reason)}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
             if job.return_token_ids:
@@ -288,8 +308,10 @@ class OpenAIServing:
         if job.include_usage:
             head["usage"] = None
         choices = [_Choice() for _ in job.prepared]
+        outputs = [job.chat_output() for _ in job.prepared] if chat else []
 
-        def chunk(i: int, upd: RequestUpdate | None, finish: str | None, first: bool = False) -> str:
+        def chunk(i: int, upd: RequestUpdate | None, finish: str | None, first: bool = False,
+                  delta: dict[str, Any] | None = None) -> str:
             c = choices[i]
             lp = None
             text = upd.text if upd is not None else ""
@@ -299,9 +321,9 @@ class OpenAIServing:
             elif upd is not None and upd.token_ids:
                 lp = self._logprobs(job, c, upd.token_ids, upd.logprobs or [], upd.top_logprobs or [])
             if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
-                    {"content": text} if upd is not None else {})
-                choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                if first:
+                    delta = {"role": "assistant", "content": ""}
+                choice: dict[str, Any] = {"index": i, "delta": delta or {}, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
             if job.return_token_ids:
@@ -318,10 +340,18 @@ class OpenAIServing:
                 choices[i].add(upd)
                 has_content = bool(upd.text or upd.token_ids)
                 if chat:
-                    if has_content:
-                        yield chunk(i, upd, None)
+                    # Parsers may hold text back (a marker's start) or split it into reasoning,
+                    # content and tool-call deltas: one chunk each; the tokens' logprobs and ids
+                    # ride on the first, or on an empty delta.
+                    deltas = outputs[i].feed(upd.text) if upd.text else []
                     if upd.finish_reason is not None:
-                        yield chunk(i, None, upd.finish_reason)
+                        deltas += outputs[i].finish()
+                    if has_content and not deltas:
+                        deltas = [{}]
+                    for k, d in enumerate(deltas):
+                        yield chunk(i, upd if k == 0 else None, None, delta=d)
+                    if upd.finish_reason is not None:
+                        yield chunk(i, None, outputs[i].finish_reason(upd.finish_reason))
                 elif has_content or upd.finish_reason is not None:
                     yield chunk(i, upd, upd.finish_reason)
             if job.include_usage:

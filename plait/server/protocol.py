@@ -5,9 +5,9 @@ not silently coerced) and every failure is an ``APIError(400)`` naming the field
 extra fields:
 
 * OpenAI fields that plait does not use and that change nothing about the result (``user``,
-  ``store``, ``parallel_tool_calls``, ...): accepted and ignored, with a debug log;
-* OpenAI features that would change the result and that plait does not implement (``tools``,
-  ``response_format`` with a schema, ``suffix``, ...): 400 saying so;
+  ``store``, ...): accepted and ignored, with a debug log;
+* OpenAI features that would change the result and that plait does not implement (the legacy
+  ``functions``, ``suffix``, ...): 400 saying so;
 * anything else: 400 "Unrecognized request argument supplied", as OpenAI answers, so that a typo
   such as ``temprature`` cannot silently fall back to a default.
 """
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from plait.sampling.params import MAX_TOP_LOGPROBS
 from plait.server.errors import APIError, bad_request, unsupported
+from plait.server.structured import grammar_fields
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ MAX_STOP_TOKEN_IDS = 1024
 
 # OpenAI fields that plait accepts and ignores (they do not change the tokens produced).
 IGNORED_FIELDS: frozenset[str] = frozenset({
-    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+    "user", "store", "metadata", "service_tier", "prompt_cache_key",
     "safety_identifier", "modalities", "verbosity", "reasoning_effort", "web_search_options", "audio",
     "prediction",
 })
@@ -73,6 +74,10 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     # vLLM's name: add prompt_token_ids / token_ids to each choice (tests and benchmarks count tokens).
     return_token_ids: bool = False
+    # Structured outputs (plait.server.structured): OpenAI's response_format, SGLang's regex and ebnf.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -103,11 +108,12 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Validated by plait.server.tool_calling.plan_tools.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's; refused unless --trust-request-chat-template
     add_generation_prompt: bool = True
@@ -190,17 +196,10 @@ def check_completion(req: CompletionRequest) -> None:
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise unsupported("tools (function calling)", "tools")
     if req.functions:
-        raise unsupported("functions (function calling)", "functions")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise unsupported("tool_choice", "tool_choice")
+        raise unsupported("functions (the legacy form of tools)", "functions")
     if req.function_call not in (None, "none", "auto"):
         raise unsupported("function_call", "function_call")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        kind = req.response_format.get("type")
-        raise unsupported(f"response_format of type {kind!r} (structured output)", "response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -259,6 +258,7 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
+        **grammar_fields(req.response_format, req.regex, req.ebnf),
         "logit_bias": req.logit_bias,
         "logprob_start_len": logprob_start_len if logprobs else -1,
     }

@@ -45,7 +45,7 @@ from plait.sampling import (
 )
 from plait.scheduler.req import Req
 from plait.speculative.tree import DraftTree
-from plait.transfer import ints_to_device, to_host
+from plait.transfer import ints_to_device, to_device, to_host
 
 # Counter-RNG stream of the acceptance draws (stream 0 is the sampler's Gumbel noise).
 ACCEPT_STREAM = 1
@@ -257,3 +257,38 @@ def _node_rows(reqs: Sequence[Req], trees: list[DraftTree], which: list[int], ro
                                    prompt_ids=[[] for _ in params], eos_token_ids=(),
                                    vocab_size=logits.shape[1], device=logits.device)
     return ints_to_device([row_idx], logits.device)[0], info
+
+
+def mask_tree_logits(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tensor,
+                     row_widths: list[int] | None = None) -> torch.Tensor:
+    """A copy of a verify batch's logits with every constrained request's node rows masked by its
+    grammar: node i's row allows what may follow the root-to-i path (the root's token is accepted
+    already). Rows of unconstrained requests and padding rows are left as they are. Each matcher is
+    walked and restored (xgrammar's ``traverse_draft_tree``), so it still follows ``output_ids``."""
+    from plait.sampling.grammar import allocate_vocab_mask, apply_vocab_mask
+
+    bitmask = allocate_vocab_mask(logits.shape[0], logits.shape[1])
+    start = 0
+    for req, tree, width in zip(reqs, trees, row_widths or [t.width for t in trees], strict=True):
+        if req.grammar is not None:
+            first_child, next_sibling = tree_links(tree)
+            tokens = torch.tensor(tree.tokens, dtype=torch.int64)
+            req.grammar.fill_draft_tree(first_child, next_sibling, tokens, bitmask[start : start + tree.width])
+        start += width
+    masked = logits.clone(memory_format=torch.contiguous_format)
+    apply_vocab_mask(masked, to_device(bitmask, logits.device))
+    return masked
+
+
+def tree_links(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-child and next-sibling node index of every node (int64 [w], -1 for none): the layout
+    xgrammar's draft-tree walk reads."""
+    first_child = [-1] * tree.width
+    next_sibling = [-1] * tree.width
+    for node in range(tree.width):
+        kids = tree.children(node)
+        if kids:
+            first_child[node] = kids[0]
+        for a, b in zip(kids, kids[1:], strict=False):
+            next_sibling[a] = b
+    return torch.tensor(first_child, dtype=torch.int64), torch.tensor(next_sibling, dtype=torch.int64)

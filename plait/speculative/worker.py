@@ -11,7 +11,8 @@ Flow per scheduler step (called before the scheduler builds its own batch, overl
   2. one KV slot per tree node, tree tokens at ``prefix_len + depth``, custom ancestor mask
      (``plait.speculative.verify_batch``); the forward runs through ``ModelRunner.forward`` (eager:
      the backend plans inside ``forward_extend``, after the batch has its final shape);
-  3. acceptance per request (``plait.speculative.accept``);
+  3. acceptance per request (``plait.speculative.accept``), on logits masked per tree node for
+     constrained requests (``mask_tree_logits``);
   4. the accepted nodes' slots are mapped to consecutive positions (tree order is not path order, so
      entries are rewritten rather than KV moved); every other node's slot is freed at once; the
      accepted tokens and the bonus token are committed through the scheduler
@@ -35,7 +36,7 @@ from plait.forward_batch import ForwardBatch
 from plait.sampling import Sampler
 from plait.scheduler.interface import SchedulerAPI
 from plait.scheduler.req import Req
-from plait.speculative.accept import accept_trees
+from plait.speculative.accept import accept_trees, mask_tree_logits
 from plait.speculative.tree import DraftTree
 from plait.speculative.verify_batch import TreeRow, build_verify_batch
 from plait.transfer import ints_to_device
@@ -219,8 +220,13 @@ class BaseSpecWorker(ABC):
         self.after_verify_forward(fb)
         sched.stats.forward_steps += 1
         self.deferred_work(sched)  # the forward is queued: hide host work behind it
-        results = self.accept(reqs, trees, out.next_token_logits, row_widths=fb.spec_info.num_tokens_per_req,
-                              greedy=out.greedy_ids)
+        row_widths = fb.spec_info.num_tokens_per_req
+        logits, greedy = out.next_token_logits, out.greedy_ids
+        if any(r.grammar is not None for r in reqs):
+            # Constrained requests: every node's row is masked by the grammar state after the path
+            # to it, so acceptance picks what non-speculative constrained decoding would.
+            logits, greedy = mask_tree_logits(reqs, trees, logits, row_widths), None
+        results = self.accept(reqs, trees, logits, row_widths=row_widths, greedy=greedy)
         self.commit(sched, reqs, trees, slots, results)
 
     def accept(self, reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tensor,

@@ -1,0 +1,114 @@
+"""Structured outputs through `plait serve` (the shared tiny-model server): response_format
+json_schema / json_object, SGLang's regex and ebnf on both endpoints, streaming, 400s for bad
+grammars with the server still serving, and the grammar metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.server.test_server_errors import assert_error, assert_serves
+
+COLOR = {"enum": ["red", "green", "blue"]}
+
+
+@pytest.fixture
+def post(server, model_name):
+    def send(path: str, fields: dict) -> dict:
+        body = {"model": model_name, "max_tokens": 24, "temperature": 0, **fields}
+        if path == "/v1/completions":
+            body.setdefault("prompt", "Pick one:")
+        else:
+            body.setdefault("messages", [{"role": "user", "content": "Pick one."}])
+        r = server.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    return send
+
+
+def _text(choice: dict) -> str:
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_response_format_json_schema_gives_valid_json(post, path):
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": COLOR, "strict": True}}
+    choice = post(path, {"response_format": fmt})
+    assert json.loads(_text(choice)) in COLOR["enum"]
+    assert choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_regex_and_ebnf_extensions_constrain_the_output(post, path):
+    choice = post(path, {"regex": r"(yes|no)-[0-9]"})
+    assert re.fullmatch(r"(yes|no)-[0-9]", _text(choice)) and choice["finish_reason"] == "stop"
+    choice = post(path, {"ebnf": 'root ::= "A" | "B" "C"'})
+    assert _text(choice) in ("A", "BC") and choice["finish_reason"] == "stop"
+
+
+def test_json_object_starts_an_object_and_a_length_cut_says_length(post):
+    choice = post("/v1/chat/completions", {"response_format": {"type": "json_object"}, "max_tokens": 5})
+    assert _text(choice).lstrip().startswith("{")
+    assert choice["finish_reason"] in ("length", "stop")
+
+
+def test_openai_client_streams_a_constrained_chat(server, model_name):
+    client = server.openai()
+    stream = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Date?"}], max_tokens=32, temperature=0.8,
+        seed=3, stream=True, extra_body={"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", text), text
+    assert chunks[-1].choices[0].finish_reason == "stop" or chunks[-2].choices[0].finish_reason == "stop"
+
+
+def test_top_logprobs_list_only_tokens_the_grammar_allows(post):
+    choice = post("/v1/chat/completions", {"ebnf": 'root ::= "A" | "B"', "logprobs": True, "top_logprobs": 5})
+    assert choice["message"]["content"] in ("A", "B")
+    for entry in choice["logprobs"]["content"]:
+        assert 1 <= len(entry["top_logprobs"]) <= 2  # the grammar allows "A" or "B", then only EOS
+
+
+BAD = [
+    ({"regex": "(ab"}, "regex", "parenthesis"),
+    ({"ebnf": "root ::= nothing"}, "ebnf", "not defined"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "json_schema", "nope"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
+     "JSON Schema object"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of"),
+    ({"response_format": {"type": "json_object"}, "regex": "a"}, "response_format", "cannot be combined"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "contains"), BAD, ids=range(len(BAD)))
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_grammar_is_a_400_and_the_server_keeps_serving(server, model_name, path, fields, param, contains):
+    body = {"model": model_name, "max_tokens": 4, **fields}
+    body.update({"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})
+    assert_error(server.post(path, json=body), 400, param=param, contains=contains)
+    assert_serves(server, model_name)
+
+
+def test_schema_too_deep_to_compile_is_a_400(server, model_name):
+    schema: dict = {"type": "string"}
+    for _ in range(40):  # 81 levels of JSON nesting: past plait's limit, within the server's JSON parser's
+        schema = {"type": "object", "properties": {"a": schema}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    r = server.post("/v1/chat/completions", json={"model": model_name, "max_tokens": 4, "response_format": fmt,
+                                                  "messages": [{"role": "user", "content": "Hi"}]})
+    assert_error(r, 400, param="json_schema", contains="too deep")
+    assert_serves(server, model_name)
+
+
+def test_grammar_compile_time_and_cache_hits_are_on_metrics(server, post):
+    post("/v1/completions", {"regex": "[0-9]{2}q"})
+    post("/v1/completions", {"regex": "[0-9]{2}q"})
+    m = server.wait_idle()
+    assert m["plait:grammar_compile_time_seconds_count"] >= 1
+    assert m["plait:grammar_compile_time_seconds_sum"] > 0
+    assert m["plait:grammar_cache_hits_total"] >= 1
