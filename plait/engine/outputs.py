@@ -15,6 +15,7 @@ by attribute alike.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,11 +73,11 @@ class LogprobLists:
         return out
 
 
-class _DictView:
+class _DictView(abc.ABC):
     """Read a result as SGLang's dict: ``out["text"]``, ``"meta_info" in out``, ``dict(out)``."""
 
-    def to_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def to_dict(self) -> dict[str, Any]: ...
 
     def __getitem__(self, key: str) -> Any:
         return self.to_dict()[key]

@@ -22,6 +22,7 @@ error on is scanned again as normal text.
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 from collections.abc import Callable, Collection
@@ -263,7 +264,7 @@ def block_result(buf: str, calls: list[PartialCall], end: int | None, error_at: 
     return Scan(calls=calls, consumed=end)
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     """Streaming parser of one choice's output. Subclasses implement ``scan``.
 
     ``tool_names``: calls to other functions are dropped (with a warning), as SGLang does.
@@ -282,8 +283,8 @@ class ToolCallParser:
         # Per call of the open block: its index (None: dropped), and argument characters sent.
         self._block: list[tuple[int | None, int]] = []
 
-    def scan(self, buf: str, at_start: bool, final: bool) -> Scan:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def scan(self, buf: str, at_start: bool, final: bool) -> Scan: ...
 
     def feed(self, text: str) -> ParseDelta:
         self._buf += text
