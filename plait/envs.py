@@ -56,6 +56,10 @@ DEMO_MODEL = EnvVar[str](
 COMMIT = _str_var(
     "PLAIT_COMMIT",
     "Commit id benchmark results record when the tree has no .git (an exported copy); else git's HEAD.")
+SLOW_TESTS = _flag_var(
+    "PLAIT_SLOW_TESTS",
+    "1: also run the CPU tests that take minutes (graph capture in the Triton interpreter under DP "
+    "attention); CI leaves them to the GPU runs.")
 CPU_GRAPHS = _flag_var(
     "PLAIT_CPU_GRAPHS",
     "1: on the CPU, build the graph runners over the eager stand-in graph, so capture, bucket padding and "
@@ -88,4 +92,5 @@ COUNT_ROUTED_EXPERTS = _flag_var(
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
-                                    TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS)
+                                    TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
+                                    SLOW_TESTS)

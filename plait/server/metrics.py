@@ -101,18 +101,21 @@ class _SchedulerCollector(Collector):
             counter.add_metric(labels, value)
             yield counter
         yield _histogram("plait:grammar_compile_time_seconds", "Time to compile one grammar.",
-                         c.grammar_compile_seconds, c.grammar_compile_seconds_sum)
+                         c.grammar_compile_seconds, c.grammar_compile_seconds_sum, labels)
 
 
-def _histogram(name: str, doc: str, h: BucketCounts, total: float) -> HistogramMetricFamily:
-    """A Prometheus histogram (cumulative buckets) from the scheduler's per-bucket counts."""
+def _histogram(name: str, doc: str, h: BucketCounts, total: float, labels: list[str]) -> HistogramMetricFamily:
+    """A Prometheus histogram (cumulative buckets) from the scheduler's per-bucket counts, with the
+    ``model_name`` label every sample carries."""
     buckets: list[tuple[str, float]] = []
     running = 0
     for bound, count in zip(h.bounds, h.counts, strict=False):
         running += count
         buckets.append((repr(float(bound)), running))
     buckets.append(("+Inf", sum(h.counts)))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+    family = HistogramMetricFamily(name, doc, labels=MODEL_LABEL)
+    family.add_metric(labels, buckets, sum_value=total)
+    return family
 
 
 class _Histograms:

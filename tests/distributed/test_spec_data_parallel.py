@@ -6,12 +6,12 @@ hits and retraction; no KV slot is left in use on any rank."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from plait import envs
 from plait.config import EngineConfig
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import DPPaddingMode, ExtendInfo, ForwardBatch, ForwardMode
@@ -153,7 +153,7 @@ def _verify_replays(engine) -> int:
     return sum(g.replays for g in engine.runner.verify_graph_runner.graphs.values())
 
 
-@pytest.mark.skipif(not os.environ.get("PLAIT_SLOW_TESTS"),
+@pytest.mark.skipif(not envs.SLOW_TESTS.get(),
                     reason="about 5 minutes (graph capture in the Triton interpreter): PLAIT_SLOW_TESTS=1 runs it")
 def test_dp_attention_verify_rounds_replay_graphs_every_rank_alike(graph_engine, reference):
     """Verify graphs are captured at the one padded width as MAX_LEN steps of their bucket; a SPEC
