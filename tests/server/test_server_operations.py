@@ -346,7 +346,7 @@ def test_request_log_levels_add_sampling_parameters_then_text(tokenizer, caplog,
     rec.output_text = ["out", "put"] if log.keeps_text else []
     with caplog.at_level("INFO", logger="plait.requests"):
         log.write(rec)
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "plait.requests"]
     assert line.startswith("request rid-1 status=stop prompt_tokens=") and "output_tokens=2 ttft_ms=10.0" in line
     assert (MARKER in line) == shows_text and ("'output'" in line) == shows_text
     assert ("max_new_tokens" in line) == shows_params
@@ -360,7 +360,7 @@ def test_request_log_level_2_cuts_long_prompts(tokenizer, caplog):
     with caplog.at_level("INFO", logger="plait.requests"):
         RequestLog(2, tokenizer).write(rec)
         RequestLog(3, tokenizer).write(rec)
-    partial, full = (r.getMessage() for r in caplog.records)
+    partial, full = (r.getMessage() for r in caplog.records if r.name == "plait.requests")
     assert PARTIAL_CHARS < len(partial) < PARTIAL_CHARS + 1000 < len(full)
 
 
