@@ -116,7 +116,7 @@ def test_public_entry_point_uses_the_default_config_without_a_tuned_file():
 def test_fp8_experts_fail_naming_the_layout():
     w13, w2, _, _ = make_experts(2, 32, 32, bias=False)
     weights, ids = random_routing(2, 2, 1)
-    with pytest.raises(NotImplementedError, match="block-FP8"):
+    with pytest.raises(ValueError, match="block-FP8"):
         fused.fused_experts_triton(torch.randn(2, 32), w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn),
                                    weights, ids)
 

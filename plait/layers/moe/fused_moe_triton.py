@@ -220,7 +220,7 @@ def check_expert_inputs(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torc
                         b13: torch.Tensor | None, b2: torch.Tensor | None) -> None:
     """Shape and dtype checks (host metadata only, so they cost nothing under graph capture)."""
     if w13.dtype in _FP8_DTYPES or w2.dtype in _FP8_DTYPES:
-        raise NotImplementedError(
+        raise ValueError(
             f"fused_experts_triton: FP8 expert weights (w13 {w13.dtype}, w2 {w2.dtype}; the block-FP8 "
             "layout of checkpoints such as Qwen3-30B-A3B-FP8, float8_e4m3fn weights with 128x128 block "
             "scales) are not supported by the fused MoE kernel yet; load the experts in bf16")
