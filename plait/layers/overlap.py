@@ -44,13 +44,3 @@ def run_overlapped(ops_a: LayerOps[R], ops_b: LayerOps[R], tp: TPGroup) -> tuple
                 advance(i)
     return results[0], results[1]  # type: ignore[return-value]  # both set once done
 
-
-def run_serial(ops: LayerOps[R], tp: TPGroup) -> R:
-    """One batch's ops with each sum done before computing on (the reference for the overlap)."""
-    sent = None
-    while True:
-        try:
-            partial = ops.send(sent)  # type: ignore[arg-type]
-        except StopIteration as stop:
-            return stop.value
-        sent = tp.all_reduce(partial)
