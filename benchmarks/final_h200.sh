@@ -5,14 +5,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p "$R"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-570} ))
-stage() {  # stage CAP_S CMD...: run CMD with min(CAP_S, time left) seconds
-  local cap=$1; shift
-  local left=$(( DEADLINE - $(date +%s) ))
-  (( left < 20 )) && { echo "=== skipped (deadline): $*"; return; }
-  (( cap > left )) && cap=$left
-  echo "=== $(date +%T) [$cap s] $*"
-  timeout "$cap" "$@"
-}
+source benchmarks/deadline.sh
 # The fused decode merge compiles inline PTX: if it cannot build here, everything runs two-stage.
 stage 60 python -c "
 import torch

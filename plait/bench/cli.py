@@ -155,10 +155,15 @@ def cmd_offline(args: argparse.Namespace) -> int:
                   for i, n in enumerate(out_lens)]
     shape_dir = str(write_shape_dir(root, shape))
     peer: dict[str, Any] = {}
+    peer_name = "transformers generate_batch"
+    options = {"max_running_requests": args.num_requests, **backend_options(args)}
     if args.peer:
         peer = _peer(peer_hf.generate_batch_throughput, shape, prompts,
                      out_lens[0] if len(set(out_lens)) == 1 else out_lens)
-    options = {"max_running_requests": args.num_requests, **backend_options(args)}
+    elif args.tbo_peer:  # what the split costs: the same engine with two-batch overlap off is the peer
+        peer = plait_throughput(shape_dir, prompts, params, **options)
+        peer_name = "plait, two-batch overlap off"
+        options["enable_two_batch_overlap"] = True
     result = plait_throughput(shape_dir, prompts, params, count_experts=is_moe(shape), **options)
     distinct = result.get("distinct_experts_by_tokens")
     floor_s = throughput_floor_seconds(shape, [len(p) for p in prompts], out_lens, lim, distinct_by_tokens=distinct)
@@ -169,10 +174,10 @@ def cmd_offline(args: argparse.Namespace) -> int:
     flops = prefill_flops(shape, [len(p) for p in prompts])
     write_result(
         args.out, args.workload, shape, "output_tok_s", result["output_tok_s"],
-        "transformers generate_batch" if peer.get("output_tok_s") else None, peer.get("output_tok_s"), floor,
+        peer_name if peer.get("output_tok_s") else None, peer.get("output_tok_s"), floor,
         {"dtype": bench_dtype(), "load_format": "dummy", **options, "requests": args.num_requests,
          "input_len": args.input_len, "output_len": args.output_len},
-        tag=backend_tag(options), detail=result, peer_detail=peer, floor_seconds=floor_s,
+        tag="tbo" if args.tbo_peer else backend_tag(options), detail=result, peer_detail=peer, floor_seconds=floor_s,
         floor_definition="sum over steps of max(FLOPs / bf16 matmul rate, bytes / copy bandwidth): prefill "
                          "compute-bound, then one decode step per position over the running requests"
                          + ("; MoE: decode bytes from the distinct experts the run's steps routed to (counted, "
@@ -200,6 +205,8 @@ def add_bench_parsers(bench_sub: Any) -> None:
     off.add_argument("--input-len", type=int, default=512, help="offline-throughput: prompt tokens per request")
     off.add_argument("--output-len", type=int, default=128, help="offline-throughput: new tokens per request")
     off.add_argument("--peer", action="store_true", help="run transformers generate_batch in the same run")
+    off.add_argument("--tbo-peer", action="store_true",
+                     help="two-batch overlap on, against the same engine with it off as the peer")
     off.add_argument("--overlap-check", action="store_true", help="bs=256 step time vs graph replay")
     off.add_argument("--out", default="benchmarks/results")
     add_backend_flags(off)
