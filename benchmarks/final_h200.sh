@@ -2,7 +2,7 @@
 # The session's last device call, in priority order under one deadline (the device allows 10 min a
 # call): GPU tests, decode-bs1 (both shapes), offline-throughput, speculative benchmarks, attention
 # backends. Results under $OUT/r; the caller tars them (at most 8 files come back).
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p "$R"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-570} ))
 source benchmarks/deadline.sh

@@ -9,7 +9,7 @@
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/plait-out}
 mkdir -p "$OUT"
 for stage in "$@"; do

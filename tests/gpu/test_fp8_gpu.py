@@ -77,8 +77,9 @@ def _greedy(shape_dir: str, **options) -> list[list[int]]:
 @pytest.mark.parametrize("options", [{"quantization": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"},
                                      {"quantization": "fp8", "kv_cache_dtype": "fp8_e5m2"}])
 def test_fp8_engine_graph_decode_equals_eager(shape_dir, options):
-    graph = _greedy(shape_dir, **options)
-    eager = _greedy(shape_dir, disable_cuda_graph=True, **options)
+    # The last entry is the KV capacity, which differs by the graphs' memory: compare the tokens only.
+    graph = _greedy(shape_dir, **options)[:-1]
+    eager = _greedy(shape_dir, disable_cuda_graph=True, **options)[:-1]
     assert graph == eager
 
 
