@@ -122,28 +122,6 @@ def cmd_offline(args: argparse.Namespace, lim: Limits, fp8_rate: float, shape_di
 
 
 # --- gemm ----------------------------------------------------------------------------------------
-def _graph_time(fns: list[Any], reps: int = 10) -> float:
-    """Seconds per call of a CUDA graph holding ``fns`` (called in turn ``reps`` times), replayed: no
-    launch overhead, and weights rotated past the L2."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (5 * reps * len(fns))
-
-
 def _gemm_row(name: str, m: int, w: torch.Tensor, qs: list[torch.Tensor], s: torch.Tensor, bscale: torch.Tensor,
               lim: Limits, fp8_rate: float, sweep: bool) -> dict[str, Any]:
     """One (layer, M) row: every path's time, TB/s and TFLOP/s (``qs``: copies of one FP8 weight)."""
@@ -173,16 +151,16 @@ def _gemm_row(name: str, m: int, w: torch.Tensor, qs: list[torch.Tensor], s: tor
         xq, xs = quantize_rows(x, 128)
         return w8a8_block_matmul(xq, xs, q, bscale, (128, 128), torch.bfloat16)
 
-    record("bf16_matmul", _graph_time([lambda w_=w_: x @ w_.t() for w_ in wbf]), 2 * n * k, lim.matmul_rate)
-    record("fp8_channel", _graph_time([lambda q=q: fp8_linear(x, q, s, None, None, None) for q in qs]),
+    record("bf16_matmul", graph_time([lambda w_=w_: x @ w_.t() for w_ in wbf]), 2 * n * k, lim.matmul_rate)
+    record("fp8_channel", graph_time([lambda q=q: fp8_linear(x, q, s, None, None, None) for q in qs]),
            n * k + 4 * n, fp8_rate)
-    record("fp8_block", _graph_time([lambda q=q: fp8_linear(x, q, bscale, (128, 128), None, None) for q in qs]),
+    record("fp8_block", graph_time([lambda q=q: fp8_linear(x, q, bscale, (128, 128), None, None) for q in qs]),
            n * k + 4 * bscale.numel(), fp8_rate)
     if m <= 64:
-        record("gemv_channel", _graph_time([lambda q=q: fp8_gemv(x, q, s, None) for q in qs]), n * k, fp8_rate)
+        record("gemv_channel", graph_time([lambda q=q: fp8_gemv(x, q, s, None) for q in qs]), n * k, fp8_rate)
     if m >= 16:
-        record("scaled_mm_rowwise", _graph_time([lambda q=q: smm(q) for q in qs]), n * k, fp8_rate)
-        record("block_gemm", _graph_time([lambda q=q: blk(q) for q in qs]), n * k, fp8_rate)
+        record("scaled_mm_rowwise", graph_time([lambda q=q: smm(q) for q in qs]), n * k, fp8_rate)
+        record("block_gemm", graph_time([lambda q=q: blk(q) for q in qs]), n * k, fp8_rate)
     if sweep and m in (1, 16):
         best: tuple[float, tuple[int, ...]] | None = None
         for bn in (32, 64, 128) if m == 1 else (16, 32, 64):
@@ -192,7 +170,7 @@ def _gemm_row(name: str, m: int, w: torch.Tensor, qs: list[torch.Tensor], s: tor
                         split = max(1, min(k // bk, (split_mult * 132) // -(-n // bn)))
                         cfg = (1 if m == 1 else 16, bn, bk, split, warps)
                         try:
-                            t = _graph_time([lambda q=q, cfg=cfg: fp8_gemv(x, q, s, None, cfg) for q in qs], reps=3)
+                            t = graph_time([lambda q=q, cfg=cfg: fp8_gemv(x, q, s, None, cfg) for q in qs], reps=3)
                         except Exception as e:  # a config the compiler rejects
                             print(f"sweep {cfg}: {type(e).__name__}")
                             continue

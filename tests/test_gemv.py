@@ -1,0 +1,136 @@
+"""The small-M GEMV (plait.layers.quantization.gemv) against the dequantized-weight product, in the
+Triton interpreter at tiny shapes, and its launch-config tables (file, PLAIT_GEMV_CONFIG_DIR, fallback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plait.layers.quantization import gemv_config
+from plait.layers.quantization.fp8_kernels import dequantize_weight, quantize_weight_per_channel
+from plait.layers.quantization.gemv import MAX_COUNTERS, _split_counters, gemv
+from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
+from tests.quant_helpers import block_quantize
+
+# N 40 is not a multiple of BLOCK_N 16, K 200 not a multiple of BLOCK_K 64.
+N, K = 40, 200
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _fp8(layout: str, n: int, k: int):
+    w = _rand(n, k, seed=0) * 0.05
+    if layout == "channel":
+        q, s = quantize_weight_per_channel(w)
+        return q, s, None
+    q, s = block_quantize(w)
+    return q, s, (128, 128)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_channel_gemv_equals_the_dequantized_weight_product(m, split_k):
+    q, s, _ = _fp8("channel", N, K)
+    x = _rand(m, K, seed=1)
+    out = gemv(x, q, s, None, GemvConfig(block_n=16, block_k=64, split_k=split_k))
+    torch.testing.assert_close(out, x @ dequantize_weight(q, s, None).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_block_gemv_equals_the_dequantized_weight_product(m):
+    # N 136 and K 320 end inside a 128 x 128 scale block; BLOCK_K 256 is narrowed to the block width.
+    q, s, block = _fp8("block", 136, 320)
+    x = _rand(m, 320, seed=2)
+    out = gemv(x, q, s, block, GemvConfig(block_n=16, block_k=256, split_k=2))
+    torch.testing.assert_close(out, x @ dequantize_weight(q, s, block).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_bf16_gemv_equals_the_bf16_weight_product(m):
+    w = (_rand(N, K, seed=3) * 0.05).to(torch.bfloat16)
+    x = _rand(m, K, seed=4)
+    out = gemv(x, w, config=GemvConfig(block_n=16, block_k=64, split_k=2))
+    torch.testing.assert_close(out, x @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_activations_give_a_bf16_result_within_its_rounding():
+    q, s, _ = _fp8("channel", N, K)
+    x = _rand(1, K, seed=5).to(torch.bfloat16)
+    out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.float() @ dequantize_weight(q, s, None).t(), rtol=1e-2, atol=1e-3)
+
+
+def test_split_k_leaves_its_counters_zero():
+    q, s, _ = _fp8("channel", N, K)
+    gemv(_rand(2, K, seed=6), q, s, None, GemvConfig(block_n=16, block_k=64, split_k=3))
+    counters = _split_counters(torch.device("cpu"))
+    assert counters.numel() == MAX_COUNTERS and int(counters.abs().sum()) == 0
+
+
+def test_bad_calls_fail_naming_the_limit():
+    q, s, _ = _fp8("channel", N, K)
+    with pytest.raises(ValueError, match=r"M must be in 1\.\.16, got 17"):
+        gemv(torch.zeros(17, K), q, s)
+    with pytest.raises(ValueError, match="bf16 weights take no scale"):
+        gemv(torch.zeros(1, K), q.to(torch.bfloat16), s)
+    with pytest.raises(ValueError, match="fp8_channel weights need scale"):
+        gemv(torch.zeros(1, K), q)
+    with pytest.raises(ValueError, match="x has K=100 columns, the weight 200"):
+        gemv(torch.zeros(1, 100), q, s)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        GemvConfig(block_n=12, block_k=64)
+
+
+# --- config tables -------------------------------------------------------------------------------
+SMALL = GemvConfig(block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=4)
+WIDE = GemvConfig(block_n=32, block_k=256, split_k=2, num_warps=8, num_stages=3)
+
+
+def _write(directory, table) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / gemv_config.config_file_name("Fake GPU")).write_text(json.dumps(table))
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """A package config dir and an override dir under tmp_path; the parsed tables forgotten around."""
+    monkeypatch.setattr(gemv_config, "CONFIG_DIR", tmp_path / "package")
+    monkeypatch.delenv("PLAIT_GEMV_CONFIG_DIR", raising=False)
+    gemv_config._load_tables.cache_clear()
+    yield tmp_path
+    gemv_config._load_tables.cache_clear()
+
+
+def test_tuned_file_gives_the_smallest_bucket_covering_m(tables):
+    _write(tables / "package", {"fp8_channel": {"N6144_K4096": {"1": SMALL.to_json(), "8": WIDE.to_json()}}})
+    assert get_config("fp8_channel", 1, 6144, 4096, "Fake GPU", 132) == SMALL
+    assert get_config("fp8_channel", 5, 6144, 4096, "Fake GPU", 132) == WIDE
+    assert get_config("fp8_channel", 16, 6144, 4096, "Fake GPU", 132) == WIDE  # past the last: the largest
+
+
+def test_env_dir_is_read_before_the_package_dir(tables, monkeypatch):
+    _write(tables / "package", {"bf16": {"N4096_K4096": {"1": SMALL.to_json()}}})
+    _write(tables / "fresh", {"bf16": {"N4096_K4096": {"1": WIDE.to_json()}}})
+    monkeypatch.setenv("PLAIT_GEMV_CONFIG_DIR", str(tables / "fresh"))
+    assert get_config("bf16", 1, 4096, 4096, "Fake GPU", 132) == WIDE
+    monkeypatch.delenv("PLAIT_GEMV_CONFIG_DIR")
+    assert get_config("bf16", 1, 4096, 4096, "Fake GPU", 132) == SMALL
+
+
+def test_missing_entries_fall_back_to_the_default(tables):
+    _write(tables / "package", {"bf16": {"N4096_K4096": {"1": SMALL.to_json()}}})
+    assert get_config("bf16", 1, 2048, 4096, "Fake GPU", 132) == default_config("bf16", 1, 2048, 4096, 132)
+    assert get_config("fp8_block", 1, 4096, 4096, "Fake GPU", 132) == default_config("fp8_block", 1, 4096, 4096, 132)
+    assert get_config("bf16", 1, 4096, 4096, "Other GPU", 132) == default_config("bf16", 1, 4096, 4096, 132)
+
+
+def test_default_splits_k_only_when_row_tiles_leave_sms_idle():
+    assert default_config("fp8_channel", 1, 28672, 4096, 132).split_k == 1  # 3584 row tiles
+    narrow = default_config("fp8_channel", 16, 4096, 4096, 132)  # 128 row tiles of 32
+    assert narrow.split_k > 1 and -(-4096 // narrow.block_n) * narrow.split_k >= 4 * 132
+    assert default_config("fp8_block", 1, 4096, 4096, 132).block_k == 128  # one scale block per step
