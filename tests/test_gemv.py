@@ -10,7 +10,7 @@ import torch
 
 from plait.layers.quantization import gemv_config
 from plait.layers.quantization.fp8_kernels import dequantize_weight, quantize_weight_per_channel
-from plait.layers.quantization.gemv import MAX_COUNTERS, _split_counters, gemv
+from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, split_counters
 from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
 from tests.quant_helpers import block_quantize
 
@@ -68,7 +68,7 @@ def test_bf16_activations_give_a_bf16_result_within_its_rounding():
 def test_split_k_leaves_its_counters_zero():
     q, s, _ = _fp8("channel", N, K)
     gemv(_rand(2, K, seed=6), q, s, None, GemvConfig(block_n=16, block_k=64, split_k=3))
-    counters = _split_counters(torch.device("cpu"))
+    counters = split_counters(torch.device("cpu"))
     assert counters.numel() == MAX_COUNTERS and int(counters.abs().sum()) == 0
 
 

@@ -30,6 +30,7 @@ be ordered on one stream (plait runs its decode on one stream per device).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -158,10 +159,50 @@ def device_info(t: torch.Tensor) -> tuple[str, int]:
     return _cuda_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+@dataclass(frozen=True)
+class GemvLaunch:
+    """What one call launches (``plan_launch``): the tile sizes after the kernel's constraints, the K
+    slices, and whether every slice is whole steps (no column masks)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    even_k: bool
+    num_warps: int
+    num_stages: int
+
+    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int]:
+        """What the compiled kernel depends on besides the dtypes and the scale layout."""
+        return (self.block_m == 1, self.block_n, self.block_k, self.even_k, self.split_k > 1, self.num_warps,
+                self.num_stages)
+
+
+def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: GemvConfig) -> GemvLaunch:
+    """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
+    (M >= 2), a step inside one scale block (block scales), and K slices of whole steps."""
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    block_n = config.block_n if m == 1 else max(16, config.block_n)
+    block_k = config.block_k
+    if block is not None:
+        while block[1] % block_k:
+            block_k //= 2
+            if block_k < 16:
+                raise ValueError(f"gemv: the scale block width {block[1]} has no power-of-two divisor >= 16")
+    k_steps = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(k_steps, config.split_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    if triton.cdiv(n, block_n) > MAX_COUNTERS:
+        split_k, k_per_split = 1, k_steps * block_k
+    return GemvLaunch(block_m, block_n, block_k, split_k, k_per_split, k % k_per_split == 0, config.num_warps,
+                      config.num_stages)
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _split_counters(device: torch.device) -> torch.Tensor:
+def split_counters(device: torch.device) -> torch.Tensor:
     """The device's split-K counters (module docstring): allocated zero once, kept zero by the kernel.
     The first split-K launch on a device happens eagerly (the engine's warm-up runs before capture)."""
     counters = _COUNTERS.get(device)
@@ -185,6 +226,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         raise ValueError(f"gemv: x has K={k} columns, the weight {w.shape[1]}")
     fp8 = w.dtype == torch.float8_e4m3fn
     kind = gemv_kind(w.dtype, block)
+    if block is not None and not fp8:
+        raise ValueError(f"gemv: block scales are for fp8 weights, not {w.dtype}")
     if fp8 != (scale is not None):
         raise ValueError(f"gemv: {kind} weights {'need' if fp8 else 'take no'} scale")
     if x.stride(1) != 1:
@@ -194,25 +237,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     if config is None:
         device_name, num_sms = device_info(x)
         config = get_config(kind, m, n, k, device_name, num_sms)
-    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    block_n = config.block_n if m == 1 else max(16, config.block_n)  # tl.dot: >= 16 per dimension
-    block_k = config.block_k
+    plan = plan_launch(m, n, k, block, config)
+    block_m, block_n, block_k, split_k, k_per_split = (plan.block_m, plan.block_n, plan.block_k, plan.split_k,
+                                                        plan.k_per_split)
     bn_s, bk_s = block if block is not None else (1, 1)
-    if block is not None:
-        while bk_s % block_k:  # a step lies inside one scale block
-            block_k //= 2
-            if block_k < 16:
-                raise ValueError(f"gemv: the scale block width {bk_s} has no power-of-two divisor >= 16")
-    k_steps = triton.cdiv(k, block_k)
-    k_per_split = triton.cdiv(k_steps, config.split_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
     n_tiles = triton.cdiv(n, block_n)
-    if n_tiles > MAX_COUNTERS:
-        split_k, k_per_split = 1, k_steps * block_k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if split_k > 1:
         partials = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device)
+        counters = split_counters(x.device)
     else:
         partials = counters = out  # unused
     scale_arg = scale if scale is not None else out  # unused without scales
@@ -221,7 +254,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         scale.stride(0) if block is not None else 0, out.stride(0), k_per_split, split_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=0 if scale is None else (2 if block is not None else 1), BN_SCALE=bn_s, BK_SCALE=bk_s,
-        EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0, SPLIT=split_k > 1,
+        EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: bool) -> torch.Tensor:
+    """``F.linear`` of an unquantized layer, or, with ``use_gemv`` (``PLAIT_BF16_GEMV=1``), the GEMV for
+    decode-sized batches (1..16 tokens) of bf16 / fp16 weights on CUDA in the weights' dtype."""
+    if use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
+        x2 = x.reshape(-1, x.shape[-1])
+        if 1 <= x2.shape[0] <= GEMV_MAX_TOKENS:
+            out = gemv(x2, weight)
+            if bias is not None:
+                out = out + bias
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x, weight, bias)

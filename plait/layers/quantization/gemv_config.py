@@ -100,6 +100,17 @@ def load_tables(device_name: str) -> dict[str, dict[str, dict[int, GemvConfig]]]
     return _load_tables(device_name, tuple(config_dirs()))
 
 
+def balanced_split(n_tiles: int, k_steps: int, num_sms: int) -> int:
+    """split_k for ``n_tiles`` row tiles of ``k_steps`` steps each: 1 when the tiles alone give >= 4
+    programs per SM, else the smallest divisor of ``k_steps`` that does (slices of equal whole steps,
+    no column masks), at most ``k_steps // 2`` (each slice >= 2 steps, so the pipeline has work)."""
+    target = -(-4 * num_sms // n_tiles)
+    if target <= 1:
+        return 1
+    divisors = [d for d in range(1, k_steps // 2 + 1) if k_steps % d == 0] or [1]
+    return next((d for d in divisors if d >= target), divisors[-1])
+
+
 def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     """Untuned fallback, sized for bandwidth:
 
@@ -119,12 +130,7 @@ def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfi
     if kind == "fp8_block":
         block_k = min(block_k, 128)
         block_n *= 2 if m == 1 else 1
-    n_tiles = -(-n // block_n)
-    k_steps = -(-k // block_k)
-    split_k = 1
-    target = 4 * num_sms
-    if n_tiles < target:
-        split_k = max(1, min(-(-target // n_tiles), k_steps // 2))
+    split_k = balanced_split(-(-n // block_n), -(-k // block_k), num_sms)
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
 
 
