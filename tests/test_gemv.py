@@ -101,9 +101,9 @@ def tables(tmp_path, monkeypatch):
     """A package config dir and an override dir under tmp_path; the parsed tables forgotten around."""
     monkeypatch.setattr(gemv_config, "CONFIG_DIR", tmp_path / "package")
     monkeypatch.delenv("PLAIT_GEMV_CONFIG_DIR", raising=False)
-    gemv_config._load_tables.cache_clear()
+    gemv_config.clear_cache()
     yield tmp_path
-    gemv_config._load_tables.cache_clear()
+    gemv_config.clear_cache()
 
 
 def test_tuned_file_gives_the_smallest_bucket_covering_m(tables):
@@ -134,3 +134,17 @@ def test_default_splits_k_only_when_row_tiles_leave_sms_idle():
     narrow = default_config("fp8_channel", 16, 4096, 4096, 132)  # 128 row tiles of 32
     assert narrow.split_k > 1 and -(-4096 // narrow.block_n) * narrow.split_k >= 4 * 132
     assert default_config("fp8_block", 1, 4096, 4096, 132).block_k == 128  # one scale block per step
+
+
+# --- the bf16 switch ------------------------------------------------------------------------------
+def test_bf16_gemv_switch_is_read_when_a_layer_is_built(monkeypatch):
+    from plait.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    assert not ColumnParallelLinear(8, 8).small_m_gemv
+    monkeypatch.setenv("PLAIT_BF16_GEMV", "1")
+    col, row = ColumnParallelLinear(64, 32, dtype=torch.bfloat16), RowParallelLinear(64, 32, dtype=torch.bfloat16)
+    assert col.small_m_gemv and row.small_m_gemv
+    # Off the GPU the layers keep F.linear, whatever the switch says.
+    col.weight.data.copy_(_rand(32, 64, seed=7))
+    x = _rand(2, 64, seed=8).to(torch.bfloat16)
+    assert torch.equal(col(x), torch.nn.functional.linear(x, col.weight))

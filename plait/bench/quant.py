@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from plait import envs
 from plait.bench.hardware import graph_time
 from plait.bench.results import write_result
 from plait.bench.shapes import SHAPES, linear_shapes, param_counts, write_shape_dir
@@ -194,7 +195,8 @@ def cmd_gemm(args: argparse.Namespace, lim: Limits, fp8_rate: float) -> None:
     write_result(
         args.out, "gemm-fp8", SHAPE, "min_fraction_of_read_bandwidth_at_m1", best_m1, None, None, None,
         {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "auto", "tokens": list(GEMM_TOKENS)},
-        rows=rows, definition="per layer and M: microseconds per call (CUDA graph replay, weights rotated past "
+        rows=rows, gemv_config_dir=envs.GEMV_CONFIG_DIR.get(),
+        definition="per layer and M: microseconds per call (CUDA graph replay, weights rotated past "
                               "L2), TB/s of weight bytes read and TFLOP/s; fraction_of_ceiling is the larger of "
                               "TB/s over the measured read bandwidth and TFLOP/s over the measured FP8 "
                               "_scaled_mm (bf16 matmul for bf16) rate", **_ceilings(lim, fp8_rate))

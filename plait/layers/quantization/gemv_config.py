@@ -100,6 +100,12 @@ def load_tables(device_name: str) -> dict[str, dict[str, dict[int, GemvConfig]]]
     return _load_tables(device_name, tuple(config_dirs()))
 
 
+def clear_cache() -> None:
+    """Forget parsed tables and resolved configs (tests that write tables)."""
+    _load_tables.cache_clear()
+    _resolve.cache_clear()
+
+
 def balanced_split(n_tiles: int, k_steps: int, num_sms: int) -> int:
     """split_k for ``n_tiles`` row tiles of ``k_steps`` steps each: 1 when the tiles alone give >= 4
     programs per SM, else the smallest divisor of ``k_steps`` that does (slices of equal whole steps,
@@ -135,7 +141,15 @@ def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfi
 
 
 def get_config(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int) -> GemvConfig:
-    """The tuned config of (kind, N, K) at the smallest bucket >= m, else ``default_config``."""
+    """The tuned config of (kind, N, K) at the smallest bucket >= m, else ``default_config``. Resolved
+    once per call shape and config source: a decode step asks for every layer, host time matters."""
+    return _resolve(kind, m, n, k, device_name, num_sms, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
+
+
+@functools.cache
+def _resolve(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int, override: str | None,
+             package_dir: pathlib.Path) -> GemvConfig:
+    del override, package_dir  # cache keys: load_tables reads the same sources
     buckets = load_tables(device_name).get(kind, {}).get(shape_key(n, k))
     if not buckets:
         return default_config(kind, m, n, k, num_sms)
