@@ -48,19 +48,24 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_gemv.py needs a CUDA GPU")
-    table, rows = tune(_csv(args.shapes), _csv(args.kinds), tuple(int(m) for m in _csv(args.m)), args.budget_s,
-                       args.jobs)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
     path = out / config_file_name(device)
-    merged = json.loads(path.read_text()) if path.is_file() else {}
-    for kind, shapes in table.items():
-        for shape, buckets in shapes.items():
-            merged.setdefault(kind, {}).setdefault(shape, {}).update(buckets)
-    path.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     report = pathlib.Path(args.report) if args.report else out / "tune_gemv_report.json"
-    report.write_text(json.dumps({"device": device, "rows": rows}, indent=1) + "\n")
+    existing = json.loads(path.read_text()) if path.is_file() else {}
+
+    def save(table: dict, rows: list) -> None:
+        merged = json.loads(json.dumps(existing))
+        for kind, shapes in table.items():
+            for shape, buckets in shapes.items():
+                merged.setdefault(kind, {}).setdefault(shape, {}).update(buckets)
+        path.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+        report.write_text(json.dumps({"device": device, "rows": rows}, indent=1) + "\n")
+
+    table, rows = tune(_csv(args.shapes), _csv(args.kinds), tuple(int(m) for m in _csv(args.m)), args.budget_s,
+                       args.jobs, save)
+    save(table, rows)
     print(f"wrote {path} ({sum(len(b) for s in table.values() for b in s.values())} entries) and {report}")
 
 

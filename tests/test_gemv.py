@@ -57,9 +57,10 @@ def test_bf16_gemv_equals_the_bf16_weight_product(m):
     torch.testing.assert_close(out, x @ w.float().t(), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_activations_give_a_bf16_result_within_its_rounding():
+@pytest.mark.parametrize("m", [1, 3])
+def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
     q, s, _ = _fp8("channel", N, K)
-    x = _rand(1, K, seed=5).to(torch.bfloat16)
+    x = _rand(m, K, seed=5).to(torch.bfloat16)
     out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ dequantize_weight(q, s, None).t(), rtol=1e-2, atol=1e-3)
@@ -148,3 +149,30 @@ def test_bf16_gemv_switch_is_read_when_a_layer_is_built(monkeypatch):
     col.weight.data.copy_(_rand(32, 64, seed=7))
     x = _rand(2, 64, seed=8).to(torch.bfloat16)
     assert torch.equal(col(x), torch.nn.functional.linear(x, col.weight))
+
+
+# --- the tuner (its GPU timer replaced; every candidate still runs, in the interpreter) -------------
+def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
+    from plait.bench import gemv_tune
+
+    tiny = [gemv_tune.Case("fp8_channel", 48, 256, 1, ["tiny/o_proj"]), gemv_tune.Case("bf16", 48, 256, 2, ["tiny/o"])]
+    monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: tiny)
+    ran: list[GemvConfig] = []
+
+    def fake_time(x, ws, scale, block, cfg, reps=2):
+        out = gemv(x, ws[0], scale, block, cfg)
+        ref = x.float() @ (dequantize_weight(ws[0], scale, block) if scale is not None else ws[0].float()).t()
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+        ran.append(cfg)
+        return 1.0 / (cfg.block_n * 1000 + cfg.block_k + cfg.split_k)  # the widest tile wins
+
+    monkeypatch.setattr(gemv_tune, "time_config", fake_time)
+    saved = []
+    table, rows = gemv_tune.tune(budget_s=600, save=lambda t, r: saved.append(len(r)), device="cpu")
+    expected = {c.kind: max(gemv_tune.candidates(c.kind, c.m, c.n, c.k, 8),
+                            key=lambda g: g.block_n * 1000 + g.block_k + g.split_k) for c in tiny}
+    assert len(ran) == sum(len(gemv_tune.candidates(c.kind, c.m, c.n, c.k, 8)) for c in tiny)
+    assert table["fp8_channel"]["N48_K256"]["1"] == expected["fp8_channel"].to_json()
+    assert table["bf16"]["N48_K256"]["2"] == expected["bf16"].to_json()
+    assert [r["M"] for r in rows] == [1, 2] and saved == [1, 2]
+    assert all(r["best_us"] <= r["default_us"] for r in rows)

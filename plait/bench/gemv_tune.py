@@ -83,10 +83,10 @@ def cases(shapes: tuple[str, ...], kinds: tuple[str, ...], ms: tuple[int, ...]) 
     return [Case(kind, n, k, m, layers) for m in order for kind in kinds for (n, k), layers in shapes_nk.items()]
 
 
-def _weights(kind: str, n: int, k: int, rotate: bool = True
+def _weights(kind: str, n: int, k: int, rotate: bool = True, device: str = "cuda"
              ) -> tuple[list[torch.Tensor], torch.Tensor | None, tuple[int, int] | None]:
     """Copies of one weight (>= ROTATE_BYTES in all; one copy without ``rotate``), its scale and block."""
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
     scale: torch.Tensor | None = None
     block: tuple[int, int] | None = None
     if kind == "fp8_channel":
@@ -95,7 +95,7 @@ def _weights(kind: str, n: int, k: int, rotate: bool = True
         w, scale = quantize_weight_per_channel(w)
     elif kind == "fp8_block":
         w = w.to(torch.float8_e4m3fn)
-        scale, block = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3 + 1e-4, (128, 128)
+        scale, block = torch.rand(-(-n // 128), -(-k // 128), device=device) * 1e-3 + 1e-4, (128, 128)
     elif kind == "fp16":
         w = w.half()
     copies = max(2, ROTATE_BYTES // (n * k * w.element_size())) if rotate else 1
@@ -112,7 +112,7 @@ def time_config(x: torch.Tensor, ws: list[torch.Tensor], scale: torch.Tensor | N
 def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, block: tuple[int, int] | None,
               num_sms: int) -> dict[str, Any]:
     """Every candidate of one case timed; the result row (best config, its time and the default's)."""
-    x = torch.randn(case.m, case.k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(case.m, case.k, device=ws[0].device, dtype=torch.bfloat16)
     weight_bytes = case.n * case.k * ws[0].element_size()
     timed: list[tuple[float, GemvConfig]] = []
     for cfg in candidates(case.kind, case.m, case.n, case.k, num_sms):
@@ -181,11 +181,13 @@ def precompile(all_cases: list[Case], num_sms: int, jobs: int) -> None:
 
 
 def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_KINDS,
-         ms: tuple[int, ...] = M_BUCKETS, budget_s: float = 55.0, jobs: int = 1
+         ms: tuple[int, ...] = M_BUCKETS, budget_s: float = 55.0, jobs: int = 1,
+         save: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None, device: str = "cuda"
          ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(table in the config file's layout, result rows). Stops starting cases once ``budget_s`` is spent
-    (the precompile included)."""
-    _, num_sms = device_info(torch.empty(0, device="cuda"))
+    (the precompile included). ``save(table, rows)`` runs after every weight's cases, so a run stopped
+    from outside keeps what it measured. ``device`` "cpu": the Triton interpreter (tests)."""
+    _, num_sms = device_info(torch.empty(0, device=device))
     start = time.perf_counter()
     all_cases = cases(shapes, kinds, ms)
     precompile(all_cases, num_sms, jobs)
@@ -195,7 +197,7 @@ def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_
         if time.perf_counter() - start > budget_s:
             print(f"gemv tune: budget of {budget_s:.0f} s spent; the remaining cases keep the default")
             break
-        ws, scale, block = _weights(kind, n, k)
+        ws, scale, block = _weights(kind, n, k, rotate=device == "cuda", device=device)
         for case in group:
             if time.perf_counter() - start > budget_s:
                 break
@@ -205,7 +207,10 @@ def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_
             print(f"{kind:12s} N={n:6d} K={k:6d} M={case.m:2d}: best {row['best_us']:7.2f} us "
                   f"{row['best_tb_s']:.2f} TB/s {row['best']}  (default {row['default_us']:.2f} us)")
         del ws
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if save is not None:
+            save(table, rows)
     print(f"gemv tune: {len(rows)} cases in {time.perf_counter() - start:.1f} s")
     return table, rows
 

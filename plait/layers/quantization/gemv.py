@@ -72,6 +72,7 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     GPU_FENCE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,10 +93,12 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
+        # The weights are read once: evict them first, so the activations stay in the caches.
         if EVEN_K:
-            w = tl.load(w_rows + offs_k[None, :])
+            w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
         else:
-            w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0,
+                        eviction_policy="evict_first")
         if SCALE == 2:
             s = tl.load(s_rows + k0 // BK_SCALE)
         if BLOCK_M == 1:
@@ -110,8 +113,10 @@ def _gemv_kernel(
         else:
             x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
             x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-            # e4m3 (and bf16 / fp16) converts exactly to the activations' dtype.
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION)
+            if UPCAST_DOT:  # triton 3.6's interpreter multiplies bf16 dot operands as integers
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # e4m3 (and bf16 / fp16) converts exactly to the activations' dtype
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION)
             if SCALE == 2:
                 part = part * s[None, :]
             acc += part
@@ -256,7 +261,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         SCALE=0 if scale is None else (2 if block is not None else 1), BN_SCALE=bn_s, BK_SCALE=bk_s,
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        GPU_FENCE=x.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages)
+        GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
