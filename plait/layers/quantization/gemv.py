@@ -261,7 +261,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         SCALE=0 if scale is None else (2 if block is not None else 1), BN_SCALE=bn_s, BK_SCALE=bk_s,
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=config.num_warps, num_stages=config.num_stages)
+        GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
 
 
