@@ -178,6 +178,19 @@ def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
     assert all(r["best_us"] <= r["default_us"] for r in rows)
 
 
+def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
+    from plait.bench import gemv_tune
+
+    case = gemv_tune.Case("bf16", 48, 256, 1, ["tiny/o"])
+    broken = gemv_tune.candidates("bf16", 1, 48, 256, 8)[0]
+    monkeypatch.setattr(gemv_tune, "time_config", lambda x, ws, s, b, cfg, reps=2: 0.0 if cfg == broken else 1.0)
+    real = gemv_tune.rel_error
+    monkeypatch.setattr(gemv_tune, "rel_error", lambda x, w, s, b, cfg: 1.0 if cfg == broken else real(x, w, s, b, cfg))
+    ws, scale, block = gemv_tune.make_weights("bf16", 48, 256, rotate=False, device="cpu")
+    row = gemv_tune.tune_case(case, ws, scale, block, 8)
+    assert row["best"] != broken.to_json() and row["best_us"] == 1e6
+
+
 # --- the GPU build, without a GPU ----------------------------------------------------------------
 def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_loads():
     """The interpreter runs the kernel's Python; this compiles it for an H200 with the wheel's ptxas."""

@@ -83,7 +83,7 @@ def cases(shapes: tuple[str, ...], kinds: tuple[str, ...], ms: tuple[int, ...]) 
     return [Case(kind, n, k, m, layers) for m in order for kind in kinds for (n, k), layers in shapes_nk.items()]
 
 
-def _weights(kind: str, n: int, k: int, rotate: bool = True, device: str = "cuda"
+def make_weights(kind: str, n: int, k: int, rotate: bool = True, device: str = "cuda"
              ) -> tuple[list[torch.Tensor], torch.Tensor | None, tuple[int, int] | None]:
     """Copies of one weight (>= ROTATE_BYTES in all; one copy without ``rotate``), its scale and block."""
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
@@ -109,6 +109,15 @@ def time_config(x: torch.Tensor, ws: list[torch.Tensor], scale: torch.Tensor | N
     return graph_time(calls, reps=reps)
 
 
+def rel_error(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+              cfg: GemvConfig) -> float:
+    """Max error of ``gemv`` with ``cfg`` relative to the fp32 product's largest entry."""
+    from plait.layers.quantization.fp8_kernels import dequantize_weight
+
+    ref = x.float() @ (dequantize_weight(w, scale, block) if scale is not None else w.float()).t()
+    return float((gemv(x, w, scale, block, cfg).float() - ref).abs().max() / ref.abs().max())
+
+
 def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, block: tuple[int, int] | None,
               num_sms: int) -> dict[str, Any]:
     """Every candidate of one case timed; the result row (best config, its time and the default's)."""
@@ -122,9 +131,14 @@ def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, bl
             print(f"  {cfg}: {type(e).__name__}: {str(e)[:120]}")
     if not timed:
         raise RuntimeError(f"gemv tune: no config ran for {case}")
-    best_s, best = min(timed, key=lambda t: t[0])
+    timed.sort(key=lambda t: t[0])
+    # The fastest config that computes the product: a broken one never lands in the table.
+    correct = ((t, c) for t, c in timed if rel_error(x, ws[0], scale, block, c) < 1e-2)
+    best_s, best = next(correct, (None, None))
+    if best is None or best_s is None:
+        raise RuntimeError(f"gemv tune: no config of {case} matches the fp32 reference")
     default = default_config(case.kind, case.m, case.n, case.k, num_sms)
-    default_s = next(t for t, c in timed if c == default)
+    default_s = next((t for t, c in timed if c == default), float("nan"))
     return {"kind": case.kind, "N": case.n, "K": case.k, "M": case.m, "layers": case.layers,
             "best": best.to_json(), "best_us": best_s * 1e6, "best_tb_s": weight_bytes / best_s / 1e12,
             "default": default.to_json(), "default_us": default_s * 1e6,
@@ -151,7 +165,7 @@ def _precompile_chunk(items: list[tuple[str, int, int, int, dict[str, int]]]) ->
     loaded: tuple[tuple[str, int, int], Any] | None = None
     for kind, n, k, m, raw in items:
         if loaded is None or loaded[0] != (kind, n, k):
-            loaded = ((kind, n, k), _weights(kind, n, k, rotate=False))
+            loaded = ((kind, n, k), make_weights(kind, n, k, rotate=False))
         (w,), scale, block = loaded[1]
         try:
             gemv(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, scale, block, GemvConfig.from_json(raw))
@@ -197,7 +211,7 @@ def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_
         if time.perf_counter() - start > budget_s:
             print(f"gemv tune: budget of {budget_s:.0f} s spent; the remaining cases keep the default")
             break
-        ws, scale, block = _weights(kind, n, k, rotate=device == "cuda", device=device)
+        ws, scale, block = make_weights(kind, n, k, rotate=device == "cuda", device=device)
         for case in group:
             if time.perf_counter() - start > budget_s:
                 break

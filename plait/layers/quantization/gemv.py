@@ -184,9 +184,11 @@ class GemvLaunch:
                 self.num_stages)
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: GemvConfig) -> GemvLaunch:
     """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
-    (M >= 2), a step inside one scale block (block scales), and K slices of whole steps."""
+    (M >= 2), a step inside one scale block (block scales), and K slices of whole steps. Cached: eager
+    decode steps plan every layer's call."""
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     block_n = config.block_n if m == 1 else max(16, config.block_n)
     block_k = config.block_k
