@@ -41,7 +41,8 @@ ROTATE_BYTES = 256 << 20  # weight copies per case: >= 5x the H200's 50 MB L2
 def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
     """(block_n, block_k in bytes, num_warps, num_stages) tried for a kind and token count."""
     if m == 1:
-        tiles = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3), (8, 512, 4, 1)]
+        tiles = [(4, 1024, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3),
+                 (8, 512, 4, 1)]
         if kind == "fp8_block":  # a step lies in one 128-column scale block: taller tiles instead
             tiles = [(16, 128, 4, 4), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 2, 4)]
     else:
