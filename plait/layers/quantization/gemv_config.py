@@ -120,17 +120,19 @@ def balanced_split(n_tiles: int, k_steps: int, num_sms: int) -> int:
 def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     """Untuned fallback, sized for bandwidth:
 
-    - one token: 8 rows x 512 bytes of weights per loop step (4 KiB) as an elementwise product (no
-      tensor cores), 4 warps each issuing 16-byte loads, three steps in flight. Small row tiles give
-      hundreds to thousands of programs at the llama shapes (4-27 per SM), so enough loads are in
-      flight to cover HBM latency, and the K reduction runs once per program.
+    - one token: 8 rows (4 where 8 would give fewer than 4 programs per SM) x 512 bytes of weights per
+      loop step as an elementwise product (no tensor cores), 4 warps each issuing 16-byte loads, three
+      steps in flight. Small row tiles give about a thousand programs or more at the llama shapes
+      (4-27 per SM), so enough loads are in flight to cover HBM latency, and the K reduction runs once
+      per program.
     - 2..16 tokens: the tensor-core form needs 16 rows and 16+ columns; 32 rows x 256 columns per step.
     - split-K only when the row tiles alone give fewer than about 4 programs per SM, into whole
       ``block_k`` steps (FP8 block scales: steps of at most one 128-column scale block).
     """
     fp8 = kind.startswith("fp8")
     if m == 1:
-        block_n, block_k = 8, 512 if fp8 else 256
+        # Halving the row tile before splitting K: a split adds a partial round trip to each tile's tail.
+        block_n, block_k = 8 if -(-n // 8) >= 4 * num_sms else 4, 512 if fp8 else 256
     else:
         block_n, block_k = 32, 256 if fp8 else 128
     if kind == "fp8_block":
