@@ -30,16 +30,20 @@ from plait.server import protocol
 from plait.server.errors import APIError, bad_request
 from plait.server.function_call import (
     TOOL_CALL_PARSERS,
+    HarmonyToolParser,
     JsonArrayParser,
     NamedFunctionParser,
     ParseDelta,
-    ToolCallParser,
+    ToolParser,
     make_tool_call_parser,
 )
-from plait.server.reasoning import REASONING_PARSERS, ReasoningParser
+from plait.server.reasoning import REASONING_PARSERS, Reasoner, make_reasoning_parser
 
 # OpenAI's rule for function names.
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# Parsers that read the model's special tokens (gpt-oss's harmony markers): with one configured, chat
+# outputs are detokenized with skip_special_tokens false, whatever the request says, as SGLang does.
+SPECIAL_TOKEN_PARSERS = frozenset({"gpt-oss"})
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ class ChatOptions:
                 raise ValueError(f"--chat-template: {chat_template} is empty")
         return cls(tool_call_parser, reasoning_parser, text)
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return bool({self.tool_call_parser, self.reasoning_parser} & SPECIAL_TOKEN_PARSERS)
+
 
 # --- the request side -----------------------------------------------------------------------------
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -84,6 +92,7 @@ class ToolPlan:
     named: str | None
     parallel_tool_calls: bool
     parser: str | None  # --tool-call-parser, for auto
+    keep_special_tokens: bool = False  # the configured parsers read special tokens
 
     @property
     def names(self) -> list[str]:
@@ -111,6 +120,8 @@ class ToolPlan:
 
     def sampling_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """``fields`` (SamplingParams fields from the request) with this plan's grammar added."""
+        if self.keep_special_tokens:
+            fields = {**fields, "skip_special_tokens": False}  # the parsers take the markers out
         schema = self.json_schema()
         if schema is None:
             return fields
@@ -120,7 +131,7 @@ class ToolPlan:
                               f"another output constraint (response_format, regex or ebnf)", "tool_choice")
         return {**fields, "json_schema": json.dumps(schema)}
 
-    def new_parser(self) -> ToolCallParser | None:
+    def new_parser(self) -> ToolParser | None:
         if self.mode == "named":
             assert self.named is not None
             return NamedFunctionParser(self.named)
@@ -196,7 +207,7 @@ def plan_tools(req: protocol.ChatCompletionRequest, options: ChatOptions) -> Too
                           f"--tool-call-parser {{{','.join(TOOL_CALL_PARSERS)}}} to find the calls in the output; "
                           "or send tool_choice 'required', a named function or 'none'", "tool_choice")
     parallel = req.parallel_tool_calls if req.parallel_tool_calls is not None else True
-    return ToolPlan(mode, tools, named, parallel, options.tool_call_parser)
+    return ToolPlan(mode, tools, named, parallel, options.tool_call_parser, options.keeps_special_tokens)
 
 
 def template_messages(req: protocol.ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -242,15 +253,20 @@ class ChatOutput:
     """One choice's output: the reasoning parser first, then the tool-call parser on the content.
     ``feed`` / ``finish`` give OpenAI stream deltas; ``message`` the whole message."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
+    def __init__(self, reasoning: Reasoner | None, tools: ToolParser | None) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self._ids: dict[int, str] = {}
 
     @classmethod
     def for_request(cls, plan: ToolPlan, options: ChatOptions) -> ChatOutput:
-        reasoning = ReasoningParser.named(options.reasoning_parser) if options.reasoning_parser else None
-        return cls(reasoning, plan.new_parser())
+        reasoning = make_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
+        tools = plan.new_parser()
+        if tools is None and options.reasoning_parser == "gpt-oss":
+            # The harmony reasoning parser passes tool calls on in the content; with no tools to call
+            # (tool_choice none, or none given), this drops them instead of showing their markup.
+            tools = HarmonyToolParser(())
+        return cls(reasoning, tools)
 
     @property
     def num_calls(self) -> int:
