@@ -9,7 +9,8 @@ span of an output into ``reasoning_content``.
 * ``gpt-oss``: OpenAI's harmony format (plait.server.function_call.harmony): the ``analysis``
   channel is the reasoning, the ``final`` channel (and text without markup) the content, markers
   dropped; a tool-call message stays in the content in canonical harmony form, for
-  ``--tool-call-parser gpt-oss`` (without a tool parser for the request, it is dropped).
+  ``--tool-call-parser gpt-oss`` (plait.server.tool_calling.ChatOutput drops it when the request
+  has no tools to call).
 
 Streaming and whole outputs give the same split: text that may be the start of a marker is held
 back until the next characters decide. Leading whitespace of both parts is dropped, and so is the
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from typing import Protocol
 
 from plait.server.function_call.core import WHITESPACE, holds_prefix
@@ -166,6 +168,6 @@ class HarmonyReasoningParser:
 
 
 REASONING_PARSERS: dict[str, Callable[[], Reasoner]] = {
-    **{name: (lambda fmt=fmt: ReasoningParser(fmt)) for name, fmt in THINK_FORMATS.items()},
+    **{name: partial(ReasoningParser, fmt) for name, fmt in THINK_FORMATS.items()},
     "gpt-oss": HarmonyReasoningParser,
 }

@@ -37,7 +37,7 @@ from plait.server.function_call import (
     ToolParser,
     make_tool_call_parser,
 )
-from plait.server.reasoning import REASONING_PARSERS, Reasoner, make_reasoning_parser
+from plait.server.reasoning import REASONING_PARSERS, HarmonyReasoningParser, Reasoner, make_reasoning_parser
 
 # OpenAI's rule for function names.
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -251,22 +251,30 @@ def _history_call(i: int, j: int, call: Any) -> dict[str, Any]:
 # --- the output side ------------------------------------------------------------------------------
 class ChatOutput:
     """One choice's output: the reasoning parser first, then the tool-call parser on the content.
-    ``feed`` / ``finish`` give OpenAI stream deltas; ``message`` the whole message."""
+    ``feed`` / ``finish`` give OpenAI stream deltas; ``message`` the whole message.
+    ``show_reasoning`` false: the reasoning parser only takes its span out of the content."""
 
-    def __init__(self, reasoning: Reasoner | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: Reasoner | None, tools: ToolParser | None, show_reasoning: bool = True) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.show_reasoning = show_reasoning and reasoning is not None
         self._ids: dict[int, str] = {}
 
     @classmethod
     def for_request(cls, plan: ToolPlan, options: ChatOptions) -> ChatOutput:
         reasoning = make_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
         tools = plan.new_parser()
-        if tools is None and options.reasoning_parser == "gpt-oss":
-            # The harmony reasoning parser passes tool calls on in the content; with no tools to call
-            # (tool_choice none, or none given), this drops them instead of showing their markup.
-            tools = HarmonyToolParser(())
-        return cls(reasoning, tools)
+        shown = reasoning is not None
+        if options.keeps_special_tokens:
+            # The text holds gpt-oss's harmony markers (and its stop token): a harmony stage reads
+            # them whatever the request's tool parser is. Without --reasoning-parser gpt-oss its
+            # analysis is dropped, as SGLang's gpt-oss tool parser does; it passes calls on in the
+            # content, which a harmony tool parser without tools drops (tool_choice none, no tools).
+            if reasoning is None:
+                reasoning = HarmonyReasoningParser()
+            if tools is None:
+                tools = HarmonyToolParser(())
+        return cls(reasoning, tools, shown)
 
     @property
     def num_calls(self) -> int:
@@ -289,7 +297,7 @@ class ChatOutput:
 
     def _deltas(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if reasoning:
+        if reasoning and self.show_reasoning:
             out.append({"reasoning_content": reasoning})
         if self.tools is None:
             if content:
@@ -327,7 +335,7 @@ class ChatOutput:
                     calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
         text_out = "".join(content)
         msg: dict[str, Any] = {"role": "assistant", "content": text_out if text_out or not calls else None}
-        if self.reasoning is not None:
+        if self.show_reasoning:
             msg["reasoning_content"] = "".join(reasoning) or None
         if calls:
             msg["tool_calls"] = [calls[i] for i in sorted(calls)]

@@ -163,14 +163,36 @@ def plan(options: ChatOptions, **fields: Any):
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
-def test_reasoning_parser_without_tools_drops_a_call_instead_of_showing_its_markup():
-    options = ChatOptions(reasoning_parser="gpt-oss")
+GPT_OSS_OPTIONS = [ChatOptions(reasoning_parser="gpt-oss"), ChatOptions(tool_call_parser="gpt-oss"),
+                   ChatOptions(tool_call_parser="gpt-oss", reasoning_parser="gpt-oss")]
+OPTION_IDS = ["reasoning", "tools", "both"]
+
+
+@pytest.mark.parametrize("options", GPT_OSS_OPTIONS, ids=OPTION_IDS)
+def test_without_tools_to_call_a_harmony_call_is_dropped_and_no_marker_reaches_the_content(options):
+    text, reasoning = SAMPLES[2][0], SAMPLES[2][1]
     for p in (plan(options), plan(options, tools=[WEATHER], tool_choice="none")):
-        msg = ChatOutput.for_request(p, options).message(SAMPLES[1][0])
-        assert msg == {"role": "assistant", "content": "", "reasoning_content": "Need to use function get_weather."}
+        msg = ChatOutput.for_request(p, options).message(text)
+        assert msg["content"] == "Checking both cities."
+        assert "tool_calls" not in msg
+        # The analysis is reasoning_content with --reasoning-parser gpt-oss, else dropped.
+        assert msg.get("reasoning_content", "absent") == (reasoning if options.reasoning_parser else "absent")
 
 
-@pytest.mark.parametrize("options", [ChatOptions(reasoning_parser="gpt-oss"), ChatOptions(tool_call_parser="gpt-oss")])
+@pytest.mark.parametrize("options", GPT_OSS_OPTIONS, ids=OPTION_IDS)
+def test_grammar_enforced_calls_leave_the_stop_token_out_of_the_content(options):
+    required = plan(options, tools=[WEATHER], tool_choice="required")
+    msg = ChatOutput.for_request(required, options).message(
+        '[{"name": "get_weather", "parameters": ' + PARIS + "}]<|call|>")
+    assert msg["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [("get_weather", PARIS)]
+    named = plan(options, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    msg = ChatOutput.for_request(named, options).message(PARIS + "<|return|>")
+    assert msg["content"] is None
+    assert msg["tool_calls"][0]["function"]["arguments"] == PARIS
+
+
+@pytest.mark.parametrize("options", GPT_OSS_OPTIONS, ids=OPTION_IDS)
 def test_a_gpt_oss_parser_keeps_special_tokens_in_chat_outputs(options):
     for fields in ({}, {"tools": [WEATHER], "tool_choice": "none"}, {"tools": [WEATHER], "tool_choice": "required"}):
         sampling = plan(options, **fields).sampling_fields({"skip_special_tokens": True})
