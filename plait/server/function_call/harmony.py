@@ -98,6 +98,9 @@ def _earliest_marker(buf: str) -> tuple[int, str] | None:
 
 
 class HarmonyStream:
+    """One output's events as its text arrives (``feed``), then ``finish`` at its end. State moves
+    only on consumed text, so the events depend on the text, not on its chunking."""
+
     def __init__(self) -> None:
         self._buf = ""
         self._state = _State.OUTSIDE
