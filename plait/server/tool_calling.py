@@ -62,6 +62,12 @@ class ChatOptions:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
+        parsers = {self.tool_call_parser, self.reasoning_parser} - {None}
+        if parsers & SPECIAL_TOKEN_PARSERS and len(parsers) > 1:
+            # The harmony stage hands tool calls on in harmony form, which only its tool parser reads.
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser} and --reasoning-parser "
+                             f"{self.reasoning_parser} read different formats: gpt-oss goes with gpt-oss "
+                             "(or alone)")
 
     @classmethod
     def from_flags(cls, tool_call_parser: str | None, reasoning_parser: str | None,

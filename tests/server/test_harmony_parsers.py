@@ -202,3 +202,9 @@ def test_a_gpt_oss_parser_keeps_special_tokens_in_chat_outputs(options):
 def test_other_parsers_leave_skip_special_tokens_to_the_request():
     options = ChatOptions(tool_call_parser="hermes", reasoning_parser="qwen3")
     assert plan(options).sampling_fields({"skip_special_tokens": None}) == {"skip_special_tokens": None}
+
+
+@pytest.mark.parametrize(("tool_call_parser", "reasoning_parser"), [("hermes", "gpt-oss"), ("gpt-oss", "qwen3")])
+def test_gpt_oss_parsers_paired_with_another_format_are_refused(tool_call_parser, reasoning_parser):
+    with pytest.raises(ValueError, match="gpt-oss goes with gpt-oss"):
+        ChatOptions(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
