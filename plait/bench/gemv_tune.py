@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -177,21 +178,25 @@ def _precompile_chunk(items: list[tuple[str, int, int, int, dict[str, int]]]) ->
     return done
 
 
-def precompile(all_cases: list[Case], num_sms: int, jobs: int) -> None:
+def precompile(all_cases: list[Case], num_sms: int, jobs: int, timeout_s: float) -> None:
     """Compile every candidate in ``jobs`` spawned processes first (compiles dominate a cold sweep; the
-    timing loop then loads them from Triton's cache). Any failure leaves the compiles to the loop."""
+    timing loop then loads them from Triton's cache). A failure, a crashed worker or ``timeout_s``
+    leaves the remaining compiles to the timing loop."""
     work = sorted(_compile_work(all_cases, num_sms), key=lambda w: w[:3])
     if jobs <= 1 or not work:
         return
     per = -(-len(work) // (2 * jobs))
     chunks = [work[i : i + per] for i in range(0, len(work), per)]
     t0 = time.perf_counter()
+    pool = ProcessPoolExecutor(min(jobs, len(chunks)), mp_context=mp.get_context("spawn"))
+    done = 0
     try:
-        with mp.get_context("spawn").Pool(min(jobs, len(chunks))) as pool:
-            done = sum(pool.map(_precompile_chunk, chunks))
-    except Exception as e:
-        print(f"gemv tune: precompile failed ({type(e).__name__}: {e}); compiling in the timing loop")
-        return
+        for future in as_completed([pool.submit(_precompile_chunk, c) for c in chunks], timeout=timeout_s):
+            done += future.result()
+    except Exception as e:  # BrokenProcessPool, TimeoutError, ...
+        print(f"gemv tune: precompile stopped ({type(e).__name__}: {e}); compiling in the timing loop")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     print(f"gemv tune: precompiled {done}/{len(work)} kernels in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
@@ -205,7 +210,7 @@ def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_
     _, num_sms = device_info(torch.empty(0, device=device))
     start = time.perf_counter()
     all_cases = cases(shapes, kinds, ms)
-    precompile(all_cases, num_sms, jobs)
+    precompile(all_cases, num_sms, jobs, timeout_s=budget_s / 2)
     table: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     for (kind, n, k), group in _grouped(all_cases):
