@@ -83,6 +83,8 @@ def test_bad_calls_fail_naming_the_limit():
         gemv(torch.zeros(1, K), q)
     with pytest.raises(ValueError, match="x has K=100 columns, the weight 200"):
         gemv(torch.zeros(1, 100), q, s)
+    with pytest.raises(ValueError, match="torch.float16 weights multiply torch.float16 or float32 activations"):
+        gemv(torch.zeros(1, K, dtype=torch.bfloat16), q.to(torch.float16))
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         GemvConfig(block_n=12, block_k=64)
 

@@ -235,6 +235,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     kind = gemv_kind(w.dtype, block)
     if block is not None and not fp8:
         raise ValueError(f"gemv: block scales are for fp8 weights, not {w.dtype}")
+    if not fp8 and x.dtype not in (w.dtype, torch.float32):
+        raise ValueError(f"gemv: {w.dtype} weights multiply {w.dtype} or float32 activations, not {x.dtype}")
     if fp8 != (scale is not None):
         raise ValueError(f"gemv: {kind} weights {'need' if fp8 else 'take no'} scale")
     if x.stride(1) != 1:
