@@ -245,6 +245,20 @@ class MLPSyncMetadata:
     # Real sizes before pad_inputs_to_size; post_forward_mlp_sync_batch slices back to them.
     unpadded_batch_size: int | None = None
     unpadded_num_tokens: int | None = None
+    # Two-batch overlap: the two micro-batches' own MLP sync (each rank's rows of child A, of child
+    # B), decided from the exchanged counts so every rank splits alike (an empty half of a rank is an
+    # IDLE child). None: the step runs whole on every rank.
+    micro_batches: tuple[MLPSyncMetadata, MLPSyncMetadata] | None = None
+
+    def fill(self, tokens: list[int], for_logprob: list[int], original: list[int], can_run_dp_cuda_graph: bool,
+             device: torch.device | str) -> None:
+        """Set the per-rank counts: ``tokens`` as the MLP sync uses them, ``original`` the raw ones."""
+        self.original_global_num_tokens_cpu = list(original)
+        self.global_num_tokens_cpu = list(tokens)
+        self.global_num_tokens_for_logprob_cpu = list(for_logprob)
+        self.global_num_tokens_gpu, self.global_num_tokens_for_logprob_gpu = ints_to_device([tokens, for_logprob],
+                                                                                            device)
+        self.can_run_dp_cuda_graph = can_run_dp_cuda_graph
 
 
 @dataclass
@@ -343,14 +357,8 @@ class ForwardBatch:
                 self.spec_info, batch.global_num_tokens, batch.global_num_tokens_for_logprob)
         else:
             tokens, for_logprob = list(batch.global_num_tokens), list(batch.global_num_tokens_for_logprob)
-        sync = self.mlp_sync
         # Raw counts size the DP graph batch; scaled counts size the MLP-sync buffers.
-        sync.original_global_num_tokens_cpu = list(batch.global_num_tokens)
-        sync.global_num_tokens_cpu = tokens
-        sync.global_num_tokens_gpu, sync.global_num_tokens_for_logprob_gpu = ints_to_device([tokens, for_logprob],
-                                                                                            device)
-        sync.global_num_tokens_for_logprob_cpu = for_logprob
-        sync.can_run_dp_cuda_graph = bool(batch.can_run_dp_cuda_graph)
+        self.mlp_sync.fill(tokens, for_logprob, batch.global_num_tokens, bool(batch.can_run_dp_cuda_graph), device)
 
     def pad_inputs_to_size(self, num_tokens: int, bs: int) -> None:
         """Pad to ``num_tokens`` tokens and ``bs`` requests (DP MAX_LEN, graph buckets). Padded rows

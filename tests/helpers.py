@@ -47,6 +47,16 @@ def assert_no_leaks(engine: plait.Engine) -> None:
     assert pool.available_size() == pool.size, "request-pool rows leaked"
 
 
+def assert_no_leaks_on_every_dp_rank(engine: plait.Engine) -> None:
+    """``assert_no_leaks`` on rank 0 of a DP-attention engine, and no KV slot in use on rank 1 (rank 1
+    reports its KV use in the round exchange after the round that freed it: two more rounds run)."""
+    assert_no_leaks(engine)
+    sched = engine.scheduler
+    for _ in range(2):
+        sched.step()
+    assert sched.remote_kv_tokens_in_use == {1: 0}, "rank 1: KV slots leaked"
+
+
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": 32}
 
 
