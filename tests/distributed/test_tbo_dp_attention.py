@@ -85,6 +85,35 @@ def test_speculative_verify_splits_under_dp_attention_and_keeps_greedy_tokens(mo
         assert_no_leaks_on_every_dp_rank(engine)
 
 
+def test_decode_graphs_capture_two_micro_batches_and_every_rank_replays_them(one_layer, monkeypatch):
+    """``PLAIT_CPU_GRAPHS=1``: the eager stand-in records the capture and re-runs it, collectives
+    included. Each bucket is captured split as every rank's replay of it splits (the same padded
+    batch on every rank); rank 0, idle once its one-token requests finish, replays rank 1's split
+    bucket on padding rows. Triton attention (the backend that runs under graphs) in the
+    interpreter: one layer, few steps."""
+    pytest.importorskip("triton")
+    prompts = [p[:6] for p in prompt_ids(4)]
+    params = [{"temperature": 0.0, "max_new_tokens": n} for n in (1, 4, 1, 4)]
+    expected = single_rank_outputs(one_layer, prompts, {"temperature": 0.0, "max_new_tokens": 4})
+    monkeypatch.setenv("PLAIT_CPU_GRAPHS", "1")  # inherited by the spawned rank
+    monkeypatch.setenv("PLAIT_CHECK_PLANS", "1")
+    with make_engine(one_layer, **DP_TBO, attention_backend="triton", cuda_graph_max_bs=2) as engine:
+        graphs = engine.runner.graph_runner
+        captured = graphs.capture_batches[2]
+        assert captured.tbo_children is not None
+        assert [m.global_num_tokens_cpu for m in captured.mlp_sync.micro_batches] == [[1, 1], [1, 1]]
+        assert graphs.capture_batches[1].tbo_children is None  # one request: nothing to split
+        idle_before = engine.runner.idle_rounds
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [expected[tuple(p)][: q["max_new_tokens"]]
+                                               for p, q in zip(prompts, params, strict=True)]
+        assert graphs.graphs[2].replays > 0
+        assert engine.runner.idle_rounds > idle_before
+        # Rounds rank 0 joined idle while rank 1 decoded two requests: MAX_LEN, replayed split.
+        assert any(counts == (0, 2) and mode == DPPaddingMode.MAX_LEN for counts, _, mode in engine.runner.rounds)
+        assert_no_leaks_on_every_dp_rank(engine)
+
+
 # --- the decision, without an engine -------------------------------------------------------------------
 class TwoRankControl:
     """Rank 0 of a two-rank control group whose other rank sends ``other``."""
