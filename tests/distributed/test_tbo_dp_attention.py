@@ -15,7 +15,13 @@ import torch
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
 from plait.parallel.dp_attention import IdleSpecInput, MLPCountSync, RankCounts, TboSettings
 from plait.two_batch_overlap import TboSplit, choose_dp_split, split_forward_batch
-from tests.helpers import assert_no_leaks_on_every_dp_rank, make_engine, prompt_ids, single_rank_outputs
+from tests.helpers import (
+    TwoRankControl,
+    assert_no_leaks_on_every_dp_rank,
+    make_engine,
+    prompt_ids,
+    single_rank_outputs,
+)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 PROMPTS = prompt_ids(6)  # 3 to 31 tokens: prefill chunks of 16, two-chunk cuts inside a request
@@ -115,18 +121,6 @@ def test_decode_graphs_capture_two_micro_batches_and_every_rank_replays_them(one
 
 
 # --- the decision, without an engine -------------------------------------------------------------------
-class TwoRankControl:
-    """Rank 0 of a two-rank control group whose other rank sends ``other``."""
-
-    rank, size = 0, 2
-
-    def __init__(self, other: RankCounts) -> None:
-        self.other = other
-
-    def all_gather(self, t: torch.Tensor, timeout=None) -> list[torch.Tensor]:
-        return [t.clone(), self.other.to_tensor()]
-
-
 TBO = TboSettings(min_tokens=2, threshold=0.48)
 
 
