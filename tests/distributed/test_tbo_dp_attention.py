@@ -79,6 +79,17 @@ def test_an_idle_rank_joins_the_other_ranks_two_micro_batches(engine, reference)
     assert_no_leaks_on_every_dp_rank(engine)
 
 
+def test_a_rank_with_one_request_joins_the_second_micro_batch_with_an_idle_half(engine, reference):
+    """Three requests: rank 0 decodes two (one per micro-batch), rank 1 one, all in its child A; its
+    child B is IDLE and joins B's collectives on zero rows."""
+    prompts = PROMPTS[:3]
+    before = len(engine.runner.count_sync.split_rounds)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [reference[tuple(p)] for p in prompts]
+    rounds = list(engine.runner.count_sync.split_rounds)[before:]
+    assert sum(1 for a, b in rounds if a == (1, 1) and b == (1, 0)) >= 3
+    assert_no_leaks_on_every_dp_rank(engine)
+
+
 def test_speculative_verify_splits_under_dp_attention_and_keeps_greedy_tokens(model, reference, monkeypatch):
     monkeypatch.setenv("PLAIT_CHECK_PLANS", "1")
     ngram = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1}
