@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from plait.distributed.dp_mlp import dp_mlp_ops
+from plait.distributed.parallel_state import PendingReduce
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
+from plait.layers.overlap import run_overlapped
 from plait.parallel.dp_attention import IdleSpecInput, MLPCountSync, RankCounts, TboSettings
 from plait.two_batch_overlap import TboSplit, choose_dp_split, split_forward_batch
 from tests.helpers import (
@@ -211,3 +214,59 @@ def test_overlap_off_proposes_nothing():
     fb = _decode_batch(4)
     _sync(fb, RankCounts(4, 4, 0, False, None), tbo=None)
     assert fb.mlp_sync.micro_batches is None
+
+
+# --- the overlap itself: one micro-batch's exchange in flight while the other computes ------------------
+class RecordingGroup:
+    """Rank 0 of two whose collectives complete on ``wait()`` and log when they start and end."""
+
+    rank, size = 0, 2
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def _pending(self, name: str, result: torch.Tensor) -> PendingReduce:
+        self.log.append(f"start {name}")
+        log = self.log
+
+        class Work:
+            def wait(self) -> None:
+                log.append(f"end {name}")
+
+        return PendingReduce(result, Work())
+
+    def all_gather_rows_start(self, x: torch.Tensor, counts: list[int]) -> PendingReduce:
+        return self._pending(f"gather {x.shape[0]}", torch.cat([x, torch.zeros(counts[1], x.shape[1])]))
+
+    def reduce_scatter_rows_start(self, x: torch.Tensor, counts: list[int]) -> PendingReduce:
+        return self._pending(f"reduce-scatter {counts[0]}", x)
+
+
+class RecordingMLP:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(f"mlp {x.shape[0]}")
+        return x * 2
+
+    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced
+
+
+def test_each_micro_batch_computes_while_the_others_exchange_is_in_flight():
+    """Two micro-batches of 1 and 2 rows (SUM_LEN halves): B's gather starts before A's ends, A's MLP
+    runs while B's gather is in flight, and B's MLP while A's reduce-scatter is."""
+    log: list[str] = []
+    halves = []
+    for rows in (1, 2):
+        fb = _decode_batch(rows)
+        fb.mlp_sync.fill([rows, 3], [rows, 3], [rows, 3], False, "cpu")
+        fb.mlp_sync.padding_mode = DPPaddingMode.SUM_LEN
+        halves.append(fb)
+    hidden = [torch.ones(1, 4), torch.ones(2, 4)]
+    out_a, out_b = run_overlapped(*(dp_mlp_ops(RecordingMLP(log), h, fb, RecordingGroup(log))
+                                    for h, fb in zip(hidden, halves, strict=True)))
+    assert log == ["start gather 1", "start gather 2", "end gather 1", "mlp 4", "start reduce-scatter 1",
+                   "end gather 2", "mlp 5", "start reduce-scatter 2", "end reduce-scatter 1", "end reduce-scatter 2"]
+    assert out_a.shape == (1, 4) and out_b.shape == (2, 4) and torch.equal(out_a, 2 * torch.ones(1, 4))
