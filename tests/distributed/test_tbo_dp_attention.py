@@ -17,6 +17,7 @@ from plait.distributed.parallel_state import PendingReduce
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
 from plait.layers.overlap import run_overlapped
 from plait.parallel.dp_attention import IdleSpecInput, MLPCountSync, RankCounts, TboSettings
+from plait.testing import make_eagle_head, make_tiny_model
 from plait.two_batch_overlap import TboSplit, choose_dp_split, split_forward_batch
 from tests.helpers import (
     TwoRankControl,
@@ -131,6 +132,21 @@ def test_decode_graphs_capture_two_micro_batches_and_every_rank_replays_them(one
         assert engine.runner.idle_rounds > idle_before
         # Rounds rank 0 joined idle while rank 1 decoded two requests: MAX_LEN, replayed split.
         assert any(counts == (0, 2) and mode == DPPaddingMode.MAX_LEN for counts, _, mode in engine.runner.rounds)
+        assert_no_leaks_on_every_dp_rank(engine)
+
+
+def test_eagle3_tree_verify_splits_with_the_target_hidden_states_captured_whole(tmp_path, monkeypatch):
+    """The head reads the target's hidden states of both micro-batches, concatenated in the parent's
+    row order (EAGLE3 captures three layers: the target needs three)."""
+    monkeypatch.setenv("PLAIT_CHECK_PLANS", "1")
+    target = make_tiny_model(tmp_path / "target", "llama", seed=0, num_hidden_layers=3)
+    expected = single_rank_outputs(target, PROMPTS, GREEDY)
+    head = make_eagle_head(tmp_path / "head", target, "EAGLE3")
+    flags = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(head), "speculative_num_steps": 2,
+             "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4}
+    with make_engine(target, **DP_TBO, **flags) as engine:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [expected[tuple(p)] for p in PROMPTS]
+        assert _split_counts(engine)["TARGET_VERIFY"] > 0
         assert_no_leaks_on_every_dp_rank(engine)
 
 
