@@ -15,7 +15,8 @@ One engine step is one lockstep round on every rank, with two control collective
      (decode and speculative batches: requests, extend: new tokens), picks the padding mode and
      fills the batch's MLP-sync metadata (``ForwardBatch.init_mlp_sync_metadata``). A rank that
      launched nothing runs an IDLE batch, which joins the same collectives with zero rows, unless no
-     rank has any work.
+     rank has any work. With two-batch overlap the same exchange carries each rank's proposed
+     halves, from which every rank decides alike whether the forward runs as two micro-batches.
 
 With speculative decoding each rank drafts and verifies its own requests (its own worker, a
 replicated draft model or head), and a round has two phases (``RoundPhase``): SPEC, the verify
