@@ -8,9 +8,9 @@
 2. ``layer``: one MoE layer's experts alone at M = 1..8 tokens as CUDA graph replays rotating over 8
    routings, the small-batch path (``plait.layers.moe.small_batch``) against the aligned pipeline,
    with the kernels each launches and the bytes of the distinct experts read; the router alone, one
-   fused launch against torch's; and (``--sweep``, on by default) the small path's tiles at M = 1.
+   fused launch against torch's; and with ``--sweep`` the small path's tiles at M = 1.
 
-    PYTHONPATH=$PWD python benchmarks/profile_moe_step.py --out OUT_DIR [--shape qwen3-30b-a3b] [--no-sweep]
+    PYTHONPATH=$PWD python benchmarks/profile_moe_step.py --out OUT_DIR [--shape qwen3-30b-a3b] [--sweep] [--no-step]
 """
 
 from __future__ import annotations
@@ -155,12 +155,12 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="directory for profile-moe-step.json")
     ap.add_argument("--shape", action="append", choices=sorted(MOE_KERNEL_SHAPES), help="repeatable; default both")
     ap.add_argument("--bs", type=int, default=1)
-    ap.add_argument("--no-sweep", action="store_true", help="skip the small-batch tile sweep at M = 1")
+    ap.add_argument("--sweep", action="store_true", help="also time the small-batch tiles of SWEEP at M = 1")
     ap.add_argument("--no-step", action="store_true", help="skip the engine decode-step profile")
     args = ap.parse_args()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "bs": args.bs}
     for shape in args.shape or sorted(MOE_KERNEL_SHAPES):
-        result[shape] = {"layer": profile_layer(shape, sweep=not args.no_sweep)}
+        result[shape] = {"layer": profile_layer(shape, sweep=args.sweep)}
         gc.collect()
         torch.cuda.empty_cache()  # the layer's experts go before the engine sizes its KV pool
         if not args.no_step:

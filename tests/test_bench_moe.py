@@ -76,3 +76,31 @@ def test_bench_latency_and_offline_run_tiny_moe_shapes_with_the_transformers_pee
     by_tokens = {int(t): d for t, d in offline["detail"]["distinct_experts_by_tokens"].items()}
     assert 2 <= by_tokens[3] <= 6  # decode steps of the three requests: top 2 each, of 8 experts
     assert offline["floor"] > 0 and "distinct experts" in offline["floor_definition"]
+
+
+def test_peer_runs_all_requests_of_a_dense_shape_and_a_bounded_prefix_of_a_moe_shape():
+    from plait.bench.cli import MOE_PEER_REQUESTS, peer_request_count
+
+    assert peer_request_count(None, 256, "llama-3.2-1b") == 256
+    assert peer_request_count(None, 256, "qwen3-30b-a3b") == MOE_PEER_REQUESTS < 256
+    assert peer_request_count(None, 3, "gpt-oss-20b") == 3
+    assert peer_request_count(40, 256, "qwen3-30b-a3b") == 40
+
+
+def test_peer_requests_outside_the_workload_are_refused_naming_the_flag(capsys):
+    assert cli.main(["bench", "offline", "--shape", "tiny-qwen3-moe", "--num-requests", "3", "--peer",
+                     "--peer-requests", "4"]) == 2
+    assert "--peer-requests must be in [1, --num-requests=3], got 4" in capsys.readouterr().err
+
+
+def test_offline_peer_on_a_prefix_says_so_and_plait_runs_the_whole_workload(tmp_path):
+    out = tmp_path / "results"
+    assert cli.main(["bench", "offline", "--shape", "tiny-qwen3-moe", "--num-requests", "3", "--input-len", "16",
+                     "--output-len", "4", "--peer", "--peer-requests", "2", "--out", str(out)]) == 0
+    offline = _result(out, "offline-throughput", "tiny-qwen3-moe")
+    assert offline["peer_requests"] == 2 and offline["peer_subset"] is True
+    assert offline["peer_name"] == "transformers generate_batch (first 2 of 3 requests)"
+    assert "first 2 of the 3 requests" in offline["peer_note"]
+    assert offline["peer_detail"]["generated_tokens"] == 2 * 4  # the same per-request lengths
+    assert offline["detail"]["generated_tokens"] == 3 * 4  # plait and the floor: all requests
+    assert offline["peer"] == offline["peer_detail"]["output_tok_s"] > 0
