@@ -102,8 +102,9 @@ def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
     x_ptrs = X + (pair // TOP_K) * stride_xm + offs_k
     gate_ptrs = W13 + expert * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + INTER * stride_wn
-    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Elementwise partial products, reduced over K once after the loop (no shuffles per step).
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
@@ -114,16 +115,18 @@ def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
             x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
             gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
             up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
-        acc_gate += tl.sum(gate.to(tl.float32) * x[None, :], axis=1)
-        acc_up += tl.sum(up.to(tl.float32) * x[None, :], axis=1)
+        acc_gate += gate.to(tl.float32) * x[None, :]
+        acc_up += up.to(tl.float32) * x[None, :]
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    gate_out = tl.sum(acc_gate, axis=1)
+    up_out = tl.sum(acc_up, axis=1)
     if HAS_BIAS:
         bias_ptrs = B13 + expert * stride_be + rows
-        acc_gate += tl.load(bias_ptrs).to(tl.float32)
-        acc_up += tl.load(bias_ptrs + INTER).to(tl.float32)
-    y = activate(acc_gate, acc_up, ACTIVATION, ALPHA, LIMIT)
+        gate_out += tl.load(bias_ptrs).to(tl.float32)
+        up_out += tl.load(bias_ptrs + INTER).to(tl.float32)
+    y = activate(gate_out, up_out, ACTIVATION, ALPHA, LIMIT)
     tl.store(Act + pair * stride_am + offs_n, y.to(Act.dtype.element_ty), mask=offs_n < INTER)
 
 
@@ -148,7 +151,7 @@ def _small_down_sum_kernel(Act, W2, B2, topk_ids, topk_weights, Out, H, INTER, n
     a_ptrs = Act + pairs[:, None] * stride_am + offs_k[None, :]
     w_ptrs = (W2 + experts[:, None, None] * stride_we + rows[None, :, None] * stride_wh
               + offs_k[None, None, :])
-    acc = tl.zeros((TOP_K_PAD, BLOCK_H), dtype=tl.float32)
+    acc = tl.zeros((TOP_K_PAD, BLOCK_H, BLOCK_K), dtype=tl.float32)  # reduced over K after the loop
     for k in range(0, tl.cdiv(INTER, BLOCK_K)):
         if EVEN_K:
             a_mask = valid[:, None]
@@ -156,13 +159,14 @@ def _small_down_sum_kernel(Act, W2, B2, topk_ids, topk_weights, Out, H, INTER, n
             a_mask = valid[:, None] & (offs_k < INTER - k * BLOCK_K)[None, :]
         a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=a_mask[:, None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+        acc += w.to(tl.float32) * a[:, None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    pair_out = tl.sum(acc, axis=2)  # [TOP_K_PAD, BLOCK_H]
     if HAS_BIAS:
         bias = tl.load(B2 + experts[:, None] * stride_be + rows[None, :], mask=valid[:, None], other=0.0)
-        acc += bias.to(tl.float32)
-    out = tl.sum(acc * weights[:, None], axis=0)
+        pair_out += bias.to(tl.float32)
+    out = tl.sum(pair_out * weights[:, None], axis=0)
     tl.store(Out + token * stride_om + offs_h, out.to(Out.dtype.element_ty), mask=offs_h < H)
 
 
