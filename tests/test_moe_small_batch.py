@@ -202,3 +202,29 @@ def test_public_entry_point_can_force_either_path():
     for forced in (True, False):
         out = fused_moe_triton.fused_experts_triton(x, w13, w2, weights, ids, "silu", small_batch=forced)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, tiny_model_dir, hf_reference,
+                                                                     monkeypatch):
+    # The engine's MoE layers switched to the Triton kernels (interpreter): the fused router every
+    # step, the aligned pipeline for the 7-token prefill, the small-batch path for each one-token
+    # decode step (8 experts, top 2: one token is 2 pairs <= 8 / 4).
+    from tests.helpers import make_engine, prompt_ids
+
+    path = tiny_model_dir(arch)
+    prompt = prompt_ids(3)[1]
+    ref = hf_reference(path, prompt, 6)
+    counter = LaunchCounter(monkeypatch)
+    with make_engine(path, max_total_tokens=256) as engine:
+        moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert moes
+        for m in moes:
+            m.fused_kernels = True
+        (out,) = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": 6})
+    assert out.token_ids == ref.tokens
+    launches = {k.removeprefix("triton:"): v for k, v in counter.counts.items()}
+    calls = len(moes) * 6  # per sparse layer: the prefill and five decode steps
+    assert launches["_fused_topk_kernel"] == calls
+    assert launches["_small_gate_up_kernel"] == launches["_small_down_sum_kernel"] == len(moes) * 5
+    assert launches["fused_moe_kernel"] == 2 * len(moes)  # the prefill: gate/up and down
