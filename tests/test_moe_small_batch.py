@@ -16,18 +16,10 @@ from plait.layers.moe.fused_router import fused_topk  # noqa: E402
 from plait.layers.moe.layer import FusedMoE, SparseMoeBlock  # noqa: E402
 from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
 from plait.layers.moe.router import RouterConfig, select_experts  # noqa: E402
+from tests.test_fused_moe_triton import make_experts as experts  # noqa: E402
 
 # Tiles smaller than the tiny shapes, so the loops take several steps and the K dimension is even.
 EVEN = small.SmallBatchConfig(block_n=8, block_h=4, block_k=16)
-
-
-def experts(num_experts: int, hidden: int, inter: int, bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
-    b13 = torch.randn(num_experts, 2 * inter, generator=g) if bias else None
-    b2 = torch.randn(num_experts, hidden, generator=g) if bias else None
-    return w13, w2, b13, b2
 
 
 def qwen3_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 1):
