@@ -118,9 +118,10 @@ def layer_path_us(shape: MoeShape, experts: tuple, num_tokens: int, small_batch:
 
 def router_us(shape: MoeShape, num_tokens: int) -> dict[str, float]:
     scoring = "topk_softmax" if shape.activation == "swiglu_oai" else "softmax_topk"
-    cfg = RouterConfig(shape.num_experts, shape.top_k, scoring, renormalize=scoring == "softmax_topk")
+    softmax_first = scoring == "softmax_topk"
+    cfg = RouterConfig(shape.num_experts, shape.top_k, scoring, renormalize=softmax_first)
     logits = [torch.randn(num_tokens, shape.num_experts, device="cuda").bfloat16() for _ in range(ROTATIONS)]
-    return {"fused_us": graph_time_us([lambda x=x: fused_topk(x, cfg.top_k, cfg.scoring, cfg.renormalize)
+    return {"fused_us": graph_time_us([lambda x=x: fused_topk(x, cfg.top_k, softmax_first, cfg.renormalize)
                                        for x in logits]),
             "torch_us": graph_time_us([lambda x=x: select_experts(x, cfg, fused=False) for x in logits])}
 

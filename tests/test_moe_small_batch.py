@@ -92,7 +92,7 @@ def test_one_launch_router_matches_torch(scoring, renormalize, top_k):
     cfg = RouterConfig(12, top_k, scoring, renormalize)
     logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(7)).bfloat16()
     logits[0] = 0.0  # all tied: both take the lowest ids
-    weights, ids = fused_topk(logits, top_k, scoring, renormalize)
+    weights, ids = fused_topk(logits, top_k, scoring == "softmax_topk", renormalize)
     ref_w, ref_ids = select_experts(logits, cfg, fused=False)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert torch.equal(ids[1:], ref_ids[1:]) and torch.equal(ids[0], torch.arange(top_k, dtype=torch.int32))
@@ -101,7 +101,7 @@ def test_one_launch_router_matches_torch(scoring, renormalize, top_k):
 
 def test_router_refuses_a_top_k_above_the_experts():
     with pytest.raises(ValueError, match="top_k"):
-        fused_topk(torch.randn(2, 4), 5, "softmax_topk", False)
+        fused_topk(torch.randn(2, 4), 5, True, False)
 
 
 class LaunchCounter:

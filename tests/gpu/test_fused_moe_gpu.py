@@ -142,12 +142,12 @@ def test_small_batch_router_and_experts_replay_in_a_graph(experts, num_tokens):
 
     ex = experts
     e, h, k = ex["w13"].shape[0], ex["w13"].shape[2], ex["top_k"]
-    scoring = "topk_softmax" if ex["activation"] == "swiglu_oai" else "softmax_topk"
+    softmax_first = ex["activation"] == "silu"  # qwen3: softmax then top-k, renormalised; gpt-oss the reverse
     logits = torch.randn(num_tokens, e, device="cuda").bfloat16()
     x = hidden(num_tokens, h, seed=20)
 
     def step():
-        weights, ids = fused_topk(logits, k, scoring, renormalize=scoring == "softmax_topk")
+        weights, ids = fused_topk(logits, k, softmax_first, renormalize=softmax_first)
         return fused.fused_experts_triton(x, ex["w13"], ex["w2"], weights, ids, ex["activation"], ex["b13"],
                                           ex["b2"], small_batch=True), weights, ids
 
@@ -174,7 +174,7 @@ def test_one_launch_router_matches_torch_on_gpu(num_experts, top_k, scoring, ren
     from plait.layers.moe.router import RouterConfig, select_experts
 
     logits = torch.randn(64, num_experts, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    weights, ids = fused_topk(logits, top_k, scoring, renormalize)
+    weights, ids = fused_topk(logits, top_k, scoring == "softmax_topk", renormalize)
     ref_w, ref_ids = select_experts(logits, RouterConfig(num_experts, top_k, scoring, renormalize), fused=False)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.layers.moe.router import SCORINGS
-
 
 @triton.jit
 def _fused_topk_kernel(Logits, Weights, Ids, E, stride_l, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
@@ -53,11 +51,11 @@ def _fused_topk_kernel(Logits, Weights, Ids, E, stride_l, TOP_K: tl.constexpr, T
     tl.store(Ids + token * TOP_K + slot, chosen_ids, mask=in_k)
 
 
-def fused_topk(router_logits: torch.Tensor, top_k: int, scoring: str,
+def fused_topk(router_logits: torch.Tensor, top_k: int, softmax_first: bool,
                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights float32 [T, K], topk_ids int32 [T, K]); see the module doc."""
-    if scoring not in SCORINGS:
-        raise ValueError(f"router scoring must be one of {SCORINGS}, got {scoring!r}")
+    """router_logits [T, E] -> (topk_weights float32 [T, K], topk_ids int32 [T, K]): ``softmax_first``
+    is ``softmax_topk`` scoring, else ``topk_softmax`` (``renormalize`` applies to the former); see
+    the module doc."""
     if router_logits.dim() != 2 or router_logits.stride(-1) != 1:
         raise ValueError(f"router_logits must be [T, E] with E contiguous, got shape "
                          f"{tuple(router_logits.shape)} strides {router_logits.stride()}")
@@ -70,6 +68,6 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, scoring: str,
         block_e = triton.next_power_of_2(num_experts)
         _fused_topk_kernel[(num_tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
-            TOP_K_PAD=triton.next_power_of_2(top_k), SOFTMAX_FIRST=scoring == "softmax_topk",
+            TOP_K_PAD=triton.next_power_of_2(top_k), SOFTMAX_FIRST=softmax_first,
             RENORMALIZE=renormalize, BLOCK_E=block_e, num_warps=1 if block_e <= 256 else 4)
     return weights, ids

@@ -38,7 +38,7 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     if router_logits.is_cuda if fused is None else fused:
         from plait.layers.moe.fused_router import fused_topk
 
-        return fused_topk(router_logits, cfg.top_k, cfg.scoring, cfg.renormalize)
+        return fused_topk(router_logits, cfg.top_k, cfg.scoring == "softmax_topk", cfg.renormalize)
     logits = router_logits.float()
     if cfg.scoring == "topk_softmax":
         values, ids = torch.topk(logits, cfg.top_k, dim=-1)
