@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from plait import cli
@@ -104,3 +105,17 @@ def test_offline_peer_on_a_prefix_says_so_and_plait_runs_the_whole_workload(tmp_
     assert offline["peer_detail"]["generated_tokens"] == 2 * 4  # the same per-request lengths
     assert offline["detail"]["generated_tokens"] == 3 * 4  # plait and the floor: all requests
     assert offline["peer"] == offline["peer_detail"]["output_tok_s"] > 0
+
+
+def test_one_launch_counter_records_what_the_torch_counter_records():
+    # Triton interpreter: the same ring contents call for call, ids of other ranks (-1, E) not counted.
+    pytest.importorskip("plait.layers.moe.routing_stats_triton")
+    routings = [torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32),
+                torch.tensor([[5, -1]], dtype=torch.int32), torch.tensor([[4, 4], [4, 8]], dtype=torch.int64)]
+    torch_counter = RoutedExpertCounter(num_experts=8, device="cpu", capacity=2)
+    fused_counter = RoutedExpertCounter(num_experts=8, device="cpu", capacity=2)
+    for ids in routings:
+        torch_counter.record(ids, fused=False)
+        fused_counter.record(ids, fused=True)
+        assert fused_counter.calls() == torch_counter.calls()
+    assert fused_counter.calls() == [(1, 1), (2, 1)]

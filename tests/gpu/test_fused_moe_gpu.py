@@ -213,3 +213,22 @@ def test_moe_layer_at_one_token_runs_the_router_gemm_and_three_triton_kernels(ex
     assert triton_kernels == ["_fused_topk_kernel", "_small_down_sum_kernel", "_small_gate_up_kernel"], names
     assert len(names) - len(triton_kernels) <= 2, names
     assert torch.isfinite(out).all()
+
+
+def test_one_launch_expert_counter_matches_torch_under_graph_replay():
+    from plait.layers.moe.routing_stats import RoutedExpertCounter
+
+    fused_counter = RoutedExpertCounter(128, "cuda", capacity=4)
+    torch_counter = RoutedExpertCounter(128, "cuda", capacity=4)
+    _, ids = routing(3, 128, 8, seed=40)
+    fused_counter.record(ids)  # compile outside the capture
+    fused_counter.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_counter.record(ids)
+    for seed in (41, 42, 43, 44, 45):  # wraps the ring of 4
+        ids.copy_(routing(3, 128, 8, seed=seed)[1])
+        ids[0, 0] = -1  # an expert another rank holds: not counted
+        graph.replay()
+        torch_counter.record(ids, fused=False)
+    assert fused_counter.calls() == torch_counter.calls()
