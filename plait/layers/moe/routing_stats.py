@@ -40,12 +40,13 @@ class RoutedExpertCounter:
             record_routing(topk_ids, self.num_experts, self.tokens, self.distinct, self.cursor)
             return
         ids = topk_ids.reshape(-1).long()
-        ids = ids[(ids >= 0) & (ids < self.num_experts)]
-        seen = torch.zeros(self.num_experts, dtype=torch.bool, device=topk_ids.device)
-        seen.index_fill_(0, ids, True)
+        e = self.num_experts
+        # Ids outside [0, E) land in a spare slot E that is not summed (no data-dependent shapes).
+        seen = torch.zeros(e + 1, dtype=torch.bool, device=topk_ids.device)
+        seen.index_fill_(0, torch.where((ids >= 0) & (ids < e), ids, e), True)
         slot = self.cursor % self.capacity
         self.tokens.index_fill_(0, slot, topk_ids.shape[0])
-        self.distinct.index_copy_(0, slot, seen.sum().view(1))
+        self.distinct.index_copy_(0, slot, seen[:e].sum().view(1))
         self.cursor += 1
 
     def reset(self) -> None:
