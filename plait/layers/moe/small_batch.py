@@ -3,8 +3,8 @@
 At T * K (token, expert) pairs far fewer than the experts, the sorted/aligned pipeline of
 ``fused_moe_triton`` spends more on its launches (align scan + scatter, the top-k sum) and on
 padding every pair to a ``block_m``-row tile than on its bytes. Here each pair reads its expert's
-weights directly from ``topk_ids``, with no alignment (the "naive block assignment" of vLLM's
-small-batch path, SGLang's ``fused_moe`` with the top-k ids taken as they are):
+weights directly from ``topk_ids``, with no alignment (as small-batch MoE kernels elsewhere index
+the experts by the top-k ids directly):
 
 1. ``_small_gate_up_kernel``, grid (P, cdiv(I, block_n)): program (p, j) computes columns
    j * block_n.. of pair p's gate and up halves as GEMVs (x[p // K] against w13[expert] rows),
@@ -74,7 +74,8 @@ def _largest_block(count: int, width: int, smallest: int, largest: int) -> int:
 
 def small_batch_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> SmallBatchConfig:
     """Tiles for T tokens of K experts each: the gate/up tile is 2 x [block_n, block_k], the down tile
-    [K, block_h, block_k]; both near 16 KB of bf16 per step, widened while the grid stays large."""
+    [K, block_h, block_k]; each at most 16 KB of bf16 per step, narrowed until the grid has
+    ``_TARGET_PROGRAMS`` programs (or the narrowest block)."""
     block_k = 128
     block_n = _largest_block(num_tokens * top_k, inter, 8, 32)
     top_k_pad = triton.next_power_of_2(top_k)
