@@ -96,11 +96,12 @@ def cmd_latency(args: argparse.Namespace) -> int:
             peers["generate"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=False)
             if not args.no_compile_peer:
                 peers["static_compile"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=True)
-        graph = plait_decode_bs1(shape, shape_dir, prompt, new, **backends)
+        # The headline (graph) run without the expert counter; the eager run of the same prompt counts.
+        graph = plait_decode_bs1(shape, shape_dir, prompt, new, count_experts=False, **backends)
         eager = plait_decode_bs1(shape, shape_dir, prompt, new, **{**backends, "disable_cuda_graph": True})
         contexts = [128 + new // 2]  # mean context over the decode
-        # MoE: the distinct experts the timed decode steps routed to, counted in the run.
-        distinct = graph.get("distinct_experts_per_layer_step")
+        # MoE: the distinct experts the decode steps routed to, counted in the run (the eager engine's).
+        distinct = eager.get("distinct_experts_per_layer_step")
         bytes_step = decode_step_bytes(shape, contexts, distinct)
         moe_detail = {"distinct_experts_per_layer_step": distinct} if is_moe(shape) else {}
         floor = lim.copy_bw / bytes_step
