@@ -11,18 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.layers.moe.align import expert_histogram
+
 _COUNT_BLOCK = 1024  # ids per histogram step
 
 
 @triton.jit(do_not_specialize=["num_ids", "num_tokens"])
 def _record_routing_kernel(Ids, Tokens, Distinct, Cursor, num_ids, num_tokens, num_experts, capacity,
                            BLOCK_E: tl.constexpr, COUNT_BLOCK: tl.constexpr):
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for start in range(0, num_ids, COUNT_BLOCK):
-        offs = start + tl.arange(0, COUNT_BLOCK)
-        ids = tl.load(Ids + offs, mask=offs < num_ids, other=-1)
-        valid = (ids >= 0) & (ids < num_experts)
-        counts += tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BLOCK_E, mask=valid)
+    counts = expert_histogram(Ids, num_ids, num_experts, BLOCK_E, COUNT_BLOCK)
     distinct = tl.sum((counts > 0).to(tl.int64), axis=0)
     cursor = tl.load(Cursor)
     slot = cursor % capacity
