@@ -29,7 +29,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tune_fused_moe import MOE_KERNEL_SHAPES, MoeShape, graph_time_us, make_inputs, make_weights  # noqa: E402
+from tune_fused_moe import (  # noqa: E402
+    MOE_KERNEL_SHAPES,
+    MoeShape,
+    graph_time_us,
+    make_inputs,
+    make_weights,
+    small_batch_candidates,
+)
 
 from plait.bench.shapes import SHAPES, write_shape_dir  # noqa: E402
 from plait.bench.workloads import make_engine, release, steady_decode_timing  # noqa: E402
@@ -43,9 +50,7 @@ ROTATIONS = 8
 # Names of the MoE layer's Triton kernels (the router GEMM is a cuBLAS kernel like the others).
 MOE_KERNELS = ("_fused_topk_kernel", "_small_gate_up_kernel", "_small_down_sum_kernel", "fused_moe_kernel",
                "_align_scan_kernel", "_align_scatter_kernel", "_moe_activation_kernel", "_moe_sum_kernel")
-SWEEP = [SmallBatchConfig(bn, bh, bk, warps) for bn, bh, bk, warps in
-         ((8, 4, 128, 4), (16, 4, 128, 4), (32, 8, 128, 4), (8, 4, 256, 4), (16, 8, 256, 4), (8, 8, 64, 4),
-          (16, 16, 64, 4), (4, 4, 256, 4), (8, 4, 512, 8), (16, 4, 256, 8))]
+SWEEP = small_batch_candidates()
 
 
 def cuda_kernels(prof: torch.profiler.profile) -> list[Any]:

@@ -5,6 +5,7 @@ at decode batch sizes."""
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 import torch
@@ -220,3 +221,18 @@ def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, tiny_
     assert launches["_fused_topk_kernel"] == calls
     assert launches["_small_gate_up_kernel"] == launches["_small_down_sum_kernel"] == len(moes) * 5
     assert launches["fused_moe_kernel"] == 2 * len(moes)  # the prefill: gate/up and down
+
+
+def test_tuned_small_batch_table_of_the_nearest_bucket_is_read(tmp_path, monkeypatch):
+    one, four = small.SmallBatchConfig(8, 4, 256), small.SmallBatchConfig(16, 8, 128, num_warps=8)
+    table = {"1": one.to_json(), "4": four.to_json()}
+    (tmp_path / small.small_config_file_name(128, 768, "Fake GPU")).write_text(json.dumps(table))
+    monkeypatch.setattr(small, "CONFIG_DIR", tmp_path)
+    small.load_small_batch_configs.cache_clear()
+    try:
+        assert small.get_small_batch_config(2, 128, 8, 2048, 768, "Fake GPU") == one
+        assert small.get_small_batch_config(3, 128, 8, 2048, 768, "Fake GPU") == four
+        untuned = small.get_small_batch_config(1, 128, 8, 2048, 768, "Other GPU")
+        assert untuned == small.small_batch_config(1, 8, 2048, 768)
+    finally:
+        small.load_small_batch_configs.cache_clear()

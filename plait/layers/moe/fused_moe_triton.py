@@ -33,7 +33,7 @@ from plait.layers.moe.activation_triton import activate
 from plait.layers.moe.align import max_padded_size, moe_align_block_size
 from plait.layers.moe.kernel_config import MoeKernelConfig, get_config
 from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
-from plait.layers.moe.small_batch import fused_experts_small_batch, use_small_batch
+from plait.layers.moe.small_batch import fused_experts_small_batch, get_small_batch_config, use_small_batch
 
 # Larger batches run in chunks of this many tokens so the [P, 2I] intermediates stay bounded.
 CHUNK_TOKENS = 16384
@@ -304,7 +304,11 @@ def fused_experts_triton(
     for this shape, device and batch bucket (``kernel_config.get_config``)."""
     if use_small_batch(topk_ids.numel(), w13.shape[0]) if small_batch is None else small_batch:
         check_expert_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
-        return fused_experts_small_batch(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+        small_cfg = get_small_batch_config(hidden_states.shape[0], w13.shape[0], topk_ids.shape[-1],
+                                           hidden_states.shape[1], w13.shape[1] // 2,
+                                           _device_name(hidden_states.device))
+        return fused_experts_small_batch(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2,
+                                         small_cfg)
     config = get_config(hidden_states.shape[0], w13.shape[0], w13.shape[1] // 2, topk_ids.shape[-1],
                         _device_name(hidden_states.device))
     return fused_experts_with_config(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2, config)

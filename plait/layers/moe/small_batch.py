@@ -22,14 +22,17 @@ Buffer sizes depend only on T, K and the shapes, and nothing is read on the host
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from plait.layers.moe.activation_triton import activate
+from plait.layers.moe.kernel_config import CONFIG_DIR
 from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from plait.layers.tuned_configs import device_file_tag, nearest_bucket, read_json_file
 
 # The small path runs while pairs * SPARSITY_FACTOR <= experts: then the pairs of a step share few
 # experts (with P pairs over E experts, about P / (2E) of the pairs repeat one), so reading each
@@ -61,6 +64,37 @@ class SmallBatchConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SmallBatchConfig.{name} must be a power of two, got {value}")
+        if self.num_warps < 1:
+            raise ValueError(f"SmallBatchConfig.num_warps must be >= 1, got {self.num_warps}")
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def small_config_file_name(num_experts: int, intermediate: int, device_name: str) -> str:
+    """The tuned table of this path, beside the aligned pipeline's in ``kernel_config.CONFIG_DIR``:
+    ``small_E{E}_N{I}_{device}.json``, token bucket M -> ``SmallBatchConfig`` fields
+    (``benchmarks/tune_fused_moe.py --small-batch`` writes it)."""
+    return f"small_E{num_experts}_N{intermediate}_{device_file_tag(device_name)}.json"
+
+
+@functools.cache
+def load_small_batch_configs(num_experts: int, intermediate: int,
+                             device_name: str) -> dict[int, SmallBatchConfig] | None:
+    raw = read_json_file(CONFIG_DIR / small_config_file_name(num_experts, intermediate, device_name))
+    if raw is None:
+        return None
+    return {int(m): SmallBatchConfig(**cfg) for m, cfg in raw.items()}
+
+
+def get_small_batch_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                           device_name: str) -> SmallBatchConfig:
+    """The tuned config of the bucket nearest ``num_tokens`` for this shape and device, else
+    ``small_batch_config``'s choice."""
+    table = load_small_batch_configs(num_experts, inter, device_name)
+    if not table:
+        return small_batch_config(num_tokens, top_k, hidden, inter)
+    return table[nearest_bucket(table, num_tokens)]
 
 
 def _largest_block(count: int, width: int, smallest: int, largest: int) -> int:
