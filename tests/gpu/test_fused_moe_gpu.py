@@ -209,9 +209,9 @@ def test_moe_layer_at_one_token_runs_the_router_gemm_and_three_triton_kernels(ex
             out = block(x)
             torch.cuda.synchronize()
     names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
-    triton_kernels = sorted(n for n in names if n.startswith("_"))
-    assert triton_kernels == ["_fused_topk_kernel", "_small_down_sum_kernel", "_small_gate_up_kernel"], names
-    assert len(names) - len(triton_kernels) <= 2, names
+    for kernel in ("_fused_topk_kernel", "_small_gate_up_kernel", "_small_down_sum_kernel"):
+        assert sum(n.startswith(kernel) for n in names) == 1, names
+    assert len(names) <= 5, names  # the three, and the router GEMM's one or two
     assert torch.isfinite(out).all()
 
 
