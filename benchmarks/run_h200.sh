@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|fp8-tests|fp8|moe-kernel|profile-graph|profile-host|profile-spec|
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|fp8-tests|fp8|moe-kernel|profile-moe|profile-graph|profile-host|profile-spec|
 #                               backends-tests|backends|spec-tests|spec|spec-ngram-full|moe|x2|x2-profile (x2: on nvidia-h200-x2)|...
 # moe: decode-bs1 and offline-throughput for qwen3-30b-a3b and gpt-oss-20b (random weights of the real
-# shapes) against transformers generate / generate_batch in the same run.
+# shapes) against transformers generate / generate_batch in the same run; generate_batch runs the first
+# 16 of the 256 offline requests (same lengths; the JSON's peer_requests / peer_note say so).
+# profile-moe: the bs-1 MoE decode step's kernels per layer and the MoE layer alone at M = 1..8.
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
@@ -29,6 +31,7 @@ for stage in "$@"; do
     fp8-tests) python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/fp8-tests.log" | tail -15 ;;
     fp8) python -m plait bench quant --workload gemm decode-bs1 offline-throughput --sweep --out "$OUT" 2>&1 \
            | tee "$OUT/fp8-bench.log" | grep -E '^\{"workload|measured|Error' ;;
+    profile-moe) python benchmarks/profile_moe_step.py --out "$OUT" 2>&1 | grep -v "^   " | tail -40 ;;
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
@@ -49,7 +52,8 @@ for stage in "$@"; do
     moe)
       python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6
       for shape in qwen3-30b-a3b gpt-oss-20b; do
-        python -m plait bench offline --workload offline-throughput --shape $shape --peer --out "$OUT" 2>&1 | tail -3
+        python -m plait bench offline --workload offline-throughput --shape $shape --peer --peer-requests 16 \
+          --out "$OUT" 2>&1 | tail -3
       done ;;
     backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
                       | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;
