@@ -49,12 +49,15 @@ for stage in "$@"; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
           --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/bf16-gemv-$on" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
-    moe)
-      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6
+    moe) OUT=$OUT bash "$0" moe-latency moe-offline ;;
+    moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
+    moe-offline)
       for shape in qwen3-30b-a3b gpt-oss-20b; do
         python -m plait bench offline --workload offline-throughput --shape $shape --peer --peer-requests 16 \
           --out "$OUT" 2>&1 | tail -3
       done ;;
+    moe-tests) python -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py tests/gpu/test_qk_norm_gpu.py -p no:cacheprovider \
+                 2>&1 | tee "$OUT/moe-tests.log" | tail -8 ;;
     backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
                       | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;
     backends)
