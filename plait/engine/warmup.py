@@ -77,15 +77,13 @@ class WarmupShape:
 class WarmupRequest:
     """One synthetic request. ``prefix_key``: its first ``prefix_len`` tokens are the fixed sequence
     named by the key (shared with other requests of the plan, so a later phase hits the radix cache);
-    the rest are fresh. ``repeat``: the prompt is a block of that many tokens repeated (the n-gram
-    drafter finds matches in it)."""
+    the rest are fresh."""
 
     input_len: int
     max_new_tokens: int
     sampling: str = "greedy"
     prefix_key: str | None = None
     prefix_len: int = 0
-    repeat: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING_KINDS:
@@ -231,12 +229,19 @@ def warmup_plan(config: EngineConfig, shape: WarmupShape) -> list[WarmupPhase]:
     for kind in SAMPLING_KINDS[1:]:
         phases.append(WarmupPhase(f"sampling-{kind}", (WarmupRequest(fit(33), DECODE_NEW_TOKENS, kind),)))
     if config.speculative_algorithm is not None:
+        # The prompts run once, then again: greedy repeats its output, so an n-gram drafter proposes
+        # from what the first pass taught it (a draft model proposes anyway), and verify runs.
         steps = config.speculative_num_steps or 1
-        spec_new = 4 * (steps + 1)
+        spec_new = 2 * (steps + 1)
         n = fit(96, max_new=spec_new)
-        for count in sorted({1, min(SPEC_BATCH_REQUESTS, max_running)}):
-            phases.append(WarmupPhase(f"spec-verify-bs{count}", tuple(
-                WarmupRequest(n, spec_new, repeat=8) for _ in range(count))))
+        count = min(SPEC_BATCH_REQUESTS, max_running)
+
+        def spec(i: int) -> WarmupRequest:
+            return WarmupRequest(n, spec_new, prefix_key=f"spec-{i}", prefix_len=n)
+
+        phases.append(WarmupPhase("spec-seed", tuple(spec(i) for i in range(count))))
+        for bs in sorted({1, count}):
+            phases.append(WarmupPhase(f"spec-verify-bs{bs}", tuple(spec(i) for i in range(bs))))
     return phases
 
 
@@ -264,9 +269,6 @@ class _Prompts:
         return [self.rng.randrange(self.lo, self.hi) for _ in range(n)]
 
     def for_request(self, w: WarmupRequest) -> list[int]:
-        if w.repeat:
-            block = self.fresh(w.repeat)
-            return (block * (w.input_len // w.repeat + 1))[: w.input_len]
         ids: list[int] = []
         if w.prefix_key is not None:
             shared = self.shared.setdefault(w.prefix_key, [])
