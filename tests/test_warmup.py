@@ -142,6 +142,11 @@ def test_every_planned_request_fits_the_pool_and_the_running_limit():
             assert r.input_len + r.max_new_tokens < 300, phase.name
 
 
+def test_phase_names_are_unique_when_the_running_limit_merges_classes():
+    names = [p.name for p in warmup_plan(config(max_running_requests=3, speculative_algorithm="NGRAM"), SHAPE)]
+    assert len(names) == len(set(names))
+
+
 def test_plan_samples_with_every_sampling_variant():
     kinds = {r.sampling for p in warmup_plan(config(), SHAPE) for r in p.requests}
     assert kinds == {"greedy", "sample", "penalties", "logprobs", "input_logprobs"}

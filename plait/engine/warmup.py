@@ -203,8 +203,7 @@ def warmup_plan(config: EngineConfig, shape: WarmupShape) -> list[WarmupPhase]:
     if fit(chunk + SHORT_EXTEND_MAX_TOKENS + 1) > chunk:  # two chunks: the second extends a prefix
         n = fit(chunk + SHORT_EXTEND_MAX_TOKENS + 1)
         phases.append(WarmupPhase(f"chunked-prefill-{n}", (WarmupRequest(n, new),)))
-    for count in BATCHED_PREFILL_REQUESTS:
-        count = min(count, max_running)
+    for count in sorted({min(c, max_running) for c in BATCHED_PREFILL_REQUESTS}, reverse=True):
         if count > 1:
             n = fit(max(1, chunk // count))
             phases.append(WarmupPhase(f"prefill-batch-{count}x{n}", tuple(WarmupRequest(n, new) for _ in range(count))))
