@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 
-from plait.bench.warm_start import measure
+from plait.bench.warm_start import TritonCompiles, measure
 from plait.cli import build_parser
 
 SMALL = {"ttft_prompt_len": 24, "num_requests": 3, "input_len": 8, "output_len": 3, "context_length": 256,
@@ -37,6 +38,19 @@ def test_measure_reports_ready_time_first_and_second_figures(model):
 def test_measure_without_warmup_has_no_warmup_figures(model):
     out = measure(str(model), vocab=VOCAB, warmup="off", **{**SMALL, "ttft_prompt_len": None, "num_requests": 0})
     assert out["warmup"] == "off" and "warmup_s" not in out and "ttft_first_s" not in out
+
+
+def test_triton_compiles_counts_by_kernel_and_restores_the_previous_hook():
+    from triton import knobs
+
+    before = knobs.runtime.jit_post_compile_hook
+    with TritonCompiles() as compiles:
+        hook = knobs.runtime.jit_post_compile_hook
+        for name in ("_extend_kernel", "_extend_kernel", "_rmsnorm_kernel"):
+            hook(key=None, repr="", fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
+                 already_compiled=False)
+    assert compiles.names == {"_extend_kernel": 2, "_rmsnorm_kernel": 1} and compiles.total == 3
+    assert knobs.runtime.jit_post_compile_hook is before
 
 
 def test_warm_start_command_writes_warmup_on_against_off(tmp_path, monkeypatch: pytest.MonkeyPatch):

@@ -27,11 +27,47 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from typing import Any
 
 RESULT_MARK = "WARM_START_RESULT "
 STARTS = ("cold", "disk")
 WARMUP_MODES = ("off", "on")
+
+
+class TritonCompiles:
+    """Kernel variants Triton compiled (or loaded from its disk cache) in this process while the
+    block ran: ``names`` counts them by kernel. Through ``triton.knobs.runtime.jit_post_compile_hook``,
+    which Triton calls after each variant it adds to its in-memory cache (none under the interpreter)."""
+
+    def __init__(self) -> None:
+        self.names: Counter[str] = Counter()
+        self._previous: Any = None
+
+    def __enter__(self) -> TritonCompiles:
+        from triton import knobs
+
+        self._previous = knobs.runtime.jit_post_compile_hook
+
+        def hook(*, fn: Any, **kwargs: Any) -> bool:
+            self.names[fn.name] += 1
+            return False
+
+        knobs.runtime.jit_post_compile_hook = hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_post_compile_hook = self._previous
+
+    @property
+    def total(self) -> int:
+        return sum(self.names.values())
+
+
+def _compiles(stage: str, compiles: TritonCompiles, out: dict[str, Any]) -> None:
+    out.setdefault("triton_compiles", {})[stage] = {"total": compiles.total, "by_kernel": dict(compiles.names)}
 
 
 def measure(shape_dir: str, vocab: int, warmup: str, ttft_prompt_len: int | None, num_requests: int,
@@ -41,9 +77,11 @@ def measure(shape_dir: str, vocab: int, warmup: str, ttft_prompt_len: int | None
     from plait.bench.workloads import make_engine, random_prompts, release, timed
 
     t0 = time.perf_counter()
-    engine = make_engine(shape_dir, warmup=warmup, **options)
+    with TritonCompiles() as at_start:
+        engine = make_engine(shape_dir, warmup=warmup, **options)
     out: dict[str, Any] = {"ready_s": time.perf_counter() - t0, "warmup": warmup,
                            "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}
+    _compiles("start", at_start, out)
     report = engine.core.warmup
     if report is not None:
         out["warmup_s"] = report.seconds
@@ -51,16 +89,22 @@ def measure(shape_dir: str, vocab: int, warmup: str, ttft_prompt_len: int | None
         out["warmup_phases"] = report.phases
     greedy = {"temperature": 0.0, "ignore_eos": True}
     if ttft_prompt_len:
-        first, second = random_prompts(2, ttft_prompt_len, vocab, seed=11)
-        _, out["ttft_first_s"] = timed(lambda: engine.generate(first, {**greedy, "max_new_tokens": 1}))
-        _, out["ttft_second_s"] = timed(lambda: engine.generate(second, {**greedy, "max_new_tokens": 1}))
+        one_token = {**greedy, "max_new_tokens": 1}
+        for stage, prompt in zip(("ttft_first", "ttft_second"), random_prompts(2, ttft_prompt_len, vocab, seed=11),
+                                 strict=True):
+            with TritonCompiles() as compiles:
+                _, out[stage + "_s"] = timed(lambda prompt=prompt: engine.generate(prompt, one_token))
+            _compiles(stage, compiles, out)
         out["ttft_first_over_second"] = out["ttft_first_s"] / out["ttft_second_s"]
     if num_requests:
         params = {**greedy, "max_new_tokens": output_len}
         rates = []
-        for seed in (21, 22):  # fresh prompts each run: the second is not served from the radix cache
+        # Fresh prompts each run: the second is not served from the radix cache.
+        for stage, seed in (("offline_first", 21), ("offline_second", 22)):
             prompts = random_prompts(num_requests, input_len, vocab, seed=seed)
-            outs, seconds = timed(lambda prompts=prompts: engine.generate(prompts, params))
+            with TritonCompiles() as compiles:
+                outs, seconds = timed(lambda prompts=prompts: engine.generate(prompts, params))
+            _compiles(stage, compiles, out)
             rates.append(sum(len(o.token_ids) for o in outs) / seconds)
         out["offline_first_tok_s"], out["offline_second_tok_s"] = rates
         out["offline_first_over_second"] = rates[0] / rates[1]
@@ -91,7 +135,9 @@ def warm_start_runs(spec: dict[str, Any], starts: tuple[str, ...] = STARTS, time
         for start in starts:
             key = f"{start}-warmup-{mode}"
             runs[key] = measure_in_subprocess({**spec, "warmup": mode}, cache, timeout_s)
-            print(f"warm-start {key}: " + json.dumps({k: v for k, v in runs[key].items() if k != "warmup_phases"}))
+            brief = {k: v for k, v in runs[key].items() if k not in ("warmup_phases", "triton_compiles")}
+            brief["triton_compiles"] = {stage: c["total"] for stage, c in runs[key].get("triton_compiles", {}).items()}
+            print(f"warm-start {key}: " + json.dumps(brief))
     return runs
 
 

@@ -29,20 +29,22 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from plait.attention.triton.decode import large_batch_min_bs
 from plait.attention.triton.extend import SHORT_EXTEND_MAX_TOKENS
 from plait.config import EngineConfig
+from plait.layers.moe import routing_stats
 from plait.sampling.params import SamplingParams
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from plait.engine.core import EngineCore
     from plait.executor.model_runner import ModelRunner
+    from plait.models.loader import ModelConfig
+    from plait.parallel.roles import EngineScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,16 @@ class WarmupReport:
     forward_steps: int = 0
     cached_tokens: int = 0
     verify_steps: int = 0
+
+
+class WarmupCore(Protocol):
+    """What the warm-up uses of the engine core (plait.engine.core.EngineCore)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    scheduler: EngineScheduler
+
+    def new_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, seed: int) -> Req: ...
 
 
 def should_warm_up(config: EngineConfig) -> bool:
@@ -277,7 +289,7 @@ class _Prompts:
         return ids + self.fresh(w.input_len - len(ids))
 
 
-def _run_phase(core: EngineCore, scheduler: Scheduler, phase: WarmupPhase, prompts: _Prompts,
+def _run_phase(core: WarmupCore, scheduler: Scheduler, phase: WarmupPhase, prompts: _Prompts,
                counter: list[int]) -> None:
     def submit(ws: tuple[WarmupRequest, ...]) -> list[Req]:
         reqs = []
@@ -301,7 +313,7 @@ def _run_phase(core: EngineCore, scheduler: Scheduler, phase: WarmupPhase, promp
         raise RuntimeError(f"warm-up phase {phase.name}: request {failed[0].rid} aborted: {failed[0].finish_message}")
 
 
-def run_warmup(core: EngineCore) -> WarmupReport | None:
+def run_warmup(core: WarmupCore) -> WarmupReport | None:
     """Run the plan through ``core``'s scheduler and reset it. None (nothing run) for the layouts
     whose scheduler is not one ``Scheduler`` (data-parallel replicas, DP attention)."""
     scheduler = core.scheduler
@@ -328,6 +340,9 @@ def run_warmup(core: EngineCore) -> WarmupReport | None:
     spec_stats = getattr(scheduler.spec_worker, "stats", None)  # BaseSpecWorker's counters
     report.verify_steps = spec_stats.verify_steps if spec_stats is not None else 0
     scheduler.reset()
+    counter = routing_stats.counter_of(scheduler.runner.model)
+    if counter is not None:  # benchmarks count the experts their own requests route to
+        counter.reset()
     torch.random.set_rng_state(cpu_rng)
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
