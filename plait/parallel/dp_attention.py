@@ -39,7 +39,7 @@ import pickle
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,6 +61,9 @@ from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 from plait.scheduler.stats import SchedulerStats
 from plait.speculative.factory import create_spec_worker
+
+if TYPE_CHECKING:
+    from plait.sampling.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -385,11 +388,12 @@ class DPAttentionLeader(DPAttentionRunner):
 class DPAttentionScheduler:
     """The Engine's scheduler under DP attention: rank 0's own Scheduler plus the other ranks'."""
 
-    def __init__(self, config: EngineConfig, runner: DPAttentionLeader) -> None:
+    def __init__(self, config: EngineConfig, runner: DPAttentionLeader,
+                 grammar_backend: GrammarBackend | None = None) -> None:
         self.config = config
         self.runner = runner
         self.dp_size = config.dp_size
-        self.local = Scheduler(config, runner, create_spec_worker(config, runner))
+        self.local = Scheduler(config, runner, create_spec_worker(config, runner), grammar_backend=grammar_backend)
         self.remote: dict[str, tuple[int, Req]] = {}  # rid -> (rank, stand-in Req)
         self._adds: list[tuple[int, NewRequest]] = []
         self._aborts: list[str] = []
@@ -529,10 +533,14 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     """Serve the requests rank 0 assigns to this rank, one lockstep round per engine step."""
     from plait.models.loader import load_tokenizer
     from plait.parallel.step_sync import IDLE_WAIT
+    from plait.sampling.grammar import GrammarBackend
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
     tokenizer = load_tokenizer(config.tokenizer or config.model)
-    scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
+    # Each rank compiles and applies the grammars of the requests it schedules.
+    mc = runner.model_config
+    scheduler = Scheduler(config, runner, create_spec_worker(config, runner),
+                          grammar_backend=GrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_ids))
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:
