@@ -18,6 +18,7 @@ from plait.engine.warmup import (
     WarmupPhase,
     WarmupShape,
     run_warmup,
+    runner_shape,
     should_warm_up,
     warmup_plan,
 )
@@ -218,3 +219,15 @@ def test_warmup_restores_the_global_rng(model):
         torch.manual_seed(123)
         run_warmup(engine.core)
         assert torch.equal(torch.rand(3), expected)
+
+
+def test_every_data_parallel_replica_is_warmed_and_reset(model):
+    with make_engine(model, warmup="on", dp_size=2, **SMALL) as engine:
+        report = engine.core.warmup
+        replicas = engine.scheduler.replicas
+        one = len(warmup_plan(engine.config, runner_shape(replicas[0].runner)))
+        assert report is not None and len(report.phases) == 2 * one
+        for sched in replicas:
+            assert sched.stats == SchedulerStats() and sched.tree_cache.total_size() == 0
+            assert sched.kv.allocator.available_size() == sched.runner.max_total_tokens
+        assert sum(engine.scheduler.assigned.values()) == 0  # the balancer saw none of it

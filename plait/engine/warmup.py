@@ -28,8 +28,11 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -122,9 +125,9 @@ class WarmupPhase:
 
 @dataclass
 class WarmupReport:
-    """What the warm-up ran: its phases, requests and prompt tokens, and the scheduler's counters
-    just before the reset (``cached_tokens``: prompt tokens the radix cache served; ``verify_steps``:
-    speculative verify forwards)."""
+    """What the warm-up ran (summed over data-parallel replicas): its phases, requests and prompt
+    tokens, and the schedulers' counters just before their reset (``cached_tokens``: prompt tokens
+    the radix cache served; ``verify_steps``: speculative verify forwards)."""
 
     seconds: float
     phases: list[str] = field(default_factory=list)
@@ -313,40 +316,62 @@ def _run_phase(core: WarmupCore, scheduler: Scheduler, phase: WarmupPhase, promp
         raise RuntimeError(f"warm-up phase {phase.name}: request {failed[0].rid} aborted: {failed[0].finish_message}")
 
 
-def run_warmup(core: WarmupCore) -> WarmupReport | None:
-    """Run the plan through ``core``'s scheduler and reset it. None (nothing run) for the layouts
-    whose scheduler is not one ``Scheduler`` (data-parallel replicas, DP attention)."""
-    scheduler = core.scheduler
-    if not isinstance(scheduler, Scheduler):
-        logger.info("warm-up skipped: the %s layout is not warmed up yet", type(scheduler).__name__)
-        return None
+def _replica_schedulers(scheduler: object) -> list[tuple[Callable[[], AbstractContextManager[Any]], Scheduler]] | None:
+    """The schedulers to warm, each with the device context calls into it run under: the one
+    ``Scheduler`` (one device, or rank 0 of tensor parallelism), or every data-parallel replica's.
+    None for DP attention (its ranks schedule in lockstep, in other processes)."""
+    from plait.parallel.data_parallel import DataParallelScheduler  # as the core imports it: when used
+
+    if isinstance(scheduler, Scheduler):
+        return [(nullcontext, scheduler)]
+    if isinstance(scheduler, DataParallelScheduler):
+        return [(partial(scheduler.runner.on_replica, i), s) for i, s in enumerate(scheduler.replicas)]
+    return None
+
+
+def _warm_one(core: WarmupCore, scheduler: Scheduler, report: WarmupReport) -> None:
+    """The plan through one scheduler, then its reset; adds what ran to ``report``."""
     if scheduler.has_work():
         raise RuntimeError("warm-up runs on an idle engine, before its first request")
     plan = warmup_plan(core.config, runner_shape(scheduler.runner))
-    cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    start = time.perf_counter()
     prompts = _Prompts(core.model_config.vocab_size, core.config.seed)
-    counter = [0]
-    report = WarmupReport(0.0)
+    rid_counter = [report.requests]
     for phase in plan:
-        _run_phase(core, scheduler, phase, prompts, counter)
+        _run_phase(core, scheduler, phase, prompts, rid_counter)
         report.phases.append(phase.name)
         report.requests += len(phase.all_requests)
         report.prompt_tokens += sum(w.input_len for w in phase.all_requests)
     if scheduler.runner.device == "cuda":
         torch.cuda.synchronize()
-    report.forward_steps, report.cached_tokens = scheduler.stats.forward_steps, scheduler.stats.cached_tokens
+    report.forward_steps += scheduler.stats.forward_steps
+    report.cached_tokens += scheduler.stats.cached_tokens
     spec_stats = getattr(scheduler.spec_worker, "stats", None)  # BaseSpecWorker's counters
-    report.verify_steps = spec_stats.verify_steps if spec_stats is not None else 0
+    report.verify_steps += spec_stats.verify_steps if spec_stats is not None else 0
     scheduler.reset()
-    counter = routing_stats.counter_of(scheduler.runner.model)
-    if counter is not None:  # benchmarks count the experts their own requests route to
-        counter.reset()
+    experts = routing_stats.counter_of(scheduler.runner.model)
+    if experts is not None:  # benchmarks count the experts their own requests route to
+        experts.reset()
+
+
+def run_warmup(core: WarmupCore) -> WarmupReport | None:
+    """Run the plan through ``core``'s scheduler (each data-parallel replica's in turn) and reset
+    it; restore the global RNG. None (nothing run) under DP attention."""
+    schedulers = _replica_schedulers(core.scheduler)
+    if schedulers is None:
+        logger.info("warm-up skipped: the %s layout is not warmed up yet", type(core.scheduler).__name__)
+        return None
+    cpu_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    report = WarmupReport(0.0)
+    for context, scheduler in schedulers:
+        with context():
+            _warm_one(core, scheduler, report)
     torch.random.set_rng_state(cpu_rng)
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
     report.seconds = time.perf_counter() - start
-    logger.info("warm-up: %d phases, %d requests, %d prompt tokens in %.2f s", len(report.phases), report.requests,
-                report.prompt_tokens, report.seconds)
+    logger.info("warm-up: %d phases, %d requests, %d prompt tokens in %.2f s (%d scheduler%s)", len(report.phases),
+                report.requests, report.prompt_tokens, report.seconds, len(schedulers),
+                "" if len(schedulers) == 1 else "s")
     return report
