@@ -7,6 +7,8 @@
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
+# gemv-tests / gemv / gemv-bf16-ab: the small-M GEMV's GPU tests; its tuning, then gemm and FP8 decode-bs1 on
+# the fresh configs; bf16 decode-bs1 8b with cuBLAS and with the GEMV (docs/quantization.md#small-m-gemv).
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -33,6 +35,18 @@ for stage in "$@"; do
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
     profile-spec) python benchmarks/profile_spec.py "$OUT" 2>&1 | grep -v " INFO " | tail -6 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
+    gemv-tests) python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -k "gemv" -p no:cacheprovider 2>&1 \
+                  | tee "$OUT/gemv-tests.log" | tail -8 ;;
+    gemv)  # tune the small-M GEMV, then the GEMM rows and FP8 decode-bs1 on the fresh configs
+      python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --budget-s "${GEMV_TUNE_S:-50}" 2>&1 \
+        | tee "$OUT/gemv-tune.log" | grep -E 'M= 1:|precompiled|budget|wrote|Error'
+      PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant --workload gemm decode-bs1 --out "$OUT" \
+        2>&1 | tee "$OUT/gemv-bench.log" | grep -E '^\{"workload|measured|Error' ;;
+    gemv-bf16-ab)  # bf16 decode-bs1 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
+      for on in 0 1; do
+        PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
+          --shape llama-3.1-8b --no-peer --out "$OUT/bf16-gemv-$on" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     moe)
       python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6
       for shape in qwen3-30b-a3b gpt-oss-20b; do
