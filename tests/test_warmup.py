@@ -17,6 +17,7 @@ from plait.engine.warmup import (
     SHORT_EXTEND_MAX_TOKENS,
     WarmupPhase,
     WarmupShape,
+    gemv_token_classes,
     run_warmup,
     runner_shape,
     should_warm_up,
@@ -94,6 +95,13 @@ def test_prefill_lengths_reach_the_chunked_prefill_size_and_straddle_the_short_e
         assert max(lengths) == min(chunk, SHAPE.max_context_len - 3)
         assert {1, SHORT_EXTEND_MAX_TOKENS, SHORT_EXTEND_MAX_TOKENS + 1} <= set(lengths)
     assert single_prefill_lengths(warmup_plan(config(chunked_prefill_size=256), SHAPE)) == [1, 17, 64, 65, 256]
+
+
+def test_small_m_gemv_classes_are_prefilled_where_the_gemv_runs():
+    assert gemv_token_classes() == (1, 2, 3, 4, 5, 8, 9, 16)
+    gpu = WarmupShape(2048, 8192, graph_max_bs=None, decode_large_bs=None, small_m_tokens=gemv_token_classes())
+    assert set(gemv_token_classes()) <= set(single_prefill_lengths(warmup_plan(config(), gpu)))
+    assert not {2, 3, 5, 9} & set(single_prefill_lengths(warmup_plan(config(), SHAPE)))
 
 
 def test_a_prompt_longer_than_a_chunk_is_planned_when_the_context_allows():

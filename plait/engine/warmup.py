@@ -40,6 +40,8 @@ from plait.attention.triton.decode import large_batch_min_bs
 from plait.attention.triton.extend import SHORT_EXTEND_MAX_TOKENS
 from plait.config import EngineConfig
 from plait.layers.moe import routing_stats
+from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS
+from plait.layers.quantization.gemv_config import M_BUCKETS as GEMV_M_BUCKETS
 from plait.sampling.params import SamplingParams
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
@@ -76,6 +78,9 @@ class WarmupShape:
     max_total_tokens: int
     graph_max_bs: int | None
     decode_large_bs: int | None
+    # Token counts of the small-M GEMV's launch classes (``gemv_token_classes``), for the extends of
+    # that few tokens; empty where the GEMV never runs (the CPU).
+    small_m_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,18 @@ def prefill_lengths(chunk: int) -> list[int]:
     return sorted(x for x in lengths if 1 <= x <= chunk)
 
 
+def gemv_token_classes() -> tuple[int, ...]:
+    """One token count per launch class of the small-M GEMV (plait.layers.quantization.gemv): its
+    tiles follow the smallest tuned bucket >= M, and Triton specialises M == 1 and M % 16 == 0, so
+    each bucket's bounds (the first count above the bucket below, and the bucket itself)."""
+    counts: set[int] = set()
+    below = 0
+    for bucket in sorted(b for b in GEMV_M_BUCKETS if b <= GEMV_MAX_TOKENS):
+        counts.update({below + 1, bucket})
+        below = bucket
+    return tuple(sorted(counts))
+
+
 def decode_class(bs: int, large_bs: int | None) -> tuple[int, bool, bool, bool]:
     """What a decode launch specialises on for ``bs`` requests: the split planner's block (the next
     power of two), Triton's integer classes (== 1, divisible by 16) and the large-batch tiles."""
@@ -212,7 +229,7 @@ def warmup_plan(config: EngineConfig, shape: WarmupShape) -> list[WarmupPhase]:
         return max(1, min(n, limit - max_new - 1))
 
     phases: list[WarmupPhase] = []
-    singles = sorted({fit(n) for n in prefill_lengths(chunk)})
+    singles = sorted({fit(n) for n in (*prefill_lengths(chunk), *shape.small_m_tokens) if n <= chunk})
     for n in singles:
         phases.append(WarmupPhase(f"prefill-{n}", (WarmupRequest(n, new),)))
     if fit(chunk + SHORT_EXTEND_MAX_TOKENS + 1) > chunk:  # two chunks: the second extends a prefix
@@ -266,7 +283,8 @@ def runner_shape(runner: ModelRunner) -> WarmupShape:
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         large = large_batch_min_bs(sms, runner.kv_pool.num_kv_heads)
     return WarmupShape(runner.max_context_len, runner.max_total_tokens,
-                       graphs.max_bs if graphs is not None else None, large)
+                       graphs.max_bs if graphs is not None else None, large,
+                       gemv_token_classes() if runner.device == "cuda" else ())
 
 
 class _Prompts:
