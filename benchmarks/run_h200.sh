@@ -42,10 +42,10 @@ for stage in "$@"; do
         | tee "$OUT/gemv-tune.log" | grep -E 'M= 1:|precompiled|budget|wrote|Error'
       PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant --workload gemm decode-bs1 --out "$OUT" \
         2>&1 | tee "$OUT/gemv-bench.log" | grep -E '^\{"workload|measured|Error' ;;
-    gemv-bf16-ab)  # bf16 decode-bs1 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
+    gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
-          --shape llama-3.1-8b --no-peer --out "$OUT/bf16-gemv-$on" 2>&1 | grep -E '^\{"workload|Error'
+          --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/bf16-gemv-$on" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
     moe)
       python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6
