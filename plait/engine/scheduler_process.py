@@ -147,7 +147,7 @@ class SchedulerProcess:
             logger.exception("request %s failed before scheduling", msg.rid)
             return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=500,
                                   error=f"internal error: {type(e).__name__}: {e}")]
-        self.live[msg.rid] = LiveRequest(req, msg.stream)
+        self.live[msg.rid] = LiveRequest(req, msg.stream, self.config.stream_interval)
         self.scheduler.add_request(req)
         # An empty update acknowledges admission to the queue, so the server can commit to a 200
         # (streaming headers) before the first token, knowing the request was not refused.

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# serving-burst in one device call (about 150 s on one H200 for the 1b shape): `plait bench serve
+# --workload serving-burst` twice, each run serving SHAPE (dummy weights) to N requests of IN / OUT
+# tokens sent at once and then running the offline Engine on the same requests:
+#   cold: an empty Triton cache (TRITON_CACHE_DIR fresh), so the server compiles on the request path;
+#   warm: a second start on the cache the first run filled.
+# Then the Poisson `serving` check at 20 requests/s (TTFT must stay low while the burst gets faster).
+# Each run's JSON lands in $OUT/serving-burst/{cold,warm,poisson}/; the three are summed up in
+# $OUT/serving-burst/summary.json (server and offline output tok/s, ratio_vs_peer, TTFT p50 of both)
+# and printed.
+#   bash benchmarks/serving_burst.sh            # SHAPE=llama-3.2-1b N=256 IN=512 OUT_LEN=128 PROCS=4
+set -uo pipefail
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/plait-out}
+R=$OUT/serving-burst
+mkdir -p "$R/cold" "$R/warm" "$R/poisson"
+SHAPE=${SHAPE:-llama-3.2-1b} N=${N:-256} IN=${IN:-512} OUT_LEN=${OUT_LEN:-128} PROCS=${PROCS:-4}
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-300} ))
+source benchmarks/deadline.sh
+TRITON_CACHE_DIR=$(mktemp -d /tmp/plait-triton-cold-XXXX)
+export TRITON_CACHE_DIR
+burst=(python -m plait bench serve --workload serving-burst --shape "$SHAPE" --num-prompts "$N" --input-len "$IN"
+       --output-len "$OUT_LEN" --client-procs "$PROCS" ${SERVE_FLAGS:-})
+for run in cold warm; do
+  stage 200 "${burst[@]}" --out "$R/$run" 2>&1 | grep -E '^\{|Error|error' | tail -3
+done
+stage 90 python -m plait bench serve --workload serving --shape "$SHAPE" --num-prompts 200 --request-rate 20 \
+  --input-len "$IN" --output-len "$OUT_LEN" --client-procs 2 ${SERVE_FLAGS:-} --out "$R/poisson" 2>&1 \
+  | grep -E '^\{|Error|error' | tail -3
+python - "$R" <<'EOF'
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+keys = ("plait", "peer", "ratio_vs_peer", "ttft_p50_ms", "peer_ttft_p50_ms", "ttft_p50_ratio_vs_peer",
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after")
+summary = {"workload": "serving-burst", "metric": "output_tok_s"}
+for run in ("cold", "warm", "poisson"):
+    files = sorted((root / run).glob("*.json"))
+    if files:
+        r = json.loads(files[-1].read_text())
+        summary[run] = {k: r.get(k) for k in keys} | {"file": str(files[-1]), "shape": r.get("shape"),
+                                                       "device": r.get("device"), "commit": r.get("commit")}
+(root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps(summary, indent=1))
+EOF
+rm -rf "$TRITON_CACHE_DIR"
+echo "=== done $(date +%T); JSON under $R"
