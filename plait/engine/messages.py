@@ -9,7 +9,8 @@ or ``Fatal`` when the loop dies.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import operator
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from plait.config import EngineConfig
@@ -139,10 +140,51 @@ class SchedulerSnapshot:
     counters: SchedulerStats = field(default_factory=SchedulerStats)
 
 
+# The fields a "plain" update may set (a running request's tokens and text): every other field at its
+# default. One per request per step at full batch, so these go on the wire as columns.
+_PLAIN_FIELDS = ("rid", "token_ids", "text", "prompt_tokens", "completion_tokens", "cached_tokens")
+_OTHER_FIELDS = tuple(f.name for f in fields(RequestUpdate) if f.name not in _PLAIN_FIELDS)
+_other_values = operator.attrgetter(*_OTHER_FIELDS)
+_OTHER_DEFAULTS = tuple(f.default for f in fields(RequestUpdate) if f.name not in _PLAIN_FIELDS)
+
+
 @dataclass
 class UpdateBatch:
+    """What changed in one scheduler loop iteration: per-request updates in order (one request may
+    have several, its acknowledgement then its first tokens) plus the scheduler's snapshot.
+
+    Pickled compactly (``__reduce__``): the plain updates as one list per field, the others (logprobs,
+    a finish, an error) as objects with their positions; unpickling rebuilds the same list. Several
+    times cheaper than pickling every update as an object, on both sides of the hop."""
+
     updates: list[RequestUpdate]
     stats: SchedulerSnapshot
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
+        rid, token_ids, text, prompt, completion, cached = columns
+        rich: list[tuple[int, RequestUpdate]] = []
+        for i, u in enumerate(self.updates):
+            if _other_values(u) != _OTHER_DEFAULTS:
+                rich.append((i, u))
+                continue
+            rid.append(u.rid)
+            token_ids.append(u.token_ids)
+            text.append(u.text)
+            prompt.append(u.prompt_tokens)
+            completion.append(u.completion_tokens)
+            cached.append(u.cached_tokens)
+        return _unpack_update_batch, (columns, rich, self.stats)
+
+
+def _unpack_update_batch(columns: tuple[list[Any], ...], rich: list[tuple[int, RequestUpdate]],
+                         stats: SchedulerSnapshot) -> UpdateBatch:
+    updates = [RequestUpdate(rid, token_ids, text, prompt_tokens=prompt, completion_tokens=completion,
+                             cached_tokens=cached)
+               for rid, token_ids, text, prompt, completion, cached in zip(*columns, strict=True)]
+    for i, u in rich:  # ascending positions: each lands where it was
+        updates.insert(i, u)
+    return UpdateBatch(updates, stats)
 
 
 @dataclass

@@ -349,7 +349,7 @@ class SchedulerClient:
                     batch = [await queue.get()]
                     while not queue.empty():
                         batch.append(queue.get_nowait())
-                    ready.extend(coalesce_updates(batch))
+                    ready.extend(coalesce_updates(batch) if len(batch) > 1 else batch)
                 upd = ready.popleft()
                 if records is not None:
                     self._record(records[index[upd.rid]], upd)
