@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import pstats
+import resource
 import signal
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from plait.server.bench import _free_port, _wait_healthy, make_requests, run_load
+from plait.server.bench import _free_port, _wait_healthy, make_requests, run_load, run_load_procs
 
 # File-path fragments (or function names) of each group, first match wins. Self times only, so the
 # groups add up to the profile's total.
@@ -61,28 +62,95 @@ def _group(key: tuple[str, int, str]) -> str:
     return "other"
 
 
+SERVER_TREE: str | None = None
+CLIENT_PROCS = 1
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-# The HTTP process with a profiler that SIGUSR1 starts and SIGUSR2 stops and writes out (its
-# event loop runs on the main thread, where signal handlers run).
-_PROFILED_MAIN = '''
-import cProfile, signal, sys
-prof, path = cProfile.Profile(), sys.argv.pop(1)
-signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
-signal.signal(signal.SIGUSR2, lambda *_: (prof.disable(), prof.dump_stats(path)))
+# The HTTP process: `plait serve`, with a profiler that SIGUSR1 starts and SIGUSR2 stops and writes
+# out when a path is given (its event loop runs on the main thread, where signal handlers run), and
+# with --replay-step-ms its scheduler process replaced by REPLAY_SCHEDULER.
+_SERVER_MAIN = '''
+import cProfile, signal, subprocess, sys, types
+prof, path, replay_ms = cProfile.Profile(), sys.argv.pop(1), sys.argv.pop(1)
+if path:
+    signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+    signal.signal(signal.SIGUSR2, lambda *_: (prof.disable(), prof.dump_stats(path)))
+if replay_ms:
+    import plait.server.scheduler_client as sc
+    def popen(cmd, *args, **kwargs):
+        cmd = [sys.executable, "-c", REPLAY, replay_ms, *cmd[cmd.index("scheduler-process") + 1:]]
+        return subprocess.Popen(cmd, *args, **kwargs)
+    sc.subprocess = types.SimpleNamespace(Popen=popen, TimeoutExpired=subprocess.TimeoutExpired)
 from plait.cli import main
 sys.exit(main(sys.argv[1:]))
 '''
 
+# A scheduler process that speaks the wire protocol and produces one token (" x") per running
+# request every STEP_MS, as fast a step rate as a GPU engine's: what the HTTP process then does is the
+# serving path's own cost, at a token rate this CPU's model could not reach. Profiling only.
+REPLAY_SCHEDULER = '''
+import os, sys, time, zmq
+from plait.engine.messages import (AbortRequest, GenerateRequest, Ready, RequestUpdate, SchedulerSnapshot,
+                                   ShutdownRequest, UpdateBatch)
+step_s = float(sys.argv[1]) / 1000
+argv = sys.argv[2:]
+req_addr, out_addr = argv[argv.index("--requests-addr") + 1], argv[argv.index("--outputs-addr") + 1]
+ctx = zmq.Context()
+pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+pull.connect(req_addr)
+push.connect(out_addr)
+push.send_pyobj(Ready(pid=os.getpid(), vocab_size=512, max_context_len=8192, max_total_tokens=1 << 22,
+                      max_running_requests=4096, eos_token_ids=(2,), runner_info={"device": "cpu"}, device_name="cpu"))
+live = {}  # rid -> [max_new_tokens, produced, prompt_len]
+next_step = time.perf_counter()
+while True:
+    updates = []
+    if pull.poll(0 if live else 100):
+        while True:
+            try:
+                msg = pull.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if isinstance(msg, GenerateRequest):
+                live[msg.rid] = [msg.sampling_params.max_new_tokens, 0, len(msg.input_ids)]
+                updates.append(RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids)))
+            elif isinstance(msg, AbortRequest):
+                for rid in msg.rids:
+                    if live.pop(rid, None) is not None:
+                        updates.append(RequestUpdate(rid, finish_reason="abort"))
+            elif isinstance(msg, ShutdownRequest):
+                sys.exit(0)
+    for rid, st in list(live.items()):
+        st[1] += 1
+        upd = RequestUpdate(rid, [100 + st[1] % 300], " x", prompt_tokens=st[2], completion_tokens=st[1])
+        if st[1] >= st[0]:
+            upd.finish_reason = "length"
+            del live[rid]
+        updates.append(upd)
+    if updates:
+        push.send_pyobj(UpdateBatch(updates, SchedulerSnapshot(num_running=len(live))))
+    next_step += step_s
+    time.sleep(max(0.0, next_step - time.perf_counter()))
+    next_step = max(next_step, time.perf_counter() - step_s)
+'''
 
-def _serve(model: str, port: int, log: Any, profile_to: str | None, extra: list[str]) -> subprocess.Popen[bytes]:
-    prefix = [sys.executable] + (["-c", _PROFILED_MAIN, profile_to] if profile_to else ["-m", "plait"])
-    cmd = prefix + ["serve", "--model", model, "--port", str(port), "--device", "cpu",
-                    "--max-running-requests", "256", "--max-total-tokens", "65536", *extra]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+def _serve(model: str, port: int, log: Any, profile_to: str | None, extra: list[str],
+           replay_step_ms: float | None) -> subprocess.Popen[bytes]:
+    # --server-tree: the HTTP and scheduler processes import that source tree (a before/after pair).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if SERVER_TREE:
+        env["PYTHONPATH"] = SERVER_TREE
+    main_src = f"REPLAY = {REPLAY_SCHEDULER!r}\n" + _SERVER_MAIN
+    cmd = [sys.executable, "-c", main_src, profile_to or "", "" if replay_step_ms is None else str(replay_step_ms),
+           "serve", "--model", model, "--port", str(port), "--device", "cpu",
+           "--max-running-requests", "256", "--max-total-tokens", "65536", *extra]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -95,11 +163,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_server_load(model: str, requests: list[tuple[list[int], int]], log_dir: str, profile_to: str | None,
-                    extra: list[str]) -> dict[str, Any]:
+                    extra: list[str], replay_step_ms: float | None = None) -> dict[str, Any]:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     with open(pathlib.Path(log_dir) / f"serve-{'prof' if profile_to else 'plain'}.log", "w") as log:
-        proc = _serve(model, port, log, profile_to, extra)
+        proc = _serve(model, port, log, profile_to, extra, replay_step_ms)
         try:
             _wait_healthy(base, proc, timeout=180)
             # The served model's id, then a short warm-up (first-request imports, tokenizer paths).
@@ -125,16 +193,23 @@ def run_server_load(model: str, requests: list[tuple[list[int], int]], log_dir: 
     return out
 
 
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _load_named(base: str, name: str, requests: list[tuple[list[int], int]], pid: int) -> dict[str, Any]:
-    cpu0, client0 = _cpu_seconds(pid), time.process_time()
-    results, duration = asyncio.run(run_load(base, name, requests, float("inf"), None, 0, 600.0))
-    http_cpu, client_cpu = _cpu_seconds(pid) - cpu0, time.process_time() - client0
+    cpu0, client0, kids0 = _cpu_seconds(pid), time.process_time(), _children_cpu()
+    results, duration = run_load_procs(base, name, requests, float("inf"), None, 0, 600.0, CLIENT_PROCS)
+    http_cpu = _cpu_seconds(pid) - cpu0
+    client_cpu = time.process_time() - client0 + _children_cpu() - kids0
     chunks = sum(r.chunks for r in results)
     tokens = sum(r.tokens for r in results)
     return {"chunks": chunks, "tokens": tokens, "errors": sum(not r.ok for r in results), "duration_s": duration,
             "output_tok_s": tokens / duration, "tokens_per_chunk": tokens / max(chunks, 1),
             "http_cpu_s": http_cpu, "client_cpu_s": client_cpu,
             "http_cpu_us_per_chunk": 1e6 * http_cpu / max(chunks, 1),
+            "http_cpu_us_per_token": 1e6 * http_cpu / max(tokens, 1),
             "client_cpu_us_per_chunk": 1e6 * client_cpu / max(chunks, 1)}
 
 
@@ -211,9 +286,16 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--serve-flag", action="append", default=[],
                     help="extra `plait serve` flag (repeat; e.g. --serve-flag=--stream-interval --serve-flag=4)")
+    ap.add_argument("--server-tree", default=None, help="source tree the server imports (default: this one)")
+    ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
+    ap.add_argument("--replay-step-ms", type=float, default=None,
+                    help="replace the scheduler process by one that gives every running request a token each "
+                    "this many ms (the HTTP side at a GPU's token rate; 8.6 ~ 256 streams at 30k tok/s)")
     ap.add_argument("--no-profile", action="store_true", help="only the unprofiled run")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args()
+    global SERVER_TREE, CLIENT_PROCS
+    SERVER_TREE, CLIENT_PROCS = args.server_tree, args.client_procs
 
     from plait.testing import make_tiny_model
 
@@ -221,15 +303,16 @@ def main() -> int:
     model = str(make_tiny_model(pathlib.Path(tmp) / "m", "llama", seed=0))
     requests = make_requests(args.streams, args.input_len, args.output_len, 1.0, 500, 0)
     result: dict[str, Any] = {"streams": args.streams, "input_len": args.input_len, "output_len": args.output_len,
-                              "serve_flags": args.serve_flag}
+                              "serve_flags": args.serve_flag, "server_tree": args.server_tree,
+                              "client_procs": args.client_procs, "replay_step_ms": args.replay_step_ms}
     result["scheduler_side"] = scheduler_side(model, 256)
     print(json.dumps(result["scheduler_side"]), flush=True)
-    plain = run_server_load(model, requests, tmp, None, args.serve_flag)
+    plain = run_server_load(model, requests, tmp, None, args.serve_flag, args.replay_step_ms)
     result["plain"] = plain
     print(json.dumps(plain), flush=True)
     if not args.no_profile:
         prof_path = str(pathlib.Path(tmp) / "http.prof")
-        prof = run_server_load(model, requests, tmp, prof_path, args.serve_flag)
+        prof = run_server_load(model, requests, tmp, prof_path, args.serve_flag, args.replay_step_ms)
         result["profiled"] = prof
         stats = pstats.Stats(prof_path)
         result["groups"] = profile_groups(stats, prof["chunks"], plain["http_cpu_us_per_chunk"])

@@ -207,7 +207,9 @@ def run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], in
         return asyncio.run(run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout))
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA or threads
+    # Forked: starting at once, without importing plait (and torch) again. This process has run no
+    # CUDA or torch work yet (the offline peer runs after the load), and holds no thread.
+    ctx = multiprocessing.get_context("fork")
     procs = min(procs, len(requests))
     barrier, out = ctx.Barrier(procs), ctx.Queue()
     workers = []
@@ -250,6 +252,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "total_tok_s": (in_tokens + out_tokens) / duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        # Above 1 where the server streamed several tokens per event (--stream-interval, or a reader
+        # that fell behind and got its queued updates merged).
+        "tokens_per_chunk": out_tokens / max(1, sum(r.chunks for r in ok)),
         **stats([r.ttft for r in ok if r.ttft is not None], "ttft"),
         **stats([x for r in ok for x in r.itls], "itl"),
         **stats([r.e2e for r in ok if r.e2e is not None], "e2e"),
