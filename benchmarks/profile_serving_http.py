@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from plait.server.bench import _free_port, _wait_healthy, make_requests, run_load, run_load_procs
+from plait.server.bench import _free_port, _wait_healthy, make_requests, run_load, run_load_procs, stop_server
 
 # File-path fragments (or function names) of each group, first match wins. Self times only, so the
 # groups add up to the profile's total.
@@ -153,15 +153,6 @@ def _serve(model: str, port: int, log: Any, profile_to: str | None, extra: list[
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def run_server_load(model: str, requests: list[tuple[list[int], int]], log_dir: str, profile_to: str | None,
                     extra: list[str], replay_step_ms: float | None = None) -> dict[str, Any]:
     port = _free_port()
@@ -189,7 +180,7 @@ def run_server_load(model: str, requests: list[tuple[list[int], int]], log_dir: 
                 while not pathlib.Path(profile_to).exists() and time.monotonic() < deadline:
                     time.sleep(0.1)
         finally:
-            _stop(proc)
+            stop_server(proc)
     return out
 
 

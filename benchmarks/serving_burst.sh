@@ -9,6 +9,8 @@
 # $OUT/serving-burst/summary.json (server and offline output tok/s, ratio_vs_peer, TTFT p50 of both)
 # and printed.
 #   bash benchmarks/serving_burst.sh            # SHAPE=llama-3.2-1b N=256 IN=512 OUT_LEN=128 PROCS=4
+# MODEL_ARGS replaces "--shape $SHAPE" (a CPU smoke run: MODEL_ARGS="--model DIR --device cpu" N=8 IN=8 OUT_LEN=4);
+# SERVE_FLAGS adds engine flags to every run (e.g. "--stream-interval 4").
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/plait-out}
@@ -19,13 +21,17 @@ DEADLINE=$(( $(date +%s) + ${BUDGET_S:-300} ))
 source benchmarks/deadline.sh
 TRITON_CACHE_DIR=$(mktemp -d /tmp/plait-triton-cold-XXXX)
 export TRITON_CACHE_DIR
-burst=(python -m plait bench serve --workload serving-burst --shape "$SHAPE" --num-prompts "$N" --input-len "$IN"
-       --output-len "$OUT_LEN" --client-procs "$PROCS" ${SERVE_FLAGS:-})
+# shellcheck disable=SC2206  # MODEL_ARGS and SERVE_FLAGS are several words on purpose
+model=(${MODEL_ARGS:---shape $SHAPE})
+# shellcheck disable=SC2206
+flags=(${SERVE_FLAGS:-})
+burst=(python -m plait bench serve --workload serving-burst "${model[@]}" --num-prompts "$N" --input-len "$IN"
+       --output-len "$OUT_LEN" --client-procs "$PROCS" "${flags[@]}")
 for run in cold warm; do
   stage 200 "${burst[@]}" --out "$R/$run" 2>&1 | grep -E '^\{|Error|error' | tail -3
 done
-stage 90 python -m plait bench serve --workload serving --shape "$SHAPE" --num-prompts 200 --request-rate 20 \
-  --input-len "$IN" --output-len "$OUT_LEN" --client-procs 2 ${SERVE_FLAGS:-} --out "$R/poisson" 2>&1 \
+stage 90 python -m plait bench serve --workload serving "${model[@]}" --num-prompts "${POISSON_N:-200}" \
+  --request-rate 20 --input-len "$IN" --output-len "$OUT_LEN" --client-procs 2 "${flags[@]}" --out "$R/poisson" 2>&1 \
   | grep -E '^\{|Error|error' | tail -3
 python - "$R" <<'EOF'
 import json, pathlib, sys

@@ -407,7 +407,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         if args.workload == "serving-burst" and not args.no_peer and proc is not None:
             # After the server is gone (its GPU memory free, and the server met a Triton cache the
             # peer had not warmed); same model, options and requests.
-            _stop_server(proc)
+            stop_server(proc)
             from plait.server.bench_peer import offline_burst
 
             peer = offline_burst(_served_model(model), engine_options, requests)
@@ -424,11 +424,11 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         return 0 if ok else 1
     finally:
         if proc is not None:
-            _stop_server(proc)
+            stop_server(proc)
         shutil.rmtree(shape_root, ignore_errors=True)
 
 
-def _stop_server(proc: subprocess.Popen[bytes]) -> None:
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

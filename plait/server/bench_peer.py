@@ -42,8 +42,12 @@ def offline_burst(model: str, engine_options: dict[str, Any], requests: list[tup
     """The timed run's output tok/s and TTFT p50/p99, plus the untimed first pass's throughput."""
     import gc
 
+    from plait.config import EngineConfig
     from plait.engine import Engine
+    from plait.engine.scheduler_process import leave_a_core_for_the_server
 
+    # On the CPU, the model threads the server's scheduler process runs with (one core fewer).
+    leave_a_core_for_the_server(EngineConfig.from_kwargs(model=model, **engine_options))
     engine = Engine(model=model, **engine_options)
     try:
         first_pass = _burst(engine, requests)
