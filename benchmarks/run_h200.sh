@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
-#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|fp8-tests|fp8|moe-kernel|profile-graph|profile-host|profile-spec|
+#   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|fp8-tests|fp8|moe-kernel|profile-moe|profile-graph|profile-host|profile-spec|
 #                               backends-tests|backends|spec-tests|spec|spec-ngram-full|moe|x2|x2-profile (x2: on nvidia-h200-x2)|...
 # moe: decode-bs1 and offline-throughput for qwen3-30b-a3b and gpt-oss-20b (random weights of the real
-# shapes) against transformers generate / generate_batch in the same run.
+# shapes) against transformers generate / generate_batch in the same run; generate_batch runs the first
+# 16 of the 256 offline requests (same lengths; the JSON's peer_requests / peer_note say so).
+# profile-moe: the bs-1 MoE decode step's kernels per layer and the MoE layer alone at M = 1..8.
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
+# gemv-tests / gemv / gemv-bf16-ab: the small-M GEMV's GPU tests; its tuning, then gemm and FP8 decode-bs1 on
+# the fresh configs; bf16 decode-bs1 8b with cuBLAS and with the GEMV (docs/quantization.md#small-m-gemv).
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -27,16 +31,33 @@ for stage in "$@"; do
     fp8-tests) python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/fp8-tests.log" | tail -15 ;;
     fp8) python -m plait bench quant --workload gemm decode-bs1 offline-throughput --sweep --out "$OUT" 2>&1 \
            | tee "$OUT/fp8-bench.log" | grep -E '^\{"workload|measured|Error' ;;
+    profile-moe) python benchmarks/profile_moe_step.py --out "$OUT" 2>&1 | grep -v "^   " | tail -40 ;;
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
     profile-spec) python benchmarks/profile_spec.py "$OUT" 2>&1 | grep -v " INFO " | tail -6 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
-    moe)
-      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6
-      for shape in qwen3-30b-a3b gpt-oss-20b; do
-        python -m plait bench offline --workload offline-throughput --shape $shape --peer --out "$OUT" 2>&1 | tail -3
+    gemv-tests) python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -k "gemv" -p no:cacheprovider 2>&1 \
+                  | tee "$OUT/gemv-tests.log" | tail -8 ;;
+    gemv)  # tune the small-M GEMV, then the GEMM rows and FP8 decode-bs1 on the fresh configs
+      python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --budget-s "${GEMV_TUNE_S:-50}" 2>&1 \
+        | tee "$OUT/gemv-tune.log" | grep -E 'M= 1:|precompiled|budget|wrote|Error'
+      PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant --workload gemm decode-bs1 --out "$OUT" \
+        2>&1 | tee "$OUT/gemv-bench.log" | grep -E '^\{"workload|measured|Error' ;;
+    gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
+      for on in 0 1; do
+        PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
+          --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/bf16-gemv-$on" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    moe) OUT=$OUT bash "$0" moe-latency moe-offline ;;
+    moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
+    moe-offline)
+      for shape in qwen3-30b-a3b gpt-oss-20b; do
+        python -m plait bench offline --workload offline-throughput --shape $shape --peer --peer-requests 16 \
+          --out "$OUT" 2>&1 | tail -3
+      done ;;
+    moe-tests) python -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py tests/gpu/test_qk_norm_gpu.py -p no:cacheprovider \
+                 2>&1 | tee "$OUT/moe-tests.log" | tail -8 ;;
     backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
                       | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;
     backends)

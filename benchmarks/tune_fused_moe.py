@@ -8,12 +8,16 @@ config), checks the fastest against the fp32 reference, and writes it per M to
 ``plait.layers.moe.kernel_config`` reads at run time. The file is rewritten after every M, so a run
 stopped by ``--budget-s`` keeps what it measured (the run time picks the nearest measured bucket).
 
+``--small-batch`` tunes the two-launch small-batch path instead (``plait.layers.moe.small_batch``),
+for the buckets it serves (pairs * 4 <= experts), into ``small_E{E}_N{I}_{GPU}.json``.
+
 Compiling the candidates dominates a cold run; ``--jobs`` worker processes compile them first into
 Triton's on-disk cache (the kernels do not specialise on the token count, so one compile per
 config and shape serves every M).
 
   python benchmarks/tune_fused_moe.py --shape qwen3-30b-a3b --shape gpt-oss-20b \\
       [--batch-sizes 1,2,4,...] [--out-dir plait/layers/moe/configs] [--budget-s 300] [--jobs 12] [--tp 2] [--ep 2]
+  python benchmarks/tune_fused_moe.py --small-batch [--shape ...] [--budget-s 120]
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from plait.layers.moe.fused_moe_triton import fused_experts_with_config  # noqa: E402
 from plait.layers.moe.kernel_config import CONFIG_DIR, MoeKernelConfig, config_file_name  # noqa: E402
 from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
+from plait.layers.moe.small_batch import (  # noqa: E402
+    SmallBatchConfig,
+    fused_experts_small_batch,
+    small_config_file_name,
+    use_small_batch,
+)
 
 
 @dataclass(frozen=True)
@@ -227,6 +237,53 @@ def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float,
     return {"file": path, "buckets": report}
 
 
+def small_batch_candidates() -> list[SmallBatchConfig]:
+    """Tiles of the small-batch path worth timing: (block_n, block_h, block_k, num_warps)."""
+    tiles = ((4, 4, 256, 4), (8, 4, 128, 4), (8, 4, 256, 4), (8, 4, 512, 8), (8, 8, 64, 4), (8, 8, 128, 4),
+             (16, 4, 128, 4), (16, 4, 256, 8), (16, 8, 128, 4), (16, 8, 256, 4), (16, 16, 64, 4), (32, 8, 128, 4))
+    return [SmallBatchConfig(bn, bh, bk, warps) for bn, bh, bk, warps in tiles]
+
+
+def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: float, rotations: int) -> dict:
+    """The fastest ``SmallBatchConfig`` per M among the buckets the small-batch path serves."""
+    shape = MOE_KERNEL_SHAPES[name]
+    w13, w2, b13, b2 = make_weights(shape)
+    path = os.path.join(out_dir, small_config_file_name(shape.local_experts, shape.inter, torch.cuda.get_device_name()))
+    best: dict[str, dict] = {}
+    report: dict[str, dict] = {}
+    for m in [m for m in batch_sizes if use_small_batch(m * shape.top_k, shape.num_experts)]:
+        inputs = [make_inputs(shape, m, seed=s) for s in range(rotations)]
+        timings: list[tuple[float, SmallBatchConfig]] = []
+        for cfg in small_batch_candidates():
+            if time.monotonic() > deadline:
+                break
+            fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_small_batch(
+                x, w13, w2, w, i, shape.activation, b13, b2, cfg) for x, w, i in inputs]
+            try:
+                timings.append((graph_time_us(fns), cfg))
+            except Exception as exc:  # registers / shared memory
+                print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+        if not timings:
+            break
+        timings.sort(key=lambda t: t[0])
+        us, cfg = timings[0]
+        x, w, i = inputs[0]
+        out = fused_experts_small_batch(x, w13, w2, w, i, shape.activation, b13, b2, cfg).float()
+        f32 = [t.float() if t is not None else None for t in (w13, w2, b13, b2)]
+        ref = fused_experts_reference(x.float(), f32[0], f32[1], w, i, shape.activation, f32[2], f32[3])
+        err = float((out - ref).norm() / ref.norm())
+        if not err < 2e-2:
+            raise SystemExit(f"{name} M={m}: {cfg} is off the fp32 reference by {err:.3g} (relative)")
+        best[str(m)] = cfg.to_json()
+        report[str(m)] = {"us": us, "config": cfg.to_json(), "tried": len(timings), "worst_us": timings[-1][0]}
+        print(f"{name} small-batch M={m}: {us:.1f} us  {cfg}  (of {len(timings)}; worst {timings[-1][0]:.1f} us)",
+              flush=True)
+        with open(path, "w") as f:
+            json.dump(best, f, indent=2)
+            f.write("\n")
+    return {"file": path, "buckets": report}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", choices=sorted(MOE_KERNEL_SHAPES), help="repeatable")
@@ -237,6 +294,8 @@ def main() -> None:
                     help="processes that precompile the candidates (1: compile lazily)")
     ap.add_argument("--rotations", type=int, default=4, help="random routings each timing rotates through")
     ap.add_argument("--report", help="also write the per-bucket timings here (JSON)")
+    ap.add_argument("--small-batch", action="store_true",
+                    help="tune the small-batch path's tiles (its buckets of --batch-sizes) instead")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size: tune each rank's shard (intermediate / tp), the shape it runs")
     ap.add_argument("--ep", type=int, default=1,
@@ -254,12 +313,14 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
-    precompile(names, args.jobs)
+    if not args.small_batch:
+        precompile(names, args.jobs)
+    tune = tune_small_batch if args.small_batch else tune_shape
     report = {}
     for i, name in enumerate(names):
         # Split what is left of the budget evenly over the shapes still to tune.
         share = (deadline - time.monotonic()) / (len(names) - i)
-        report[name] = tune_shape(name, batch_sizes, args.out_dir, time.monotonic() + share, args.rotations)
+        report[name] = tune(name, batch_sizes, args.out_dir, time.monotonic() + share, args.rotations)
     if args.report:
         with open(args.report, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shapes": report}, f, indent=2)

@@ -178,7 +178,8 @@ class EngineConfig:
     # replica i starts at base_gpu_id + i * tp_size.
     base_gpu_id: int = 0
     # Two-batch overlap (SGLang's --enable-two-batch-overlap): a batch whose halves both keep at
-    # least tbo_min_split_tokens rows runs as two micro-batches, one's tensor-parallel sums in
+    # least tbo_min_split_tokens rows runs as two micro-batches, one's tensor-parallel sums (under
+    # DP attention: its MLP's gather and reduce-scatter, the halves counted over every rank) in
     # flight while the other computes; only where there is communication to hide (tp_size > 1).
     # tbo_token_distribution_threshold: an extend batch whose best request boundary leaves a side
     # under this share of the tokens is cut inside a request instead (0 disables that cut).
@@ -273,8 +274,6 @@ class EngineConfig:
                f"tbo_token_distribution_threshold must be in [0, 0.5], got {self.tbo_token_distribution_threshold}")
         _check(self.tbo_min_split_tokens >= 1,
                f"tbo_min_split_tokens must be >= 1, got {self.tbo_min_split_tokens}")
-        _check(not (self.enable_two_batch_overlap and self.enable_dp_attention),
-               "enable_two_batch_overlap does not split DP-attention batches yet: drop one of the two flags")
         _check(not self.enable_dp_attention or self.tp_size > 1,
                "enable_dp_attention needs several ranks (tp_size = dp_size >= 2)")
         _check(not self.enable_dp_attention or self.dp_size == self.tp_size,

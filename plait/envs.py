@@ -89,8 +89,16 @@ COUNT_ROUTED_EXPERTS = _flag_var(
     "PLAIT_COUNT_ROUTED_EXPERTS",
     "1: count the distinct experts every sparse-layer forward routes to, on the device (plait bench's MoE "
     "decode floor; attached before CUDA graph capture, so replays count too). Off: nothing is counted.")
+GEMV_CONFIG_DIR = _str_var(
+    "PLAIT_GEMV_CONFIG_DIR",
+    "A directory of small-M GEMV launch configs (gemv_<device>.json, as benchmarks/tune_gemv.py writes), "
+    "read before the ones shipped in plait/layers/quantization/configs/.")
+BF16_GEMV = _flag_var(
+    "PLAIT_BF16_GEMV",
+    "1: dense bf16/fp16 linear layers run decode batches of <= 16 tokens on CUDA through plait's Triton "
+    "GEMV instead of cuBLAS (A/B measurement). Read when a layer is built.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
-                                    SLOW_TESTS)
+                                    SLOW_TESTS, GEMV_CONFIG_DIR, BF16_GEMV)

@@ -23,11 +23,10 @@ import enum
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
-from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.transfer import ints_to_device
 
 
@@ -128,11 +127,7 @@ class ForwardMode(enum.IntEnum):
 
 class SpecInput(Protocol):
     """What floors 1-4 read from ``fb.spec_info``, the speculative input of a batch (the verify
-    trees of plait.speculative.verify_batch.VerifyInput, a graph runner's static verify input).
-
-    A draft input may also carry ``hidden_states`` ([tokens, hidden], None while not yet
-    materialised); ``pad_inputs_to_size`` pads them with the tokens when present. That member is
-    optional, so it is read by name and not declared here."""
+    trees of plait.speculative.verify_batch.VerifyInput, a graph runner's static verify input)."""
 
     @property
     def num_tokens_per_req(self) -> int | Sequence[int]:
@@ -191,16 +186,6 @@ class MLPSyncSource(Protocol):
     def can_run_dp_cuda_graph(self) -> bool: ...
 
 
-class LogitsRows(Protocol):
-    """The rows ``post_forward_mlp_sync_batch`` slices back (plait.models.llama.LogitsOutput)."""
-
-    next_token_logits: torch.Tensor  # [rows, vocab]
-    hidden_states: torch.Tensor | None  # [rows, hidden] when the model returns them
-
-
-LogitsT = TypeVar("LogitsT", bound=LogitsRows)
-
-
 @dataclass(frozen=True, slots=True)
 class ExtendInfo:
     """The extend part of a batch (modes that run the extend kernels): per request, the new-token
@@ -242,9 +227,20 @@ class MLPSyncMetadata:
     original_global_num_tokens_cpu: list[int] | None = None
     can_run_dp_cuda_graph: bool = False
     padding_mode: DPPaddingMode | None = None  # chosen per step from the global counts
-    # Real sizes before pad_inputs_to_size; post_forward_mlp_sync_batch slices back to them.
-    unpadded_batch_size: int | None = None
-    unpadded_num_tokens: int | None = None
+    # Two-batch overlap: the two micro-batches' own MLP sync (each rank's rows of child A, of child
+    # B), decided from the exchanged counts so every rank splits alike (an empty half of a rank is an
+    # IDLE child). None: the step runs whole on every rank.
+    micro_batches: tuple[MLPSyncMetadata, MLPSyncMetadata] | None = None
+
+    def fill(self, tokens: list[int], for_logprob: list[int], original: list[int], can_run_dp_cuda_graph: bool,
+             device: torch.device | str) -> None:
+        """Set the per-rank counts: ``tokens`` as the MLP sync uses them, ``original`` the raw ones."""
+        self.original_global_num_tokens_cpu = list(original)
+        self.global_num_tokens_cpu = list(tokens)
+        self.global_num_tokens_for_logprob_cpu = list(for_logprob)
+        self.global_num_tokens_gpu, self.global_num_tokens_for_logprob_gpu = ints_to_device([tokens, for_logprob],
+                                                                                            device)
+        self.can_run_dp_cuda_graph = can_run_dp_cuda_graph
 
 
 @dataclass
@@ -343,64 +339,8 @@ class ForwardBatch:
                 self.spec_info, batch.global_num_tokens, batch.global_num_tokens_for_logprob)
         else:
             tokens, for_logprob = list(batch.global_num_tokens), list(batch.global_num_tokens_for_logprob)
-        sync = self.mlp_sync
         # Raw counts size the DP graph batch; scaled counts size the MLP-sync buffers.
-        sync.original_global_num_tokens_cpu = list(batch.global_num_tokens)
-        sync.global_num_tokens_cpu = tokens
-        sync.global_num_tokens_gpu, sync.global_num_tokens_for_logprob_gpu = ints_to_device([tokens, for_logprob],
-                                                                                            device)
-        sync.global_num_tokens_for_logprob_cpu = for_logprob
-        sync.can_run_dp_cuda_graph = bool(batch.can_run_dp_cuda_graph)
-
-    def pad_inputs_to_size(self, num_tokens: int, bs: int) -> None:
-        """Pad to ``num_tokens`` tokens and ``bs`` requests (DP MAX_LEN, graph buckets). Padded rows
-        read request row 0 and write KV slot 0 (both reserved). A draft input whose hidden states
-        are not materialised yet (None) is padded without them."""
-        pad_t, pad_b = num_tokens - self.num_tokens, bs - self.batch_size
-        if pad_t < 0 or pad_b < 0:
-            raise ValueError(f"cannot pad {self.num_tokens} tokens / {self.batch_size} requests down to "
-                             f"{num_tokens} / {bs}")
-        sync = self.mlp_sync
-        if sync.unpadded_batch_size is None:
-            sync.unpadded_batch_size, sync.unpadded_num_tokens = self.batch_size, self.num_tokens
-        self.input_ids = _pad_rows(self.input_ids, pad_t, 0)
-        self.positions = _pad_rows(self.positions, pad_t, 0)
-        self.out_cache_loc = _pad_rows(self.out_cache_loc, pad_t, DUMMY_KV_SLOT)
-        self.req_pool_indices = _pad_rows(self.req_pool_indices, pad_b, DUMMY_REQ_ROW)
-        self.seq_lens = _pad_rows(self.seq_lens, pad_b, 1)
-        self.seq_lens_cpu = list(self.seq_lens_cpu) + [1] * pad_b
-        self.seq_lens_sum += pad_b
-        self.batch_size = bs
-        hidden = getattr(self.spec_info, "hidden_states", None)  # an optional member: see SpecInput
-        if hidden is not None:
-            self.spec_info.hidden_states = _pad_rows(hidden, num_tokens - hidden.shape[0], 0)
-
-    def post_forward_mlp_sync_batch(self, logits_output: LogitsT) -> LogitsT:
-        """Undo ``pad_inputs_to_size`` on the outputs: keep the rows of the real requests. A
-        target-verify batch has ``num_tokens_per_req`` rows per request (never a fixed draft width)."""
-        sync = self.mlp_sync
-        bs = sync.unpadded_batch_size
-        if bs is None:
-            return logits_output
-        if self.forward_mode.is_target_verify():
-            assert self.spec_info is not None, "a target-verify batch carries its spec input"
-            rows = spec_num_tokens(self.spec_info, bs)
-        elif self.forward_mode.is_decode() or self.forward_mode.is_idle():
-            rows = bs
-        else:
-            rows = logits_output.next_token_logits.shape[0]
-        logits_output.next_token_logits = logits_output.next_token_logits[:rows]
-        if logits_output.hidden_states is not None:
-            logits_output.hidden_states = logits_output.hidden_states[:rows]
-        n = sync.unpadded_num_tokens
-        self.input_ids, self.positions, self.out_cache_loc = (
-            self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n])
-        self.req_pool_indices, self.seq_lens = self.req_pool_indices[:bs], self.seq_lens[:bs]
-        self.seq_lens_cpu = self.seq_lens_cpu[:bs]
-        self.seq_lens_sum = sum(self.seq_lens_cpu)
-        self.batch_size = bs
-        sync.unpadded_batch_size = sync.unpadded_num_tokens = None
-        return logits_output
+        self.mlp_sync.fill(tokens, for_logprob, batch.global_num_tokens, bool(batch.can_run_dp_cuda_graph), device)
 
 
 class DPPaddingMode(enum.IntEnum):
@@ -432,23 +372,11 @@ def spec_request_width(spec_info: SpecInput) -> int:
     return widths.pop() if widths else 1
 
 
-def spec_num_tokens(spec_info: SpecInput, bs: int) -> int:
-    """Tokens of the first ``bs`` requests of a speculative batch."""
-    width = spec_info.num_tokens_per_req
-    return bs * width if isinstance(width, int) else sum(width[:bs])
-
-
 def spec_scale_global_num_tokens(spec_info: SpecInput, global_num_tokens: list[int],
                                  global_num_tokens_for_logprob: list[int]) -> tuple[list[int], list[int]]:
     """Per-rank request counts -> token counts, by the per-request width."""
     w = spec_request_width(spec_info)
     return [n * w for n in global_num_tokens], [n * w for n in global_num_tokens_for_logprob]
-
-
-def _pad_rows(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
-    if n <= 0:
-        return t
-    return torch.cat([t, t.new_full((n, *t.shape[1:]), value)])
 
 
 _warned_skip_attn_backend_init = False

@@ -184,7 +184,7 @@ class Rule(enum.Enum):
 # Every ForwardBatch field and how the children get it. ``split_forward_batch`` refuses a batch
 # type with a field missing here: a new field must be given a rule, never inherited by accident.
 FIELD_RULES: dict[str, Rule] = {
-    "forward_mode": Rule.SHARED,
+    "forward_mode": Rule.RECOMPUTED,  # the parent's; IDLE for an empty child (a DP rank's empty half)
     "batch_size": Rule.RECOMPUTED,
     "input_ids": Rule.SPLIT_TOKENS,
     "req_pool_indices": Rule.SPLIT_SEQS,
@@ -198,7 +198,7 @@ FIELD_RULES: dict[str, Rule] = {
     "actual_forward_mode": Rule.SHARED,
     "extend": Rule.RECOMPUTED,
     "spec_info": Rule.RECOMPUTED,
-    "mlp_sync": Rule.RECOMPUTED,  # children carry no DP counts of their own
+    "mlp_sync": Rule.RECOMPUTED,  # the parent's micro_batches[i] under DP attention, else empty
     "attn_backend": Rule.RECOMPUTED,  # each child gets its own backend (one per micro-batch)
     "sampling_info": Rule.RECOMPUTED,  # sampling happens on the parent: None on children
     "next_token_logits_buffer": Rule.RECOMPUTED,
@@ -244,8 +244,11 @@ def _split_spec_info(spec_info: SpecInput | None, seq_start: int, seq_end: int,
     return split(seq_start, seq_end, seq_lens_cpu)
 
 
-def _child(fb: ForwardBatch, seq_start: int, seq_end: int, token_start: int, token_end: int,
+def _child(fb: ForwardBatch, index: int, seq_start: int, seq_end: int, token_start: int, token_end: int,
            seq_lens_cpu: list[int], extend: ExtendInfo | None, attn_backend: Any, cut: bool) -> ForwardBatch:
+    # A child without tokens (under DP attention a rank's batch too small to split, or an IDLE rank's)
+    # is IDLE: it attends over nothing and joins its micro-batch's MLP collectives on zero rows.
+    empty = token_start == token_end
     values: dict[str, Any] = {}
     for f in dataclasses.fields(fb):
         rule = FIELD_RULES[f.name]
@@ -260,15 +263,17 @@ def _child(fb: ForwardBatch, seq_start: int, seq_end: int, token_start: int, tok
     # two-chunk cut changed one of them.
     seq_lens = (torch.tensor(seq_lens_cpu, dtype=fb.seq_lens.dtype, device=fb.seq_lens.device) if cut
                 else fb.seq_lens[seq_start:seq_end])
+    micro_batches = fb.mlp_sync.micro_batches
     child = ForwardBatch(
         **values,
+        forward_mode=ForwardMode.IDLE if empty else fb.forward_mode,
         batch_size=seq_end - seq_start,
         seq_lens=seq_lens,
         seq_lens_cpu=seq_lens_cpu,
         seq_lens_sum=sum(seq_lens_cpu),
-        extend=extend,
-        spec_info=_split_spec_info(fb.spec_info, seq_start, seq_end, fb.seq_lens_cpu),
-        mlp_sync=MLPSyncMetadata(),
+        extend=None if empty else extend,
+        spec_info=None if empty else _split_spec_info(fb.spec_info, seq_start, seq_end, fb.seq_lens_cpu),
+        mlp_sync=MLPSyncMetadata() if micro_batches is None else micro_batches[index],
         attn_backend=attn_backend,
     )
     child.reset_forward_metadata_marker()
@@ -313,8 +318,8 @@ def split_forward_batch(fb: ForwardBatch, split: TboSplit,
             pre_b[0] += first_part
         device = e.seq_lens.device
         ext_a, ext_b = _extend_info(ext_lens_a, pre_a, device), _extend_info(ext_lens_b, pre_b, device)
-    child_a = _child(fb, 0, seq_a_end, 0, tok, lens_a, ext_a, attn_backends[0], split.two_chunk)
-    child_b = _child(fb, seq_b, bs, tok, n, lens_b, ext_b, attn_backends[1], False)
+    child_a = _child(fb, 0, 0, seq_a_end, 0, tok, lens_a, ext_a, attn_backends[0], split.two_chunk)
+    child_b = _child(fb, 1, seq_b, bs, tok, n, lens_b, ext_b, attn_backends[1], False)
     return child_a, child_b
 
 
@@ -331,4 +336,43 @@ def choose_split(fb: ForwardBatch, *, has_communication: bool, min_tokens: int,
     split = plan_split(fb, threshold)
     if split is None or min(split.token_index, fb.num_tokens - split.token_index) < min_tokens:
         return None
+    return split
+
+
+# --- DP attention ---------------------------------------------------------------------------------
+# Every rank of a DP-attention step runs its own batch, but the micro-batches meet at the sharded MLP:
+# every rank must split, or none, and issue the same collectives. Each rank proposes its local split
+# (``dp_local_split``) in the step's count exchange; the step splits when every rank can and the
+# gathered halves pay (``dp_split_pays``); then each rank splits its own batch as it proposed
+# (``choose_dp_split``, the DP runner's split policy), a half without tokens an IDLE child.
+
+
+def dp_local_split(fb: ForwardBatch, threshold: float = DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD) -> TboSplit | None:
+    """This rank's split of ``fb`` under DP attention: its own split where it has one, else all of
+    its rows in child A and an empty child B (one request, one extend token), an IDLE batch two empty
+    children. None: the batch cannot be split at all (a spec input without ``split``), so no rank
+    splits the step."""
+    if fb.forward_mode.is_idle():
+        return TboSplit(0, 0, False)
+    if fb.spec_info is not None and getattr(fb.spec_info, "split", None) is None:
+        return None
+    split = plan_split(fb, threshold)
+    return split if split is not None else TboSplit(fb.batch_size, fb.num_tokens, False)
+
+
+def dp_split_pays(tokens_a: Sequence[int], tokens_b: Sequence[int], min_tokens: int) -> bool:
+    """Whether a DP-attention step splits, from every rank's proposed halves (tokens per rank): each
+    micro-batch's MLP runs over the rows of every rank, so each must gather at least ``min_tokens``
+    (the GEMMs' ridge, as ``choose_split`` asks of one rank's halves)."""
+    return sum(tokens_a) >= min_tokens and sum(tokens_b) >= min_tokens
+
+
+def choose_dp_split(fb: ForwardBatch, threshold: float = DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD) -> TboSplit | None:
+    """The DP-attention runner's split policy: the step's exchange decided (``mlp_sync.micro_batches``
+    set: split, on every rank); this rank splits as it proposed."""
+    if fb.mlp_sync.micro_batches is None:
+        return None
+    split = dp_local_split(fb, threshold)
+    if split is None:
+        raise RuntimeError("a DP-attention step was decided split but this rank's batch cannot be")
     return split

@@ -47,6 +47,30 @@ def assert_no_leaks(engine: plait.Engine) -> None:
     assert pool.available_size() == pool.size, "request-pool rows leaked"
 
 
+def assert_no_leaks_on_every_dp_rank(engine: plait.Engine) -> None:
+    """``assert_no_leaks`` on rank 0 of a DP-attention engine, and no KV slot in use on rank 1 (rank 1
+    reports its KV use in the round exchange after the round that freed it: two more rounds run)."""
+    assert_no_leaks(engine)
+    sched = engine.scheduler
+    for _ in range(2):
+        sched.step()
+    assert sched.remote_kv_tokens_in_use == {1: 0}, "rank 1: KV slots leaked"
+
+
+class TwoRankControl:
+    """Rank 0 of a two-rank DP-attention control group whose other rank sends ``other`` (a
+    ``plait.parallel.dp_attention.RankCounts``) in the count exchange: ``MLPCountSync`` without a
+    second process."""
+
+    rank, size = 0, 2
+
+    def __init__(self, other: Any) -> None:
+        self.other = other
+
+    def all_gather(self, t: torch.Tensor, timeout: timedelta | None = None) -> list[torch.Tensor]:
+        return [t.clone(), self.other.to_tensor()]
+
+
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": 32}
 
 

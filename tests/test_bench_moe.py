@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from plait import cli
@@ -65,6 +66,9 @@ def test_bench_latency_and_offline_run_tiny_moe_shapes_with_the_transformers_pee
     decode = _result(out, "decode-bs1", "tiny-qwen3-moe")
     assert decode["plait"] > 0 and decode["peer"] > 0 and decode["peer_name"] == "transformers generate"
     assert decode["distinct_experts_per_layer_step"] == 2.0  # one token, top 2
+    # Counted by the eager run; the headline (graph) run times the engine without the counter.
+    assert decode["eager"]["distinct_experts_per_layer_step"] == 2.0
+    assert "distinct_experts_per_layer_step" not in decode["graph"]
     assert decode["bytes_per_step"] == decode_step_bytes("tiny-qwen3-moe", [128 + 3], 2.0)
     assert decode["floor"] > 0 and decode["fraction_of_floor"] > 0
 
@@ -76,3 +80,45 @@ def test_bench_latency_and_offline_run_tiny_moe_shapes_with_the_transformers_pee
     by_tokens = {int(t): d for t, d in offline["detail"]["distinct_experts_by_tokens"].items()}
     assert 2 <= by_tokens[3] <= 6  # decode steps of the three requests: top 2 each, of 8 experts
     assert offline["floor"] > 0 and "distinct experts" in offline["floor_definition"]
+
+
+def test_peer_runs_all_requests_of_a_dense_shape_and_a_bounded_prefix_of_a_moe_shape():
+    from plait.bench.cli import MOE_PEER_REQUESTS, peer_request_count
+
+    assert peer_request_count(None, 256, "llama-3.2-1b") == 256
+    assert peer_request_count(None, 256, "qwen3-30b-a3b") == MOE_PEER_REQUESTS < 256
+    assert peer_request_count(None, 3, "gpt-oss-20b") == 3
+    assert peer_request_count(40, 256, "qwen3-30b-a3b") == 40
+
+
+def test_peer_requests_outside_the_workload_are_refused_naming_the_flag(capsys):
+    assert cli.main(["bench", "offline", "--shape", "tiny-qwen3-moe", "--num-requests", "3", "--peer",
+                     "--peer-requests", "4"]) == 2
+    assert "--peer-requests must be in [1, --num-requests=3], got 4" in capsys.readouterr().err
+
+
+def test_offline_peer_on_a_prefix_says_so_and_plait_runs_the_whole_workload(tmp_path):
+    out = tmp_path / "results"
+    assert cli.main(["bench", "offline", "--shape", "tiny-qwen3-moe", "--num-requests", "3", "--input-len", "16",
+                     "--output-len", "4", "--peer", "--peer-requests", "2", "--out", str(out)]) == 0
+    offline = _result(out, "offline-throughput", "tiny-qwen3-moe")
+    assert offline["peer_requests"] == 2 and offline["peer_subset"] is True
+    assert offline["peer_name"] == "transformers generate_batch (first 2 of 3 requests)"
+    assert "first 2 of the 3 requests" in offline["peer_note"]
+    assert offline["peer_detail"]["generated_tokens"] == 2 * 4  # the same per-request lengths
+    assert offline["detail"]["generated_tokens"] == 3 * 4  # plait and the floor: all requests
+    assert offline["peer"] == offline["peer_detail"]["output_tok_s"] > 0
+
+
+def test_one_launch_counter_records_what_the_torch_counter_records():
+    # Triton interpreter: the same ring contents call for call, ids of other ranks (-1, E) not counted.
+    pytest.importorskip("plait.layers.moe.routing_stats_triton")
+    routings = [torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32),
+                torch.tensor([[5, -1]], dtype=torch.int32), torch.tensor([[4, 4], [4, 8]], dtype=torch.int64)]
+    torch_counter = RoutedExpertCounter(num_experts=8, device="cpu", capacity=2)
+    fused_counter = RoutedExpertCounter(num_experts=8, device="cpu", capacity=2)
+    for ids in routings:
+        torch_counter.record(ids, fused=False)
+        fused_counter.record(ids, fused=True)
+        assert fused_counter.calls() == torch_counter.calls()
+    assert fused_counter.calls() == [(1, 1), (2, 1)]

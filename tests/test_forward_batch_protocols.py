@@ -16,13 +16,11 @@ from plait.forward_batch import (
     BatchAttentionBackend,
     BatchHiddenCapture,
     BatchSamplingInfo,
-    LogitsRows,
     MLPSyncSource,
     RowExchange,
     SpecInput,
 )
 from plait.layers.hidden_capture import HiddenCapture
-from plait.models.llama import LogitsOutput
 from plait.sampling import SamplingBatchInfo
 from plait.scheduler.schedule_batch import ScheduleBatch
 from plait.speculative.verify_batch import VerifyInput
@@ -69,6 +67,3 @@ def test_the_schedule_batch_provides_what_mlp_sync_reads():
     assert _members(MLPSyncSource) <= fields
 
 
-def test_the_logits_output_has_the_rows_post_forward_mlp_sync_slices():
-    fields = {f.name for f in dataclasses.fields(LogitsOutput)}
-    assert set(LogitsRows.__annotations__) <= fields

@@ -16,7 +16,6 @@ from plait.config import EngineConfig
 from plait.layers.quantization.fp8 import resolve_fp8_config
 from plait.layers.quantization.fp8_kernels import (
     dequantize_weight,
-    fp8_gemv,
     quantize_rows,
     quantize_rows_triton,
     quantize_weight_per_channel,
@@ -67,33 +66,6 @@ def test_published_fp8_configs_resolve_to_their_schemes():
 # --- kernels (Triton interpreter on the CPU) ------------------------------------------------------
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
-
-
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("layout", ["channel", "block"])
-def test_fp8_gemv_equals_the_dequantized_weight_product(m, layout):
-    n, k = 96, 384
-    w = _weight(n, k)
-    if layout == "channel":
-        q, s = quantize_weight_per_channel(w)
-        block = None
-    else:
-        q, s = block_quantize(w)
-        block = (128, 128)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
-    ref = x @ dequantize_weight(q, s, block).t()
-    # split_k 2: the K slices' partial sums are added (the decode path on a GPU splits K).
-    out = fp8_gemv(x, q, s, block, config=(1 if m == 1 else 16, 32, 128, 2, 4))
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-
-
-def test_the_gemv_takes_bf16_weights_too():
-    """The kernel is generic in the weight dtype (Triton specialises on it): bf16 weights with unit
-    channel scales are a plain bf16 GEMV."""
-    w = _weight(64, 256, seed=8).to(torch.bfloat16)
-    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(9))
-    out = fp8_gemv(x, w, torch.ones(64), None, config=(1, 32, 128, 2, 4))
-    torch.testing.assert_close(out, x @ w.float().t(), rtol=1e-4, atol=1e-4)
 
 
 def test_block_scaled_gemm_equals_the_reference():

@@ -154,10 +154,10 @@ def test_tbo_backend_plans_each_child_for_its_own_rows():
     assert [c.num_tokens for c in fb.tbo_children] == [4, 5]  # two-chunk: 9 // 2 tokens in A
 
 
-def test_two_batch_overlap_is_refused_with_dp_attention(tiny_model_dir):
-    with pytest.raises(ValueError, match="enable_two_batch_overlap does not split DP-attention batches"):
-        EngineConfig(model=str(tiny_model_dir("llama")), tp_size=2, dp_size=2, enable_dp_attention=True,
-                     enable_two_batch_overlap=True)
+def test_two_batch_overlap_is_accepted_with_dp_attention(tiny_model_dir):
+    cfg = EngineConfig(model=str(tiny_model_dir("llama")), tp_size=2, dp_size=2, enable_dp_attention=True,
+                       enable_two_batch_overlap=True)
+    assert cfg.enable_two_batch_overlap and cfg.enable_dp_attention
 
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}

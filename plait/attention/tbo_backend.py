@@ -6,7 +6,8 @@ the two children (``plait.two_batch_overlap.split_forward_batch``, each child wi
 and an unset plan marker) and plans each child with its own backend, else it plans the whole batch
 with the primary backend. ``init_forward_metadata_in_graph`` runs the same backends' in-graph part.
 The children's forwards reach their own backends through ``child.attn_backend``; a whole batch's
-forward reaches the primary.
+forward reaches the primary. An IDLE child (under DP attention, a rank's empty half) is not planned:
+it attends over nothing.
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ class TboAttnBackend(AttentionBackend):
             self.primary.init_forward_metadata_out_graph(fb, in_capture)
             return
         for child, backend in zip(fb.tbo_children, self.children, strict=True):
-            backend.init_forward_metadata_out_graph(child, in_capture)
+            if not child.forward_mode.is_idle():  # an empty half (DP attention) attends over nothing
+                backend.init_forward_metadata_out_graph(child, in_capture)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         if fb.tbo_children is None:
             self.primary.init_forward_metadata_in_graph(fb)
             return
         for child, backend in zip(fb.tbo_children, self.children, strict=True):
-            backend.init_forward_metadata_in_graph(child)
-            child.mark_forward_metadata_ready()
+            if not child.forward_mode.is_idle():
+                backend.init_forward_metadata_in_graph(child)
+                child.mark_forward_metadata_ready()
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.primary.init_cuda_graph_state(max_bs, max_num_tokens)

@@ -96,11 +96,12 @@ def cmd_latency(args: argparse.Namespace) -> int:
             peers["generate"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=False)
             if not args.no_compile_peer:
                 peers["static_compile"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=True)
-        graph = plait_decode_bs1(shape, shape_dir, prompt, new, **backends)
+        # The headline (graph) run without the expert counter; the eager run of the same prompt counts.
+        graph = plait_decode_bs1(shape, shape_dir, prompt, new, count_experts=False, **backends)
         eager = plait_decode_bs1(shape, shape_dir, prompt, new, **{**backends, "disable_cuda_graph": True})
         contexts = [128 + new // 2]  # mean context over the decode
-        # MoE: the distinct experts the timed decode steps routed to, counted in the run.
-        distinct = graph.get("distinct_experts_per_layer_step")
+        # MoE: the distinct experts the decode steps routed to, counted in the run (the eager engine's).
+        distinct = eager.get("distinct_experts_per_layer_step")
         bytes_step = decode_step_bytes(shape, contexts, distinct)
         moe_detail = {"distinct_experts_per_layer_step": distinct} if is_moe(shape) else {}
         floor = lim.copy_bw / bytes_step
@@ -136,17 +137,34 @@ def _prefill_mfu(args: argparse.Namespace, shape: str, shape_dir: str, vocab: in
                  **_limits_detail(lim))
 
 
+# transformers' generate_batch on a MoE shape at the real size runs for minutes over the whole
+# offline workload, so by default its peer runs the first this many requests (``--peer-requests``).
+MOE_PEER_REQUESTS = 16
+
+
+def peer_request_count(requested: int | None, num_requests: int, shape: str) -> int:
+    """How many of the workload's requests (its first) the transformers peer runs: ``requested``, or
+    all of them, or ``MOE_PEER_REQUESTS`` for a MoE shape."""
+    if requested is None:
+        return min(num_requests, MOE_PEER_REQUESTS) if is_moe(shape) else num_requests
+    if not 1 <= requested <= num_requests:
+        raise ValueError(f"--peer-requests must be in [1, --num-requests={num_requests}], got {requested}")
+    return requested
+
+
 def cmd_offline(args: argparse.Namespace) -> int:
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    shape = args.shape or ("llama-3.2-1b" if args.workload == "offline-throughput" else "qwen3-0.6b")
+    peer_requests = peer_request_count(args.peer_requests, args.num_requests, shape)  # refused before any work
     lim = measure_limits()
     root = tempfile.mkdtemp(prefix="plait-shapes-")
     if args.workload == "offline-throughput":
-        shape = args.shape or "llama-3.2-1b"
         vocab = SHAPES[shape]["vocab_size"]
         prompts = random_prompts(args.num_requests, args.input_len, vocab, seed=0)
         out_lens = [args.output_len] * args.num_requests
         params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": args.output_len}] * args.num_requests
     else:  # nano-vllm: its own benchmark's recipe (random.seed(0), randint lengths, temperature 0.6)
-        shape = args.shape or "qwen3-0.6b"
         vocab = SHAPES[shape]["vocab_size"]
         rng = random.Random(0)
         prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(args.num_requests)]
@@ -157,9 +175,19 @@ def cmd_offline(args: argparse.Namespace) -> int:
     peer: dict[str, Any] = {}
     peer_name = "transformers generate_batch"
     options = {"max_running_requests": args.num_requests, **backend_options(args)}
+    subset: dict[str, Any] = {}
     if args.peer:
-        peer = _peer(peer_hf.generate_batch_throughput, shape, prompts,
-                     out_lens[0] if len(set(out_lens)) == 1 else out_lens)
+        # The first N requests at their own lengths: the same per-request work, fewer requests.
+        peer_lens = out_lens[:peer_requests]
+        peer = _peer(peer_hf.generate_batch_throughput, shape, prompts[:peer_requests],
+                     peer_lens[0] if len(set(peer_lens)) == 1 else peer_lens)
+        subset = {"peer_requests": peer_requests, "peer_subset": peer_requests < args.num_requests}
+        if peer_requests < args.num_requests:
+            peer_name += f" (first {peer_requests} of {args.num_requests} requests)"
+            subset["peer_note"] = (
+                f"the peer ran the first {peer_requests} of the {args.num_requests} requests at the same per-request "
+                "lengths; its output_tok_s is over those requests (fewer in flight than plait had), while plait's "
+                "figure and the floor are over the whole workload")
     elif args.tbo_peer:  # what the split costs: the same engine with two-batch overlap off is the peer
         peer = plait_throughput(shape_dir, prompts, params, **options)
         peer_name = "plait, two-batch overlap off"
@@ -183,7 +211,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
                          + ("; MoE: decode bytes from the distinct experts the run's steps routed to (counted, "
                             "per layer call size), prefill FLOPs from the active parameters" if distinct else ""),
         mfu_prefill_flops_only=flops / result["seconds"] / lim.matmul_rate,
-        matmul_params=param_counts(shape)["matmul"], **details, **_limits_detail(lim))
+        matmul_params=param_counts(shape)["matmul"], **subset, **details, **_limits_detail(lim))
     return 0
 
 
@@ -205,6 +233,9 @@ def add_bench_parsers(bench_sub: Any) -> None:
     off.add_argument("--input-len", type=int, default=512, help="offline-throughput: prompt tokens per request")
     off.add_argument("--output-len", type=int, default=128, help="offline-throughput: new tokens per request")
     off.add_argument("--peer", action="store_true", help="run transformers generate_batch in the same run")
+    off.add_argument("--peer-requests", type=int, default=None,
+                     help="the peer runs the first N requests of the workload (same per-request lengths; "
+                          f"default all of them, {MOE_PEER_REQUESTS} for a MoE shape); the JSON says so")
     off.add_argument("--tbo-peer", action="store_true",
                      help="two-batch overlap on, against the same engine with it off as the peer")
     off.add_argument("--overlap-check", action="store_true", help="bs=256 step time vs graph replay")

@@ -4,6 +4,8 @@ without CUDA (the CPU smoke runs of tiny shapes) the same measurements run on th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -68,3 +70,25 @@ def fp8_matmul_rate(n: int = 8192) -> float:
     one = torch.ones((), device="cuda")
     seconds = _time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 20)
     return 2 * n**3 / seconds
+
+
+def graph_time(fns: list[Callable[[], Any]], reps: int = 10) -> float:
+    """Seconds per call of a CUDA graph holding ``fns`` (called in turn ``reps`` times), replayed: no
+    launch overhead, and weights rotated past the L2."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for f in fns:
+                f()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (5 * reps * len(fns))

@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from plait import envs
+from plait.bench.hardware import graph_time
 from plait.bench.results import write_result
-from plait.bench.shapes import SHAPES, param_counts, write_shape_dir
+from plait.bench.shapes import SHAPES, linear_shapes, param_counts, write_shape_dir
 from plait.bench.workloads import (
     Limits,
     decode_step_bytes,
@@ -32,15 +34,6 @@ from plait.bench.workloads import (
 
 SHAPE = "llama-3.1-8b"
 GEMM_TOKENS = (1, 16, 64, 256, 4096)
-
-
-def linear_shapes(shape: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of each fused linear layer of one decoder layer."""
-    c = SHAPES[shape]
-    h, hd = c["hidden_size"], c["head_dim"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * c["intermediate_size"], h),
-            "down_proj": (h, c["intermediate_size"])}
 
 
 def fp8_weight_bytes(shape: str, block: bool = False) -> float:
@@ -122,38 +115,19 @@ def cmd_offline(args: argparse.Namespace, lim: Limits, fp8_rate: float, shape_di
 
 
 # --- gemm ----------------------------------------------------------------------------------------
-def _graph_time(fns: list[Any], reps: int = 10) -> float:
-    """Seconds per call of a CUDA graph holding ``fns`` (called in turn ``reps`` times), replayed: no
-    launch overhead, and weights rotated past the L2."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (5 * reps * len(fns))
-
-
 def _gemm_row(name: str, m: int, w: torch.Tensor, qs: list[torch.Tensor], s: torch.Tensor, bscale: torch.Tensor,
               lim: Limits, fp8_rate: float, sweep: bool) -> dict[str, Any]:
-    """One (layer, M) row: every path's time, TB/s and TFLOP/s (``qs``: copies of one FP8 weight)."""
+    """One (layer, M) row: every path's time, TB/s and TFLOP/s (``qs``: copies of one FP8 weight). At
+    M <= 16 the GEMV is reported alone too (``gemv_channel``, ``gemv_block``, and ``bf16_gemv`` beside
+    cuBLAS's ``bf16_matmul``), with the configs it reads (a tuned table or the default)."""
     from plait.layers.quantization.fp8_kernels import (
-        fp8_gemv,
         fp8_linear,
         quantize_rows,
         scaled_mm_rowwise,
         w8a8_block_matmul,
     )
+    from plait.layers.quantization.gemv import gemv
+    from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS
 
     n, k = w.shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -173,33 +147,26 @@ def _gemm_row(name: str, m: int, w: torch.Tensor, qs: list[torch.Tensor], s: tor
         xq, xs = quantize_rows(x, 128)
         return w8a8_block_matmul(xq, xs, q, bscale, (128, 128), torch.bfloat16)
 
-    record("bf16_matmul", _graph_time([lambda w_=w_: x @ w_.t() for w_ in wbf]), 2 * n * k, lim.matmul_rate)
-    record("fp8_channel", _graph_time([lambda q=q: fp8_linear(x, q, s, None, None, None) for q in qs]),
+    record("bf16_matmul", graph_time([lambda w_=w_: x @ w_.t() for w_ in wbf]), 2 * n * k, lim.matmul_rate)
+    if m <= GEMV_MAX_TOKENS:
+        record("bf16_gemv", graph_time([lambda w_=w_: gemv(x, w_) for w_ in wbf]), 2 * n * k, lim.matmul_rate)
+    record("fp8_channel", graph_time([lambda q=q: fp8_linear(x, q, s, None, None, None) for q in qs]),
            n * k + 4 * n, fp8_rate)
-    record("fp8_block", _graph_time([lambda q=q: fp8_linear(x, q, bscale, (128, 128), None, None) for q in qs]),
+    record("fp8_block", graph_time([lambda q=q: fp8_linear(x, q, bscale, (128, 128), None, None) for q in qs]),
            n * k + 4 * bscale.numel(), fp8_rate)
-    if m <= 64:
-        record("gemv_channel", _graph_time([lambda q=q: fp8_gemv(x, q, s, None) for q in qs]), n * k, fp8_rate)
+    if m <= GEMV_MAX_TOKENS:
+        record("gemv_channel", graph_time([lambda q=q: gemv(x, q, s, None) for q in qs]), n * k + 4 * n, fp8_rate)
+        record("gemv_block", graph_time([lambda q=q: gemv(x, q, bscale, (128, 128)) for q in qs]),
+               n * k + 4 * bscale.numel(), fp8_rate)
     if m >= 16:
-        record("scaled_mm_rowwise", _graph_time([lambda q=q: smm(q) for q in qs]), n * k, fp8_rate)
-        record("block_gemm", _graph_time([lambda q=q: blk(q) for q in qs]), n * k, fp8_rate)
-    if sweep and m in (1, 16):
-        best: tuple[float, tuple[int, ...]] | None = None
-        for bn in (32, 64, 128) if m == 1 else (16, 32, 64):
-            for bk in (128, 256) if m == 1 else (128,):
-                for split_mult in (2, 4, 8):
-                    for warps in (4, 8) if m == 1 else (4,):
-                        split = max(1, min(k // bk, (split_mult * 132) // -(-n // bn)))
-                        cfg = (1 if m == 1 else 16, bn, bk, split, warps)
-                        try:
-                            t = _graph_time([lambda q=q, cfg=cfg: fp8_gemv(x, q, s, None, cfg) for q in qs], reps=3)
-                        except Exception as e:  # a config the compiler rejects
-                            print(f"sweep {cfg}: {type(e).__name__}")
-                            continue
-                        if best is None or t < best[0]:
-                            best = (t, cfg)
-        if best is not None:
-            row["gemv_sweep_best"] = {"us": best[0] * 1e6, "tb_s": n * k / best[0] / 1e12, "config": best[1]}
+        record("scaled_mm_rowwise", graph_time([lambda q=q: smm(q) for q in qs]), n * k, fp8_rate)
+        record("block_gemm", graph_time([lambda q=q: blk(q) for q in qs]), n * k, fp8_rate)
+    if sweep and m <= GEMV_MAX_TOKENS:
+        from plait.bench.gemv_tune import Case, tune_case
+        from plait.layers.quantization.gemv import device_info
+
+        best = tune_case(Case("fp8_channel", n, k, m, [f"{SHAPE}/{name}"]), qs, s, None, device_info(x)[1])
+        row["gemv_sweep_best"] = {"us": best["best_us"], "tb_s": best["best_tb_s"], "config": best["best"]}
     return row
 
 
@@ -228,7 +195,8 @@ def cmd_gemm(args: argparse.Namespace, lim: Limits, fp8_rate: float) -> None:
     write_result(
         args.out, "gemm-fp8", SHAPE, "min_fraction_of_read_bandwidth_at_m1", best_m1, None, None, None,
         {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "auto", "tokens": list(GEMM_TOKENS)},
-        rows=rows, definition="per layer and M: microseconds per call (CUDA graph replay, weights rotated past "
+        rows=rows, gemv_config_dir=envs.GEMV_CONFIG_DIR.get(),
+        definition="per layer and M: microseconds per call (CUDA graph replay, weights rotated past "
                               "L2), TB/s of weight bytes read and TFLOP/s; fraction_of_ceiling is the larger of "
                               "TB/s over the measured read bandwidth and TFLOP/s over the measured FP8 "
                               "_scaled_mm (bf16 matmul for bf16) rate", **_ceilings(lim, fp8_rate))
@@ -257,6 +225,8 @@ def add_quant_parser(bench_sub: Any) -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="decode-bs1: the FP8 engine's KV cache; offline-throughput: auto means fp8_e4m3")
-    p.add_argument("--sweep", action="store_true", help="gemm: also sweep the GEMV launch configs at M 1 / 16")
+    p.add_argument("--sweep", action="store_true",
+                   help="gemm: also sweep the FP8 GEMV's launch configs at M 1 / 16 (benchmarks/tune_gemv.py's "
+                        "candidates)")
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=cmd_quant)

@@ -53,7 +53,7 @@ def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric:
         "peer": peer_value,
         "ratio_vs_peer": (plait_value / peer_value) if peer_value else None,
         "floor": floor, "fraction_of_floor": (plait_value / floor) if floor else None,
-        "config": config, **details,
+        "config": config, "plait_env": {v.name: v.get() for v in envs.ALL if v.get() != v.default}, **details,
     }
     path = pathlib.Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)

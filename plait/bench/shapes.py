@@ -142,6 +142,15 @@ def param_counts(shape: str) -> dict[str, int]:
             "total": per_layer * n_layers + embed + (0 if c["tie_word_embeddings"] else head) + h}
 
 
+def linear_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each fused linear layer of one decoder layer."""
+    c = SHAPES[shape]
+    h, hd = c["hidden_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * c["intermediate_size"], h),
+            "down_proj": (h, c["intermediate_size"])}
+
+
 def kv_bytes_per_token(shape: str, dtype_bytes: int = 2) -> int:
     c = SHAPES[shape]
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes

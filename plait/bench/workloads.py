@@ -146,11 +146,13 @@ def throughput_floor_seconds(shape: str, prompt_lens: list[int], output_lens: li
 
 
 # --- workloads ----------------------------------------------------------------------------------
-def plait_decode_bs1(shape: str, shape_dir: str, prompt: list[int], new_tokens: int, **options: Any
-                     ) -> dict[str, Any]:
-    """A MoE shape also counts the distinct experts of the timed run's decode steps (one token each:
-    top_k of them at most), per layer: ``distinct_experts_per_layer_step``."""
-    moe = is_moe(shape)
+def plait_decode_bs1(shape: str, shape_dir: str, prompt: list[int], new_tokens: int,
+                     count_experts: bool | None = None, **options: Any) -> dict[str, Any]:
+    """A MoE shape also counts (``count_experts``, by default for MoE shapes) the distinct experts of
+    the timed run's decode steps (one token each: top_k of them at most), per layer:
+    ``distinct_experts_per_layer_step``. The counter is device work inside the timed steps, so a
+    headline figure is taken with it off."""
+    moe = is_moe(shape) if count_experts is None else count_experts and is_moe(shape)
     engine = make_engine(shape_dir, count_experts=moe, disable_radix_cache=True, max_running_requests=8, **options)
     params = {"temperature": 0.0, "ignore_eos": True}
     engine.generate(prompt, {**params, "max_new_tokens": min(32, new_tokens)})  # warm-up

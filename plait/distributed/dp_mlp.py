@@ -24,18 +24,30 @@ rounds by copy engine beside the GEMMs of a rank's own rows, MAX_LEN rounds (dec
 by two Triton kernels that store into the peers' buffers (``p2p_rows_kernels``, faster than NCCL at
 decode sizes, where NCCL's cost is mostly latency).
 
-A rank with no tokens (IDLE) passes an empty tensor and still joins every collective.
+A rank with no tokens (IDLE) passes an empty tensor and still joins every collective. Under two-batch
+overlap each micro-batch exchanges its own rows (``dp_mlp_ops``): one's gather or reduce-scatter is
+in flight while the other computes.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from plait.distributed.parallel_state import TPGroup
+from plait.distributed.parallel_state import CollectiveOps, TPGroup, run_serially
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ShardedMLP
 
 
 def dp_gathered_mlp(mlp: ShardedMLP, hidden: torch.Tensor, fb: ForwardBatch, group: TPGroup) -> torch.Tensor:
+    return run_serially(dp_mlp_ops(mlp, hidden, fb, group))
+
+
+def dp_mlp_ops(mlp: ShardedMLP, hidden: torch.Tensor, fb: ForwardBatch, group: TPGroup) -> CollectiveOps[torch.Tensor]:
+    """The gathered MLP cut at its two collectives (the gather of every rank's rows, the
+    reduce-scatter of the partial sums): two-batch overlap runs one micro-batch's while the other
+    computes. The symmetric-memory exchange runs whole (its copies already overlap its GEMMs). Which
+    path runs depends only on the step's global counts, so every rank yields alike."""
     counts = fb.mlp_sync.global_num_tokens_cpu
     if counts is None or fb.mlp_sync.padding_mode is None:
         raise RuntimeError("a DP-attention forward needs its MLP-sync metadata (init_mlp_sync_metadata) and "
@@ -57,5 +69,7 @@ def dp_gathered_mlp(mlp: ShardedMLP, hidden: torch.Tensor, fb: ForwardBatch, gro
         rows = [longest] * group.size
     else:
         rows = list(counts)
-    partial = mlp.forward_partial(group.all_gather_rows(hidden, rows))
-    return mlp.add_bias(group.reduce_scatter_rows(partial, rows)[:n])
+    gathered = yield functools.partial(group.all_gather_rows_start, hidden, rows)
+    partial = mlp.forward_partial(gathered)
+    reduced = yield functools.partial(group.reduce_scatter_rows_start, partial, rows)
+    return mlp.add_bias(reduced[:n])

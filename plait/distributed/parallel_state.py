@@ -9,9 +9,10 @@ and drop engines one after another, as the tests do) without ``init_process_grou
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,16 +21,42 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 @dataclass
 class PendingReduce:
-    """An all-reduce in flight (``TPGroup.all_reduce_start``): ``wait()`` once for its result."""
+    """A collective in flight (``TPGroup.all_reduce_start``, ``all_gather_rows_start``,
+    ``reduce_scatter_rows_start``): ``wait()`` for its result."""
 
     tensor: torch.Tensor
-    work: Any  # the torch.distributed Work object; None when the sum is already done
+    work: Any  # the torch.distributed Work object; None when the collective is already done
+    # What turns the collective's buffer into the result (drop a gather's padding, slice this rank's
+    # rows); applied once, after the wait. None: the buffer is the result.
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.finish is not None:
+            self.tensor, self.finish = self.finish(self.tensor), None
         return self.tensor
+
+
+R = TypeVar("R")
+# A collective to launch: called once, it starts the collective and returns it in flight.
+Launch = Callable[[], PendingReduce]
+# A computation cut at its collectives (two-batch overlap): yields each collective to launch, is sent
+# its result, and returns the computation's result. ``run_serially`` drives one alone;
+# plait.layers.overlap drives two interleaved.
+CollectiveOps = Generator[Launch, torch.Tensor, R]
+
+
+def run_serially(ops: CollectiveOps[R]) -> R:
+    """Drive ``ops`` to its end, each collective waited for as soon as it is launched."""
+    sent: torch.Tensor | None = None
+    while True:
+        try:
+            launch = ops.send(sent)  # type: ignore[arg-type]  # the first send must be None
+        except StopIteration as stop:
+            return stop.value
+        sent = launch().wait()
 
 
 @dataclass(frozen=True)
@@ -85,46 +112,59 @@ class TPGroup:
 
     def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's rows stacked in rank order (rank r contributes ``counts[r]`` rows, its ``x``):
-        ``[sum(counts), ...]``, rank r's rows at offset ``sum(counts[:r])``. Equal counts gather
-        straight into the output; NCCL gathers uneven counts into views of it (grouped broadcasts);
-        otherwise (gloo, or a rank with no rows) every rank pads to the longest and the padding is
-        dropped after the gather."""
+        ``[sum(counts), ...]``, rank r's rows at offset ``sum(counts[:r])``."""
+        return self.all_gather_rows_start(x, counts).wait()
+
+    def all_gather_rows_start(self, x: torch.Tensor, counts: list[int]) -> PendingReduce:
+        """``all_gather_rows`` launched: returns at once, ``wait()`` gives the rows. Equal counts
+        gather straight into the output; NCCL gathers uneven counts into views of it (grouped
+        broadcasts); otherwise (gloo, or a rank with no rows) every rank pads to the longest and the
+        padding is dropped after the gather."""
         if self.size == 1:
-            return x
+            return PendingReduce(x, None)
         if x.shape[0] != counts[self.rank]:
             raise ValueError(f"rank {self.rank} passes {x.shape[0]} rows but its count is {counts[self.rank]}")
         x = x.contiguous()
         out = x.new_empty(sum(counts), *x.shape[1:])
         if len(set(counts)) == 1:
-            self.group._allgather_base(out, x).wait()
-            return out
+            return PendingReduce(out, self.group._allgather_base(out, x))
         if _is_nccl(self.group) and min(counts) > 0:
-            self.group.allgather([list(out.split(counts))], [x]).wait()
-            return out
+            return PendingReduce(out, self.group.allgather([list(out.split(counts))], [x]))
         longest = max(counts)
         padded = x.new_zeros(longest, *x.shape[1:])
         padded[: x.shape[0]] = x
         full = x.new_empty(self.size * longest, *x.shape[1:])
-        self.group._allgather_base(full, padded).wait()
-        return torch.cat([full[r * longest : r * longest + c] for r, c in enumerate(counts)])
+
+        def unpad(full: torch.Tensor) -> torch.Tensor:
+            return torch.cat([full[r * longest : r * longest + c] for r, c in enumerate(counts)])
+
+        return PendingReduce(full, self.group._allgather_base(full, padded), unpad)
 
     def reduce_scatter_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's rows (``counts[rank]`` of them, at offset ``sum(counts[:rank])``) of the sum
-        of every rank's ``x`` (``[sum(counts), ...]``): the inverse layout of ``all_gather_rows``.
-        A reduce-scatter moves half the bytes of an all-reduce; gloo with uneven counts, or a rank
+        of every rank's ``x`` (``[sum(counts), ...]``): the inverse layout of ``all_gather_rows``."""
+        return self.reduce_scatter_rows_start(x, counts).wait()
+
+    def reduce_scatter_rows_start(self, x: torch.Tensor, counts: list[int]) -> PendingReduce:
+        """``reduce_scatter_rows`` launched: returns at once, ``wait()`` gives this rank's rows. A
+        reduce-scatter moves half the bytes of an all-reduce; gloo with uneven counts, or a rank
         with no rows, all-reduces and slices (the same numbers)."""
         if self.size == 1:
-            return x
+            return PendingReduce(x, None)
         x = x.contiguous()
         out = x.new_empty(counts[self.rank], *x.shape[1:])
         if len(set(counts)) == 1:
-            self.group._reduce_scatter_base(out, x).wait()
-            return out
+            return PendingReduce(out, self.group._reduce_scatter_base(out, x))
         if _is_nccl(self.group) and min(counts) > 0:
-            self.group.reduce_scatter([out], [list(x.split(counts))]).wait()
-            return out
+            return PendingReduce(out, self.group.reduce_scatter([out], [list(x.split(counts))]))
         offset = sum(counts[: self.rank])
-        return self.all_reduce(x)[offset : offset + counts[self.rank]]
+
+        def own_rows(summed: torch.Tensor) -> torch.Tensor:
+            return summed[offset : offset + counts[self.rank]]
+
+        if self.p2p_all_reduce is not None and self.p2p_all_reduce.fits(x):
+            return PendingReduce(self.p2p_all_reduce(x), None, own_rows)
+        return PendingReduce(x, self.group.allreduce([x], dist.ReduceOp.SUM), own_rows)
 
     def broadcast(self, x: torch.Tensor, src: int = 0, timeout: timedelta | None = None) -> torch.Tensor:
         """In place from ``src``. ``timeout`` overrides the group's collective timeout for this call

@@ -103,7 +103,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         leader = start_tensor_parallel(config, model_config)
         if isinstance(leader, DPAttentionLeader):
             # Every rank schedules its own requests; this front end balances them over the ranks.
-            return EngineCore(config, model_config, tokenizer, leader, DPAttentionScheduler(config, leader))
+            return EngineCore(config, model_config, tokenizer, leader,
+                              DPAttentionScheduler(config, leader, grammar_backend(tokenizer, model_config)))
         runner = leader
     else:
         runner = ModelRunner(config, model_config)

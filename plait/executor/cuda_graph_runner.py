@@ -121,6 +121,9 @@ class CudaGraphRunner:
             seq_lens_cpu = list(fb.seq_lens_cpu) + [self.fill_value] * (padded - bs)
             view = self._static_batch(padded, seq_lens_cpu)
             view.actual_forward_mode = fb.forward_mode
+            # The captured step's MLP sync: under DP attention with two-batch overlap, whether the
+            # graph runs two micro-batches was decided at capture, and the view must split as it did.
+            view.mlp_sync = self.capture_batches[padded].mlp_sync
             self.backend.init_forward_metadata_out_graph(view)
             view.mark_forward_metadata_ready()  # a pre-planning site marks what it planned
         self.graphs[padded].replay()

@@ -43,7 +43,7 @@ from plait.mem.pools import (
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig, load_model, load_model_config
 from plait.sampling import Sampler
-from plait.two_batch_overlap import choose_split
+from plait.two_batch_overlap import choose_dp_split, choose_split
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +97,12 @@ class ModelRunner:
         self.attn_backend: AttentionBackend = new_backend()
         if config.enable_two_batch_overlap:
             # One more backend per micro-batch: the children's plans live beside the whole batch's.
-            policy = functools.partial(choose_split, has_communication=tp.size > 1,
-                                       min_tokens=config.tbo_min_split_tokens,
-                                       threshold=config.tbo_token_distribution_threshold)
+            # Under DP attention the step's count exchange decides for every rank (choose_dp_split).
+            policy = (functools.partial(choose_dp_split, threshold=config.tbo_token_distribution_threshold)
+                      if config.enable_dp_attention else
+                      functools.partial(choose_split, has_communication=tp.size > 1,
+                                        min_tokens=config.tbo_min_split_tokens,
+                                        threshold=config.tbo_token_distribution_threshold))
             children = (maybe_check_plans(new_backend()), maybe_check_plans(new_backend()))
             self.attn_backend = TboAttnBackend(self.attn_backend, children, policy)
         # PLAIT_CHECK_PLANS=1 (debug; the speculative tests run with it): raise on a forward whose

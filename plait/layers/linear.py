@@ -5,7 +5,8 @@ dimension (its partial sums are all-reduced). Fused projections (qkv, gate_up) l
 checkpoint shard into its slice through ``weight_loader(param, loaded, shard_id)``.
 
 A quantized layer holds a ``LinearMethod`` (plait.layers.quantization) in ``quant_method``: it owns the
-layer's weight storage (FP8 weight, scales) and its matmul; None is the plain ``F.linear``.
+layer's weight storage (FP8 weight, scales) and its matmul; None is the plain ``F.linear``, or, with
+``PLAIT_BF16_GEMV=1`` (read when the layer is built), plait's GEMV for decode batches of <= 16 tokens.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from plait import envs
 from plait.distributed.parallel_state import SINGLE, TPGroup
+from plait.layers.quantization.gemv import dense_linear
 
 
 class LinearMethod(Protocol):
@@ -44,6 +46,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(self.out_features_per_rank, dtype=dtype), requires_grad=False)
                      if bias else None)
         self.quant_method: LinearMethod | None = None
+        self.small_m_gemv = envs.BF16_GEMV.get()
 
     def shard_ids(self) -> list[str | int | None]:
         """The checkpoint shards fused into this layer, in output order (None: not fused)."""
@@ -62,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias, self.small_m_gemv)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -121,6 +124,7 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.quant_method: LinearMethod | None = None
+        self.small_m_gemv = envs.BF16_GEMV.get()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if param.dim() == 1:  # bias is added once, after the reduction
@@ -132,7 +136,7 @@ class RowParallelLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, None)
-        return F.linear(x, self.weight)
+        return dense_linear(x, self.weight, None, self.small_m_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x)

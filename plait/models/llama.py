@@ -7,6 +7,7 @@ Hugging Face checkpoints; q/k/v and gate/up land in fused projections through
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -14,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from plait.distributed.dp_mlp import dp_gathered_mlp
+from plait.distributed.dp_mlp import dp_gathered_mlp, dp_mlp_ops
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import ForwardBatch
 from plait.layers.activation import SiluAndMul
@@ -145,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
         # the MLP is sharded over all ranks, so the tokens of every rank meet around it.
         attn_tp = attn_tp or tp
         self.dp_group = tp if attn_tp.size != tp.size else None
-        self.tp = tp  # the group of both sums of forward_ops (o_proj's and down_proj's)
+        self.tp = tp  # the group of both sums of forward_ops under tensor parallelism
         self.self_attn = self.attention_cls(cfg, layer_id, attn_tp, qkv_bias, o_bias)
         self.mlp = self.build_mlp(cfg, layer_id, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -170,20 +171,28 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_ops(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                     fb: ForwardBatch) -> LayerOps:
-        """The same forward cut at its two tensor-parallel sums: yields each unreduced partial
-        sum and is sent the reduced tensor (``plait.layers.overlap`` runs two batches' ops
-        interleaved, one's sum in flight while the other computes)."""
+        """The same forward cut at its collectives: yields each one to launch and is sent its result
+        (``plait.layers.overlap`` runs two batches' ops interleaved, one's collective in flight while
+        the other computes). Tensor parallelism: the two sums (the attention output projection's, the
+        MLP's down projection's). DP attention: attention has none (it runs on this rank's own
+        requests); the MLP's gather and reduce-scatter (``dp_mlp_ops``). An IDLE micro-batch (a DP
+        rank's empty half) has no rows to attend over and joins the MLP's collectives only."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        reduced = yield self.self_attn.forward_partial(positions, hidden, fb)
-        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj.add_bias(reduced), residual)
         if self.dp_group is not None:
-            raise RuntimeError("two-batch overlap does not split DP-attention batches")
-        reduced = yield self.mlp.forward_partial(hidden)
-        return self.mlp.add_bias(reduced), residual
+            if not fb.forward_mode.is_idle():
+                hidden = self.self_attn(positions, hidden, fb)
+        else:
+            partial = self.self_attn.forward_partial(positions, hidden, fb)
+            hidden = self.self_attn.o_proj.add_bias((yield functools.partial(self.tp.all_reduce_start, partial)))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.dp_group is not None:
+            return (yield from dp_mlp_ops(self.mlp, hidden, fb, self.dp_group)), residual
+        partial = self.mlp.forward_partial(hidden)
+        return self.mlp.add_bias((yield functools.partial(self.tp.all_reduce_start, partial))), residual
 
 
 class LlamaModel(nn.Module):
@@ -226,7 +235,7 @@ class LlamaModel(nn.Module):
                 cap.store(i, torch.cat([h if r is None else h + r for h, r in zip(hidden, residual, strict=True)]))
             (hidden[0], residual[0]), (hidden[1], residual[1]) = run_overlapped(
                 layer.forward_ops(a.positions, hidden[0], residual[0], a),
-                layer.forward_ops(b.positions, hidden[1], residual[1], b), layer.tp)
+                layer.forward_ops(b.positions, hidden[1], residual[1], b))
         assert residual[0] is not None and residual[1] is not None, "a model has at least one layer"
         out, _ = self.norm(torch.cat(hidden), torch.cat([residual[0], residual[1]]))
         if cap is not None and -1 in cap.slots:

@@ -16,6 +16,10 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:  # both norms in one launch (plait.layers.qk_norm); q_norm and k_norm share eps
+            from plait.layers.qk_norm import qk_rmsnorm
+
+            return qk_rmsnorm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         t = q.shape[0]
         q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
         k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)

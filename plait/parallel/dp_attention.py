@@ -15,7 +15,8 @@ One engine step is one lockstep round on every rank, with two control collective
      (decode and speculative batches: requests, extend: new tokens), picks the padding mode and
      fills the batch's MLP-sync metadata (``ForwardBatch.init_mlp_sync_metadata``). A rank that
      launched nothing runs an IDLE batch, which joins the same collectives with zero rows, unless no
-     rank has any work.
+     rank has any work. With two-batch overlap the same exchange carries each rank's proposed
+     halves, from which every rank decides alike whether the forward runs as two micro-batches.
 
 With speculative decoding each rank drafts and verifies its own requests (its own worker, a
 replicated draft model or head), and a round has two phases (``RoundPhase``): SPEC, the verify
@@ -39,17 +40,18 @@ import pickle
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.config import EngineConfig
 from plait.distributed.copy_engine_rows import CopyEngineRows, copy_engine_rows
-from plait.distributed.dp_mlp import dp_gathered_mlp
+from plait.distributed.dp_mlp import dp_gathered_mlp, dp_mlp_ops
 from plait.distributed.parallel_state import TPGroup
 from plait.executor.model_runner import ModelRunner
 from plait.executor.sizing import use_rank_device
-from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode, spec_request_width
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode, MLPSyncMetadata, spec_request_width
+from plait.layers.overlap import run_overlapped
 from plait.mem.radix_cache import RadixCache
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig
@@ -61,6 +63,10 @@ from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 from plait.scheduler.stats import SchedulerStats
 from plait.speculative.factory import create_spec_worker
+from plait.two_batch_overlap import TboSplit, dp_local_split, dp_split_pays, split_forward_batch
+
+if TYPE_CHECKING:
+    from plait.sampling.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -166,25 +172,51 @@ class RankCounts:
     # Rows of varying length per request (a prefill chunk, a mixed batch): the round pads SUM_LEN. A
     # verify batch runs the extend kernels but its blocks have one width: it pads like a decode.
     is_prefill: bool
+    # Two-batch overlap: this rank's proposed halves (requests of child A, tokens of child A, requests
+    # of child B, tokens of child B; ``plait.two_batch_overlap.dp_local_split``). None: overlap is
+    # off, or this rank's batch cannot be split (then no rank splits).
+    micro_batches: Halves | None = None
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.num_requests, self.num_tokens, self.request_width, int(self.is_prefill)],
+        halves = self.micro_batches if self.micro_batches is not None else (-1, -1, -1, -1)
+        return torch.tensor([self.num_requests, self.num_tokens, self.request_width, int(self.is_prefill), *halves],
                             dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> RankCounts:
-        r, n, w, e = (int(x) for x in t.tolist())
-        return cls(r, n, w, bool(e))
+        r, n, w, e, *halves = (int(x) for x in t.tolist())
+        return cls(r, n, w, bool(e), None if halves[0] < 0 else (halves[0], halves[1], halves[2], halves[3]))
 
 
-def rank_counts(fb: ForwardBatch) -> RankCounts:
+@dataclass(frozen=True)
+class TboSettings:
+    """Two-batch overlap under DP attention (``enable_two_batch_overlap``): the config's bar and
+    two-chunk threshold."""
+
+    min_tokens: int
+    threshold: float
+
+
+Halves = tuple[int, int, int, int]  # requests and tokens of child A, requests and tokens of child B
+
+
+def proposed_halves(fb: ForwardBatch, tbo: TboSettings | None) -> Halves | None:
+    """This rank's split of ``fb`` as the count exchange carries it (None: no overlap, or no split)."""
+    split = dp_local_split(fb, tbo.threshold) if tbo is not None else None
+    if split is None:
+        return None
+    return split.seq_end_a, split.token_index, fb.batch_size - split.seq_index, fb.num_tokens - split.token_index
+
+
+def rank_counts(fb: ForwardBatch, tbo: TboSettings | None = None) -> RankCounts:
+    halves = proposed_halves(fb, tbo)
     if fb.spec_info is None:
-        return RankCounts(fb.batch_size, fb.num_tokens, 0, fb.forward_mode.is_extend())  # an IDLE: False
+        return RankCounts(fb.batch_size, fb.num_tokens, 0, fb.forward_mode.is_extend(), halves)  # IDLE: False
     width = spec_request_width(fb.spec_info)
     if fb.num_tokens != fb.batch_size * width:
         raise RuntimeError(f"a speculative DP-attention batch has {fb.batch_size} requests of width {width} "
                            f"but {fb.num_tokens} tokens: its rows must be padded to one width")
-    return RankCounts(fb.batch_size, fb.num_tokens, width, False)
+    return RankCounts(fb.batch_size, fb.num_tokens, width, False, halves)
 
 
 # --- the runner of every rank -------------------------------------------------------------------------
@@ -196,17 +228,21 @@ class MLPCountSync:
     rank's counts (``RankCounts``), pick the padding mode, and fill the batch's MLP-sync metadata.
     Every rank calls it once per phase of a round (an IDLE batch included), so the collectives pair."""
 
-    def __init__(self, control: TPGroup, device: str, row_exchange: CopyEngineRows | None) -> None:
+    def __init__(self, control: TPGroup, device: str, row_exchange: CopyEngineRows | None,
+                 tbo: TboSettings | None = None) -> None:
         self.control = control
         self.device = device
         self.row_exchange = row_exchange
-        # Recent rounds as every rank saw them (tests, debugging), and the request counts per rank of
-        # the recent speculative phases any rank verified in.
+        self.tbo = tbo
+        # Recent rounds as every rank saw them (tests, debugging), the request counts per rank of
+        # the recent speculative phases any rank verified in, and the tokens per rank of child A and
+        # child B of the recent rounds that ran as two micro-batches.
         self.rounds: deque[Round] = deque(maxlen=4096)
         self.spec_rounds: deque[tuple[int, ...]] = deque(maxlen=4096)
+        self.split_rounds: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque(maxlen=4096)
 
     def sync(self, fb: ForwardBatch) -> None:
-        own = rank_counts(fb)
+        own = rank_counts(fb, self.tbo)
         ranks = [RankCounts.from_tensor(p) for p in self.control.all_gather(own.to_tensor())]
         widths = {r.request_width for r in ranks}
         if len(widths) > 1:
@@ -227,18 +263,46 @@ class MLPCountSync:
         if fb.mlp_sync.global_num_tokens_cpu != tokens:
             raise RuntimeError(f"DP-attention token counts {fb.mlp_sync.global_num_tokens_cpu} differ from the "
                                f"ranks' own {tokens}")
+        if self._split_if_it_pays(fb, [r.micro_batches for r in ranks], speculative, any(extend_flags)) and any(tokens):
+            a, b = fb.mlp_sync.micro_batches  # type: ignore[misc]  # set by the split
+            self.split_rounds.append((tuple(a.global_num_tokens_cpu or []), tuple(b.global_num_tokens_cpu or [])))
 
     def capture(self, fb: ForwardBatch) -> None:
         """A captured decode or verify step: a MAX_LEN step with the bucket's requests on every rank (a
         verify's static batch carries its width, which scales them to tokens); at replay each rank pads
-        its requests to the bucket of the largest count, so the shapes match the capture."""
-        self._fill(fb, [fb.batch_size] * self.control.size, DPPaddingMode.MAX_LEN)
+        its requests to the bucket of the largest count, so the shapes match the capture.
+        With two-batch overlap the capture splits as every rank's replay of the bucket will: each rank
+        holds the same padded batch, so each proposes the same halves."""
+        size = self.control.size
+        self._fill(fb, [fb.batch_size] * size, DPPaddingMode.MAX_LEN)
+        self._split_if_it_pays(fb, [proposed_halves(fb, self.tbo)] * size, fb.spec_info is not None, False)
 
     def _fill(self, fb: ForwardBatch, counts: list[int], mode: DPPaddingMode) -> None:
         # A round may replay graphs (decode graphs in MAIN, verify graphs in SPEC) only as MAX_LEN.
         fb.init_mlp_sync_metadata(MLPSync(counts, counts, mode == DPPaddingMode.MAX_LEN), self.device)
         fb.mlp_sync.padding_mode = mode
         fb.dp_row_exchange = self.row_exchange
+
+    def _split_if_it_pays(self, fb: ForwardBatch, proposals: list[Halves | None], speculative: bool,
+                          any_extend: bool) -> bool:
+        """Decide from every rank's proposed halves (the same on every rank) whether the step runs as
+        two micro-batches; if so fill their MLP sync (``fb.mlp_sync.micro_batches``): each half
+        exchanges its own rows, in the padding mode its own counts call for."""
+        if self.tbo is None or any(p is None for p in proposals):
+            return False
+        halves = [(p[0:2], p[2:4]) for p in proposals if p is not None]
+        tokens = [[half[i][1] for half in halves] for i in (0, 1)]
+        if not dp_split_pays(tokens[0], tokens[1], self.tbo.min_tokens):
+            return False
+        syncs = []
+        for i in (0, 1):
+            sync = MLPSyncMetadata()
+            original = [half[i][0] for half in halves] if speculative else tokens[i]
+            sync.fill(tokens[i], tokens[i], original, False, self.device)
+            sync.padding_mode = DPPaddingMode.choose(tokens[i], any_extend)
+            syncs.append(sync)
+        fb.mlp_sync.micro_batches = (syncs[0], syncs[1])
+        return True
 
 
 @dataclass
@@ -266,7 +330,9 @@ class DPAttentionRunner(ModelRunner):
             groups.tp, groups.store, rows, mc.hidden_size, mc.dtype, device, timedelta(seconds=config.dist_timeout))
         # Decode graphs are captured as MAX_LEN steps of their bucket on every rank (init_capture_sync):
         # every rank captures the same buckets in the same order, so the recorded collectives pair up.
-        self.count_sync = MLPCountSync(groups.control, device, row_exchange)
+        tbo = (TboSettings(config.tbo_min_split_tokens, config.tbo_token_distribution_threshold)
+               if config.enable_two_batch_overlap else None)
+        self.count_sync = MLPCountSync(groups.control, device, row_exchange, tbo)
         super().__init__(config, mc, groups.tp)
         self.groups = groups
         # The phases of a round: a speculative engine verifies before the scheduler's own batch.
@@ -344,10 +410,16 @@ class DPAttentionRunner(ModelRunner):
             # The other ranks replay a decode graph: join it with a bucket of padding rows only.
             fb.attn_backend = self.attn_backend
             return self.graph_runner.replay(fb)
-        # No attention work on this rank: only the MLP collectives of every layer, on zero rows.
+        # No attention work on this rank: only the MLP collectives of every layer, on zero rows; in a
+        # step the others run as two micro-batches, those of each (two IDLE children), interleaved
+        # as theirs are.
         hidden = torch.empty(0, self.model_config.hidden_size, dtype=self.model_config.dtype, device=self.device)
+        halves = split_forward_batch(fb, TboSplit(0, 0, False)) if fb.mlp_sync.micro_batches is not None else None
         for layer in self.model.model.layers:
-            dp_gathered_mlp(layer.mlp, hidden, fb, self.tp)
+            if halves is None:
+                dp_gathered_mlp(layer.mlp, hidden, fb, self.tp)
+            else:
+                run_overlapped(*(dp_mlp_ops(layer.mlp, hidden, half, self.tp) for half in halves))
         return LogitsOutput(next_token_logits=torch.empty(0, self.model_config.vocab_size, device=self.device))
 
 
@@ -385,11 +457,12 @@ class DPAttentionLeader(DPAttentionRunner):
 class DPAttentionScheduler:
     """The Engine's scheduler under DP attention: rank 0's own Scheduler plus the other ranks'."""
 
-    def __init__(self, config: EngineConfig, runner: DPAttentionLeader) -> None:
+    def __init__(self, config: EngineConfig, runner: DPAttentionLeader,
+                 grammar_backend: GrammarBackend | None = None) -> None:
         self.config = config
         self.runner = runner
         self.dp_size = config.dp_size
-        self.local = Scheduler(config, runner, create_spec_worker(config, runner))
+        self.local = Scheduler(config, runner, create_spec_worker(config, runner), grammar_backend=grammar_backend)
         self.remote: dict[str, tuple[int, Req]] = {}  # rid -> (rank, stand-in Req)
         self._adds: list[tuple[int, NewRequest]] = []
         self._aborts: list[str] = []
@@ -529,10 +602,14 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     """Serve the requests rank 0 assigns to this rank, one lockstep round per engine step."""
     from plait.models.loader import load_tokenizer
     from plait.parallel.step_sync import IDLE_WAIT
+    from plait.sampling.grammar import GrammarBackend
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
     tokenizer = load_tokenizer(config.tokenizer or config.model)
-    scheduler = Scheduler(config, runner, create_spec_worker(config, runner))
+    # Each rank compiles and applies the grammars of the requests it schedules.
+    mc = runner.model_config
+    scheduler = Scheduler(config, runner, create_spec_worker(config, runner),
+                          grammar_backend=GrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_ids))
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:

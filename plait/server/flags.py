@@ -9,8 +9,8 @@ from plait.server.operator_flags import add_operator_flags
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 # The keys of plait.server.function_call.TOOL_CALL_PARSERS and plait.server.reasoning.REASONING_PARSERS.
-TOOL_CALL_PARSER_NAMES = ("llama3", "hermes", "qwen25", "mistral", "pythonic")
-REASONING_PARSER_NAMES = ("qwen3", "deepseek-r1")
+TOOL_CALL_PARSER_NAMES = ("llama3", "hermes", "qwen25", "mistral", "pythonic", "gpt-oss")
+REASONING_PARSER_NAMES = ("qwen3", "deepseek-r1", "gpt-oss")
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

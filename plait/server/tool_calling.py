@@ -30,16 +30,20 @@ from plait.server import protocol
 from plait.server.errors import APIError, bad_request
 from plait.server.function_call import (
     TOOL_CALL_PARSERS,
+    HarmonyToolParser,
     JsonArrayParser,
     NamedFunctionParser,
     ParseDelta,
-    ToolCallParser,
+    ToolParser,
     make_tool_call_parser,
 )
-from plait.server.reasoning import REASONING_PARSERS, ReasoningParser
+from plait.server.reasoning import REASONING_PARSERS, HarmonyReasoningParser, Reasoner, make_reasoning_parser
 
 # OpenAI's rule for function names.
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# Parsers that read the model's special tokens (gpt-oss's harmony markers): with one configured, chat
+# outputs are detokenized with skip_special_tokens false, whatever the request says, as SGLang does.
+SPECIAL_TOKEN_PARSERS = frozenset({"gpt-oss"})
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,12 @@ class ChatOptions:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
+        parsers = {self.tool_call_parser, self.reasoning_parser} - {None}
+        if parsers & SPECIAL_TOKEN_PARSERS and len(parsers) > 1:
+            # The harmony stage hands tool calls on in harmony form, which only its tool parser reads.
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser} and --reasoning-parser "
+                             f"{self.reasoning_parser} read different formats: gpt-oss goes with gpt-oss "
+                             "(or alone)")
 
     @classmethod
     def from_flags(cls, tool_call_parser: str | None, reasoning_parser: str | None,
@@ -72,6 +82,10 @@ class ChatOptions:
                 raise ValueError(f"--chat-template: {chat_template} is empty")
         return cls(tool_call_parser, reasoning_parser, text)
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return bool({self.tool_call_parser, self.reasoning_parser} & SPECIAL_TOKEN_PARSERS)
+
 
 # --- the request side -----------------------------------------------------------------------------
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -84,6 +98,7 @@ class ToolPlan:
     named: str | None
     parallel_tool_calls: bool
     parser: str | None  # --tool-call-parser, for auto
+    keep_special_tokens: bool = False  # the configured parsers read special tokens
 
     @property
     def names(self) -> list[str]:
@@ -111,6 +126,8 @@ class ToolPlan:
 
     def sampling_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """``fields`` (SamplingParams fields from the request) with this plan's grammar added."""
+        if self.keep_special_tokens:
+            fields = {**fields, "skip_special_tokens": False}  # the parsers take the markers out
         schema = self.json_schema()
         if schema is None:
             return fields
@@ -120,7 +137,7 @@ class ToolPlan:
                               f"another output constraint (response_format, regex or ebnf)", "tool_choice")
         return {**fields, "json_schema": json.dumps(schema)}
 
-    def new_parser(self) -> ToolCallParser | None:
+    def new_parser(self) -> ToolParser | None:
         if self.mode == "named":
             assert self.named is not None
             return NamedFunctionParser(self.named)
@@ -196,7 +213,7 @@ def plan_tools(req: protocol.ChatCompletionRequest, options: ChatOptions) -> Too
                           f"--tool-call-parser {{{','.join(TOOL_CALL_PARSERS)}}} to find the calls in the output; "
                           "or send tool_choice 'required', a named function or 'none'", "tool_choice")
     parallel = req.parallel_tool_calls if req.parallel_tool_calls is not None else True
-    return ToolPlan(mode, tools, named, parallel, options.tool_call_parser)
+    return ToolPlan(mode, tools, named, parallel, options.tool_call_parser, options.keeps_special_tokens)
 
 
 def template_messages(req: protocol.ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -240,17 +257,30 @@ def _history_call(i: int, j: int, call: Any) -> dict[str, Any]:
 # --- the output side ------------------------------------------------------------------------------
 class ChatOutput:
     """One choice's output: the reasoning parser first, then the tool-call parser on the content.
-    ``feed`` / ``finish`` give OpenAI stream deltas; ``message`` the whole message."""
+    ``feed`` / ``finish`` give OpenAI stream deltas; ``message`` the whole message.
+    ``show_reasoning`` false: the reasoning parser only takes its span out of the content."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
+    def __init__(self, reasoning: Reasoner | None, tools: ToolParser | None, show_reasoning: bool = True) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.show_reasoning = show_reasoning and reasoning is not None
         self._ids: dict[int, str] = {}
 
     @classmethod
     def for_request(cls, plan: ToolPlan, options: ChatOptions) -> ChatOutput:
-        reasoning = ReasoningParser.named(options.reasoning_parser) if options.reasoning_parser else None
-        return cls(reasoning, plan.new_parser())
+        reasoning = make_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
+        tools = plan.new_parser()
+        shown = reasoning is not None
+        if options.keeps_special_tokens:
+            # The text holds gpt-oss's harmony markers (and its stop token): a harmony stage reads
+            # them whatever the request's tool parser is. Without --reasoning-parser gpt-oss its
+            # analysis is dropped, as SGLang's gpt-oss tool parser does; it passes calls on in the
+            # content, which a harmony tool parser without tools drops (tool_choice none, no tools).
+            if reasoning is None:
+                reasoning = HarmonyReasoningParser()
+            if tools is None:
+                tools = HarmonyToolParser(())
+        return cls(reasoning, tools, shown)
 
     @property
     def num_calls(self) -> int:
@@ -273,7 +303,7 @@ class ChatOutput:
 
     def _deltas(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if reasoning:
+        if reasoning and self.show_reasoning:
             out.append({"reasoning_content": reasoning})
         if self.tools is None:
             if content:
@@ -311,7 +341,7 @@ class ChatOutput:
                     calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
         text_out = "".join(content)
         msg: dict[str, Any] = {"role": "assistant", "content": text_out if text_out or not calls else None}
-        if self.reasoning is not None:
+        if self.show_reasoning:
             msg["reasoning_content"] = "".join(reasoning) or None
         if calls:
             msg["tool_calls"] = [calls[i] for i in sorted(calls)]

@@ -138,3 +138,26 @@ def test_prompt_logprobs_and_logit_bias_of_requests_on_either_rank(dp_engine, mo
         got, want = o.meta_info["input_token_logprobs"], r.meta_info["input_token_logprobs"]
         assert [tid for _, tid, _ in got] == p[1:]
         assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _, _ in want], abs=1e-4)
+
+
+CONSTRAINED = [{"regex": r"[a-z]{2,6}@[a-z]{2,6}\.(com|org)"},
+               {"json_schema": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 999}},
+                                "required": ["id"], "additionalProperties": False}}]
+
+
+def test_constrained_requests_on_either_rank_equal_one_rank(dp_engine, model):
+    """Each rank compiles and applies the grammars of the requests it schedules: constrained greedy
+    output under DP attention is one rank's, on both ranks, beside unconstrained requests."""
+    prompts = PROMPTS32[8:12]
+    params = [{**GREEDY12, "max_new_tokens": 24, **CONSTRAINED[i % 2]} if i < 2 else GREEDY12
+              for i in range(len(prompts))]
+    with make_engine(model) as single:
+        ref = single.generate(prompts, params)
+    assigned = dict(dp_engine.scheduler.assigned)
+    out = dp_engine.generate(prompts, params)
+    assert {r: dp_engine.scheduler.assigned[r] - assigned.get(r, 0) for r in (0, 1)} == {0: 2, 1: 2}
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    # Before, a constrained request under DP attention was aborted with a message.
+    assert [o.finish_reason for o in out[:2]] == [r.finish_reason for r in ref[:2]]
+    assert all("abort" not in str(o.finish_reason) for o in out)

@@ -9,7 +9,6 @@ import torch
 
 from plait.executor.cuda_graph_runner import CudaGraphRunner
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
-from plait.models.llama import LogitsOutput
 from plait.parallel.dp_attention import MLPCountSync
 
 
@@ -25,7 +24,6 @@ class SyncedBatch:
 @dataclass
 class DraftInput:
     num_tokens_per_req: int | list[int]
-    hidden_states: torch.Tensor | None = None
 
 
 def _batch(mode: ForwardMode, bs: int, tokens_per_req: int = 1, spec_info=None) -> ForwardBatch:
@@ -61,32 +59,6 @@ def test_non_uniform_request_widths_cannot_scale_other_ranks_counts():
     fb = _batch(ForwardMode.TARGET_VERIFY, 2, 3, spec_info=DraftInput(num_tokens_per_req=[2, 4]))
     with pytest.raises(ValueError, match="differ"):
         fb.init_mlp_sync_metadata(SyncedBatch([2, 2], [2, 2]), "cpu")
-
-
-def test_draft_input_without_hidden_states_can_be_padded():
-    fb = _batch(ForwardMode.DECODE, 2, spec_info=DraftInput(num_tokens_per_req=1, hidden_states=None))
-    fb.pad_inputs_to_size(num_tokens=4, bs=4)
-    assert fb.batch_size == 4 and fb.num_tokens == 4
-    assert fb.req_pool_indices.tolist() == [1, 2, 0, 0]  # padded rows read the reserved row 0
-    assert fb.out_cache_loc.tolist() == [10, 11, 0, 0]  # ... and write the reserved slot 0
-    assert fb.spec_info.hidden_states is None
-
-
-def test_draft_hidden_states_are_padded_when_present():
-    fb = _batch(ForwardMode.DECODE, 2, spec_info=DraftInput(1, hidden_states=torch.ones(2, 8)))
-    fb.pad_inputs_to_size(num_tokens=3, bs=3)
-    assert fb.spec_info.hidden_states.shape == (3, 8)
-    assert fb.spec_info.hidden_states[2].abs().sum() == 0
-
-
-def test_target_verify_unpad_keeps_num_tokens_per_req_rows_of_each_real_request():
-    fb = _batch(ForwardMode.TARGET_VERIFY, 2, 3, spec_info=DraftInput(num_tokens_per_req=3, hidden_states=None))
-    fb.pad_inputs_to_size(num_tokens=12, bs=4)
-    out = LogitsOutput(next_token_logits=torch.randn(12, 5), hidden_states=None)
-    out = fb.post_forward_mlp_sync_batch(out)
-    assert out.next_token_logits.shape == (6, 5)  # 2 requests x 3 tokens, not a fixed draft width
-    assert out.hidden_states is None
-    assert fb.batch_size == 2 and fb.num_tokens == 6
 
 
 def test_dp_cuda_graph_batch_size_uses_raw_request_counts():

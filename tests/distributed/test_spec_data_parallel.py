@@ -17,7 +17,13 @@ from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import DPPaddingMode, ExtendInfo, ForwardBatch, ForwardMode
 from plait.parallel.dp_attention import DPAttentionScheduler, IdleSpecInput, MLPCountSync, RankCounts
 from plait.testing import make_eagle_head, make_tiny_model
-from tests.helpers import assert_no_leaks, make_engine, prompt_ids, single_rank_outputs
+from tests.helpers import (
+    TwoRankControl,
+    assert_no_leaks_on_every_dp_rank,
+    make_engine,
+    prompt_ids,
+    single_rank_outputs,
+)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10}
 PROMPTS = prompt_ids(5)  # 3 to 20 tokens: several prefill chunks of 16 for the longest
@@ -65,10 +71,7 @@ def _spec_stats(engine):
 def _check_no_leaks(engine) -> None:
     sched = engine.scheduler
     if isinstance(sched, DPAttentionScheduler):
-        assert_no_leaks(engine)  # rank 0's pools
-        for _ in range(2):  # rank 1 reports its KV use in the next round's exchange
-            sched.step()
-        assert sched.remote_kv_tokens_in_use == {1: 0}, "rank 1: KV slots leaked"
+        assert_no_leaks_on_every_dp_rank(engine)
         return
     assert not sched.has_work()
     for i, (rs, rr) in enumerate(zip(sched.replicas, engine.runner.replicas, strict=True)):
@@ -204,18 +207,6 @@ def _idle_batch(width: int) -> ForwardBatch:
     return ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
                         seq_lens=empty, out_cache_loc=empty, positions=empty,
                         spec_info=IdleSpecInput(width, torch.empty(0, dtype=torch.bool)))
-
-
-class TwoRankControl:
-    """Rank 0 of a two-rank control group whose other rank sends ``other``."""
-
-    rank, size = 0, 2
-
-    def __init__(self, other: RankCounts) -> None:
-        self.other = other
-
-    def all_gather(self, t: torch.Tensor, timeout=None) -> list[torch.Tensor]:
-        return [t.clone(), self.other.to_tensor()]
 
 
 def test_a_verify_phase_exchanges_requests_and_pads_like_a_decode():

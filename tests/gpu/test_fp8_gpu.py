@@ -10,15 +10,16 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from plait.bench.shapes import SHAPES  # noqa: E402
+from plait.bench.shapes import SHAPES, linear_shapes  # noqa: E402
 from plait.bench.workloads import make_engine, random_prompts  # noqa: E402
 from plait.layers.quantization.fp8_kernels import (  # noqa: E402
     dequantize_weight,
-    fp8_gemv,
     fp8_linear,
     quantize_weight_per_channel,
     reference_fp8_linear,
 )
+from plait.layers.quantization.gemv import gemv, split_counters  # noqa: E402
+from plait.layers.quantization.gemv_config import GemvConfig  # noqa: E402
 
 VOCAB = SHAPES["llama-3.2-1b"]["vocab_size"]
 
@@ -36,14 +37,57 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+LLAMA_8B_LAYERS = linear_shapes("llama-3.1-8b")
+
+
 @pytest.mark.parametrize("block", [False, True])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("nk", [(6144, 4096), (4096, 14336)])
-def test_gemv_equals_the_dequantized_weight_product(block, m, nk):
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("layer", sorted(LLAMA_8B_LAYERS))
+def test_gemv_equals_the_dequantized_weight_product(block, m, layer):
+    nk = LLAMA_8B_LAYERS[layer]
     q, s, blk = _weights(*nk, block)
     x = torch.randn(m, nk[1], device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ dequantize_weight(q, s, blk).t()
-    assert _rel(fp8_gemv(x, q, s, blk), ref) < 1e-2
+    assert _rel(gemv(x, q, s, blk), ref) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("layer", sorted(LLAMA_8B_LAYERS))
+def test_bf16_gemv_equals_the_fp32_product(m, layer):
+    n, k = LLAMA_8B_LAYERS[layer]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert _rel(gemv(x, w), x.float() @ w.float().t()) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_split_k_gemv_replays_in_a_graph_and_leaves_its_counters_zero(m):
+    q, s, _ = _weights(4096, 4096, False)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    cfg = GemvConfig(block_n=16, block_k=256, split_k=4)
+    ref = x.float() @ dequantize_weight(q, s, None).t()
+    eager = gemv(x, q, s, None, cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, q, s, None, cfg)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)  # the slices are added in order: deterministic
+    assert _rel(out, ref) < 1e-2
+    assert int(split_counters(x.device).abs().sum()) == 0
+
+
+def test_bf16_linear_with_the_gemv_switch_equals_cublas(monkeypatch):
+    from plait.layers.linear import RowParallelLinear
+
+    monkeypatch.setenv("PLAIT_BF16_GEMV", "1")
+    layer = RowParallelLinear(4096, 6144, dtype=torch.bfloat16).cuda()
+    assert layer.small_m_gemv
+    layer.weight.data.normal_(0, 0.02)
+    for m in (1, 7, 40):  # 40 tokens: past the GEMV's range, cuBLAS
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        assert _rel(layer(x), x.float() @ layer.weight.float().t()) < 1e-2
 
 
 @pytest.mark.parametrize("block", [False, True])

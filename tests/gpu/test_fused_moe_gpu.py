@@ -107,3 +107,128 @@ def test_graph_replay_equals_eager_on_new_routings(experts, num_tokens):
         torch.cuda.synchronize()
         assert torch.equal(out, step())
         assert rel_error(out, x, weights, ids, ex) < 1e-2
+
+
+@pytest.mark.parametrize("num_tokens", range(1, 9))
+@pytest.mark.parametrize("path", ["small-batch", "aligned", "dispatched"])
+def test_decode_sizes_match_fp32_reference_on_either_path(experts, num_tokens, path):
+    ex = experts
+    e, h, k = ex["w13"].shape[0], ex["w13"].shape[2], ex["top_k"]
+    weights, ids = routing(num_tokens, e, k, seed=10 + num_tokens)
+    x = hidden(num_tokens, h, seed=10 + num_tokens)
+    forced = {"small-batch": True, "aligned": False, "dispatched": None}[path]
+    out = fused.fused_experts_triton(x, ex["w13"], ex["w2"], weights, ids, ex["activation"], ex["b13"], ex["b2"],
+                                     small_batch=forced)
+    assert rel_error(out, x, weights, ids, ex) < 1e-2
+
+
+def test_small_batch_path_skips_remote_experts_and_repeated_experts(experts):
+    ex = experts
+    e, h, k = ex["w13"].shape[0], ex["w13"].shape[2], ex["top_k"]
+    weights, ids = routing(2, e, k, seed=6)
+    ids[0, :] = 3  # every slot of token 0 on one expert
+    ids[1, 0], ids[1, 1] = -1, e  # two slots of token 1 held by other ranks
+    x = hidden(2, h, seed=6)
+    out = fused.fused_experts_triton(x, ex["w13"], ex["w2"], weights, ids, ex["activation"], ex["b13"], ex["b2"],
+                                     small_batch=True)
+    assert rel_error(out, x, weights, ids, ex) < 1e-2
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_small_batch_router_and_experts_replay_in_a_graph(experts, num_tokens):
+    # The whole small-batch MoE step as a decode graph holds it: fused top-k from router logits,
+    # then the two expert launches; replays on new logits and hidden states equal eager runs.
+    from plait.layers.moe.fused_router import fused_topk
+
+    ex = experts
+    e, h, k = ex["w13"].shape[0], ex["w13"].shape[2], ex["top_k"]
+    softmax_first = ex["activation"] == "silu"  # qwen3: softmax then top-k, renormalised; gpt-oss the reverse
+    logits = torch.randn(num_tokens, e, device="cuda").bfloat16()
+    x = hidden(num_tokens, h, seed=20)
+
+    def step():
+        weights, ids = fused_topk(logits, k, softmax_first, renormalize=softmax_first)
+        return fused.fused_experts_triton(x, ex["w13"], ex["w2"], weights, ids, ex["activation"], ex["b13"],
+                                          ex["b2"], small_batch=True), weights, ids
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, weights, ids = step()
+    for seed in (21, 22):
+        logits.copy_(torch.randn(num_tokens, e, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        x.copy_(hidden(num_tokens, h, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_w, eager_ids = step()
+        assert torch.equal(ids, eager_ids) and torch.equal(weights, eager_w) and torch.equal(out, eager_out)
+        assert rel_error(out, x, weights, ids, ex) < 1e-2
+
+
+@pytest.mark.parametrize(("num_experts", "top_k", "scoring", "renormalize"),
+                         [(128, 8, "softmax_topk", True), (32, 4, "topk_softmax", False),
+                          (60, 4, "softmax_topk", False)])
+def test_one_launch_router_matches_torch_on_gpu(num_experts, top_k, scoring, renormalize):
+    from plait.layers.moe.fused_router import fused_topk
+    from plait.layers.moe.router import RouterConfig, select_experts
+
+    logits = torch.randn(64, num_experts, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    weights, ids = fused_topk(logits, top_k, scoring == "softmax_topk", renormalize)
+    ref_w, ref_ids = select_experts(logits, RouterConfig(num_experts, top_k, scoring, renormalize), fused=False)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
+
+
+def test_moe_layer_at_one_token_runs_the_router_gemm_and_three_triton_kernels(experts):
+    # Router GEMM (cuBLAS: one kernel, or two where it splits K), fused top-k, gate/up + activation,
+    # down + biases + weights + top-k sum.
+    from plait.layers.moe.layer import FusedMoE, SparseMoeBlock
+    from plait.layers.moe.router import RouterConfig
+
+    ex = experts
+    e, h, k = ex["w13"].shape[0], ex["w13"].shape[2], ex["top_k"]
+    bias = ex["b13"] is not None
+    moe = FusedMoE(e, h, ex["w2"].shape[2], activation=ex["activation"], bias=bias, dtype=torch.bfloat16).cuda()
+    moe.w13_weight.data.copy_(ex["w13"])
+    moe.w2_weight.data.copy_(ex["w2"])
+    if bias:
+        moe.w13_bias.data.copy_(ex["b13"])
+        moe.w2_bias.data.copy_(ex["b2"])
+    scoring = "topk_softmax" if bias else "softmax_topk"
+    block = SparseMoeBlock(RouterConfig(e, k, scoring, renormalize=not bias), moe, h, router_bias=bias).cuda()
+    block.gate.weight.data.normal_().mul_(h**-0.5)
+    if bias:
+        block.gate.bias.data.normal_()
+    block = block.bfloat16()
+    x = hidden(1, h, seed=30)
+    with torch.inference_mode():
+        block(x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = block(x)
+            torch.cuda.synchronize()
+    names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    for kernel in ("_fused_topk_kernel", "_small_gate_up_kernel", "_small_down_sum_kernel"):
+        assert sum(n.startswith(kernel) for n in names) == 1, names
+    assert len(names) <= 5, names  # the three, and the router GEMM's one or two
+    assert torch.isfinite(out).all()
+
+
+def test_one_launch_expert_counter_matches_torch_under_graph_replay():
+    from plait.layers.moe.routing_stats import RoutedExpertCounter
+
+    fused_counter = RoutedExpertCounter(128, "cuda", capacity=4)
+    torch_counter = RoutedExpertCounter(128, "cuda", capacity=4)
+    _, ids = routing(3, 128, 8, seed=40)
+    fused_counter.record(ids)  # compile outside the capture
+    fused_counter.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_counter.record(ids)
+    for seed in (41, 42, 43, 44, 45):  # wraps the ring of 4
+        ids.copy_(routing(3, 128, 8, seed=seed)[1])
+        ids[0, 0] = -1  # an expert another rank holds: not counted
+        graph.replay()
+        torch_counter.record(ids, fused=False)
+    assert fused_counter.calls() == torch_counter.calls()

@@ -14,7 +14,7 @@ from plait.sampling import SamplingParams
 from plait.server import protocol
 from plait.server.errors import APIError
 from plait.server.function_call import JsonArrayParser
-from plait.server.reasoning import ReasoningParser
+from plait.server.reasoning import make_reasoning_parser
 from plait.server.tool_calling import ChatOptions, ChatOutput, plan_tools
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -101,7 +101,7 @@ def test_chat_output_streams_openai_tool_call_deltas():
 
 
 def test_chat_output_message_has_reasoning_content_and_tool_calls():
-    out = ChatOutput(ReasoningParser.named("qwen3"), plan(tools=[ADD]).new_parser())
+    out = ChatOutput(make_reasoning_parser("qwen3"), plan(tools=[ADD]).new_parser())
     msg = out.message('<think>\nAdd them.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
                       "</tool_call>")
     assert msg["reasoning_content"] == "Add them."

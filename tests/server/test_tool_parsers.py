@@ -19,7 +19,7 @@ from plait.server.function_call import (
     accumulate,
     make_tool_call_parser,
 )
-from plait.server.reasoning import REASONING_PARSERS, ReasoningParser
+from plait.server.reasoning import REASONING_PARSERS, make_reasoning_parser
 
 TOOLS = ["get_weather", "get_time"]
 
@@ -162,14 +162,14 @@ REASONING_CASES = [
 @pytest.mark.parametrize(("parser", "text", "reasoning", "content"), REASONING_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(REASONING_CASES)])
 def test_reasoning_split_streams_identically_at_every_split(parser, text, reasoning, content):
-    whole = ReasoningParser.named(parser).parse(text)
+    whole = make_reasoning_parser(parser).parse(text)
     assert whole == (reasoning, content)
 
     def joined(parts: list[tuple[str, str]]) -> tuple[str, str]:
         return "".join(r for r, _ in parts), "".join(c for _, c in parts)
 
     for i in range(len(text) + 1):
-        p = ReasoningParser.named(parser)
+        p = make_reasoning_parser(parser)
         assert joined([p.feed(text[:i]), p.feed(text[i:]), p.finish()]) == whole, f"split at {i}"
-    p = ReasoningParser.named(parser)
+    p = make_reasoning_parser(parser)
     assert joined([p.feed(ch) for ch in text] + [p.finish()]) == whole

@@ -37,6 +37,19 @@ def max_padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (padded + block_m - 1) // block_m * block_m
 
 
+@triton.jit
+def expert_histogram(topk_ids, num_pairs, num_experts, BLOCK_E: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+    """[BLOCK_E] int32: how many of the ``num_pairs`` ids at ``topk_ids`` name each expert (ids
+    outside [0, num_experts) are not counted), accumulated in registers COUNT_BLOCK ids a step."""
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, COUNT_BLOCK):
+        offs = start + tl.arange(0, COUNT_BLOCK)
+        ids = tl.load(topk_ids + offs, mask=offs < num_pairs, other=-1)
+        valid = (ids >= 0) & (ids < num_experts)
+        counts += tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BLOCK_E, mask=valid)
+    return counts
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_blocks"])
 def _align_scan_kernel(topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded, cursor,
                        num_pairs, num_experts, max_padded, max_blocks,
@@ -46,12 +59,7 @@ def _align_scan_kernel(topk_ids, sorted_token_ids, expert_ids, num_tokens_post_p
     the padded total, the sentinel fill of ``sorted_token_ids`` and the block -> expert table."""
     e_range = tl.arange(0, BLOCK_E)
     e_valid = e_range < num_experts
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for start in range(0, num_pairs, COUNT_BLOCK):
-        offs = start + tl.arange(0, COUNT_BLOCK)
-        ids = tl.load(topk_ids + offs, mask=offs < num_pairs, other=-1)
-        valid = (ids >= 0) & (ids < num_experts)
-        counts += tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BLOCK_E, mask=valid)
+    counts = expert_histogram(topk_ids, num_pairs, num_experts, BLOCK_E, COUNT_BLOCK)
     padded = tl.where(e_valid, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     end = tl.cumsum(padded, 0)
     tl.store(cursor + e_range, end - padded, mask=e_valid)

@@ -18,6 +18,7 @@ each (P = T * K (token, expert) pairs, pair ``p = t * K + k``):
 Every buffer's size depends only on T, K, E, the shapes and the launch config (never on the
 routing), and no step reads a device value on the host, so the whole call is CUDA-graph capturable.
 The launch config comes from ``kernel_config.get_config`` (tuned JSON per shape and device).
+Small batches (few pairs against many experts, decode) skip the alignment instead: ``small_batch``.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.layers.moe.activation_triton import activate
 from plait.layers.moe.align import max_padded_size, moe_align_block_size
 from plait.layers.moe.kernel_config import MoeKernelConfig, get_config
 from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from plait.layers.moe.small_batch import fused_experts_small_batch, get_small_batch_config, use_small_batch
 
 # Larger batches run in chunks of this many tokens so the [P, 2I] intermediates stay bounded.
 CHUNK_TOKENS = 16384
@@ -40,17 +43,6 @@ _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}  # silu
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                 "float8_e5m2fnuz") if hasattr(torch, n))
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _activate(gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """fp32 gate, up -> fp32 act(gate) * up (silu), or gpt-oss's clamped (up + 1) * gate * sigmoid(a * gate)."""
-    if ACTIVATION == 0:
-        return gate / (1.0 + tl.exp(-gate)) * up
-    else:
-        gate = tl.minimum(gate, LIMIT)
-        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-        return (up + 1.0) * gate / (1.0 + tl.exp(-ALPHA * gate))
 
 
 @triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
@@ -121,7 +113,7 @@ def fused_moe_kernel(
         if ACTIVATION >= 0:
             acc_up += tl.load(bias_ptrs + up_offset).to(tl.float32)[None, :]
     if ACTIVATION >= 0:
-        acc = _activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
+        acc = activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights + offs_token, mask=token_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -143,7 +135,7 @@ def _moe_activation_kernel(X, Y, topk_ids, n_rows, n, num_experts, stride_x, str
     mask = cols < n
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
+    y = activate(gate, up, ACTIVATION, ALPHA, LIMIT)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -304,9 +296,19 @@ def fused_experts_triton(
     activation: str = "silu",
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    small_batch: bool | None = None,
 ) -> torch.Tensor:
-    """[T, H] -> [T, H]: sum_k w[t,k] * down_k(act(gate_up_k(x_t))), the launch config tuned for this
-    shape, device and batch bucket (``kernel_config.get_config``)."""
+    """[T, H] -> [T, H]: sum_k w[t,k] * down_k(act(gate_up_k(x_t))). While the pairs are few against
+    the experts (``small_batch.use_small_batch``; ``small_batch`` forces either way) the two-launch
+    path of ``small_batch`` without alignment; else the aligned pipeline, its launch config tuned
+    for this shape, device and batch bucket (``kernel_config.get_config``)."""
+    if use_small_batch(topk_ids.numel(), w13.shape[0]) if small_batch is None else small_batch:
+        check_expert_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+        small_cfg = get_small_batch_config(hidden_states.shape[0], w13.shape[0], topk_ids.shape[-1],
+                                           hidden_states.shape[1], w13.shape[1] // 2,
+                                           _device_name(hidden_states.device))
+        return fused_experts_small_batch(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2,
+                                         small_cfg)
     config = get_config(hidden_states.shape[0], w13.shape[0], w13.shape[1] // 2, topk_ids.shape[-1],
                         _device_name(hidden_states.device))
     return fused_experts_with_config(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2, config)

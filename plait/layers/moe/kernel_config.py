@@ -10,10 +10,10 @@ Without a file, a default that depends on how many tokens each expert receives o
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
-import re
 from dataclasses import asdict, dataclass
+
+from plait.layers.tuned_configs import device_file_tag, nearest_bucket, read_json_file
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
@@ -48,17 +48,15 @@ class MoeKernelConfig:
 
 
 def config_file_name(num_experts: int, intermediate: int, device_name: str) -> str:
-    device = re.sub(r"[^A-Za-z0-9-]", "_", device_name)
-    return f"E{num_experts}_N{intermediate}_{device}.json"
+    return f"E{num_experts}_N{intermediate}_{device_file_tag(device_name)}.json"
 
 
 @functools.cache
 def load_configs(num_experts: int, intermediate: int, device_name: str) -> dict[int, MoeKernelConfig] | None:
     """Bucket M -> config from the tuned file, or None when no file exists for this shape/device."""
-    path = CONFIG_DIR / config_file_name(num_experts, intermediate, device_name)
-    if not path.is_file():
+    raw = read_json_file(CONFIG_DIR / config_file_name(num_experts, intermediate, device_name))
+    if raw is None:
         return None
-    raw = json.loads(path.read_text())
     return {int(m): MoeKernelConfig.from_json(cfg) for m, cfg in raw.items()}
 
 
@@ -78,5 +76,4 @@ def get_config(num_tokens: int, num_experts: int, intermediate: int, top_k: int,
     table = load_configs(num_experts, intermediate, device_name)
     if not table:
         return default_config(num_tokens, num_experts, top_k)
-    bucket = min(table, key=lambda m: (abs(m - num_tokens), m))
-    return table[bucket]
+    return table[nearest_bucket(table, num_tokens)]

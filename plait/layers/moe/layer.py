@@ -29,10 +29,10 @@ from plait.layers.moe.routing_stats import RoutedExpertCounter
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str = "silu", b13: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None) -> torch.Tensor:
+                  b2: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
     """The routed experts' weighted sum (plait.layers.moe.reference for the semantics): the fused
-    Triton kernel on CUDA, the reference loop elsewhere."""
-    if hidden_states.device.type == "cuda":
+    Triton kernels (``fused``, by default on CUDA), else the reference loop."""
+    if hidden_states.device.type == "cuda" if fused is None else fused:
         try:
             from plait.layers.moe.fused_moe_triton import fused_experts_triton
         except ModuleNotFoundError as e:  # the kernel module is not in this tree
@@ -56,12 +56,15 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE,
                  ep_size: int = 1, activation: str = "silu", bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, fused_kernels: bool | None = None) -> None:
+        """``fused_kernels``: route and compute with the Triton kernels (True), the torch router and
+        the reference loop (False), or by the device of each call (None: Triton on CUDA)."""
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoE activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.num_experts = num_experts
         self.activation = activation
+        self.fused_kernels = fused_kernels
         self.moe_tp_size = _divide(tp.size, ep_size, "tensor parallel size", "choose ep_size dividing tp_size")
         self.moe_tp_rank = tp.rank % self.moe_tp_size
         self.ep_size = ep_size
@@ -125,7 +128,7 @@ class FusedMoE(nn.Module):
         local_ids = self.expert_map[topk_ids.long()] if self.ep_size > 1 else topk_ids
         b2 = self.w2_bias if self.moe_tp_rank == 0 else None
         return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, local_ids,
-                             self.activation, self.w13_bias, b2)
+                             self.activation, self.w13_bias, b2, self.fused_kernels)
 
 
 class Router(nn.Module):
@@ -161,7 +164,7 @@ class SparseMoeBlock(nn.Module):
         self.routing_counter: RoutedExpertCounter | None = None
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.router_config)
+        topk_weights, topk_ids = select_experts(self.gate(x), self.router_config, self.experts.fused_kernels)
         if self.routing_counter is not None:
             self.routing_counter.record(topk_ids)
         out = self.experts(x, topk_weights, topk_ids)

@@ -30,8 +30,15 @@ class RouterConfig:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, num_experts={self.num_experts}]")
 
 
-def select_experts(router_logits: torch.Tensor, cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights float32 [T, K], topk_ids int32 [T, K])."""
+def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
+                   fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights float32 [T, K], topk_ids int32 [T, K]).
+
+    ``fused``: the one-launch Triton kernel (``fused_router``), by default on CUDA tensors; else torch."""
+    if router_logits.is_cuda if fused is None else fused:
+        from plait.layers.moe.fused_router import fused_topk
+
+        return fused_topk(router_logits, cfg.top_k, cfg.scoring == "softmax_topk", cfg.renormalize)
     logits = router_logits.float()
     if cfg.scoring == "topk_softmax":
         values, ids = torch.topk(logits, cfg.top_k, dim=-1)

@@ -3,10 +3,12 @@ for benchmarks (the decode floor reads exactly those experts' weights: plait.ben
 
 Off by default: a ``SparseMoeBlock`` records only when a counter is attached (``attach``; the model
 runner does so under PLAIT_COUNT_ROUTED_EXPERTS=1, before CUDA graphs are captured, so replays record
-too). ``record`` is device work only (no host sync, no host-to-device copy), hence graph-safe: a
-``[E]`` bool scatter of the step's ``topk_ids``, its sum, and two writes at a device-side cursor
-into a ring of ``capacity`` calls. Under tensor or expert parallelism every rank routes every token
-of the step, so rank 0's counts are the step's.
+too). ``record`` is device work only (no host sync, no host-to-device copy), hence graph-safe: the
+distinct ids of the step's ``topk_ids`` counted, then two writes at a device-side cursor into a ring
+of ``capacity`` calls. On CUDA that is one Triton launch per layer call (``fused``; torch's form is
+seven or eight small launches, which would inflate the very decode steps a benchmark times), on
+the CPU a ``[E]`` bool scatter and its sum. Under tensor or expert parallelism every rank routes
+every token of the step, so rank 0's counts are the step's.
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ class RoutedExpertCounter:
         self.distinct = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=device)  # calls recorded since reset
 
-    def record(self, topk_ids: torch.Tensor) -> None:
-        """One layer's routing ``topk_ids [T, k]`` (global expert ids in [0, E))."""
-        seen = torch.zeros(self.num_experts, dtype=torch.bool, device=topk_ids.device)
-        seen.index_fill_(0, topk_ids.reshape(-1).long(), True)
+    def record(self, topk_ids: torch.Tensor, fused: bool | None = None) -> None:
+        """One layer's routing ``topk_ids [T, k]`` (global expert ids in [0, E); others are not
+        counted). ``fused``: the one-launch Triton kernel, by default on CUDA."""
+        if topk_ids.is_cuda if fused is None else fused:
+            from plait.layers.moe.routing_stats_triton import record_routing
+
+            record_routing(topk_ids, self.num_experts, self.tokens, self.distinct, self.cursor)
+            return
+        ids = topk_ids.reshape(-1).long()
+        e = self.num_experts
+        # Ids outside [0, E) land in a spare slot E that is not summed (no data-dependent shapes).
+        seen = torch.zeros(e + 1, dtype=torch.bool, device=topk_ids.device)
+        seen.index_fill_(0, torch.where((ids >= 0) & (ids < e), ids, e), True)
         slot = self.cursor % self.capacity
         self.tokens.index_fill_(0, slot, topk_ids.shape[0])
-        self.distinct.index_copy_(0, slot, seen.sum().view(1))
+        self.distinct.index_copy_(0, slot, seen[:e].sum().view(1))
         self.cursor += 1
 
     def reset(self) -> None:

@@ -23,10 +23,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear
-from plait.layers.quantization.fp8_kernels import FP8_DTYPE, fp8_linear, quantize_weight_per_channel
+from plait.layers.quantization.fp8_kernels import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    fp8_linear,
+    quantize_static,
+    quantize_weight_per_channel,
+)
 
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 
@@ -218,7 +226,15 @@ class Fp8LinearMethod:
     def process_weights_after_loading(self, layer: Linear) -> None:
         cfg = self.config
         if not cfg.serialized:
-            q, scale = quantize_weight_per_channel(layer.weight.data)
+            w = layer.weight.data
+            if isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
+                # A rank holds some input columns of each output row: the row's scale is its absmax
+                # over all ranks' columns, so tp > 1 stores the weights one rank would.
+                amax = layer.tp.all_reduce(w.abs().amax(dim=1).float(), op=dist.ReduceOp.MAX)
+                scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+                q = quantize_static(w, scale[:, None])
+            else:
+                q, scale = quantize_weight_per_channel(w)
             self._set_runtime(layer, q, scale, None)
             return
         raw = getattr(layer, cfg.scale_name)

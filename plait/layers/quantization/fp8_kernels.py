@@ -6,10 +6,9 @@ layouts (``W = q * s``):
   block    ``scale [ceil(N / bn), ceil(K / bk)]`` fp32: one scale per ``bn x bk`` tile (128 x 128)
 
 Paths (``fp8_linear`` picks one):
-  GEMV    few tokens (decode): ``fp8_gemv`` reads the FP8 weight once, converts it in registers and
-          multiplies the activations as they are (bf16/fp16/fp32: weight-only dequantization). The
-          grid splits N into tiles and K into ``split_k`` slices so a bs-1 matvec fills every SM;
-          the slices' fp32 partial sums are added by one ``sum`` (deterministic, no atomics).
+  GEMV    few tokens (decode): ``plait.layers.quantization.gemv.gemv``, one launch that reads the FP8
+          weight once, converts it in registers and multiplies the activations as they are
+          (bf16/fp16/fp32: weight-only dequantization), with configs tuned per shape.
   GEMM    many tokens (prefill): activations are quantized to FP8 (per token for channel weights,
           per token and 128-column group for block weights, or a checkpoint's static per-tensor
           scale), then ``torch._scaled_mm`` with rowwise scales (channel) or ``w8a8_block_matmul``,
@@ -25,19 +24,17 @@ Paths (``fp8_linear`` picks one):
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from plait.layers.quantization.gemv import gemv
+from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Smallest scale a quantizer hands out: an all-zero row quantizes to zeros, not NaN.
 MIN_SCALE = 1e-12
-# Tokens up to which the GEMV path serves a matmul on the GPU (decode batches); larger batches take
-# the FP8 GEMM. Measured at the llama-3.1-8b shapes (docs/quantization.md).
-GEMV_MAX_TOKENS = 16
 
 
 # --- quantizers (torch; shared by the GPU GEMM path and the reference) ----------------------------
@@ -136,131 +133,6 @@ def reference_fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
     return xd @ dequantize_weight(q, scale, block).t()
 
 
-# --- GEMV: few tokens, FP8 weights read once -----------------------------------------------------
-@triton.jit
-def _fp8_gemv_kernel(
-    X,  # [M, K] activations (bf16 / fp16 / fp32)
-    W,  # [N, K] fp8
-    S,  # channel: [N] fp32; block: [ceil(N / BN_SCALE), ceil(K / BK_SCALE)] fp32
-    Partial,  # [SPLIT_K, M, N] fp32
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    k_per_split,  # multiple of BLOCK_K
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_SCALES: tl.constexpr,
-    BN_SCALE: tl.constexpr,
-    BK_SCALE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # BLOCK_M == 1: products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile, reduced over K once
-    # at the end (no cross-thread reduction per K step).
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
-        if BLOCK_SCALES:
-            # BLOCK_K divides BK_SCALE: the tile lies in one K block; the scale varies along N only.
-            s = tl.load(S + (offs_n // BN_SCALE) * stride_sn + k0 // BK_SCALE, mask=mask_n, other=0.0)
-        if BLOCK_M == 1:
-            prod = w.to(tl.float32) * x.to(tl.float32)
-            if BLOCK_SCALES:
-                prod = prod * s[:, None]
-            acc2 += prod
-        else:  # the weight converted to the activations' dtype (exact for e4m3 in bf16/fp16/fp32)
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION)
-            if BLOCK_SCALES:
-                part = part * s[None, :]
-            acc += part
-    if BLOCK_M == 1:
-        acc += tl.sum(acc2, axis=1)[None, :]
-    if not BLOCK_SCALES:
-        s = tl.load(S + offs_n, mask=mask_n, other=0.0)
-        acc = acc * s[None, :]
-    out = Partial + pid_k.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
-
-
-@functools.lru_cache(maxsize=8)
-def _cuda_num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(t: torch.Tensor) -> int:
-    if t.device.type != "cuda":
-        return 8  # the interpreter: any positive value
-    return _cuda_num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-def gemv_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps) for an ``m``-token FP8 GEMV: N tiles x K slices
-    about four programs per SM, each K slice a whole number of 128-column blocks (the H200 sweep of
-    ``plait bench quant --sweep`` at the llama-3.1-8b shapes)."""
-    if m == 1:
-        block_m, block_n, warps = 1, 128, 8
-    else:
-        block_m, block_n, warps = max(16, triton.next_power_of_2(m)), 64, 4
-    block_k = 128
-    n_tiles = triton.cdiv(n, block_n)
-    split_k = max(1, min(triton.cdiv(k, block_k), round(4 * num_sms / n_tiles)))
-    return block_m, block_n, block_k, split_k, warps
-
-
-@triton.jit
-def _sum_splits_kernel(Partial, Out, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Out[i] = sum over the K slices of Partial[:, i], cast to Out's dtype (one pass)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(Partial + s * MN + offs, mask=mask, other=0.0)
-    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=mask)
-
-
-def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-             config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """``x [M, K] @ dequant(q, scale).T -> [M, N]`` in x's dtype, weight-only dequantization."""
-    m, k = x.shape
-    n = q.shape[0]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    block_m, block_n, block_k, split_k, warps = config or gemv_config(m, n, k, _num_sms(x))
-    if block is not None and block[1] % block_k:
-        raise ValueError(f"fp8_gemv: BLOCK_K {block_k} must divide the scale block {block[1]}")
-    k_blocks = triton.cdiv(k, block_k)
-    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    bn_s, bk_s = block if block is not None else (1, 1)
-    grid = (triton.cdiv(n, block_n), split_k)
-    _fp8_gemv_kernel[grid](
-        x, q, scale, partial, m, n, k, x.stride(0), q.stride(0), scale.stride(0) if block is not None else 0,
-        k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=block is not None,
-        BN_SCALE=bn_s, BK_SCALE=bk_s, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        num_warps=warps)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=1024)
-    return out
-
-
 # --- block-scaled W8A8 GEMM ------------------------------------------------------------------------
 @triton.jit
 def _w8a8_block_matmul_kernel(
@@ -355,7 +227,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tup
     elif x.device.type != "cuda":
         out = (x2.float() @ dequantize_weight(q, scale, block).t()).to(x.dtype)
     elif m <= GEMV_MAX_TOKENS:
-        out = fp8_gemv(x2, q, scale, block)
+        out = gemv(x2, q, scale, block)
     elif block is not None:
         xq, xs = quantize_rows(x2, block[1])
         out = w8a8_block_matmul(xq, xs, q, scale, block, x.dtype)

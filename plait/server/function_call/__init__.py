@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from plait.server.function_call.core import ParseDelta, ToolCall, ToolCallDelta, ToolCallParser, accumulate
+from plait.server.function_call.core import (
+    ParseDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    ToolParser,
+    accumulate,
+)
+from plait.server.function_call.harmony import HarmonyToolParser
 from plait.server.function_call.json_formats import (
     JsonArrayParser,
     Llama3Parser,
@@ -17,20 +25,21 @@ from plait.server.function_call.json_formats import (
 from plait.server.function_call.pythonic import PythonicParser
 
 # --tool-call-parser NAME -> the parser class; hermes and qwen25 share the <tool_call> format.
-TOOL_CALL_PARSERS: dict[str, Callable[..., ToolCallParser]] = {
+TOOL_CALL_PARSERS: dict[str, Callable[..., ToolParser]] = {
     "llama3": Llama3Parser,
     "hermes": TaggedJsonParser,
     "qwen25": TaggedJsonParser,
     "mistral": MistralParser,
     "pythonic": PythonicParser,
+    "gpt-oss": HarmonyToolParser,
 }
 
 
-def make_tool_call_parser(name: str, tool_names: Collection[str], parallel_tool_calls: bool = True) -> ToolCallParser:
+def make_tool_call_parser(name: str, tool_names: Collection[str], parallel_tool_calls: bool = True) -> ToolParser:
     if name not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool call parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {name!r}")
     return TOOL_CALL_PARSERS[name](tool_names, max_calls=None if parallel_tool_calls else 1)
 
 
-__all__ = ["TOOL_CALL_PARSERS", "JsonArrayParser", "NamedFunctionParser", "ParseDelta", "ToolCall", "ToolCallDelta",
-           "ToolCallParser", "accumulate", "make_tool_call_parser"]
+__all__ = ["TOOL_CALL_PARSERS", "HarmonyToolParser", "JsonArrayParser", "NamedFunctionParser", "ParseDelta", "ToolCall",
+           "ToolCallDelta", "ToolCallParser", "ToolParser", "accumulate", "make_tool_call_parser"]

@@ -27,6 +27,7 @@ import json
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +265,53 @@ def block_result(buf: str, calls: list[PartialCall], end: int | None, error_at: 
     return Scan(calls=calls, consumed=end)
 
 
+class ToolParser(Protocol):
+    """What the server feeds one choice's output to: every ``--tool-call-parser`` (scan formats
+    subclass ``ToolCallParser``; gpt-oss's harmony format is a state machine of its own)."""
+
+    def feed(self, text: str) -> ParseDelta: ...
+
+    def finish(self) -> ParseDelta: ...
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]: ...
+
+
+class CallNumbering:
+    """Turns the calls of one output, as far as they are read, into deltas: a call gets the next
+    OpenAI index when its name is known, unless it is dropped (a function not in ``tool_names``,
+    with a warning, as SGLang does; or past ``max_calls``); its arguments go out as what grew."""
+
+    def __init__(self, tool_names: Collection[str], max_calls: int | None) -> None:
+        self.tool_names = frozenset(tool_names)
+        self.max_calls = max_calls
+        self.num_calls = 0
+        # Per call of the open block: its index (None: dropped), and argument characters sent.
+        self._block: list[tuple[int | None, int]] = []
+
+    def emit(self, k: int, call: PartialCall, out: ParseDelta) -> None:
+        """Call ``k`` of the open block (0, 1, ... in order; each seen again as it grows)."""
+        if call.name is None:
+            return
+        if k == len(self._block):
+            index: int | None = None
+            if call.name not in self.tool_names:
+                logger.warning("dropping a call to %r, which is not among the request's tools", call.name)
+            elif self.max_calls is not None and self.num_calls >= self.max_calls:
+                logger.info("dropping call %d to %r: parallel_tool_calls is false", self.num_calls, call.name)
+            else:
+                index = self.num_calls
+                self.num_calls += 1
+                out.calls.append(ToolCallDelta(index, call.name, ""))
+            self._block.append((index, 0))
+        index, sent = self._block[k]
+        if index is not None and len(call.arguments) > sent:
+            out.calls.append(ToolCallDelta(index, None, call.arguments[sent:]))
+            self._block[k] = (index, len(call.arguments))
+
+    def close_block(self) -> None:
+        self._block = []
+
+
 class ToolCallParser(abc.ABC):
     """Streaming parser of one choice's output. Subclasses implement ``scan``.
 
@@ -275,13 +323,11 @@ class ToolCallParser(abc.ABC):
         self.max_calls = max_calls
         self._buf = ""
         self._only_ws_consumed = True  # nothing but whitespace consumed: the output's start
-        self._num_calls = 0
+        self._calls = CallNumbering(tool_names, max_calls)
         # Trailing whitespace of the normal text so far: sent with the next text, dropped when a
         # call follows (or ends the output).
         self._held_ws = ""
         self._saw_call = False
-        # Per call of the open block: its index (None: dropped), and argument characters sent.
-        self._block: list[tuple[int | None, int]] = []
 
     @abc.abstractmethod
     def scan(self, buf: str, at_start: bool, final: bool) -> Scan: ...
@@ -306,7 +352,7 @@ class ToolCallParser(abc.ABC):
                 self._saw_call = True
                 self._held_ws = ""  # whitespace that only separated calls is not content
             for k, call in enumerate(sc.calls):
-                self._emit(k, call, out)
+                self._calls.emit(k, call, out)
             if sc.consumed == 0:
                 assert not final, "a final scan consumes"
                 break
@@ -320,32 +366,13 @@ class ToolCallParser(abc.ABC):
             if sc.calls:
                 self._only_ws_consumed = False
             self._buf = self._buf[sc.consumed :]
-            self._block = []
+            self._calls.close_block()
         if final and self._held_ws and not self._saw_call:
             texts.append(self._held_ws)
         if final:
             self._held_ws = ""
         out.normal_text = "".join(texts)
         return out
-
-    def _emit(self, k: int, call: PartialCall, out: ParseDelta) -> None:
-        if call.name is None:
-            return
-        if k == len(self._block):
-            index: int | None = None
-            if call.name not in self.tool_names:
-                logger.warning("dropping a call to %r, which is not among the request's tools", call.name)
-            elif self.max_calls is not None and self._num_calls >= self.max_calls:
-                logger.info("dropping call %d to %r: parallel_tool_calls is false", self._num_calls, call.name)
-            else:
-                index = self._num_calls
-                self._num_calls += 1
-                out.calls.append(ToolCallDelta(index, call.name, ""))
-            self._block.append((index, 0))
-        index, sent = self._block[k]
-        if index is not None and len(call.arguments) > sent:
-            out.calls.append(ToolCallDelta(index, None, call.arguments[sent:]))
-            self._block[k] = (index, len(call.arguments))
 
 
 def accumulate(deltas: list[ParseDelta]) -> tuple[str, list[ToolCall]]:

@@ -1,0 +1,245 @@
+"""Tuning the small-M GEMV's launch configs on the GPU (``benchmarks/tune_gemv.py`` is the command).
+
+For each (weight kind, N, K, M bucket) of the llama-3.1-8b and llama-3.2-1b projections (qkv, o,
+gate_up, down), every candidate config is timed under CUDA-graph replay with the weights rotated past
+the L2 (``plait.bench.hardware.graph_time``, the timer of ``plait bench quant --workload gemm``); the
+fastest goes into the device's table (``plait.layers.quantization.gemv_config``'s layout).
+
+The space is pruned to stay within about a minute on an H200, compiles included: a handful of tile
+shapes per form (one token: elementwise tiles of 4-32 rows; more tokens: tensor-core tiles), each with
+split-K off and at the balanced split, and the work ordered by what decode reads most (M 1 first, the
+8b shapes before the 1b ones). ``budget_s`` stops the sweep when spent; untuned entries keep the
+default.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from plait.bench.hardware import graph_time
+from plait.bench.shapes import linear_shapes
+from plait.layers.quantization.gemv import device_info, gemv, plan_launch
+from plait.layers.quantization.gemv_config import (
+    M_BUCKETS,
+    GemvConfig,
+    balanced_split,
+    default_config,
+    shape_key,
+)
+
+TUNED_SHAPES = ("llama-3.1-8b", "llama-3.2-1b")
+TUNED_KINDS = ("fp8_channel", "bf16", "fp8_block")
+ROTATE_BYTES = 256 << 20  # weight copies per case: >= 5x the H200's 50 MB L2
+
+
+def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
+    """(block_n, block_k in bytes, num_warps, num_stages) tried for a kind and token count."""
+    if m == 1:
+        tiles = [(4, 1024, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3),
+                 (8, 512, 4, 1)]
+        if kind == "fp8_block":  # a step lies in one 128-column scale block: taller tiles instead
+            tiles = [(16, 128, 4, 4), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 2, 4)]
+    else:
+        tiles = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 3)]
+        if kind == "fp8_block":
+            tiles = [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3)]
+    return tiles
+
+
+def candidates(kind: str, m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
+    """The configs tried for one case: each tile with split-K off and at the balanced split."""
+    elem = 1 if kind.startswith("fp8") else 2
+    out: list[GemvConfig] = []
+    for block_n, k_bytes, warps, stages in _tiles(kind, m):
+        block_k = k_bytes // elem
+        base = GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, num_stages=stages)
+        split = balanced_split(-(-n // max(block_n, 1 if m == 1 else 16)), -(-k // block_k), num_sms)
+        out += [base] + ([replace(base, split_k=split)] if split > 1 else [])
+    default = default_config(kind, m, n, k, num_sms)
+    return out + ([default] if default not in out else [])
+
+
+@dataclass
+class Case:
+    kind: str
+    n: int
+    k: int
+    m: int
+    layers: list[str]  # the projections of this (N, K), e.g. ["llama-3.1-8b/o_proj"]
+
+
+def cases(shapes: tuple[str, ...], kinds: tuple[str, ...], ms: tuple[int, ...]) -> list[Case]:
+    """Every (kind, N, K, M) once, in tuning order: M 1 first, then by kind, then shape."""
+    shapes_nk: dict[tuple[int, int], list[str]] = {}
+    for shape in shapes:
+        for layer, nk in linear_shapes(shape).items():
+            shapes_nk.setdefault(nk, []).append(f"{shape}/{layer}")
+    order = sorted(ms, key=lambda m: (m != 1, m))
+    return [Case(kind, n, k, m, layers) for m in order for kind in kinds for (n, k), layers in shapes_nk.items()]
+
+
+def make_weights(kind: str, n: int, k: int, rotate: bool = True, device: str = "cuda"
+             ) -> tuple[list[torch.Tensor], torch.Tensor | None, tuple[int, int] | None]:
+    """Copies of one weight (>= ROTATE_BYTES in all; one copy without ``rotate``), its scale and block."""
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+    scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
+    if kind == "fp8_channel":
+        from plait.layers.quantization.fp8_kernels import quantize_weight_per_channel
+
+        w, scale = quantize_weight_per_channel(w)
+    elif kind == "fp8_block":
+        w = w.to(torch.float8_e4m3fn)
+        scale, block = torch.rand(-(-n // 128), -(-k // 128), device=device) * 1e-3 + 1e-4, (128, 128)
+    elif kind == "fp16":
+        w = w.half()
+    copies = max(2, ROTATE_BYTES // (n * k * w.element_size())) if rotate else 1
+    return [w.clone() for _ in range(copies)], scale, block
+
+
+def time_config(x: torch.Tensor, ws: list[torch.Tensor], scale: torch.Tensor | None, block: tuple[int, int] | None,
+                cfg: GemvConfig | None, reps: int = 2) -> float:
+    """Seconds per call of ``gemv`` with ``cfg`` (None: the table's / default) over the rotated copies."""
+    calls: list[Callable[[], Any]] = [lambda w=w: gemv(x, w, scale, block, cfg) for w in ws]
+    return graph_time(calls, reps=reps)
+
+
+def rel_error(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+              cfg: GemvConfig) -> float:
+    """Max error of ``gemv`` with ``cfg`` relative to the fp32 product's largest entry."""
+    from plait.layers.quantization.fp8_kernels import dequantize_weight
+
+    ref = x.float() @ (dequantize_weight(w, scale, block) if scale is not None else w.float()).t()
+    return float((gemv(x, w, scale, block, cfg).float() - ref).abs().max() / ref.abs().max())
+
+
+def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, block: tuple[int, int] | None,
+              num_sms: int) -> dict[str, Any]:
+    """Every candidate of one case timed; the result row (best config, its time and the default's)."""
+    x = torch.randn(case.m, case.k, device=ws[0].device, dtype=torch.bfloat16)
+    weight_bytes = case.n * case.k * ws[0].element_size()
+    timed: list[tuple[float, GemvConfig]] = []
+    for cfg in candidates(case.kind, case.m, case.n, case.k, num_sms):
+        try:
+            timed.append((time_config(x, ws, scale, block, cfg), cfg))
+        except Exception as e:  # a config the compiler or the device rejects (shared memory, registers)
+            print(f"  {cfg}: {type(e).__name__}: {str(e)[:120]}")
+    if not timed:
+        raise RuntimeError(f"gemv tune: no config ran for {case}")
+    timed.sort(key=lambda t: t[0])
+    # The fastest config that computes the product: a broken one never lands in the table.
+    correct = ((t, c) for t, c in timed if rel_error(x, ws[0], scale, block, c) < 1e-2)
+    best_s, best = next(correct, (None, None))
+    if best is None or best_s is None:
+        raise RuntimeError(f"gemv tune: no config of {case} matches the fp32 reference")
+    default = default_config(case.kind, case.m, case.n, case.k, num_sms)
+    default_s = next((t for t, c in timed if c == default), float("nan"))
+    return {"kind": case.kind, "N": case.n, "K": case.k, "M": case.m, "layers": case.layers,
+            "best": best.to_json(), "best_us": best_s * 1e6, "best_tb_s": weight_bytes / best_s / 1e12,
+            "default": default.to_json(), "default_us": default_s * 1e6,
+            "default_tb_s": weight_bytes / default_s / 1e12, "configs_timed": len(timed)}
+
+
+def _compile_work(all_cases: list[Case], num_sms: int) -> list[tuple[str, int, int, int, dict[str, int]]]:
+    """One (kind, N, K, M, config) per distinct compiled kernel among every case's candidates."""
+    seen: set[tuple[Any, ...]] = set()
+    work = []
+    for c in all_cases:
+        block = (128, 128) if c.kind == "fp8_block" else None
+        for cfg in candidates(c.kind, c.m, c.n, c.k, num_sms):
+            key = (c.kind, plan_launch(c.m, c.n, c.k, block, cfg).compile_key())
+            if key not in seen:
+                seen.add(key)
+                work.append((c.kind, c.n, c.k, c.m, cfg.to_json()))
+    return work
+
+
+def _precompile_chunk(items: list[tuple[str, int, int, int, dict[str, int]]]) -> int:
+    """Worker process: run each config once so Triton writes its kernel to the on-disk cache."""
+    done = 0
+    loaded: tuple[tuple[str, int, int], Any] | None = None
+    for kind, n, k, m, raw in items:
+        if loaded is None or loaded[0] != (kind, n, k):
+            loaded = ((kind, n, k), make_weights(kind, n, k, rotate=False))
+        (w,), scale, block = loaded[1]
+        try:
+            gemv(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, scale, block, GemvConfig.from_json(raw))
+            done += 1
+        except Exception:  # out of shared memory / registers: the timing loop reports it
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(all_cases: list[Case], num_sms: int, jobs: int, timeout_s: float) -> None:
+    """Compile every candidate in ``jobs`` spawned processes first (compiles dominate a cold sweep; the
+    timing loop then loads them from Triton's cache). A failure, a crashed worker or ``timeout_s``
+    leaves the remaining compiles to the timing loop."""
+    work = sorted(_compile_work(all_cases, num_sms), key=lambda w: w[:3])
+    if jobs <= 1 or not work:
+        return
+    per = -(-len(work) // (2 * jobs))
+    chunks = [work[i : i + per] for i in range(0, len(work), per)]
+    t0 = time.perf_counter()
+    pool = ProcessPoolExecutor(min(jobs, len(chunks)), mp_context=mp.get_context("spawn"))
+    done = 0
+    try:
+        for future in as_completed([pool.submit(_precompile_chunk, c) for c in chunks], timeout=timeout_s):
+            done += future.result()
+    except Exception as e:  # BrokenProcessPool, TimeoutError, ...
+        print(f"gemv tune: precompile stopped ({type(e).__name__}: {e}); compiling in the timing loop")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    print(f"gemv tune: precompiled {done}/{len(work)} kernels in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_KINDS,
+         ms: tuple[int, ...] = M_BUCKETS, budget_s: float = 55.0, jobs: int = 1,
+         save: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None, device: str = "cuda"
+         ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(table in the config file's layout, result rows). Stops starting cases once ``budget_s`` is spent
+    (the precompile included). ``save(table, rows)`` runs after every weight's cases, so a run stopped
+    from outside keeps what it measured. ``device`` "cpu": the Triton interpreter (tests)."""
+    _, num_sms = device_info(torch.empty(0, device=device))
+    start = time.perf_counter()
+    all_cases = cases(shapes, kinds, ms)
+    precompile(all_cases, num_sms, jobs, timeout_s=budget_s / 2)
+    table: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for (kind, n, k), group in _grouped(all_cases):
+        if time.perf_counter() - start > budget_s:
+            print(f"gemv tune: budget of {budget_s:.0f} s spent; the remaining cases keep the default")
+            break
+        ws, scale, block = make_weights(kind, n, k, rotate=device == "cuda", device=device)
+        for case in group:
+            if time.perf_counter() - start > budget_s:
+                break
+            row = tune_case(case, ws, scale, block, num_sms)
+            rows.append(row)
+            table.setdefault(kind, {}).setdefault(shape_key(n, k), {})[str(case.m)] = row["best"]
+            print(f"{kind:12s} N={n:6d} K={k:6d} M={case.m:2d}: best {row['best_us']:7.2f} us "
+                  f"{row['best_tb_s']:.2f} TB/s {row['best']}  (default {row['default_us']:.2f} us)")
+        del ws
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if save is not None:
+            save(table, rows)
+    print(f"gemv tune: {len(rows)} cases in {time.perf_counter() - start:.1f} s")
+    return table, rows
+
+
+def _grouped(all_cases: list[Case]) -> Iterator[tuple[tuple[str, int, int], list[Case]]]:
+    """Consecutive cases of one (kind, N, K) share one set of weight copies. The order is M-major, so
+    group by (M bucket class, kind, N, K): M 1 first for every shape, then the other buckets together."""
+    groups: dict[tuple[bool, str, int, int], list[Case]] = {}
+    for c in all_cases:
+        groups.setdefault((c.m != 1, c.kind, c.n, c.k), []).append(c)
+    for (_, kind, n, k), group in groups.items():
+        yield (kind, n, k), group

@@ -1,0 +1,246 @@
+"""The fused MoE expert computation for small batches (decode at a few tokens): two Triton launches.
+
+At T * K (token, expert) pairs far fewer than the experts, the sorted/aligned pipeline of
+``fused_moe_triton`` spends more on its launches (align scan + scatter, the top-k sum) and on
+padding every pair to a ``block_m``-row tile than on its bytes. Here each pair reads its expert's
+weights directly from ``topk_ids``, with no alignment (as small-batch MoE kernels elsewhere index
+the experts by the top-k ids directly):
+
+1. ``_small_gate_up_kernel``, grid (P, cdiv(I, block_n)): program (p, j) computes columns
+   j * block_n.. of pair p's gate and up halves as GEMVs (x[p // K] against w13[expert] rows),
+   adds ``b13``, applies the activation in its epilogue and writes ``act`` [P, I];
+2. ``_small_down_sum_kernel``, grid (T, cdiv(H, block_h)): program (t, j) loads all K of token t's
+   pairs at once (a [K, block_h, block_k] tile of the K experts' w2 rows), so the down projection,
+   ``b2``, the routing weights and the top-k sum all happen in one program, in fp32, in a fixed
+   order (deterministic: no atomics).
+
+Pairs whose expert id is outside [0, E) (experts another expert-parallel rank holds) are skipped,
+as in the reference. An expert that two pairs of the step share is read twice (from L2 at best),
+so the path pays off only while the pairs rarely share experts: ``use_small_batch`` says when.
+Buffer sizes depend only on T, K and the shapes, and nothing is read on the host: graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from plait.layers.moe.activation_triton import activate
+from plait.layers.moe.kernel_config import CONFIG_DIR
+from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from plait.layers.tuned_configs import device_file_tag, nearest_bucket, read_json_file
+
+# The small path runs while pairs * SPARSITY_FACTOR <= experts: then the pairs of a step share few
+# experts (with P pairs over E experts, about P / (2E) of the pairs repeat one), so reading each
+# pair's expert on its own costs little over reading each distinct expert once.
+SPARSITY_FACTOR = 4
+
+# Enough programs for every SM of a large GPU to hold a few, so the weight reads keep enough bytes
+# in flight; a program's tile is the unit each SM streams.
+_TARGET_PROGRAMS = 512
+
+
+def use_small_batch(num_pairs: int, num_experts: int) -> bool:
+    """Whether ``fused_experts_triton`` takes this module's path for T * K = ``num_pairs`` pairs."""
+    return 0 < num_pairs and num_pairs * SPARSITY_FACTOR <= num_experts
+
+
+@dataclass(frozen=True)
+class SmallBatchConfig:
+    """Tiles of the two launches: ``block_n`` columns of I per gate/up program, ``block_h`` rows of H
+    per down program, ``block_k`` of the reduction dimension per step (both kernels)."""
+
+    block_n: int
+    block_h: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_h", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"SmallBatchConfig.{name} must be a power of two, got {value}")
+        if self.num_warps < 1:
+            raise ValueError(f"SmallBatchConfig.num_warps must be >= 1, got {self.num_warps}")
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def small_config_file_name(num_experts: int, intermediate: int, device_name: str) -> str:
+    """The tuned table of this path, beside the aligned pipeline's in ``kernel_config.CONFIG_DIR``:
+    ``small_E{E}_N{I}_{device}.json``, token bucket M -> ``SmallBatchConfig`` fields
+    (``benchmarks/tune_fused_moe.py --small-batch`` writes it)."""
+    return f"small_E{num_experts}_N{intermediate}_{device_file_tag(device_name)}.json"
+
+
+@functools.cache
+def load_small_batch_configs(num_experts: int, intermediate: int,
+                             device_name: str) -> dict[int, SmallBatchConfig] | None:
+    raw = read_json_file(CONFIG_DIR / small_config_file_name(num_experts, intermediate, device_name))
+    if raw is None:
+        return None
+    return {int(m): SmallBatchConfig(**cfg) for m, cfg in raw.items()}
+
+
+def get_small_batch_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                           device_name: str) -> SmallBatchConfig:
+    """The tuned config of the bucket nearest ``num_tokens`` for this shape and device, else
+    ``small_batch_config``'s choice."""
+    table = load_small_batch_configs(num_experts, inter, device_name)
+    if not table:
+        return small_batch_config(num_tokens, top_k, hidden, inter)
+    return table[nearest_bucket(table, num_tokens)]
+
+
+def _largest_block(count: int, width: int, smallest: int, largest: int) -> int:
+    """The widest power-of-two block in [smallest, largest] that still gives ``count`` rows of
+    programs over ``width`` at least ``_TARGET_PROGRAMS`` programs in all."""
+    block = largest
+    while block > smallest and count * triton.cdiv(width, block) < _TARGET_PROGRAMS:
+        block //= 2
+    return block
+
+
+def small_batch_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> SmallBatchConfig:
+    """Tiles for T tokens of K experts each: the gate/up tile is 2 x [block_n, block_k], the down tile
+    [K, block_h, block_k]; each at most 16 KB of bf16 per step, narrowed until the grid has
+    ``_TARGET_PROGRAMS`` programs (or the narrowest block)."""
+    block_k = 128
+    block_n = _largest_block(num_tokens * top_k, inter, 8, 32)
+    top_k_pad = triton.next_power_of_2(top_k)
+    block_h = _largest_block(num_tokens, hidden, 4, max(4, 64 // top_k_pad))
+    return SmallBatchConfig(block_n=block_n, block_h=block_h, block_k=block_k)
+
+
+@triton.jit
+def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
+                          stride_xm, stride_we, stride_wn, stride_be, stride_am,
+                          TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                          ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Act[p, n] = act(gate, up) with gate = x[p // TOP_K] . W13[e, n] (+ B13[e, n]) and up the same
+    at row INTER + n, for the block of columns n of program 1, e = topk_ids[p]; rows of skipped pairs
+    stay unwritten. W13 [E, 2 * INTER, H] with H contiguous."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(topk_ids + pair).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns wrap modulo INTER so the weight loads need no mask; the store masks the wrapped ones.
+    rows = (offs_n % INTER).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + (pair // TOP_K) * stride_xm + offs_k
+    gate_ptrs = W13 + expert * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + INTER * stride_wn
+    # Elementwise partial products, reduced over K once after the loop (no shuffles per step).
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            gate = tl.load(gate_ptrs)
+            up = tl.load(up_ptrs)
+        else:
+            k_mask = offs_k < H - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
+            up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
+        acc_gate += gate.to(tl.float32) * x[None, :]
+        acc_up += up.to(tl.float32) * x[None, :]
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    gate_out = tl.sum(acc_gate, axis=1)
+    up_out = tl.sum(acc_up, axis=1)
+    if HAS_BIAS:
+        bias_ptrs = B13 + expert * stride_be + rows
+        gate_out += tl.load(bias_ptrs).to(tl.float32)
+        up_out += tl.load(bias_ptrs + INTER).to(tl.float32)
+    y = activate(gate_out, up_out, ACTIVATION, ALPHA, LIMIT)
+    tl.store(Act + pair * stride_am + offs_n, y.to(Act.dtype.element_ty), mask=offs_n < INTER)
+
+
+@triton.jit
+def _small_down_sum_kernel(Act, W2, B2, topk_ids, topk_weights, Out, H, INTER, num_experts,
+                           stride_am, stride_we, stride_wh, stride_be, stride_om,
+                           TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Out[t, h] = sum over t's valid pairs p of weight[p] * (Act[p] . W2[e_p, h] (+ B2[e_p, h])), in
+    fp32, for the block of rows h of program 1. W2 [E, H, INTER] with INTER contiguous."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rows = (offs_h % H).to(tl.int64)  # wrapped like the gate/up columns; the store masks them
+    slot = tl.arange(0, TOP_K_PAD)
+    pairs = token * TOP_K + slot
+    in_k = slot < TOP_K
+    experts = tl.load(topk_ids + pairs, mask=in_k, other=-1)
+    valid = in_k & (experts >= 0) & (experts < num_experts)
+    experts = tl.where(valid, experts, 0).to(tl.int64)
+    weights = tl.load(topk_weights + pairs, mask=valid, other=0.0).to(tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = Act + pairs[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = (W2 + experts[:, None, None] * stride_we + rows[None, :, None] * stride_wh
+              + offs_k[None, None, :])
+    acc = tl.zeros((TOP_K_PAD, BLOCK_H, BLOCK_K), dtype=tl.float32)  # reduced over K after the loop
+    for k in range(0, tl.cdiv(INTER, BLOCK_K)):
+        if EVEN_K:
+            a_mask = valid[:, None]
+        else:
+            a_mask = valid[:, None] & (offs_k < INTER - k * BLOCK_K)[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=a_mask[:, None, :], other=0.0)
+        acc += w.to(tl.float32) * a[:, None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    pair_out = tl.sum(acc, axis=2)  # [TOP_K_PAD, BLOCK_H]
+    if HAS_BIAS:
+        bias = tl.load(B2 + experts[:, None] * stride_be + rows[None, :], mask=valid[:, None], other=0.0)
+        pair_out += bias.to(tl.float32)
+    out = tl.sum(pair_out * weights[:, None], axis=0)
+    tl.store(Out + token * stride_om + offs_h, out.to(Out.dtype.element_ty), mask=offs_h < H)
+
+
+def _contiguous_last(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.stride(-1) != 1:
+        raise ValueError(f"fused_experts_small_batch: {name} must be contiguous in its last dimension")
+    return t
+
+
+def fused_experts_small_batch(
+    hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, activation: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
+    config: SmallBatchConfig | None = None,
+) -> torch.Tensor:
+    """[T, H] -> [T, H], ``fused_experts_reference``'s semantics, in two launches (module doc).
+    The caller has checked the inputs (``fused_moe_triton.check_expert_inputs``)."""
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    cfg = config or small_batch_config(num_tokens, top_k, hidden, inter)
+    out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    if num_tokens == 0:
+        return out
+    x = _contiguous_last(hidden_states, "hidden_states")
+    w13, w2 = _contiguous_last(w13, "w13"), _contiguous_last(w2, "w2")
+    ids = topk_ids.contiguous()
+    # The routers return float32 weights: then no cast (not even a no-op ``to``) is issued.
+    weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    _small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.block_n))](
+        x, w13, b13 if b13 is not None else w13, ids, act, hidden, inter, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if b13 is not None else 0, act.stride(0),
+        TOP_K=top_k, HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation),
+        ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=hidden % cfg.block_k == 0, num_warps=cfg.num_warps)
+    _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
+        act, w2, b2 if b2 is not None else w2, ids, weights, out, hidden, inter, num_experts,
+        act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0, out.stride(0),
+        TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
+        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, num_warps=cfg.num_warps)
+    return out

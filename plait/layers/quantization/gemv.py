@@ -1,0 +1,283 @@
+"""The small-M GEMV: ``y [M, N] = x [M, K] @ W.T`` for decode batches (M <= 16), one kernel launch.
+
+At these sizes the weights are the bytes: the kernel is built to read ``W [N, K]`` (row-major, as
+checkpoints store it) once at HBM speed, whatever its dtype:
+
+  fp8 e4m3  with channel scales ``[N]`` fp32 or block scales ``[ceil(N / bn), ceil(K / bk)]`` fp32
+            (``W = q * s``), converted in registers: weight-only dequantization, the activations
+            multiply as they are (bf16 / fp16 / fp32)
+  bf16/fp16 with no scale
+
+Grid: ``(ceil(N / BLOCK_N), split_k)``. A program owns ``BLOCK_N`` rows and one K slice (the whole row
+when ``split_k`` is 1) and walks it ``BLOCK_K`` columns per step (16-byte loads per thread, the steps
+software-pipelined by ``num_stages``).
+
+  M == 1   elementwise: the products accumulate in a ``[BLOCK_N, BLOCK_K]`` fp32 tile, reduced over K
+           once at the end (no cross-thread reduction per step)
+  M >= 2   tensor cores: ``tl.dot`` of the activations (padded to 16 rows by masks, which read
+           nothing) with the converted weight tile
+
+Channel scales multiply the result once; block scales multiply each step's products (a step lies in
+one scale block: ``BLOCK_K`` divides the block width, the wrapper narrows it if needed).
+
+Split-K (``split_k`` > 1, for shapes whose row tiles alone would leave SMs idle) stays one launch: each
+program stores its fp32 partial, and the last program of a row tile to finish (an atomic counter per
+tile) adds the partials in slice order (deterministic) and writes the output, then zeroes its counter
+again. The counters are a per-device workspace that every launch leaves zero; launches that use it must
+be ordered on one stream (plait runs its decode on one stream per device).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
+
+# Row tiles one split-K launch may count (int32 each): gate_up of a 70b model at BLOCK_N 4 needs 14k.
+MAX_COUNTERS = 1 << 16
+
+
+# M and split_k are not specialised (divisibility by 16, == 1): the token counts 2..16 and every split
+# share one compiled kernel per config.
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _gemv_kernel(
+    X,  # [M, K] activations
+    W,  # [N, K] weights (fp8 e4m3 / bf16 / fp16)
+    S,  # channel: [N] fp32; block: [ceil(N / BN_SCALE), ceil(K / BK_SCALE)] fp32; none: unused
+    Out,  # [M, N] in X's dtype
+    Partials,  # split-K: [split_k, M, N] fp32; else unused
+    Counters,  # split-K: int32 [>= ceil(N / BLOCK_N)], zero on entry and on exit; else unused
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    k_per_split,  # a multiple of BLOCK_K
+    split_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE: tl.constexpr,  # 0 none, 1 channel, 2 block
+    BN_SCALE: tl.constexpr,
+    BK_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,  # every K slice is whole BLOCK_K steps inside K: no column masks
+    SPLIT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    GPU_FENCE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    # Rows past N read row N - 1 (never stored): the loads need no row mask and stay 16-byte vectors.
+    rows = tl.minimum(offs_n, N - 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
+    if SCALE == 2:
+        s_rows = S + (rows // BN_SCALE) * stride_sn
+    if BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        # The weights are read once: evict them first, so the activations stay in the caches.
+        if EVEN_K:
+            w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        if SCALE == 2:
+            s = tl.load(s_rows + k0 // BK_SCALE)
+        if BLOCK_M == 1:
+            if EVEN_K:
+                x = tl.load(X + offs_k)
+            else:
+                x = tl.load(X + offs_k, mask=offs_k < k_hi, other=0.0)
+            prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if SCALE == 2:
+                prod = prod * s[:, None]
+            acc2 += prod
+        else:
+            x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
+            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+            if UPCAST_DOT:  # triton 3.6's interpreter multiplies bf16 dot operands as integers
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # e4m3 (and bf16 / fp16) converts exactly to the activations' dtype
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION)
+            if SCALE == 2:
+                part = part * s[None, :]
+            acc += part
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT:
+        # Publication protocol (CUDA's threadfence reduction, as the Triton decode kernel's split
+        # merge): every thread fences its partial stores at GPU scope, the CTA synchronises, one
+        # acq_rel atomic counts the slice; the program that sees split_k - 1 reads the partials
+        # through L2 (.cg) in slice order.
+        part_ptrs = Partials + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs + pid_k.to(tl.int64) * M * N, acc, mask=out_mask)
+        if GPU_FENCE:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [offs_m],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        counter = Counters + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == split_k - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s_id in range(0, split_k):
+                total += tl.load(part_ptrs + s_id * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if SCALE == 1:
+                total = total * tl.load(S + rows)[None, :]
+            tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        if SCALE == 1:
+            acc = acc * tl.load(S + rows)[None, :]
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=out_mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_device(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def device_info(t: torch.Tensor) -> tuple[str, int]:
+    """(device name as config files key it, SM count) of a tensor's device; the interpreter's stand-in
+    on the CPU (no tuned file, any positive SM count)."""
+    if t.device.type != "cuda":
+        return "cpu", 8
+    return _cuda_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """What one call launches (``plan_launch``): the tile sizes after the kernel's constraints, the K
+    slices, and whether every slice is whole steps (no column masks)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    even_k: bool
+    num_warps: int
+    num_stages: int
+
+    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int]:
+        """What the compiled kernel depends on besides the dtypes and the scale layout."""
+        return (self.block_m == 1, self.block_n, self.block_k, self.even_k, self.split_k > 1, self.num_warps,
+                self.num_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: GemvConfig) -> GemvLaunch:
+    """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
+    (M >= 2), a step inside one scale block (block scales), and K slices of whole steps. Cached: eager
+    decode steps plan every layer's call."""
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    block_n = config.block_n if m == 1 else max(16, config.block_n)
+    block_k = config.block_k
+    if block is not None:
+        while block[1] % block_k:
+            block_k //= 2
+            if block_k < 16:
+                raise ValueError(f"gemv: the scale block width {block[1]} has no power-of-two divisor >= 16")
+    k_steps = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(k_steps, config.split_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    if triton.cdiv(n, block_n) > MAX_COUNTERS:
+        split_k, k_per_split = 1, k_steps * block_k
+    return GemvLaunch(block_m, block_n, block_k, split_k, k_per_split, k % k_per_split == 0, config.num_warps,
+                      config.num_stages)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters (module docstring): allocated zero once, kept zero by the kernel.
+    The first split-K launch on a device happens eagerly (the engine's warm-up runs before capture)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``x [M, K] @ (W * scale).T -> [M, N]`` in x's dtype for ``1 <= M <= 16``.
+
+    ``w`` fp8 e4m3 with ``scale`` ``[N]`` (channel, ``block`` None) or ``[ceil(N / bn), ceil(K / bk)]``
+    (``block`` (bn, bk)); or bf16 / fp16 with ``scale`` None. ``config`` overrides the tuned / default
+    launch config (the tuner, tests)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if not 1 <= m <= GEMV_MAX_TOKENS:
+        raise ValueError(f"gemv: M must be in 1..{GEMV_MAX_TOKENS}, got {m}")
+    if w.shape[1] != k:
+        raise ValueError(f"gemv: x has K={k} columns, the weight {w.shape[1]}")
+    fp8 = w.dtype == torch.float8_e4m3fn
+    kind = gemv_kind(w.dtype, block)
+    if block is not None and not fp8:
+        raise ValueError(f"gemv: block scales are for fp8 weights, not {w.dtype}")
+    if not fp8 and x.dtype not in (w.dtype, torch.float32):
+        raise ValueError(f"gemv: {w.dtype} weights multiply {w.dtype} or float32 activations, not {x.dtype}")
+    if fp8 != (scale is not None):
+        raise ValueError(f"gemv: {kind} weights {'need' if fp8 else 'take no'} scale")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        raise ValueError("gemv: the weight's rows must be contiguous")
+    if config is None:
+        device_name, num_sms = device_info(x)
+        config = get_config(kind, m, n, k, device_name, num_sms)
+    plan = plan_launch(m, n, k, block, config)
+    block_m, block_n, block_k, split_k, k_per_split = (plan.block_m, plan.block_n, plan.block_k, plan.split_k,
+                                                        plan.k_per_split)
+    bn_s, bk_s = block if block is not None else (1, 1)
+    n_tiles = triton.cdiv(n, block_n)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if split_k > 1:
+        partials = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device)
+    else:
+        partials = counters = out  # unused
+    scale_arg = scale if scale is not None else out  # unused without scales
+    _gemv_kernel[(n_tiles, split_k)](
+        x, w, scale_arg, out, partials, counters, m, n, k, x.stride(0), w.stride(0),
+        scale.stride(0) if block is not None else 0, out.stride(0), k_per_split, split_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SCALE=0 if scale is None else (2 if block is not None else 1), BN_SCALE=bn_s, BK_SCALE=bk_s,
+        EVEN_K=plan.even_k, SPLIT=split_k > 1,
+        NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    return out
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: bool) -> torch.Tensor:
+    """``F.linear`` of an unquantized layer, or, with ``use_gemv`` (``PLAIT_BF16_GEMV=1``), the GEMV for
+    decode-sized batches (1..16 tokens) of bf16 / fp16 weights on CUDA in the weights' dtype."""
+    if use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
+        x2 = x.reshape(-1, x.shape[-1])
+        if 1 <= x2.shape[0] <= GEMV_MAX_TOKENS:
+            out = gemv(x2, weight)
+            if bias is not None:
+                out = out + bias
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x, weight, bias)

@@ -1,0 +1,158 @@
+"""Launch configurations of the small-M GEMV (``plait.layers.quantization.gemv``), stored as data.
+
+``benchmarks/tune_gemv.py`` writes one JSON file per device, ``gemv_{device}.json`` (the device name as
+``plait.layers.tuned_configs.device_file_tag`` spells it), into ``configs/`` beside this module or into
+any directory; at run time the directory named by ``PLAIT_GEMV_CONFIG_DIR`` is read first (a fresh tune
+used in the same GPU session), then ``configs/``. Layout::
+
+    {"fp8_channel": {"N6144_K4096": {"1": {"block_n": 8, "block_k": 512, "split_k": 1,
+                                           "num_warps": 4, "num_stages": 3}, "16": {...}}}, ...}
+
+The outer keys are weight kinds (``gemv_kind``); a call takes the smallest tuned bucket >= its token
+count (its tiles were measured for that many rows). A shape or kind without an entry gets
+``default_config``.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from plait import envs
+from plait.layers.tuned_configs import covering_bucket, device_file_tag, first_existing
+
+CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+# Token counts the tuner measures; the kernel serves 1..GEMV_MAX_TOKENS.
+M_BUCKETS = (1, 2, 4, 8, 16)
+GEMV_MAX_TOKENS = 16
+KINDS = ("fp8_channel", "fp8_block", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch: ``block_n`` weight rows per program, ``block_k`` columns per loop step (elements),
+    ``split_k`` programs along K per row tile (1: each program reads whole rows), ``num_warps``,
+    ``num_stages`` (software pipelining of the weight loads)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+        if self.block_k < 16:
+            raise ValueError(f"GemvConfig.block_k must be >= 16, got {self.block_k}")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"GemvConfig: split_k and num_stages must be >= 1, got {self}")
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, int]) -> GemvConfig:
+        return cls(**{k: int(data[k]) for k in cls.__dataclass_fields__ if k in data})
+
+
+def gemv_kind(weight_dtype: torch.dtype, block: tuple[int, int] | None) -> str:
+    """The table a weight's configs live in: its dtype and, for FP8, its scale layout."""
+    if weight_dtype == torch.float8_e4m3fn:
+        return "fp8_block" if block is not None else "fp8_channel"
+    if weight_dtype == torch.bfloat16:
+        return "bf16"
+    if weight_dtype == torch.float16:
+        return "fp16"
+    raise ValueError(f"gemv: weight dtype {weight_dtype} is not float8_e4m3fn, bfloat16 or float16")
+
+
+def shape_key(n: int, k: int) -> str:
+    return f"N{n}_K{k}"
+
+
+def config_file_name(device_name: str) -> str:
+    return f"gemv_{device_file_tag(device_name)}.json"
+
+
+def config_dirs() -> list[pathlib.Path]:
+    """Where tables are looked up, first match wins: ``PLAIT_GEMV_CONFIG_DIR`` (if set), ``configs/``."""
+    override = envs.GEMV_CONFIG_DIR.get()
+    return ([pathlib.Path(override)] if override else []) + [CONFIG_DIR]
+
+
+@functools.cache
+def _load_tables(device_name: str, dirs: tuple[pathlib.Path, ...]) -> dict[str, dict[str, dict[int, GemvConfig]]]:
+    raw = first_existing(config_file_name(device_name), dirs) or {}
+    return {kind: {shape: {int(m): GemvConfig.from_json(cfg) for m, cfg in buckets.items()}
+                   for shape, buckets in shapes.items()}
+            for kind, shapes in raw.items()}
+
+
+def load_tables(device_name: str) -> dict[str, dict[str, dict[int, GemvConfig]]]:
+    """kind -> shape key -> bucket -> config, from the first directory holding this device's file
+    (parsed once per device and directory list; {} without a file)."""
+    return _load_tables(device_name, tuple(config_dirs()))
+
+
+def clear_cache() -> None:
+    """Forget parsed tables and resolved configs (tests that write tables)."""
+    _load_tables.cache_clear()
+    _resolve.cache_clear()
+
+
+def balanced_split(n_tiles: int, k_steps: int, num_sms: int) -> int:
+    """split_k for ``n_tiles`` row tiles of ``k_steps`` steps each: 1 when the tiles alone give >= 4
+    programs per SM, else the smallest divisor of ``k_steps`` that does (slices of equal whole steps,
+    no column masks), at most ``k_steps // 2`` (each slice >= 2 steps, so the pipeline has work)."""
+    target = -(-4 * num_sms // n_tiles)
+    if target <= 1:
+        return 1
+    divisors = [d for d in range(1, k_steps // 2 + 1) if k_steps % d == 0] or [1]
+    return next((d for d in divisors if d >= target), divisors[-1])
+
+
+def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """Untuned fallback, sized for bandwidth:
+
+    - one token: 8 rows (4 where 8 would give fewer than 4 programs per SM) x 512 bytes of weights per
+      loop step as an elementwise product (no tensor cores), 4 warps each issuing 16-byte loads, three
+      steps in flight. Small row tiles give about a thousand programs or more at the llama shapes
+      (4-27 per SM), so enough loads are in flight to cover HBM latency, and the K reduction runs once
+      per program.
+    - 2..16 tokens: the tensor-core form needs 16 rows and 16+ columns; 32 rows x 256 columns per step.
+    - split-K only when the row tiles alone give fewer than about 4 programs per SM, into whole
+      ``block_k`` steps (FP8 block scales: steps of at most one 128-column scale block).
+    """
+    fp8 = kind.startswith("fp8")
+    if m == 1:
+        # Halving the row tile before splitting K: a split adds a partial round trip to each tile's tail.
+        block_n, block_k = 8 if -(-n // 8) >= 4 * num_sms else 4, 512 if fp8 else 256
+    else:
+        block_n, block_k = 32, 256 if fp8 else 128
+    if kind == "fp8_block":
+        block_k = min(block_k, 128)
+        block_n *= 2 if m == 1 else 1
+    split_k = balanced_split(-(-n // block_n), -(-k // block_k), num_sms)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
+
+
+def get_config(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int) -> GemvConfig:
+    """The tuned config of (kind, N, K) at the smallest bucket >= m, else ``default_config``. Resolved
+    once per call shape and config source: a decode step asks for every layer, host time matters."""
+    return _resolve(kind, m, n, k, device_name, num_sms, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
+
+
+@functools.cache
+def _resolve(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int, override: str | None,
+             package_dir: pathlib.Path) -> GemvConfig:
+    del override, package_dir  # cache keys: load_tables reads the same sources
+    buckets = load_tables(device_name).get(kind, {}).get(shape_key(n, k))
+    if not buckets:
+        return default_config(kind, m, n, k, num_sms)
+    return buckets[covering_bucket(buckets, m)]

@@ -1,0 +1,220 @@
+"""The small-M GEMV (plait.layers.quantization.gemv) against the dequantized-weight product, in the
+Triton interpreter at tiny shapes, and its launch-config tables (file, PLAIT_GEMV_CONFIG_DIR, fallback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plait.layers.quantization import gemv_config
+from plait.layers.quantization.fp8_kernels import dequantize_weight, quantize_weight_per_channel
+from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, split_counters
+from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
+from tests.quant_helpers import block_quantize
+
+# N 40 is not a multiple of BLOCK_N 16, K 200 not a multiple of BLOCK_K 64.
+N, K = 40, 200
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _fp8(layout: str, n: int, k: int):
+    w = _rand(n, k, seed=0) * 0.05
+    if layout == "channel":
+        q, s = quantize_weight_per_channel(w)
+        return q, s, None
+    q, s = block_quantize(w)
+    return q, s, (128, 128)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_channel_gemv_equals_the_dequantized_weight_product(m, split_k):
+    q, s, _ = _fp8("channel", N, K)
+    x = _rand(m, K, seed=1)
+    out = gemv(x, q, s, None, GemvConfig(block_n=16, block_k=64, split_k=split_k))
+    torch.testing.assert_close(out, x @ dequantize_weight(q, s, None).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_block_gemv_equals_the_dequantized_weight_product(m):
+    # N 136 and K 320 end inside a 128 x 128 scale block; BLOCK_K 256 is narrowed to the block width.
+    q, s, block = _fp8("block", 136, 320)
+    x = _rand(m, 320, seed=2)
+    out = gemv(x, q, s, block, GemvConfig(block_n=16, block_k=256, split_k=2))
+    torch.testing.assert_close(out, x @ dequantize_weight(q, s, block).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_bf16_gemv_equals_the_bf16_weight_product(m):
+    w = (_rand(N, K, seed=3) * 0.05).to(torch.bfloat16)
+    x = _rand(m, K, seed=4)
+    out = gemv(x, w, config=GemvConfig(block_n=16, block_k=64, split_k=2))
+    torch.testing.assert_close(out, x @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
+    q, s, _ = _fp8("channel", N, K)
+    x = _rand(m, K, seed=5).to(torch.bfloat16)
+    out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.float() @ dequantize_weight(q, s, None).t(), rtol=1e-2, atol=1e-3)
+
+
+def test_split_k_leaves_its_counters_zero():
+    q, s, _ = _fp8("channel", N, K)
+    gemv(_rand(2, K, seed=6), q, s, None, GemvConfig(block_n=16, block_k=64, split_k=3))
+    counters = split_counters(torch.device("cpu"))
+    assert counters.numel() == MAX_COUNTERS and int(counters.abs().sum()) == 0
+
+
+def test_bad_calls_fail_naming_the_limit():
+    q, s, _ = _fp8("channel", N, K)
+    with pytest.raises(ValueError, match=r"M must be in 1\.\.16, got 17"):
+        gemv(torch.zeros(17, K), q, s)
+    with pytest.raises(ValueError, match="bf16 weights take no scale"):
+        gemv(torch.zeros(1, K), q.to(torch.bfloat16), s)
+    with pytest.raises(ValueError, match="fp8_channel weights need scale"):
+        gemv(torch.zeros(1, K), q)
+    with pytest.raises(ValueError, match="x has K=100 columns, the weight 200"):
+        gemv(torch.zeros(1, 100), q, s)
+    with pytest.raises(ValueError, match="torch.float16 weights multiply torch.float16 or float32 activations"):
+        gemv(torch.zeros(1, K, dtype=torch.bfloat16), q.to(torch.float16))
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        GemvConfig(block_n=12, block_k=64)
+
+
+# --- config tables -------------------------------------------------------------------------------
+SMALL = GemvConfig(block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=4)
+WIDE = GemvConfig(block_n=32, block_k=256, split_k=2, num_warps=8, num_stages=3)
+
+
+def _write(directory, table) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / gemv_config.config_file_name("Fake GPU")).write_text(json.dumps(table))
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """A package config dir and an override dir under tmp_path; the parsed tables forgotten around."""
+    monkeypatch.setattr(gemv_config, "CONFIG_DIR", tmp_path / "package")
+    monkeypatch.delenv("PLAIT_GEMV_CONFIG_DIR", raising=False)
+    gemv_config.clear_cache()
+    yield tmp_path
+    gemv_config.clear_cache()
+
+
+def test_tuned_file_gives_the_smallest_bucket_covering_m(tables):
+    _write(tables / "package", {"fp8_channel": {"N6144_K4096": {"1": SMALL.to_json(), "8": WIDE.to_json()}}})
+    assert get_config("fp8_channel", 1, 6144, 4096, "Fake GPU", 132) == SMALL
+    assert get_config("fp8_channel", 5, 6144, 4096, "Fake GPU", 132) == WIDE
+    assert get_config("fp8_channel", 16, 6144, 4096, "Fake GPU", 132) == WIDE  # past the last: the largest
+
+
+def test_env_dir_is_read_before_the_package_dir(tables, monkeypatch):
+    _write(tables / "package", {"bf16": {"N4096_K4096": {"1": SMALL.to_json()}}})
+    _write(tables / "fresh", {"bf16": {"N4096_K4096": {"1": WIDE.to_json()}}})
+    monkeypatch.setenv("PLAIT_GEMV_CONFIG_DIR", str(tables / "fresh"))
+    assert get_config("bf16", 1, 4096, 4096, "Fake GPU", 132) == WIDE
+    monkeypatch.delenv("PLAIT_GEMV_CONFIG_DIR")
+    assert get_config("bf16", 1, 4096, 4096, "Fake GPU", 132) == SMALL
+
+
+def test_missing_entries_fall_back_to_the_default(tables):
+    _write(tables / "package", {"bf16": {"N4096_K4096": {"1": SMALL.to_json()}}})
+    assert get_config("bf16", 1, 2048, 4096, "Fake GPU", 132) == default_config("bf16", 1, 2048, 4096, 132)
+    assert get_config("fp8_block", 1, 4096, 4096, "Fake GPU", 132) == default_config("fp8_block", 1, 4096, 4096, 132)
+    assert get_config("bf16", 1, 4096, 4096, "Other GPU", 132) == default_config("bf16", 1, 4096, 4096, 132)
+
+
+def test_default_splits_k_only_when_row_tiles_leave_sms_idle():
+    assert default_config("fp8_channel", 1, 28672, 4096, 132).split_k == 1  # 3584 row tiles
+    narrow = default_config("fp8_channel", 16, 4096, 4096, 132)  # 128 row tiles of 32
+    assert narrow.split_k > 1 and -(-4096 // narrow.block_n) * narrow.split_k >= 4 * 132
+    assert default_config("fp8_block", 1, 4096, 4096, 132).block_k == 128  # one scale block per step
+
+
+# --- the bf16 switch ------------------------------------------------------------------------------
+def test_bf16_gemv_switch_is_read_when_a_layer_is_built(monkeypatch):
+    from plait.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    assert not ColumnParallelLinear(8, 8).small_m_gemv
+    monkeypatch.setenv("PLAIT_BF16_GEMV", "1")
+    col, row = ColumnParallelLinear(64, 32, dtype=torch.bfloat16), RowParallelLinear(64, 32, dtype=torch.bfloat16)
+    assert col.small_m_gemv and row.small_m_gemv
+    # Off the GPU the layers keep F.linear, whatever the switch says.
+    col.weight.data.copy_(_rand(32, 64, seed=7))
+    x = _rand(2, 64, seed=8).to(torch.bfloat16)
+    assert torch.equal(col(x), torch.nn.functional.linear(x, col.weight))
+
+
+# --- the tuner (its GPU timer replaced; every candidate still runs, in the interpreter) -------------
+def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
+    from plait.bench import gemv_tune
+
+    tiny = [gemv_tune.Case("fp8_channel", 48, 256, 1, ["tiny/o_proj"]), gemv_tune.Case("bf16", 48, 256, 2, ["tiny/o"])]
+    monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: tiny)
+    ran: list[GemvConfig] = []
+
+    def fake_time(x, ws, scale, block, cfg, reps=2):
+        out = gemv(x, ws[0], scale, block, cfg)
+        ref = x.float() @ (dequantize_weight(ws[0], scale, block) if scale is not None else ws[0].float()).t()
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+        ran.append(cfg)
+        return 1.0 / (cfg.block_n * 1000 + cfg.block_k + cfg.split_k)  # the widest tile wins
+
+    monkeypatch.setattr(gemv_tune, "time_config", fake_time)
+    saved = []
+    table, rows = gemv_tune.tune(budget_s=600, save=lambda t, r: saved.append(len(r)), device="cpu")
+    expected = {c.kind: max(gemv_tune.candidates(c.kind, c.m, c.n, c.k, 8),
+                            key=lambda g: g.block_n * 1000 + g.block_k + g.split_k) for c in tiny}
+    assert len(ran) == sum(len(gemv_tune.candidates(c.kind, c.m, c.n, c.k, 8)) for c in tiny)
+    assert table["fp8_channel"]["N48_K256"]["1"] == expected["fp8_channel"].to_json()
+    assert table["bf16"]["N48_K256"]["2"] == expected["bf16"].to_json()
+    assert [r["M"] for r in rows] == [1, 2] and saved == [1, 2]
+    assert all(r["best_us"] <= r["default_us"] for r in rows)
+
+
+def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
+    from plait.bench import gemv_tune
+
+    case = gemv_tune.Case("bf16", 48, 256, 1, ["tiny/o"])
+    broken = gemv_tune.candidates("bf16", 1, 48, 256, 8)[0]
+    monkeypatch.setattr(gemv_tune, "time_config", lambda x, ws, s, b, cfg, reps=2: 0.0 if cfg == broken else 1.0)
+    real = gemv_tune.rel_error
+    monkeypatch.setattr(gemv_tune, "rel_error", lambda x, w, s, b, cfg: 1.0 if cfg == broken else real(x, w, s, b, cfg))
+    ws, scale, block = gemv_tune.make_weights("bf16", 48, 256, rotate=False, device="cpu")
+    row = gemv_tune.tune_case(case, ws, scale, block, 8)
+    assert row["best"] != broken.to_json() and row["best_us"] == 1e6
+
+
+# --- the GPU build, without a GPU ----------------------------------------------------------------
+def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_loads():
+    """The interpreter runs the kernel's Python; this compiles it for an H200 with the wheel's ptxas."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    import triton
+
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
+        pytest.skip("this triton wheel has no ptxas")
+    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
+            for kind in ("fp8_channel", "fp8_block", "bf16") for m in (1, 16) for n, k in ((6144, 4096), (4096, 4096))]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).parent.parent
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, str(root / "tests" / "gemv_aot.py"), json.dumps(work)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(work)
+    for r in results:
+        assert r["stack"] == 0 and r["regs"] <= 128, r  # no spills; >= 4 programs of 4 warps fit an SM
+        assert r["pipelined_loads"] > 0, r  # num_stages turned the weight loads into async copies

@@ -1,0 +1,238 @@
+"""The small-batch MoE path (two launches, no alignment) and the one-launch router against the torch
+reference (Triton interpreter on the CPU, tiny shapes), and how many kernels one MoE layer launches
+at decode batch sizes."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+
+small = pytest.importorskip("plait.layers.moe.small_batch")
+
+from plait.layers.moe import fused_moe_triton  # noqa: E402
+from plait.layers.moe.fused_router import fused_topk  # noqa: E402
+from plait.layers.moe.layer import FusedMoE, SparseMoeBlock  # noqa: E402
+from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
+from plait.layers.moe.router import RouterConfig, select_experts  # noqa: E402
+from tests.test_fused_moe_triton import make_experts as experts  # noqa: E402
+
+# Tiles smaller than the tiny shapes, so the loops take several steps and the K dimension is even.
+EVEN = small.SmallBatchConfig(block_n=8, block_h=4, block_k=16)
+
+
+def qwen3_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 1):
+    """Softmax, top-k, renormalised (Qwen3-MoE's norm_topk_prob)."""
+    g = torch.Generator().manual_seed(seed)
+    return select_experts(torch.randn(num_tokens, num_experts, generator=g),
+                          RouterConfig(num_experts, top_k, "softmax_topk", renormalize=True), fused=False)
+
+
+def assert_matches_reference(x, w13, w2, weights, ids, activation, b13=None, b2=None, config=None):
+    out = small.fused_experts_small_batch(x, w13, w2, weights, ids, activation, b13, b2, config)
+    ref = fused_experts_reference(x, w13, w2, weights, ids, activation, b13, b2)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", [EVEN, None], ids=["even-k-tiles", "default-tiles-masked-k"])
+def test_silu_with_normalised_top_k_matches_reference(config):
+    # I = 24 is not a multiple of block_n: the wrapped columns are computed and not stored.
+    w13, w2, _, _ = experts(16, 32, 24, bias=False)
+    weights, ids = qwen3_routing(3, 16, 4)
+    assert_matches_reference(torch.randn(3, 32), w13, w2, weights, ids, "silu", config=config)
+
+
+def test_swiglu_oai_with_clamps_and_biases_matches_reference():
+    # gpt-oss's activation; H = 40 leaves a partial K step; inputs scaled so the +-7 clamps bind.
+    w13, w2, b13, b2 = experts(8, 40, 16, bias=True, seed=2)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 8, generator=g)
+    weights, ids = select_experts(logits, RouterConfig(8, 2, "topk_softmax"), fused=False)
+    x = 6 * torch.randn(2, 40, generator=g)
+    assert (torch.einsum("th,eoh->teo", x, w13).abs() > 7).any()
+    assert_matches_reference(x, w13, w2, weights, ids, "swiglu_oai", b13, b2, small.SmallBatchConfig(8, 8, 16))
+
+
+def test_skewed_routing_on_one_expert_and_ids_of_other_ranks():
+    # Every pair on expert 5, except ids -1 and E (experts another expert-parallel rank holds),
+    # which contribute nothing; a token may also pick one expert twice.
+    w13, w2, b13, b2 = experts(8, 32, 16, bias=True, seed=4)
+    ids = torch.tensor([[5, 5, -1], [5, 8, 5]], dtype=torch.int32)
+    weights = torch.rand(2, 3)
+    assert_matches_reference(torch.randn(2, 32), w13, w2, weights, ids, "silu", b13, b2, EVEN)
+
+
+def test_a_token_whose_every_expert_is_remote_gets_zeros_not_its_bias():
+    w13, w2, b13, b2 = experts(4, 16, 16, bias=True)
+    ids = torch.tensor([[-1, 4]], dtype=torch.int32)
+    out = small.fused_experts_small_batch(torch.randn(1, 16), w13, w2, torch.rand(1, 2), ids, "silu", b13, b2, EVEN)
+    assert torch.equal(out, torch.zeros(1, 16))
+
+
+def test_threshold_takes_the_small_path_only_while_pairs_are_sparse_among_experts():
+    assert small.use_small_batch(8, 128) and small.use_small_batch(32, 128)  # qwen3-30b-a3b at 1 and 4 tokens
+    assert not small.use_small_batch(64, 128)  # 8 tokens: pairs share experts, the aligned path reads each once
+    assert small.use_small_batch(4, 32) and small.use_small_batch(8, 32) and not small.use_small_batch(16, 32)
+    assert not small.use_small_batch(0, 128)
+
+
+def test_default_tiles_keep_the_grid_large_at_one_token():
+    cfg = small.small_batch_config(1, 8, 2048, 768)  # qwen3-30b-a3b
+    assert 8 * -(-768 // cfg.block_n) >= 128 and -(-2048 // cfg.block_h) >= 128
+    with pytest.raises(ValueError, match="block_h must be a power of two"):
+        small.SmallBatchConfig(block_n=8, block_h=6, block_k=16)
+
+
+@pytest.mark.parametrize(("scoring", "renormalize", "top_k"),
+                         [("softmax_topk", True, 4), ("softmax_topk", False, 3), ("topk_softmax", False, 4)])
+def test_one_launch_router_matches_torch(scoring, renormalize, top_k):
+    # 12 experts (not a power of two) and bf16 logits, upcast inside the kernel.
+    cfg = RouterConfig(12, top_k, scoring, renormalize)
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(7)).bfloat16()
+    logits[0] = 0.0  # all tied: both take the lowest ids
+    weights, ids = fused_topk(logits, top_k, scoring == "softmax_topk", renormalize)
+    ref_w, ref_ids = select_experts(logits, cfg, fused=False)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.equal(ids[1:], ref_ids[1:]) and torch.equal(ids[0], torch.arange(top_k, dtype=torch.int32))
+    torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
+
+
+def test_router_refuses_a_top_k_above_the_experts():
+    with pytest.raises(ValueError, match="top_k"):
+        fused_topk(torch.randn(2, 4), 5, True, False)
+
+
+class LaunchCounter:
+    """Counts what a forward launches: Triton kernels (the interpreter's launch entry) and the aten
+    ops that compute (views, allocations and metadata ops launch nothing on a GPU)."""
+
+    NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "reshape", "t", "transpose", "as_strided",
+                 "detach", "alias", "split", "split_with_sizes", "slice", "select", "unsqueeze", "squeeze",
+                 "expand", "permute", "lift_fresh"}
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.counts: collections.Counter[str] = collections.Counter()
+        original = InterpretedFunction.run
+        counts = self.counts
+        inside = [False]  # the interpreter's own tensor copies are not the layer's ops
+
+        def run(fn, *args, **kwargs):
+            counts[f"triton:{fn.__name__}"] += 1
+            inside[0] = True
+            try:
+                return original(fn, *args, **kwargs)
+            finally:
+                inside[0] = False
+
+        monkeypatch.setattr(InterpretedFunction, "run", run)
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name not in LaunchCounter.NO_KERNEL and not inside[0]:
+                    counts[f"aten:{name}"] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.ops = Ops()
+
+
+def moe_block(num_experts: int, top_k: int, hidden: int, inter: int, scoring: str, bias: bool) -> SparseMoeBlock:
+    experts_mod = FusedMoE(num_experts, hidden, inter, activation="swiglu_oai" if bias else "silu", bias=bias,
+                           fused_kernels=True)
+    block = SparseMoeBlock(RouterConfig(num_experts, top_k, scoring, renormalize=scoring == "softmax_topk"),
+                           experts_mod, hidden, router_bias=bias)
+    g = torch.Generator().manual_seed(0)
+    for p in block.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return block
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_moe_layer_at_one_token_launches_the_router_gemm_and_three_kernels(arch, monkeypatch):
+    # qwen3: softmax top-k renormalised, silu; gpt-oss: router bias, top-k then softmax, clamped
+    # activation with expert biases. Either way: router GEMM, fused top-k, gate/up+act, down+sum.
+    block = (moe_block(32, 8, 32, 16, "softmax_topk", bias=False) if arch == "qwen3-moe"
+             else moe_block(32, 4, 32, 16, "topk_softmax", bias=True))
+    counter = LaunchCounter(monkeypatch)
+    x = torch.randn(1, 32)
+    with torch.inference_mode(), counter.ops:
+        out = block(x)
+    triton_launches = {k: v for k, v in counter.counts.items() if k.startswith("triton:")}
+    assert triton_launches == {"triton:_fused_topk_kernel": 1, "triton:_small_gate_up_kernel": 1,
+                               "triton:_small_down_sum_kernel": 1}
+    torch_ops = {k: v for k, v in counter.counts.items() if not k.startswith("triton:")}
+    # The router projection (with gpt-oss's bias) is the only torch op: one GEMM, whichever name
+    # the dispatcher gives it on this device.
+    assert len(torch_ops) == 1 and set(torch_ops) <= {"aten:linear", "aten:mm", "aten:addmm"}, torch_ops
+    assert sum(torch_ops.values()) == 1
+    block.experts.fused_kernels = False
+    torch.testing.assert_close(out, block(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 8])
+def test_moe_layer_with_fused_kernels_equals_the_torch_path_across_the_switch(num_tokens):
+    # 32 experts, top 4: 1 and 2 tokens take the small path, 8 tokens the aligned pipeline.
+    block = moe_block(32, 4, 32, 16, "softmax_topk", bias=False)
+    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(num_tokens))
+    with torch.inference_mode():
+        fused = block(x)
+        block.experts.fused_kernels = False
+        torch.testing.assert_close(fused, block(x), atol=1e-4, rtol=1e-4)
+    assert small.use_small_batch(num_tokens * 4, 32) == (num_tokens <= 2)
+
+
+def test_public_entry_point_can_force_either_path():
+    w13, w2, _, _ = experts(32, 32, 16, bias=False)
+    weights, ids = qwen3_routing(1, 32, 2)
+    x = torch.randn(1, 32)
+    ref = fused_experts_reference(x, w13, w2, weights, ids, "silu")
+    for forced in (True, False):
+        out = fused_moe_triton.fused_experts_triton(x, w13, w2, weights, ids, "silu", small_batch=forced)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, tiny_model_dir, hf_reference,
+                                                                     monkeypatch):
+    # The engine's MoE layers switched to the Triton kernels (interpreter): the fused router every
+    # step, the aligned pipeline for the 7-token prefill, the small-batch path for each one-token
+    # decode step (8 experts, top 2: one token is 2 pairs <= 8 / 4).
+    from tests.helpers import make_engine, prompt_ids
+
+    path = tiny_model_dir(arch)
+    prompt = prompt_ids(3)[1]
+    ref = hf_reference(path, prompt, 6)
+    counter = LaunchCounter(monkeypatch)
+    with make_engine(path, max_total_tokens=256) as engine:
+        moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert moes
+        for m in moes:
+            m.fused_kernels = True
+        (out,) = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": 6})
+    assert out.token_ids == ref.tokens
+    launches = {k.removeprefix("triton:"): v for k, v in counter.counts.items()}
+    calls = len(moes) * 6  # per sparse layer: the prefill and five decode steps
+    assert launches["_fused_topk_kernel"] == calls
+    assert launches["_small_gate_up_kernel"] == launches["_small_down_sum_kernel"] == len(moes) * 5
+    assert launches["fused_moe_kernel"] == 2 * len(moes)  # the prefill: gate/up and down
+
+
+def test_tuned_small_batch_table_of_the_nearest_bucket_is_read(tmp_path, monkeypatch):
+    one, four = small.SmallBatchConfig(8, 4, 256), small.SmallBatchConfig(16, 8, 128, num_warps=8)
+    table = {"1": one.to_json(), "4": four.to_json()}
+    (tmp_path / small.small_config_file_name(128, 768, "Fake GPU")).write_text(json.dumps(table))
+    monkeypatch.setattr(small, "CONFIG_DIR", tmp_path)
+    small.load_small_batch_configs.cache_clear()
+    try:
+        assert small.get_small_batch_config(2, 128, 8, 2048, 768, "Fake GPU") == one
+        assert small.get_small_batch_config(3, 128, 8, 2048, 768, "Fake GPU") == four
+        untuned = small.get_small_batch_config(1, 128, 8, 2048, 768, "Other GPU")
+        assert untuned == small.small_batch_config(1, 8, 2048, 768)
+    finally:
+        small.load_small_batch_configs.cache_clear()
