@@ -45,9 +45,6 @@ import httpx
 from plait.bench.results import git_commit
 from plait.bench.shapes import SHAPES, write_shape_dir
 
-# Poisson arrivals at --request-rate (DESIGN 7), and every request at once (the serving path at
-# the engine's full speed, with the offline Engine on the same requests as its peer).
-WORKLOADS = ("serving", "serving-burst")
 METRIC = "output_tok_s"
 
 try:
