@@ -408,6 +408,8 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
             from plait.server.bench_peer import offline_burst
 
             peer = offline_burst(_served_model(model), engine_options, requests)
+            ttfts = peer.pop("ttft_s")
+            peer["ttft_p50_ms"], peer["ttft_p99_ms"] = (1000 * (percentile(ttfts, q) or 0.0) for q in (50, 99))
         path = write_result(args, info, summary, peer)
         shown = {k: summary[k] for k in ("completed", "errors", METRIC, "request_throughput", "ttft_p50_ms",
                                          "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms",

@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from plait.server.bench import percentile
-
 
 def _burst(engine: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
     reqs = [engine.make_request(prompt, {"max_new_tokens": olen, "temperature": 0.0, "ignore_eos": True})
@@ -32,14 +30,14 @@ def _burst(engine: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]
     scheduler.flush()
     seconds = time.perf_counter() - start
     tokens = sum(len(r.output_ids) for r in reqs)
-    ttfts = [t for t in first if t is not None]
     return {"output_tok_s": tokens / seconds, "seconds": seconds, "generated_tokens": tokens,
-            "ttft_p50_ms": 1000 * percentile(ttfts, 50), "ttft_p99_ms": 1000 * percentile(ttfts, 99)}
+            "ttft_s": [t for t in first if t is not None]}
 
 
 def offline_burst(model: str, engine_options: dict[str, Any], requests: list[tuple[list[int], int]],
                   ) -> dict[str, Any]:
-    """The timed run's output tok/s and TTFT p50/p99, plus the untimed first pass's throughput."""
+    """The timed run's output tok/s and each request's TTFT (``ttft_s``, seconds), plus the untimed
+    first pass's throughput."""
     import gc
 
     from plait.config import EngineConfig
