@@ -23,6 +23,9 @@ for stage in "$@"; do
     latency-1b) python -m plait bench latency --shape llama-3.2-1b --out "$OUT" 2>&1 | tail -40 ;;
     latency-8b) python -m plait bench latency --shape llama-3.1-8b --prefill --out "$OUT" 2>&1 | tail -40 ;;
     offline) python -m plait bench offline --workload offline-throughput --peer --overlap-check --out "$OUT" 2>&1 | tail -40 ;;
+    warm-start) python -m plait bench warm-start --out "$OUT" 2>&1 | grep -E '^warm-start|^\{"workload|Error' ;;
+    warm-start-cold) python -m plait bench warm-start --ttft-shape llama-3.1-8b --offline-shape llama-3.2-1b \
+                       --no-disk-start --out "$OUT" 2>&1 | grep -E '^warm-start|^\{"workload|Error' ;;
     profile-throughput) python benchmarks/profile_throughput.py "$OUT" 2>&1 | tail -25 ;;
     profile) python benchmarks/profile_step.py "$OUT" 2>&1 | tail -25 ;;
     latency-1b-fast) python -m plait bench latency --shape llama-3.2-1b --no-compile-peer --out "$OUT" 2>&1 | tail -5 ;;
@@ -44,6 +47,12 @@ for stage in "$@"; do
         | tee "$OUT/gemv-tune.log" | grep -E 'M= 1:|precompiled|budget|wrote|Error'
       PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant --workload gemm decode-bs1 --out "$OUT" \
         2>&1 | tee "$OUT/gemv-bench.log" | grep -E '^\{"workload|measured|Error' ;;
+    gemv-fp8)  # re-tune the FP8 per-channel M=1 GEMV at the 8b shapes over the shipped table, then FP8 decode-bs1 on it
+      mkdir -p "$OUT/gemv-configs" && cp plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
+      python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --shapes llama-3.1-8b --kinds fp8_channel --m 1 \
+        --budget-s "${GEMV_TUNE_S:-40}" 2>&1 | tee "$OUT/gemv-fp8-tune.log" | grep -E 'M= 1:|wrote|Error'
+      PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant --workload decode-bs1 --out "$OUT" \
+        2>&1 | grep -E '^\{"workload|Error' ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \

@@ -18,7 +18,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from plait.cli_aliases import ALIASED_FIELDS, PlaitArgumentParser, add_engine_alias_flags
-from plait.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SAMPLING_DEFAULTS, EngineConfig
+from plait.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SAMPLING_DEFAULTS,
+    WARMUP_MODES,
+    EngineConfig,
+)
 from plait.sampling import SamplingParams
 
 logger = logging.getLogger("plait")
@@ -44,6 +51,7 @@ FLAG_CHOICES: dict[str, tuple[str, ...]] = {name: ATTENTION_BACKENDS for name in
     "attention_backend", "prefill_attention_backend", "decode_attention_backend",
     "speculative_draft_attention_backend")} | {"quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
+FLAG_CHOICES["warmup"] = WARMUP_MODES
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:

@@ -15,11 +15,13 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from plait.config import WARMUP_MODES
+
 # EngineConfig fields whose flags are declared here (with their aliases) instead of being generated
 # from the dataclass by plait.cli.add_dataclass_flags.
 ALIASED_FIELDS: tuple[str, ...] = (
     "tokenizer", "dtype", "mem_fraction_static", "max_running_requests", "context_length",
-    "chunked_prefill_size", "tp_size", "dp_size",
+    "chunked_prefill_size", "tp_size", "dp_size", "warmup",
 )
 
 # --dtype: vLLM's and SGLang's names -> EngineConfig.dtype.
@@ -98,6 +100,10 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chunked-prefill-size", dest="chunked_prefill_size", type=int, default=None,
                        help="prefill tokens per step; longer prompts are split (-1: no chunking, a prompt is "
                        "prefilled in one step)")
+    group.add_argument("--warmup", dest="warmup", choices=WARMUP_MODES, default=None,
+                       help="warm every launch-shape class at start (auto: on a GPU only)")
+    group.add_argument("--skip-warmup", "--skip-server-warmup", dest="warmup", action="store_const", const="off",
+                       help="start without the warm-up (the first requests then pay Triton's compiles)")
     group.add_argument("--trust-remote-code", action="store_true", default=False,
                        help="accepted for SGLang / vLLM commands; plait runs no code from checkpoints, and one "
                        "that needs it (auto_map, an architecture plait does not implement) is refused")

@@ -29,6 +29,8 @@ QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 # --kv-cache-dtype: ``auto`` stores K/V in the model dtype; ``fp8`` is vLLM's alias of ``fp8_e4m3``.
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SAMPLING_DEFAULTS: tuple[str, ...] = ("model", "openai")
+# EngineConfig.warmup: "auto" on a GPU only (not on the CPU, not under the Triton interpreter).
+WARMUP_MODES: tuple[str, ...] = ("auto", "on", "off")
 
 
 def auto_backends(device_type: str) -> tuple[str, str]:
@@ -190,6 +192,9 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     disable_overlap_schedule: bool = False
+    # The bounded warm-up at start (plait.engine.warmup): one request of every launch-shape class, so
+    # Triton's compiles happen before the first request. "auto": on a GPU only; "off": --skip-warmup.
+    warmup: str = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Defaults of sampling parameters a request leaves unset (plait.engine.generation_config):
     # SGLang's sampling_defaults ("model": the checkpoint's generation_config.json, "openai": plait's
@@ -284,6 +289,7 @@ class EngineConfig:
             _check(self.nnodes == 1 and not self.dist_init_addr,
                    f"dp_size {self.dp_size} without enable_dp_attention runs its replicas on one machine: "
                    "nnodes and dist_init_addr are not supported with it")
+        _check(self.warmup in WARMUP_MODES, f"warmup must be one of {WARMUP_MODES}, got {self.warmup!r}")
         _check(self.sampling_defaults in SAMPLING_DEFAULTS,
                f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
         _check(bool(self.generation_config),

@@ -93,10 +93,10 @@ GEMV_CONFIG_DIR = _str_var(
     "PLAIT_GEMV_CONFIG_DIR",
     "A directory of small-M GEMV launch configs (gemv_<device>.json, as benchmarks/tune_gemv.py writes), "
     "read before the ones shipped in plait/layers/quantization/configs/.")
-BF16_GEMV = _flag_var(
-    "PLAIT_BF16_GEMV",
-    "1: dense bf16/fp16 linear layers run decode batches of <= 16 tokens on CUDA through plait's Triton "
-    "GEMV instead of cuBLAS (A/B measurement). Read when a layer is built.")
+BF16_GEMV = EnvVar(
+    "PLAIT_BF16_GEMV", _flag, True,
+    "1 (the default): dense bf16/fp16 linear layers run decode batches of <= 16 tokens on CUDA through "
+    "plait's Triton GEMV; 0: through cuBLAS (the A/B baseline). Read when a layer is built.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,

@@ -251,3 +251,6 @@ def add_bench_parsers(bench_sub: Any) -> None:
     from plait.bench.structured import add_structured_parser
 
     add_structured_parser(bench_sub)  # structured-overhead
+    from plait.bench.warm_start import add_warm_start_parser
+
+    add_warm_start_parser(bench_sub)  # warm-start: the first requests after an engine start

@@ -44,6 +44,9 @@ def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
     if m == 1:
         tiles = [(4, 1024, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3),
                  (8, 512, 4, 1)]
+        if kind == "fp8_channel":  # twice the elements per byte: deeper pipelines and longer K steps too
+            tiles += [(8, 1024, 4, 4), (8, 2048, 4, 3), (8, 2048, 8, 3), (4, 2048, 4, 3), (16, 2048, 8, 3),
+                      (8, 1024, 8, 4), (4, 1024, 2, 4)]
         if kind == "fp8_block":  # a step lies in one 128-column scale block: taller tiles instead
             tiles = [(16, 128, 4, 4), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 2, 4)]
     else:

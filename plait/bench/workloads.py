@@ -79,9 +79,11 @@ def release(engine: Any) -> None:
 
 
 def random_prompts(n: int, length: int | list[int], vocab: int, seed: int) -> list[list[int]]:
+    """Uniform ids at least 1000 (an eighth of a small vocabulary) from both ends of it."""
     rng = random.Random(seed)
     lengths = [length] * n if isinstance(length, int) else length
-    return [[rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in lengths]
+    edge = min(1000, vocab // 8)
+    return [[rng.randrange(edge, vocab - edge) for _ in range(L)] for L in lengths]
 
 
 def timed(fn: Any) -> tuple[Any, float]:

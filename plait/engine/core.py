@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from plait.config import EngineConfig
 from plait.engine.frontend import RequestLimits
 from plait.engine.messages import RequestUpdate
+from plait.engine.warmup import WarmupReport, run_warmup, should_warm_up
 from plait.executor.model_runner import ModelRunner
 from plait.models.loader import ModelConfig, load_model_config, load_tokenizer
 from plait.parallel.roles import EngineRunner, EngineScheduler
@@ -47,6 +48,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.runner = runner
         self.scheduler = scheduler
+        self.warmup: WarmupReport | None = None  # what the start-up warm-up ran (None: it did not run)
 
     @property
     def limits(self) -> RequestLimits:
@@ -93,7 +95,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         dp_scheduler = DataParallelScheduler(config, replicas)
         for replica in dp_scheduler.replicas:
             replica.grammar_backend = grammar_backend(tokenizer, model_config)
-        return EngineCore(config, model_config, tokenizer, replicas, dp_scheduler)
+        return _warmed(EngineCore(config, model_config, tokenizer, replicas, dp_scheduler))
     runner: ModelRunner
     if config.tp_size > 1:
         # This process is rank 0 (it schedules and samples); the other ranks are spawned from here.
@@ -103,15 +105,22 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         leader = start_tensor_parallel(config, model_config)
         if isinstance(leader, DPAttentionLeader):
             # Every rank schedules its own requests; this front end balances them over the ranks.
-            return EngineCore(config, model_config, tokenizer, leader,
-                              DPAttentionScheduler(config, leader, grammar_backend(tokenizer, model_config)))
+            return _warmed(EngineCore(config, model_config, tokenizer, leader,
+                                      DPAttentionScheduler(config, leader, grammar_backend(tokenizer, model_config))))
         runner = leader
     else:
         runner = ModelRunner(config, model_config)
     # --- the scheduler ---
     scheduler = Scheduler(config, runner, create_spec_worker(config, runner),
                           grammar_backend=grammar_backend(tokenizer, model_config))
-    return EngineCore(config, model_config, tokenizer, runner, scheduler)
+    return _warmed(EngineCore(config, model_config, tokenizer, runner, scheduler))
+
+
+def _warmed(core: EngineCore) -> EngineCore:
+    """``core`` after the start-up warm-up, when the config asks for one (plait.engine.warmup)."""
+    if should_warm_up(core.config):
+        core.warmup = run_warmup(core)
+    return core
 
 
 def grammar_backend(tokenizer: Any, model_config: ModelConfig) -> GrammarBackend:

@@ -5,8 +5,9 @@ dimension (its partial sums are all-reduced). Fused projections (qkv, gate_up) l
 checkpoint shard into its slice through ``weight_loader(param, loaded, shard_id)``.
 
 A quantized layer holds a ``LinearMethod`` (plait.layers.quantization) in ``quant_method``: it owns the
-layer's weight storage (FP8 weight, scales) and its matmul; None is the plain ``F.linear``, or, with
-``PLAIT_BF16_GEMV=1`` (read when the layer is built), plait's GEMV for decode batches of <= 16 tokens.
+layer's weight storage (FP8 weight, scales) and its matmul; None is the plain ``F.linear``, or, on CUDA
+for decode batches of <= 16 tokens, plait's GEMV (``PLAIT_BF16_GEMV``, on by default, read when the
+layer is built; 0 keeps cuBLAS).
 """
 
 from __future__ import annotations

@@ -58,6 +58,11 @@ class ReqToTokenPool:
         """``req_to_token[rows, positions] = slots`` (broadcast like tensor indexing; one scatter)."""
         self.req_to_token[rows, positions] = slots.to(torch.int32)
 
+    def clear(self) -> None:
+        """Every row free again, in the order of a new pool (the map's contents are left: a row is
+        written before it is read)."""
+        self._free_rows = list(range(1, self.size + 1))
+
 
 KV_CACHE_FP8_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

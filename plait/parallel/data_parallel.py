@@ -195,6 +195,10 @@ class ReplicaSpecWorkers:
         for w in self.workers:
             w.log_stats()
 
+    def reset(self) -> None:
+        for w in self.workers:
+            w.reset()
+
 
 class DataParallelScheduler:
     """The Scheduler interface over the replicas' schedulers, with a shortest-queue balancer."""

@@ -105,6 +105,11 @@ class SpecWorker(Protocol):
         """Log the acceptance statistics."""
         ...
 
+    def reset(self) -> None:
+        """Forget what the requests so far taught it (statistics, per-request state, caches of seen
+        tokens): the scheduler is back to its initial state (after the engine's warm-up)."""
+        ...
+
     def close(self) -> None:
         """The engine is shutting down: drop device memory."""
         ...

@@ -66,6 +66,15 @@ class KVCacheManager:
             self.req_to_token_pool.write(row, 0, match.kv_indices)
         return True
 
+    def reset(self) -> None:
+        """Back to the state of a new manager: an empty prefix cache, every slot and row free in
+        their initial order. Only when no request holds anything (``tokens_in_use() == 0``)."""
+        if self.tokens_in_use() or self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            raise RuntimeError(f"KV reset with {self.tokens_in_use()} slots held by live requests")
+        self.tree_cache.reset_state()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+
     def release(self, req: Req) -> None:
         """Hand the request's KV to the prefix cache (or free it) and return its pool row."""
         if req.req_pool_idx is None:

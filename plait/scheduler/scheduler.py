@@ -527,6 +527,20 @@ class Scheduler:
         if reason == FinishReason.ABORT:
             self.stats.num_aborts += 1
 
+    def reset(self) -> None:
+        """Back to the state after construction (the engine's warm-up ran requests through it): the
+        KV side as new, the counters zero, the sampling reuse and the speculative state forgotten.
+        Only when idle."""
+        if self.has_work():
+            raise RuntimeError("Scheduler.reset with requests in flight: finish or abort them first")
+        self.kv.reset()
+        self.stats = SchedulerStats()
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self.config.schedule_conservativeness
+        self._last_sampling = None
+        self._updated = []
+        if self.spec_worker is not None:
+            self.spec_worker.reset()
+
     def close(self) -> None:
         """Forget the pools and the prefix cache (the engine is shutting down and frees the device)."""
         # Dropped, not set to None: reading it after close raises AttributeError.

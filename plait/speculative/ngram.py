@@ -176,6 +176,14 @@ class NgramWorker(BaseSpecWorker):
         self._cold_waits[req.rid] = waited
         return True
 
+    def reset(self) -> None:
+        super().reset()
+        self.drafter = NgramDrafter(self.config.speculative_ngram_min_match_window_size,
+                                    self.config.speculative_ngram_max_match_window_size,
+                                    self.config.speculative_ngram_capacity)
+        self._cold_waits.clear()
+        self._finished.clear()
+
     def on_finish(self, req: Req) -> None:
         super().on_finish(req)
         self._cold_waits.pop(req.rid, None)

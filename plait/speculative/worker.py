@@ -117,6 +117,12 @@ class BaseSpecWorker(ABC):
         verify launch and its acceptance (the forward is queued), after a step that launched no
         verify (plain, overlapped decode steps follow), and when the scheduler runs out of work."""
 
+    def reset(self) -> None:
+        """Back to a new worker's state (after the engine's warm-up). Subclasses call this too."""
+        self.stats = SpecStats()
+        self.accept_ema.clear()
+        self._skip, self._backoff = 0, 1
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """The engine is shutting down: drop device memory (statistics stay readable)."""
 

@@ -40,6 +40,16 @@ DEFAULT_PROGRAMS_PER_SM = 4
 DEFAULT_MIN_SPLIT_LEN = 128
 
 
+# The (request, kv head) grid at which decode switches to its large-batch tiles, in programs per SM.
+LARGE_BATCH_PROGRAMS_PER_SM = 4
+
+
+def large_batch_min_bs(num_sms: int, num_kv_heads: int) -> int:
+    """The smallest decode batch (requests) whose (request, kv head) grid reaches
+    LARGE_BATCH_PROGRAMS_PER_SM programs per SM: from there ``decode_config`` picks the large-batch tiles."""
+    return -(-LARGE_BATCH_PROGRAMS_PER_SM * num_sms // max(1, num_kv_heads))
+
+
 def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[LaunchConfig, int]:
     """(stage-1 launch config, MIN_BLOCK_KV split granularity) for this device and batch size.
 
@@ -58,7 +68,7 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
         return LaunchConfig(block_n=16, num_warps=4, num_stages=1), 16
     if head_dim > 128:
         return LaunchConfig(block_n=32, num_warps=4, num_stages=2), 64
-    if q.shape[0] * num_kv_heads >= 4 * device_num_sms(q):
+    if q.shape[0] >= large_batch_min_bs(device_num_sms(q), num_kv_heads):
         return LaunchConfig(block_n=64, num_warps=4, num_stages=2), 64
     return LaunchConfig(block_n=128, num_warps=4, num_stages=2), 64
 

@@ -35,6 +35,9 @@ from ._common import (
     scale_logits,
 )
 
+# Extends of at most this many tokens (speculative verify, draft extend) launch the short config.
+SHORT_EXTEND_MAX_TOKENS = 64
+
 
 def extend_config(q: torch.Tensor, head_dim: int, max_len_extend: int, group: int) -> LaunchConfig:
     """Launch config for this device, the longest extend (a host int, fixed per captured graph) and the
@@ -52,7 +55,7 @@ def extend_config(q: torch.Tensor, head_dim: int, max_len_extend: int, group: in
     if cap is None:
         return LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     hopper = cap[0] >= 9
-    if max_len_extend <= 64:
+    if max_len_extend <= SHORT_EXTEND_MAX_TOKENS:
         # 64 rows even when G x extend is smaller: a 64-row packed tile runs closer to the memory floor
         # over a long prefix than 32-row tiles, and far closer than unpacked ones.
         block_m = max(64, next_pow2(group)) if group > 1 else max(16, min(64, next_pow2(max_len_extend)))
