@@ -149,6 +149,9 @@ class EngineConfig:
     # split into chunks of at most this many tokens. -1 (SGLang's): no chunking, see prefill_token_budget.
     chunked_prefill_size: int = 8192
     schedule_conservativeness: float = 1.0
+    # Streaming (SGLang's --stream-interval): a running request's progress is reported every this many
+    # output tokens (its first token and its end at once); the tokens and text are the same, in fewer pieces.
+    stream_interval: int = 1
     # Parallelism. tp_size ranks, one process each (rank 0 is the engine's process).
     # dp_size alone: dp_size independent replicas (each tp_size ranks, its own KV cache and
     # scheduler) behind a shortest-queue balancer (plait.parallel.data_parallel). dp_size with
@@ -242,6 +245,7 @@ class EngineConfig:
             self.max_running_requests >= 1,
             f"max_running_requests must be >= 1, got {self.max_running_requests}",
         )
+        _check(self.stream_interval >= 1, f"stream_interval must be >= 1 output token, got {self.stream_interval}")
         _check(
             self.context_length is None or self.context_length >= 2,
             f"context_length must be >= 2 (or unset to use the model's), got {self.context_length}",

@@ -144,17 +144,21 @@ class LiveRequest:
 
     req: Req
     stream: bool = True
+    # Report a running request once this many output tokens are unreported (its first token and
+    # its end at once): EngineConfig.stream_interval.
+    stream_interval: int = 1
     sent_tokens: int = 0
     sent_input_logprobs: int = 0
 
     def take_update(self) -> RequestUpdate | None:
         """What the request produced since the previous call (the finishing update carries the finish
-        reason), or None when it produced nothing and is not finished."""
+        reason), or None when it produced nothing and is not finished, or while fewer than
+        ``stream_interval`` tokens wait after its first."""
         req = self.req
         n = len(req.output_ids)
         start = self.sent_tokens
         n_in, in_start = len(req.input_token_logprobs), self.sent_input_logprobs
-        if n == start and n_in == in_start and not req.finished:
+        if not req.finished and (n == start and n_in == in_start or 0 < start and n - start < self.stream_interval):
             return None
         sp = req.sampling_params
         text = req.detokenizer.take_delta(req.finished) if self.stream or req.finished else ""

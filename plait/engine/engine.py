@@ -123,7 +123,7 @@ class Engine:
         return self._stream(req, start, token_text)
 
     def _stream(self, req: Req, start: float, token_text: TokenText) -> Iterator[StreamChunk]:
-        live = LiveRequest(req)
+        live = LiveRequest(req, stream_interval=self.config.stream_interval)
         self.scheduler.add_request(req)
         text = ""
         try:

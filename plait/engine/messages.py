@@ -9,7 +9,8 @@ or ``Fatal`` when the loop dies.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import operator
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from plait.config import EngineConfig
@@ -90,6 +91,43 @@ class RequestUpdate:
         return self.finish_reason is not None or self.error is not None
 
 
+def _joined(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:
+    return None if a is None and b is None else [*(a or ()), *(b or ())]
+
+
+def merge_updates(first: RequestUpdate, later: RequestUpdate) -> RequestUpdate:
+    """One update for two consecutive ones of a request, as if the scheduler had reported both at
+    once: outputs concatenated, the counts and the finish from ``later``. Neither may be an error."""
+    assert first.rid == later.rid and first.error is None and later.error is None and not first.finished
+    return RequestUpdate(
+        rid=later.rid, token_ids=first.token_ids + later.token_ids, text=first.text + later.text,
+        logprobs=_joined(first.logprobs, later.logprobs), top_logprobs=_joined(first.top_logprobs, later.top_logprobs),
+        finish_reason=later.finish_reason, finish_message=later.finish_message, matched_stop=later.matched_stop,
+        input_logprobs=_joined(first.input_logprobs, later.input_logprobs),
+        input_top_logprobs=_joined(first.input_top_logprobs, later.input_top_logprobs),
+        prompt_tokens=max(first.prompt_tokens, later.prompt_tokens),
+        completion_tokens=max(first.completion_tokens, later.completion_tokens), cached_tokens=later.cached_tokens)
+
+
+def coalesce_updates(updates: list[RequestUpdate]) -> list[RequestUpdate]:
+    """Updates in arrival order with each request's consecutive ones merged (``merge_updates``);
+    an error update and anything after a finished one stay as they are."""
+    out: list[RequestUpdate] = []
+    last: dict[str, int] = {}  # rid -> index in out of its latest mergeable update
+    for upd in updates:
+        j = last.get(upd.rid)
+        if j is not None and upd.error is None:
+            out[j] = merge_updates(out[j], upd)
+        else:
+            out.append(upd)
+            j = len(out) - 1
+        if out[j].finished:
+            last.pop(upd.rid, None)
+        else:
+            last[upd.rid] = j
+    return out
+
+
 @dataclass(frozen=True)
 class SchedulerSnapshot:
     """Gauges of the moment plus a copy of the scheduler's cumulative counters."""
@@ -102,10 +140,51 @@ class SchedulerSnapshot:
     counters: SchedulerStats = field(default_factory=SchedulerStats)
 
 
+# The fields a "plain" update may set (a running request's tokens and text): every other field at its
+# default. One per request per step at full batch, so these go on the wire as columns.
+_PLAIN_FIELDS = ("rid", "token_ids", "text", "prompt_tokens", "completion_tokens", "cached_tokens")
+_OTHER_FIELDS = tuple(f.name for f in fields(RequestUpdate) if f.name not in _PLAIN_FIELDS)
+_other_values = operator.attrgetter(*_OTHER_FIELDS)
+_OTHER_DEFAULTS = tuple(f.default for f in fields(RequestUpdate) if f.name not in _PLAIN_FIELDS)
+
+
 @dataclass
 class UpdateBatch:
+    """What changed in one scheduler loop iteration: per-request updates in order (one request may
+    have several, its acknowledgement then its first tokens) plus the scheduler's snapshot.
+
+    Pickled compactly (``__reduce__``): the plain updates as one list per field, the others (logprobs,
+    a finish, an error) as objects with their positions; unpickling rebuilds the same list. Several
+    times cheaper than pickling every update as an object, on both sides of the hop."""
+
     updates: list[RequestUpdate]
     stats: SchedulerSnapshot
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
+        rid, token_ids, text, prompt, completion, cached = columns
+        rich: list[tuple[int, RequestUpdate]] = []
+        for i, u in enumerate(self.updates):
+            if _other_values(u) != _OTHER_DEFAULTS:
+                rich.append((i, u))
+                continue
+            rid.append(u.rid)
+            token_ids.append(u.token_ids)
+            text.append(u.text)
+            prompt.append(u.prompt_tokens)
+            completion.append(u.completion_tokens)
+            cached.append(u.cached_tokens)
+        return _unpack_update_batch, (columns, rich, self.stats)
+
+
+def _unpack_update_batch(columns: tuple[list[Any], ...], rich: list[tuple[int, RequestUpdate]],
+                         stats: SchedulerSnapshot) -> UpdateBatch:
+    updates = [RequestUpdate(rid, token_ids, text, prompt_tokens=prompt, completion_tokens=completion,
+                             cached_tokens=cached)
+               for rid, token_ids, text, prompt, completion, cached in zip(*columns, strict=True)]
+    for i, u in rich:  # ascending positions: each lands where it was
+        updates.insert(i, u)
+    return UpdateBatch(updates, stats)
 
 
 @dataclass

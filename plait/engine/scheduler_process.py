@@ -147,7 +147,7 @@ class SchedulerProcess:
             logger.exception("request %s failed before scheduling", msg.rid)
             return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=500,
                                   error=f"internal error: {type(e).__name__}: {e}")]
-        self.live[msg.rid] = LiveRequest(req, msg.stream)
+        self.live[msg.rid] = LiveRequest(req, msg.stream, self.config.stream_interval)
         self.scheduler.add_request(req)
         # An empty update acknowledges admission to the queue, so the server can commit to a 200
         # (streaming headers) before the first token, knowing the request was not refused.
@@ -194,7 +194,7 @@ def _device_name(device: str) -> str:
     return device
 
 
-def _leave_a_core_for_the_server(config: EngineConfig) -> None:
+def leave_a_core_for_the_server(config: EngineConfig) -> None:
     """On the CPU, run the model on all cores but one unless OMP_NUM_THREADS says otherwise. The HTTP
     process needs CPU for every streamed token, and OpenMP threads that wait for each other at
     every op slow down many times over when another busy process takes one of their cores."""
@@ -227,7 +227,7 @@ def run(config: EngineConfig, requests_addr: str, outputs_addr: str, max_queued_
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s scheduler %(name)s %(levelname)s %(message)s")
-    _leave_a_core_for_the_server(config)
+    leave_a_core_for_the_server(config)
     proc = SchedulerProcess(config, requests_addr, outputs_addr, max_queued_requests)
     code = 0
     try:

@@ -8,8 +8,12 @@ Arrivals are Poisson at ``--request-rate`` (or all at once), optionally capped a
 
 Reported: output tokens/s as the metric, plus request and token throughput, TTFT, ITL
 (time between consecutive tokens of one request) and end-to-end latency p50/p99, errors, and the KV
-slots still in use once the run is over (read from the server's /metrics: must be 0). There is no
-serving peer on the CPU, so ``peer`` is null there.
+slots still in use once the run is over (read from the server's /metrics: must be 0). The
+`serving` workload has no serving peer on the CPU, so ``peer`` is null there. `serving-burst`
+(``--workload serving-burst``) sends every request at once and then runs the offline ``Engine`` on
+the same requests (plait.server.bench_peer): ``ratio_vs_peer`` is the server's output tok/s over
+the offline engine's, with both TTFT p50s beside it. ``--client-procs`` spreads the load generator
+over several processes, so that the client's own parsing does not set the pace.
 
 Without ``--base-url`` a ``plait serve`` subprocess is started with the engine flags given, on a
 free port, and stopped (SIGTERM) at the end.
@@ -41,8 +45,12 @@ import httpx
 from plait.bench.results import git_commit
 from plait.bench.shapes import SHAPES, write_shape_dir
 
-WORKLOAD = "serving"
 METRIC = "output_tok_s"
+
+try:
+    from orjson import loads as _loads
+except ImportError:
+    _loads = json.loads
 
 
 @dataclass
@@ -56,6 +64,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     e2e: float | None = None
     finish_reason: str | None = None
+    chunks: int = 0  # data events that carried a choice
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -84,19 +93,17 @@ def make_requests(n: int, input_len: int, output_len: int, range_ratio: float, v
 
 
 async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The lines of an event stream, split on bytes at CRLF, LF or CR only (the SSE line ends).
-    Splitting decoded text instead (``aiter_lines``) also breaks at U+0085, U+2028 and U+2029, which
-    are legal raw inside the JSON of a data line."""
+    """The lines of an event stream, split on bytes at CRLF, LF or CR only (the SSE line ends, and
+    the only ones ``bytes.splitlines`` knows). Splitting decoded text instead (``aiter_lines``) also
+    breaks at U+0085, U+2028 and U+2029, which are legal raw inside the JSON of a data line."""
     buf = b""
     async for chunk in chunks:
-        buf += chunk
-        while True:
-            cut = min((i for i in (buf.find(b"\r"), buf.find(b"\n")) if i >= 0), default=-1)
-            if cut < 0 or (buf[cut:cut + 1] == b"\r" and cut == len(buf) - 1):
-                break  # no line end yet, or a CR that may be the first half of a CRLF
-            end = cut + 2 if buf[cut:cut + 2] == b"\r\n" else cut + 1
-            yield buf[:cut].decode("utf-8")
-            buf = buf[end:]
+        lines = (buf + chunk).splitlines(keepends=True)
+        # The last piece stays buffered while it has no line end yet, or ends in a CR that may be the
+        # first half of a CRLF.
+        buf = lines.pop() if lines and (lines[-1].endswith(b"\r") or not lines[-1].endswith(b"\n")) else b""
+        for line in lines:
+            yield line.rstrip(b"\r\n").decode("utf-8")
     if buf:
         yield buf.rstrip(b"\r").decode("utf-8")
 
@@ -120,13 +127,14 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                 data = line[len("data: "):]
                 if data == "[DONE]":
                     break
-                obj = json.loads(data)
+                obj = _loads(data)
                 if "error" in obj:
                     res.error = obj["error"].get("message", "error event")
                     return res
                 if not obj.get("choices"):
                     continue
                 choice = obj["choices"][0]
+                res.chunks += 1
                 k = len(choice.get("token_ids") or [])
                 now = time.perf_counter()
                 if k:
@@ -173,6 +181,48 @@ async def run_load(base_url: str, model: str, requests: list[tuple[list[int], in
     return list(results), duration
 
 
+def _load_worker(args: tuple[Any, ...], barrier: Any, out: Any) -> None:
+    base_url, model, requests, request_rate, max_concurrency, seed, timeout = args
+
+    async def go() -> tuple[list[RequestResult], float, float]:
+        await asyncio.to_thread(barrier.wait)  # every worker starts at once
+        start = time.perf_counter()
+        results, _ = await run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout)
+        return results, start, time.perf_counter()
+
+    out.put(asyncio.run(go()))
+
+
+def run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,
+                   max_concurrency: int | None, seed: int, timeout: float, procs: int,
+                   ) -> tuple[list[RequestResult], float]:
+    """``run_load`` spread over ``procs`` client processes (one asyncio loop each: one Python process
+    cannot parse the events of a server at tens of thousands of chunks/s). Request i goes to process
+    i % procs, each with rate / procs (Poisson arrivals that add up to ``request_rate``) and its share
+    of ``max_concurrency``; the duration spans the first start to the last finish."""
+    if procs <= 1:
+        return asyncio.run(run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout))
+    import multiprocessing
+
+    # Forked: starting at once, without importing plait (and torch) again. This process has run no
+    # CUDA or torch work yet (the offline peer runs after the load), and holds no thread.
+    ctx = multiprocessing.get_context("fork")
+    procs = min(procs, len(requests))
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = []
+    for k in range(procs):
+        share = max(1, max_concurrency // procs) if max_concurrency else None
+        args = (base_url, model, requests[k::procs], request_rate / procs, share, seed + 7919 * k, timeout)
+        workers.append(ctx.Process(target=_load_worker, args=(args, barrier, out), daemon=True))
+    for w in workers:
+        w.start()
+    parts = [out.get(timeout=timeout + 120) for _ in workers]
+    for w in workers:
+        w.join()
+    results = [r for part in parts for r in part[0]]
+    return results, max(p[2] for p in parts) - min(p[1] for p in parts)
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.tokens for r in ok)
@@ -199,6 +249,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "total_tok_s": (in_tokens + out_tokens) / duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        # Above 1 where the server streamed several tokens per event (--stream-interval, or a reader
+        # that fell behind and got its queued updates merged).
+        "tokens_per_chunk": out_tokens / max(1, sum(r.chunks for r in ok)),
         **stats([r.ttft for r in ok if r.ttft is not None], "ttft"),
         **stats([x for r in ok for x in r.itls], "itl"),
         **stats([r.e2e for r in ok if r.e2e is not None], "e2e"),
@@ -304,11 +357,29 @@ def check_served_shape(args: argparse.Namespace, info: dict[str, Any]) -> None:
         raise ValueError(f"--shape {args.shape} does not describe the served model {info.get('model')!r}: {why}")
 
 
+def check_workload(args: argparse.Namespace) -> None:
+    if args.client_procs < 1:
+        raise ValueError(f"--client-procs must be >= 1, got {args.client_procs}")
+    if args.workload == "serving-burst" and (math.isfinite(args.request_rate) or args.max_concurrency is not None):
+        raise ValueError("--workload serving-burst sends every request at once: leave --request-rate (inf) and "
+                         "--max-concurrency unset")
+
+
+def _served_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from plait.models.demo import demo_model
+
+    return str(demo_model().path)
+
+
 def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+    check_workload(args)
     proc: subprocess.Popen[bytes] | None = None
     base_url = args.base_url
     shape_root = tempfile.mkdtemp(prefix="plait-shapes-")
     model, engine_options = resolve_shape(args, engine_options, shape_root)
+    peer: dict[str, Any] | None = None
     if base_url is None:
         port = _free_port()
         base_url = f"http://127.0.0.1:{port}"
@@ -319,43 +390,79 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
             _wait_healthy(base_url, proc)
         info = httpx.get(base_url + "/server_info", timeout=30).json()
         check_served_shape(args, info)
-        model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        served_name = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
         vocab = min(info["scheduler"]["vocab_size"], info.get("tokenizer_vocab_size") or 1 << 62)
         requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
                                  args.seed)
-        results, duration = asyncio.run(run_load(base_url, model, requests, args.request_rate,
-                                                 args.max_concurrency, args.seed, args.request_timeout))
+        results, duration = run_load_procs(base_url, served_name, requests, args.request_rate, args.max_concurrency,
+                                           args.seed, args.request_timeout, args.client_procs)
         summary = summarize(results, duration)
         after = settled_metrics(base_url)
         summary["kv_slots_in_use_after"] = int(after.get("plait:kv_slots_in_use", -1))
         summary["num_requests_running_after"] = int(after.get("plait:num_requests_running", -1))
         summary["num_retractions"] = int(after.get("plait:num_retractions_total", 0))
-        path = write_result(args, info, summary)
-        print(json.dumps({k: summary[k] for k in ("completed", "errors", METRIC, "request_throughput",
-                                                   "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                                                   "e2e_p50_ms", "e2e_p99_ms", "kv_slots_in_use_after")}))
+        if args.workload == "serving-burst" and not args.no_peer and proc is not None:
+            # After the server is gone (its GPU memory free, and the server met a Triton cache the
+            # peer had not warmed); same model, options and requests.
+            stop_server(proc)
+            from plait.server.bench_peer import offline_burst
+
+            peer = offline_burst(_served_model(model), engine_options, requests)
+            ttfts = peer.pop("ttft_s")
+            peer["ttft_p50_ms"], peer["ttft_p99_ms"] = (1000 * (percentile(ttfts, q) or 0.0) for q in (50, 99))
+        path = write_result(args, info, summary, peer)
+        shown = {k: summary[k] for k in ("completed", "errors", METRIC, "request_throughput", "ttft_p50_ms",
+                                         "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+                                         "kv_slots_in_use_after")}
+        if peer is not None:
+            shown |= {"peer_output_tok_s": peer["output_tok_s"], "peer_ttft_p50_ms": peer["ttft_p50_ms"],
+                      "ratio_vs_peer": summary[METRIC] / peer["output_tok_s"]}
+        print(json.dumps({"workload": args.workload, **shown}))
         print(f"wrote {path}", file=sys.stderr)
         ok = summary["errors"] == 0 and summary["kv_slots_in_use_after"] == 0
         return 0 if ok else 1
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_server(proc)
         shutil.rmtree(shape_root, ignore_errors=True)
 
 
-def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[str, Any]) -> pathlib.Path:
-    """One JSON object with the keys every benchmark result has, plus the run's detail."""
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[str, Any],
+                 peer: dict[str, Any] | None = None) -> pathlib.Path:
+    """One JSON object with the keys every benchmark result has, plus the run's detail. ``peer``:
+    serving-burst's offline Engine run on the same requests (``offline_burst``)."""
     date = datetime.date.today().isoformat()
     sched = info.get("scheduler") or {}
     device = sched.get("device_name") or (sched.get("runner_info") or {}).get("device") or "unknown"
     shape = args.shape or _shape_name(info)
+    workload = args.workload
+    if peer is not None:
+        peer_fields: dict[str, Any] = {
+            "peer_name": "plait-offline-engine", "peer": peer["output_tok_s"],
+            "peer_note": "the offline Engine in one process on the same model, engine options and requests "
+                         "(all added at once), after one untimed pass of the whole workload",
+            "ratio_vs_peer": summary[METRIC] / peer["output_tok_s"],
+            "peer_ttft_p50_ms": peer["ttft_p50_ms"], "peer_ttft_p99_ms": peer["ttft_p99_ms"],
+            "ttft_p50_ratio_vs_peer": (summary["ttft_p50_ms"] / peer["ttft_p50_ms"]
+                                       if summary["ttft_p50_ms"] is not None and peer["ttft_p50_ms"] else None),
+            "peer_detail": peer}
+    else:
+        note = ("no serving peer is run: vLLM and SGLang servers need a GPU, and no CPU serving peer is installed"
+                if workload == "serving" else "the offline Engine peer runs only against a server this command "
+                "starts (not with --base-url) and not with --no-peer")
+        peer_fields = {"peer_name": None, "peer": None, "peer_note": note, "ratio_vs_peer": None}
     record = {
-        "workload": WORKLOAD,
+        "workload": workload,
         "shape": shape,
         "device": device,
         "commit": git_commit(),
@@ -363,11 +470,7 @@ def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[s
         "versions": info.get("versions"),
         "metric": METRIC,
         "plait": summary[METRIC],
-        "peer_name": None,
-        "peer": None,
-        "peer_note": "no serving peer is run: vLLM and SGLang servers need a GPU, and no CPU serving peer "
-                     "is installed",
-        "ratio_vs_peer": None,
+        **peer_fields,
         "floor": None,
         "fraction_of_floor": None,
         "config": {
@@ -377,6 +480,7 @@ def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[s
                       "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
                       "max_concurrency": args.max_concurrency, "input_len": args.input_len,
                       "output_len": args.output_len, "range_ratio": args.range_ratio, "seed": args.seed,
+                      "client_procs": args.client_procs,
                       "endpoint": "/v1/completions", "stream": True, "ignore_eos": True, "temperature": 0.0},
         },
         "floor_note": "no physical floor is defined for serving latency; see decode-bs1 and offline-throughput",
@@ -385,6 +489,6 @@ def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[s
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     safe_device = re.sub(r"[^A-Za-z0-9_.-]+", "-", device)
-    path = out / f"{date}-{WORKLOAD}-{shape}-{safe_device}.json"
+    path = out / f"{date}-{workload}-{shape}-{safe_device}.json"
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return path

@@ -38,6 +38,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("bench serve")
+    group.add_argument("--workload", default="serving", choices=("serving", "serving-burst"),
+                       help="serving: arrivals at --request-rate; serving-burst: every request at once, with the "
+                       "offline Engine on the same requests as the peer (ratio_vs_peer = server / offline)")
+    group.add_argument("--no-peer", action="store_true",
+                       help="serving-burst: skip the offline Engine run (peer null)")
+    group.add_argument("--client-procs", type=int, default=1,
+                       help="load-generator processes (one Python process parses some 10k events/s; use several "
+                       "for a burst at a GPU's token rate)")
     group.add_argument("--base-url", default=None,
                        help="server to load, e.g. http://127.0.0.1:30000 (default: start `plait serve` here)")
     group.add_argument("--num-prompts", type=int, default=1000)

@@ -81,7 +81,7 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncGenerator[str, None]) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None]) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._gen = content
 
@@ -97,12 +97,21 @@ class SSEResponse(StreamingResponse):
 
 
 # The event that ends an OpenAI stream.
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
+
+try:  # several times faster per chunk than the json module; the server extra installs it
+    import orjson
+
+    def _json_bytes(obj: dict[str, Any]) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+except ImportError:  # the same JSON (compact, UTF-8, non-ASCII raw) from the standard library
+    def _json_bytes(obj: dict[str, Any]) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def sse(obj: dict[str, Any]) -> str:
-    """One server-sent event carrying ``obj`` as compact JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as compact JSON (UTF-8)."""
+    return b"data: " + _json_bytes(obj) + b"\n\n"
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -341,7 +341,7 @@ class NativeServing:
         return True
 
     async def _stream(self, gen: Any, primed: list[tuple[int, RequestUpdate]], outputs: list[_Output],
-                      single: bool, text: TokenText, groups: list[str]) -> AsyncIterator[str]:
+                      single: bool, text: TokenText, groups: list[str]) -> AsyncIterator[bytes]:
         try:
             async for i, upd in replayed(primed, gen):
                 out = outputs[i]

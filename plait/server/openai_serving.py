@@ -301,7 +301,7 @@ class OpenAIServing:
                 "usage": job.usage(choices)}
 
     async def _stream(self, job: _Job, gen: Updates,
-                      primed: list[tuple[int, RequestUpdate]]) -> AsyncGenerator[str, None]:
+                      primed: list[tuple[int, RequestUpdate]]) -> AsyncGenerator[bytes, None]:
         chat = job.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": job.id, "object": obj, "created": job.created, "model": job.model}

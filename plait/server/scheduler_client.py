@@ -19,6 +19,7 @@ bounded buffer and slows no one else.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import logging
 import shutil
@@ -47,6 +48,7 @@ from plait.engine.messages import (
     RequestUpdate,
     ShutdownRequest,
     UpdateBatch,
+    coalesce_updates,
     config_to_json,
 )
 from plait.server.errors import APIError
@@ -338,8 +340,17 @@ class SchedulerClient:
         try:
             for rid, req in zip(rids, requests, strict=True):
                 self._send(GenerateRequest(rid, req.input_ids, req.sampling_params, req.seed, stream))
+            ready: collections.deque[RequestUpdate] = collections.deque()
             while pending:
-                upd = await queue.get()
+                if not ready:
+                    # Everything queued, each request's updates merged: a reader that fell behind
+                    # (many streams at a high token rate) then builds one chunk for several tokens
+                    # instead of falling further behind.
+                    batch = [await queue.get()]
+                    while not queue.empty():
+                        batch.append(queue.get_nowait())
+                    ready.extend(coalesce_updates(batch) if len(batch) > 1 else batch)
+                upd = ready.popleft()
                 if records is not None:
                     self._record(records[index[upd.rid]], upd)
                 if upd.error is not None:

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# serving-burst in one device call (about 150 s on one H200 for the 1b shape): `plait bench serve
+# --workload serving-burst` twice, each run serving SHAPE (dummy weights) to N requests of IN / OUT
+# tokens sent at once and then running the offline Engine on the same requests:
+#   cold: an empty Triton cache (TRITON_CACHE_DIR fresh), so the server compiles on the request path;
+#   warm: a second start on the cache the first run filled.
+# Then the Poisson `serving` check at 20 requests/s (TTFT must stay low while the burst gets faster).
+# Each run's JSON lands in $OUT/serving-burst/{cold,warm,poisson}/; the three are summed up in
+# $OUT/serving-burst/summary.json (server and offline output tok/s, ratio_vs_peer, TTFT p50 of both)
+# and printed.
+#   bash benchmarks/serving_burst.sh            # SHAPE=llama-3.2-1b N=256 IN=512 OUT_LEN=128 PROCS=4
+# MODEL_ARGS replaces "--shape $SHAPE" (a CPU smoke run: MODEL_ARGS="--model DIR --device cpu" N=8 IN=8 OUT_LEN=4);
+# SERVE_FLAGS adds engine flags to every run (e.g. "--stream-interval 4").
+set -uo pipefail
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/plait-out}
+R=$OUT/serving-burst
+mkdir -p "$R/cold" "$R/warm" "$R/poisson"
+SHAPE=${SHAPE:-llama-3.2-1b} N=${N:-256} IN=${IN:-512} OUT_LEN=${OUT_LEN:-128} PROCS=${PROCS:-4}
+# uvicorn serves on httptools and uvloop when they are installed (about a third less CPU per streamed
+# chunk than h11 on asyncio), and the events are encoded with orjson when it is: install them from
+# carried wheels if any (.whl/).
+if [[ -d .whl ]]; then
+  for pkg in httptools uvloop orjson; do
+    python -m pip install -q --no-index --find-links .whl "$pkg" 2>&1 | tail -1
+  done
+fi
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-300} ))
+source benchmarks/deadline.sh
+TRITON_CACHE_DIR=$(mktemp -d /tmp/plait-triton-cold-XXXX)
+export TRITON_CACHE_DIR
+# shellcheck disable=SC2206  # MODEL_ARGS and SERVE_FLAGS are several words on purpose
+model=(${MODEL_ARGS:---shape $SHAPE})
+# shellcheck disable=SC2206
+flags=(${SERVE_FLAGS:-})
+burst=(python -m plait bench serve --workload serving-burst "${model[@]}" --num-prompts "$N" --input-len "$IN"
+       --output-len "$OUT_LEN" --client-procs "$PROCS" "${flags[@]}")
+for run in cold warm; do
+  stage 200 "${burst[@]}" --out "$R/$run" 2>&1 | grep -E '^\{|Error|error' | tail -3
+done
+# INTERVAL=N (optional, about 45 s more): the warm burst again with --stream-interval N.
+if [[ -n ${INTERVAL:-} ]]; then
+  mkdir -p "$R/interval"
+  stage 120 "${burst[@]}" --stream-interval "$INTERVAL" --out "$R/interval" 2>&1 | grep -E '^\{|Error|error' | tail -3
+fi
+stage 90 python -m plait bench serve --workload serving "${model[@]}" --num-prompts "${POISSON_N:-200}" \
+  --request-rate 20 --input-len "$IN" --output-len "$OUT_LEN" --client-procs 2 "${flags[@]}" --out "$R/poisson" 2>&1 \
+  | grep -E '^\{|Error|error' | tail -3
+python - "$R" <<'EOF'
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+keys = ("plait", "peer", "tokens_per_chunk", "ratio_vs_peer", "ttft_p50_ms", "peer_ttft_p50_ms", "ttft_p50_ratio_vs_peer",
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after")
+import importlib.util
+have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop", "orjson")}
+summary = {"workload": "serving-burst", "metric": "output_tok_s",
+           "uvicorn_http": "httptools" if have["httptools"] else "h11",
+           "uvicorn_loop": "uvloop" if have["uvloop"] else "asyncio", "orjson": have["orjson"]}
+for run in ("cold", "warm", "interval", "poisson"):
+    files = sorted((root / run).glob("*.json"))
+    if files:
+        r = json.loads(files[-1].read_text())
+        summary[run] = {k: r.get(k) for k in keys} | {"file": str(files[-1]), "shape": r.get("shape"),
+                                                       "device": r.get("device"), "commit": r.get("commit")}
+(root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps(summary, indent=1))
+EOF
+rm -rf "$TRITON_CACHE_DIR"
+echo "=== done $(date +%T); JSON under $R"

@@ -1,0 +1,73 @@
+"""The serving path at a high token rate: `plait serve --stream-interval` over HTTP, and `plait bench
+serve --workload serving-burst` (the server against the offline Engine on the same requests)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from plait.cli import main
+from plait.server.bench import sse_lines
+from tests.server.conftest import HTTP_TIMEOUT
+
+INTERVAL = 4
+
+
+@pytest.fixture(scope="module")
+def interval_server(start_server):
+    return start_server("stream-interval", stream_interval=INTERVAL, max_total_tokens=4096)
+
+
+async def _token_chunks(url: str, body: dict) -> list[dict]:
+    chunks = []
+    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client, \
+            client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in sse_lines(r.aiter_bytes()):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:])["choices"][0])
+    return chunks
+
+
+def test_stream_interval_server_sends_tokens_in_steps_of_n_and_the_same_output(interval_server):
+    import asyncio
+
+    body = {"model": interval_server.model, "prompt": [11, 12, 13, 14], "max_tokens": 11, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    chunks = asyncio.run(_token_chunks(interval_server.url, {**body, "stream": True}))
+    counts = [len(c["token_ids"]) for c in chunks]
+    assert sum(counts) == 11 and chunks[-1]["finish_reason"] == "length"
+    # Under load the server may also merge queued chunks: every boundary but the last still falls
+    # after the first token plus a multiple of the interval.
+    cuts = [sum(counts[: i + 1]) for i in range(len(counts) - 1)]
+    assert cuts and all((cut - 1) % INTERVAL == 0 for cut in cuts)
+    assert len(chunks) <= 4
+    whole = interval_server.post("/v1/completions", json=body).json()["choices"][0]
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+
+
+def test_serving_burst_writes_server_and_offline_engine_throughput_and_their_ratio(server_model, tmp_path):
+    code = main(["bench", "serve", "--workload", "serving-burst", "--model", str(server_model), "--device", "cpu",
+                 "--max-total-tokens", "4096", "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
+                 "--client-procs", "2", "--out", str(tmp_path)])
+    assert code == 0
+    [path] = tmp_path.glob("*-serving-burst-*-cpu.json")
+    r = json.loads(path.read_text())
+    assert r["workload"] == "serving-burst" and r["config"]["bench"]["request_rate"] == "inf"
+    assert r["completed"] == 6 and r["errors"] == 0 and r["kv_slots_in_use_after"] == 0
+    assert r["total_output_tokens"] == 24
+    assert r["peer_name"] == "plait-offline-engine" and r["peer_detail"]["generated_tokens"] == 24
+    assert r["ratio_vs_peer"] == pytest.approx(r["plait"] / r["peer"])
+    assert r["peer_ttft_p50_ms"] > 0 and r["ttft_p50_ms"] > 0
+    assert r["ttft_p50_ratio_vs_peer"] == pytest.approx(r["ttft_p50_ms"] / r["peer_ttft_p50_ms"])
+    assert r["peer_detail"]["kv_tokens_in_use_after"] == 0
+
+
+def test_serving_burst_with_a_request_rate_is_refused_before_any_server_starts(tmp_path, capsys):
+    code = main(["bench", "serve", "--workload", "serving-burst", "--request-rate", "20", "--out", str(tmp_path)])
+    assert code == 2
+    assert "--workload serving-burst sends every request at once" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
