@@ -9,6 +9,7 @@ import json
 import re
 import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -195,7 +196,8 @@ def test_every_metric_carries_the_model_name_label(server, model_name):
 
 
 def test_the_prefix_cache_counts_queries_and_hits(server, model_name):
-    prompt = "The same long prefix, repeated so that the radix cache can serve it the second time. " * 3
+    # A prefix no earlier test on the shared server can have cached: only the second request hits.
+    prompt = uuid.uuid4().hex + " the same long prefix, repeated so that the radix cache can serve it. " * 3
     before = server.wait_idle()
     for _ in range(2):
         r = server.post("/v1/completions", json=completion_body(model_name, prompt, max_tokens=1))
