@@ -11,6 +11,9 @@ then decodes normally. ``NgramWorker`` is the speculative worker that drafts wit
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.config import EngineConfig
@@ -46,12 +49,30 @@ class RequestIndex:
                 self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
         self.tokens.extend(tokens[len(self.tokens) :])  # only the new tail: O(new tokens) per step
 
-    def followers(self, key: tuple[int, ...], limit: int) -> list[int]:
-        """Distinct tokens that followed ``key``, most recent occurrence first."""
+    def followers(self, key: tuple[int, ...], limit: int, pending: Sequence[int] = ()) -> list[int]:
+        """Distinct tokens that followed ``key``, most recent occurrence first, in the indexed tokens
+        followed by ``pending`` (tokens not indexed: a hypothesised continuation). The answer is the
+        one ``extend(tokens + pending)`` then ``followers(key, limit)`` gives, without the extend."""
         out: list[int] = []
+        m = len(self.tokens)
+        if pending:
+            # Occurrences ending inside the pending tokens (end in (m, m + len(pending)), newest
+            # first): scanned, since the index holds ends up to m only.
+            n = len(key)
+            off = max(0, m - n)
+            seq = self.tokens[off:] + list(pending)  # seq[j] is token off + j of the whole sequence
+            want = list(key)
+            for end in range(m + len(pending) - 1, max(m, n - 1), -1):
+                if seq[end - n - off : end - off] == want:
+                    tok = seq[end - off]
+                    if tok not in out:
+                        out.append(tok)
+                        if len(out) == limit:
+                            return out
+        total = m + len(pending)
         for end in reversed(self.ends.get(key, ())):
-            if end < len(self.tokens):
-                tok = self.tokens[end]
+            if end < total:
+                tok = self.tokens[end] if end < m else pending[end - m]
                 if tok not in out:
                     out.append(tok)
                     if len(out) == limit:
@@ -68,11 +89,13 @@ class NgramCache:
     def __init__(self, min_window: int, max_window: int, capacity: int) -> None:
         self.min_window, self.max_window, self.capacity = min_window, max_window, capacity
         self.table: dict[tuple[int, ...], dict[int, int]] = {}
+        self.version = 0  # bumped by every insert: proposals prepared before one are stale after it
 
     def __len__(self) -> int:
         return len(self.table)
 
     def insert(self, tokens: list[int]) -> None:
+        self.version += 1
         table = self.table
         for n in range(self.min_window, self.max_window + 1):
             for end in range(n, len(tokens)):
@@ -104,10 +127,11 @@ class NgramDrafter:
         ``cache.insert``, which the worker runs as deferred work)."""
         self.indices.pop(rid, None)
 
-    def _candidates(self, index: RequestIndex, seq: list[int], limit: int) -> list[int]:
+    def _candidates(self, index: RequestIndex, seq: list[int], limit: int, pending: Sequence[int] = ()
+                    ) -> list[int]:
         for n in range(min(self.max_window, len(seq)), self.min_window - 1, -1):
             key = tuple(seq[-n:])
-            found = index.followers(key, limit) or self.cache.followers(key, limit)
+            found = index.followers(key, limit, pending) or self.cache.followers(key, limit)
             if found:
                 return found
         return []
@@ -120,19 +144,28 @@ class NgramDrafter:
         index.extend(context)
         return index
 
-    def propose(self, rid: str, context: list[int], max_depth: int, max_nodes: int, topk: int) -> DraftTree | None:
+    def propose(self, rid: str, context: list[int], max_depth: int, max_nodes: int, topk: int,
+                pending: Sequence[int] = ()) -> DraftTree | None:
         """A tree of at most ``max_nodes`` nodes (root included) and ``max_depth`` levels below the
-        root, at most ``topk`` children per node, grown breadth first; None when nothing matches."""
+        root, at most ``topk`` children per node, grown breadth first; None when nothing matches.
+
+        ``pending``: tokens that follow ``context`` but are not the request's yet (a hypothesised
+        outcome of the verify in flight): the tree is the one proposed once the request's tokens are
+        ``context + pending``, while the request's index is brought up to ``context`` only."""
         index = self.index(rid, context)
-        # Lookups read at most max_window trailing tokens: grow paths on that tail, not the context.
-        tail = context[-self.max_window :]
-        tree_tokens, parents, paths = [context[-1]], [-1], [[]]
+        return self._grow(index, (context[-self.max_window :] + list(pending))[-self.max_window :], pending,
+                          max_depth, max_nodes, topk)
+
+    def _grow(self, index: RequestIndex, tail: list[int], pending: Sequence[int], max_depth: int,
+              max_nodes: int, topk: int) -> DraftTree | None:
+        # Lookups read at most max_window trailing tokens: paths grow on that tail, not the context.
+        tree_tokens, parents, paths = [tail[-1]], [-1], [[]]
         frontier = [0]
         depth = 0
         while frontier and depth < max_depth and len(tree_tokens) < max_nodes:
             nxt = []
             for node in frontier:
-                for tok in self._candidates(index, tail + paths[node], topk):
+                for tok in self._candidates(index, tail + paths[node], topk, pending):
                     if len(tree_tokens) == max_nodes:
                         break
                     tree_tokens.append(tok)
@@ -144,24 +177,94 @@ class NgramDrafter:
             return None
         return DraftTree(tree_tokens, parents)
 
+    def predraft(self, rid: str, context: list[int], tree: DraftTree, max_depth: int, max_nodes: int,
+                 topk: int) -> dict[tuple[int, ...], DraftTree | None]:
+        """The next proposals for every way the verify of ``tree`` (rooted at ``context[-1]``) can
+        end, keyed by the tokens the request then gains. Ending at node n accepts the path to n and
+        adds a bonus token, which is not one of n's children's tokens (those were rejected): its
+        guess is the drafter's best other follower of the path (no guess, no entry). Every proposal
+        is what ``propose`` gives once the request's tokens are ``context`` plus the key, as long as
+        the global cache takes no insert meanwhile."""
+        index = self.index(rid, context)
+        tail = context[-self.max_window :]
+        out: dict[tuple[int, ...], DraftTree | None] = {}
+        paths: list[list[int]] = [[]]
+        for node in range(1, tree.width):
+            paths.append(paths[tree.parents[node]] + [tree.tokens[node]])
+        for node, path in enumerate(paths):
+            rejected = [tree.tokens[c] for c in tree.children(node)]
+            seq = (tail + path)[-self.max_window :]
+            bonus = next((t for t in self._candidates(index, seq, len(rejected) + 1, path) if t not in rejected), None)
+            if bonus is None:
+                continue
+            gained = path + [bonus]
+            out[tuple(gained)] = self._grow(index, (seq + [bonus])[-self.max_window :], gained, max_depth,
+                                            max_nodes, topk)
+        return out
+
+
+@dataclass
+class PreparedDrafts:
+    """Proposals drafted while a verify ran (``NgramDrafter.predraft``): valid while the request has
+    ``base_len`` tokens plus one of the keys and the global cache is at ``cache_version``."""
+
+    base_len: int
+    cache_version: int
+    proposals: dict[tuple[int, ...], DraftTree | None]
+
 
 class NgramWorker(BaseSpecWorker):
     joins_admissions = True
 
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
-        self.drafter = NgramDrafter(config.speculative_ngram_min_match_window_size,
-                                    config.speculative_ngram_max_match_window_size,
-                                    config.speculative_ngram_capacity)
+        self.drafter = self._new_drafter()
         self._cold_waits: dict[str, int] = {}  # rid -> drafting opportunities skipped while cold
         # Finished requests' tokens, fed to the global cache as deferred work (an insert walks every
         # n-gram of the request: on a step's critical path it delays the next verify launch).
         self._finished: list[list[int]] = []
+        # rid -> the next proposals drafted while its last verify ran (see predraft), and how the
+        # proposals asked for since were served: "hit" (prepared), "miss" (prepared for other
+        # outcomes, drafted anew), "unprepared" (drafted anew).
+        self._prepared: dict[str, PreparedDrafts] = {}
+        self.predraft_stats: Counter[str] = Counter()
+
+    def _new_drafter(self) -> NgramDrafter:
+        return NgramDrafter(self.config.speculative_ngram_min_match_window_size,
+                            self.config.speculative_ngram_max_match_window_size,
+                            self.config.speculative_ngram_capacity)
 
     def propose(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        return [None if self._cooling(r) else self.drafter.propose(r.rid, r.fill_ids, d, self.num_draft_tokens,
-                                                                   self.topk)
-                for r, d in zip(reqs, max_depths, strict=True)]
+        out: list[DraftTree | None] = []
+        for req, depth in zip(reqs, max_depths, strict=True):
+            prepared = self._prepared.pop(req.rid, None)
+            if self._cooling(req):
+                out.append(None)
+                continue
+            gained = req.fill_len - prepared.base_len if prepared is not None else 0
+            key = tuple(req.output_ids[-gained:]) if gained > 0 else ()
+            if (prepared is not None and prepared.cache_version == self.drafter.cache.version
+                    and key in prepared.proposals):
+                self.predraft_stats["hit"] += 1
+                tree = prepared.proposals[key]
+                out.append(tree if tree is None else tree.truncated(depth))
+                continue
+            self.predraft_stats["miss" if prepared is not None else "unprepared"] += 1
+            out.append(self.drafter.propose(req.rid, req.fill_ids, depth, self.num_draft_tokens, self.topk))
+        return out
+
+    def predraft(self, reqs: Sequence[Req], trees: list[DraftTree]) -> None:
+        """Draft every request's next proposal for each way its verify can end, while the verify
+        forward is queued: the next step's ``propose`` then only checks which outcome arrived. Drafted
+        at full depth; ``propose`` truncates to the depth the request is allowed then (a tree grows
+        breadth first, so the shallower tree is a prefix of the deeper one)."""
+        version = self.drafter.cache.version
+        for req, tree in zip(reqs, trees, strict=True):
+            if tree.width == 1 and self.accept_ema.get(req.rid, float(self.num_steps)) < COLD_ACCEPT:
+                continue  # cooling, and a root-only row leaves its average as it is: no draft next step
+            proposals = self.drafter.predraft(req.rid, req.fill_ids, tree, self.num_steps, self.num_draft_tokens,
+                                              self.topk)
+            self._prepared[req.rid] = PreparedDrafts(req.fill_len, version, proposals)
 
     def _cooling(self, req: Req) -> bool:
         """Whether ``req`` skips drafting now: its guesses keep failing (acceptance average below
@@ -178,15 +281,16 @@ class NgramWorker(BaseSpecWorker):
 
     def reset(self) -> None:
         super().reset()
-        self.drafter = NgramDrafter(self.config.speculative_ngram_min_match_window_size,
-                                    self.config.speculative_ngram_max_match_window_size,
-                                    self.config.speculative_ngram_capacity)
+        self.drafter = self._new_drafter()
         self._cold_waits.clear()
         self._finished.clear()
+        self._prepared.clear()
+        self.predraft_stats.clear()
 
     def on_finish(self, req: Req) -> None:
         super().on_finish(req)
         self._cold_waits.pop(req.rid, None)
+        self._prepared.pop(req.rid, None)
         self.drafter.forget(req.rid)
         self._finished.append(req.fill_ids)
 

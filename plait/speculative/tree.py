@@ -53,10 +53,19 @@ class DraftTree:
         return self._children[node]
 
     def depths(self) -> list[int]:
-        d = [0] * len(self.tokens)
-        for i, p in enumerate(self.parents[1:], start=1):
-            d[i] = d[p] + 1
-        return d
+        return list(_depths(tuple(self.parents)))
+
+    def truncated(self, max_depth: int) -> DraftTree:
+        """The nodes at most ``max_depth`` below the root. Node order is breadth first (n-gram and
+        level trees are grown so), which makes them a prefix of the nodes."""
+        depths = _depths(tuple(self.parents))
+        keep = sum(1 for d in depths if d <= max_depth)
+        if keep == self.width:
+            return self
+        if any(d > max_depth for d in depths[:keep]):
+            raise ValueError("truncated() needs a tree whose nodes are in breadth-first order")
+        probs = None if self.draft_probs is None else self.draft_probs[:keep]
+        return DraftTree(self.tokens[:keep], self.parents[:keep], probs)
 
     def ancestor_mask(self) -> torch.Tensor:
         """bool [w, w]: row i is True at i and at every ancestor of i."""
@@ -64,6 +73,15 @@ class DraftTree:
 
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[n] for n in path]
+
+
+@functools.lru_cache(maxsize=1024)
+def _depths(parents: tuple[int, ...]) -> tuple[int, ...]:
+    """Each node's depth below the root, for a tree shape (a step's trees share a few shapes)."""
+    d = [0] * len(parents)
+    for i in range(1, len(parents)):
+        d[i] = d[parents[i]] + 1
+    return tuple(d)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -225,7 +225,9 @@ class BaseSpecWorker(ABC):
         out = self.runner.forward(fb)  # logits [sum(num_tokens_per_req), V] float32
         self.after_verify_forward(fb)
         sched.stats.forward_steps += 1
-        self.deferred_work(sched)  # the forward is queued: hide host work behind it
+        # The forward is queued: host work done now is hidden behind it.
+        self.deferred_work(sched)
+        self.predraft(reqs, trees)
         row_widths = fb.spec_info.num_tokens_per_req
         logits, greedy = out.next_token_logits, out.greedy_ids
         if any(r.grammar is not None for r in reqs):
@@ -279,6 +281,11 @@ class BaseSpecWorker(ABC):
 
     def after_verify_forward(self, fb: ForwardBatch) -> None:  # noqa: B027 (optional hook)
         """The verify forward is queued (nothing read back yet)."""
+
+    def predraft(self, reqs: Sequence[Req], trees: list[DraftTree]) -> None:  # noqa: B027 (optional hook)
+        """The verify forward of ``trees`` is queued: prepare the next step's drafts for the outcomes
+        it may have, so that ``propose`` after it only picks the one that arrived (a drafter whose
+        next draft needs the verify's result, such as a draft model's KV, leaves this empty)."""
 
     def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],  # noqa: B027
                      old_kv_lens: list[int]) -> None:
