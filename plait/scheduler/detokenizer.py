@@ -8,6 +8,7 @@ so a client never receives characters that the final, trimmed text does not cont
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # Prompt tokens kept as left context so the first output token decodes with correct spacing.
@@ -39,6 +40,10 @@ class IncrementalDetokenizer:
         """O(1): decoding is deferred until text is asked for (stop strings, streaming, the end), so a
         batch of requests nobody reads mid-flight costs no tokenizer calls per step."""
         self._ids.append(token_id)
+
+    def add_tokens(self, token_ids: Sequence[int]) -> None:
+        """``add_token`` for each of ``token_ids``."""
+        self._ids.extend(token_ids)
 
     @property
     def text(self) -> str:

@@ -29,7 +29,7 @@ from plait.config import EngineConfig
 from plait.executor.forward_output import InputLogprobs
 from plait.executor.model_runner import ModelRunner
 from plait.mem.radix_cache import RadixCache
-from plait.sampling import SamplingBatchInfo
+from plait.sampling import SamplingBatchInfo, SamplingParams
 from plait.scheduler.in_flight import InFlight
 from plait.scheduler.interface import SpecWorker
 from plait.scheduler.kv_cache import KVCacheManager
@@ -239,10 +239,13 @@ class Scheduler:
         self.kv.map(rows, positions, slots)
 
     def commit_tokens(self, req: Req, tokens: Sequence[int]) -> None:
-        for token in tokens:
-            self._append_token(req, token)
-            if req.finished:
-                break  # tokens after a stop are dropped; releasing the request frees their KV
+        if req.grammar is None and not req.detokenizer.stop:
+            self._append_plain_tokens(req, tokens)
+        else:  # a matcher or stop strings look at every token
+            for token in tokens:
+                self._append_token(req, token)
+                if req.finished:
+                    break  # tokens after a stop are dropped; releasing the request frees their KV
         if req.finished:
             self._retire(req)
         elif req in self.prefilling:  # its first token: it decodes from now on
@@ -496,6 +499,32 @@ class Scheduler:
                 self._retire(req)
             self._updated.append(req)
 
+    def _append_plain_tokens(self, req: Req, tokens: Sequence[int]) -> None:
+        """``_append_token`` for each of ``tokens`` until one finishes the request, for a request
+        without a grammar or stop strings (only stop tokens and lengths end it): one list extend."""
+        sp = req.sampling_params
+        n0 = len(req.output_ids)
+        # Tokens until the length limit: the c-th token finishes when n0 + c >= max_new_tokens or
+        # fill_len + c >= max_context_len (the first one at least, as _append_token checks after it).
+        room = max(1, min(sp.max_new_tokens - n0, self.runner.max_context_len - req.fill_len))
+        take = min(len(tokens), room)
+        reason: FinishReason | None = FinishReason.LENGTH if take == room else None
+        message = None
+        for c in range(max(1, sp.min_new_tokens - n0), take + 1):  # stop tokens count from min_new_tokens
+            token = tokens[c - 1]
+            if self._is_stop_token(sp, token):
+                take, reason, message = c, FinishReason.STOP, f"stop token {token}"
+                break
+        new = tokens[:take]
+        req.output_ids.extend(new)
+        self.stats.generation_tokens += take
+        req.detokenizer.add_tokens(new)
+        if reason is not None:
+            self._finish(req, reason, message)
+
+    def _is_stop_token(self, sp: SamplingParams, token: int) -> bool:
+        return token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
+
     def _append_token(self, req: Req, token: int) -> None:
         if req.grammar is not None and not req.grammar.accept_token(token):
             # The mask allows only grammar tokens, so this means a sampler row with nothing allowed
@@ -509,7 +538,7 @@ class Scheduler:
         sp = req.sampling_params
         n = len(req.output_ids)
         if n >= sp.min_new_tokens:
-            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            if self._is_stop_token(sp, token):
                 self._finish(req, FinishReason.STOP, f"stop token {token}")
                 return
             if req.detokenizer.find_stop():

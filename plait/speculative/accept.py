@@ -29,6 +29,7 @@ host (not full-vocabulary probability rows), and the host walk (``walk_decisions
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -53,6 +54,11 @@ ACCEPT_STREAM = 1
 
 def greedy_accept(tree: DraftTree, target_ids: list[int]) -> tuple[list[int], int]:
     """``target_ids[i]``: the target's argmax token at node i."""
+    if tree.is_chain:  # the walk without child lists: node k + 1 is node k's only child
+        tokens, k = tree.tokens, 0
+        while k + 1 < len(tokens) and tokens[k + 1] == target_ids[k]:
+            k += 1
+        return list(range(k + 1)), target_ids[k]
     path = [0]
     node = 0
     while True:
@@ -193,7 +199,7 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
     riding along without a draft) decide on the device (``one_hot_decisions``); both come to the host
     in one copy. Only drafts with a soft draft distribution bring probability rows to the host."""
     widths = [t.width for t in trees]
-    row_starts = np.concatenate([[0], np.cumsum(row_widths or widths)]).tolist()
+    row_starts = [0, *itertools.accumulate(row_widths or widths)]
     # The sampler's rule for greedy rows, so a request gets the same treatment on both paths.
     sampled = [i for i, r in enumerate(reqs) if not (r.sampling_params.is_greedy
                                                      or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]

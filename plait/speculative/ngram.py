@@ -296,16 +296,19 @@ class NgramWorker(BaseSpecWorker):
 
     def deferred_work(self, sched: SchedulerAPI) -> None:
         """Feed finished requests to the global cache, and index the prompts of the requests the
-        scheduler admits next (their first proposal then only indexes what they generated)."""
+        scheduler admits next and draft from them (a request whose cached prompt joins a verify
+        step then finds its first proposal ready)."""
         finished, self._finished = self._finished, []
         for tokens in finished:
             self.drafter.cache.insert(tokens)
         # The scheduler admits waiting requests as running ones finish, often right after this
-        # verify: index at least one (beyond the free places) so its first proposal finds it ready.
+        # verify: prepare at least one (beyond the free places).
         budget = max(1, self.config.max_running_requests - sched.num_running())
+        version = self.drafter.cache.version
         for req in sched.waiting:
             if budget == 0:
                 break
             if req.rid not in self.drafter.indices:
-                self.drafter.index(req.rid, req.fill_ids)
+                tree = self.drafter.propose(req.rid, req.fill_ids, self.num_steps, self.num_draft_tokens, self.topk)
+                self._prepared[req.rid] = PreparedDrafts(req.fill_len, version, {(): tree})
                 budget -= 1

@@ -40,6 +40,11 @@ class DraftTree:
         return cls([root, *guesses], [-1, *range(len(guesses))])
 
     @property
+    def is_chain(self) -> bool:
+        """Whether node i's parent is i - 1 for every node (one guess per level)."""
+        return _is_chain(tuple(self.parents))
+
+    @property
     def width(self) -> int:
         """Tokens verified for this request (root included): its ``num_tokens_per_req``."""
         return len(self.tokens)
@@ -53,12 +58,12 @@ class DraftTree:
         return self._children[node]
 
     def depths(self) -> list[int]:
-        return list(_depths(tuple(self.parents)))
+        return list(depths_of(tuple(self.parents)))
 
     def truncated(self, max_depth: int) -> DraftTree:
         """The nodes at most ``max_depth`` below the root. Node order is breadth first (n-gram and
         level trees are grown so), which makes them a prefix of the nodes."""
-        depths = _depths(tuple(self.parents))
+        depths = depths_of(tuple(self.parents))
         keep = sum(1 for d in depths if d <= max_depth)
         if keep == self.width:
             return self
@@ -76,7 +81,12 @@ class DraftTree:
 
 
 @functools.lru_cache(maxsize=1024)
-def _depths(parents: tuple[int, ...]) -> tuple[int, ...]:
+def _is_chain(parents: tuple[int, ...]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+@functools.lru_cache(maxsize=1024)
+def depths_of(parents: tuple[int, ...]) -> tuple[int, ...]:
     """Each node's depth below the root, for a tree shape (a step's trees share a few shapes)."""
     d = [0] * len(parents)
     for i in range(1, len(parents)):
@@ -97,15 +107,28 @@ def _ancestor_mask(parents: tuple[int, ...]) -> np.ndarray:
     return m
 
 
+def verify_mask_size(widths: list[int], prefix_lens: list[int]) -> int:
+    """Entries of the flattened custom mask of a TARGET_VERIFY batch."""
+    return sum(w * (pre + w) for w, pre in zip(widths, prefix_lens, strict=True))
+
+
+def fill_verify_mask(flat: np.ndarray, shapes: list[tuple[int, ...]], prefix_lens: list[int]) -> None:
+    """Write the flattened custom mask of trees with parents ``shapes`` into ``flat`` (bool,
+    ``verify_mask_size`` entries): every prefix column True, the node columns the ancestor mask."""
+    flat[:] = True
+    start = 0
+    for parents, pre in zip(shapes, prefix_lens, strict=True):
+        w = len(parents)
+        size = w * (pre + w)
+        if w > 1:  # a root-only block is all True
+            flat[start : start + size].reshape(w, pre + w)[:, pre:] = _ancestor_mask(parents)
+        start += size
+
+
 def build_verify_mask(trees: list[DraftTree], prefix_lens: list[int], device: torch.device | str) -> torch.Tensor:
     """The flattened custom mask of a TARGET_VERIFY batch (see the module docstring)."""
-    sizes = [t.width * (pre + t.width) for t, pre in zip(trees, prefix_lens, strict=True)]
-    flat = np.ones(sum(sizes), dtype=np.bool_)
-    start = 0
-    for tree, pre, size in zip(trees, prefix_lens, sizes, strict=True):
-        block = flat[start : start + size].reshape(tree.width, pre + tree.width)
-        block[:, pre:] = _ancestor_mask(tuple(tree.parents))
-        start += size
+    flat = np.empty(verify_mask_size([t.width for t in trees], prefix_lens), dtype=np.bool_)
+    fill_verify_mask(flat, [tuple(t.parents) for t in trees], prefix_lens)
     return to_device(torch.from_numpy(flat), device)  # pinned, asynchronous: no wait for the GPU queue
 
 

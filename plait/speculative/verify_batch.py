@@ -8,6 +8,7 @@ layout of ``plait.attention.base.custom_mask_of``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,8 +19,14 @@ import torch
 from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT
 from plait.speculative.draft_tree import level_tree
-from plait.speculative.tree import DraftTree, build_verify_mask, build_verify_mask_from_ancestors
-from plait.transfer import ints_to_device
+from plait.speculative.tree import (
+    DraftTree,
+    build_verify_mask_from_ancestors,
+    depths_of,
+    fill_verify_mask,
+    verify_mask_size,
+)
+from plait.transfer import ints_and_bools_to_device, ints_to_device
 from plait.two_batch_overlap import slice_tree_mask
 
 
@@ -73,28 +80,39 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
 
     ``input_ids`` / ``custom_mask``: the nodes' tokens and the mask when they are on the device
     already (draft-tree expansion); ``trees`` then give only the shape (widths and depths)."""
-    real_trees = trees
+    real_widths = [t.width for t in trees]
+    shapes = [tuple(t.parents) for t in trees]
+    tokens = [t.tokens for t in trees]
     src: list[int] = []  # padded layout: slot j of the real layout, or len(slots) (the dummy slot)
     if pad_width is not None:
-        trees = [DraftTree(t.tokens + [0] * (pad_width - t.width), t.parents + [0] * (pad_width - t.width))
-                 for t in trees]
+        # Dummy nodes are children of the root (depth 1), token 0.
+        shapes = [p + (0,) * (pad_width - len(p)) for p in shapes]
+        tokens = [t + [0] * (pad_width - len(t)) for t in tokens]
         off = 0
-        for t in real_trees:
-            src.extend(range(off, off + t.width))
-            src.extend([len(slots)] * (pad_width - t.width))
-            off += t.width
-    widths = [t.width for t in trees]
+        for w in real_widths:
+            src.extend(range(off, off + w))
+            src.extend([len(slots)] * (pad_width - w))
+            off += w
+    widths = [len(p) for p in shapes]
     prefix = [r.kv_len for r in rows]
     ids: list[int] = []
     pos: list[int] = []
-    for t, pre in zip(trees, prefix, strict=True):
-        ids.extend(t.tokens)
-        pos.extend(pre + d for d in t.depths())
+    for toks, parents, pre in zip(tokens, shapes, prefix, strict=True):
+        ids.extend(toks)
+        pos.extend([pre + d for d in depths_of(parents)])
     seq_lens = [p + w for p, w in zip(prefix, widths, strict=True)]
-    starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+    starts = [0, *itertools.accumulate(widths[:-1])]
     pool_rows = [r.req_pool_idx for r in rows]
     parts = [ids, pos, pool_rows, seq_lens, widths, prefix, starts, src]
-    ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t = ints_to_device(parts, device)
+    if custom_mask is None:
+        # The mask rides in the same copy as the integers: one host-to-device transfer per batch.
+        flat = np.empty(verify_mask_size(widths, prefix), dtype=np.bool_)
+        fill_verify_mask(flat, shapes, prefix)
+        (ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t), mask = ints_and_bools_to_device(parts, flat,
+                                                                                                       device)
+    else:
+        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t = ints_to_device(parts, device)
+        mask = custom_mask
     if pad_width is not None:
         slots = torch.cat([slots, slots.new_full((1,), DUMMY_KV_SLOT)])[src_t]
     fb = ForwardBatch(
@@ -106,8 +124,7 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
                           seq_lens_cpu=widths, prefix_lens_cpu=prefix),
     )
     # logits_indices stays None: every node's logits are needed.
-    mask = build_verify_mask(trees, prefix, device) if custom_mask is None else custom_mask
-    fb.spec_info = VerifyInput(real_trees, mask, widths)
+    fb.spec_info = VerifyInput(trees, mask, widths)
     return fb
 
 

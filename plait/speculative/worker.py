@@ -247,24 +247,33 @@ class BaseSpecWorker(ABC):
                results: list[tuple[list[int], int]]) -> None:
         old_kv_lens = [r.kv_len for r in reqs]
         # Accepted nodes go to consecutive positions after the prefix, in path order: one scatter
-        # into req_to_token for the whole batch (node index in ``slots``, pool row, position).
-        accepted: list[int] = []
+        # into req_to_token for the whole batch (pool row, position), and every other node's slot
+        # is freed. Both slot lists come from one gather of node indices built on the host (a
+        # boolean-mask gather on the device would wait for the GPU queue, nonzero, mid-step).
+        nodes: list[int] = []  # accepted node indices in ``slots``, then the rejected ones
+        rejected: list[int] = []
         rows: list[int] = []
         cols: list[int] = []
         start = 0
         for req, tree, (path, _) in zip(reqs, trees, results, strict=True):
-            accepted.extend(start + n for n in path)
-            rows.extend([req.row] * len(path))
-            cols.extend(range(req.kv_len, req.kv_len + len(path)))
-            req.kv_len += len(path)
-            start += tree.width
-        # Rejected node indices come from the host too: a boolean-mask gather on the device would
-        # wait for the GPU queue (nonzero) in the middle of the step.
-        kept = set(accepted)
-        rejected = [i for i in range(slots.numel()) if i not in kept]
-        acc_t, rows_t, cols_t, rej_t = ints_to_device([accepted, rows, cols, rejected], slots.device)
-        sched.map_kv_slots(rows_t, cols_t, slots[acc_t])
-        sched.free_kv_slots(slots[rej_t])  # rejected nodes: freed at once
+            n, w, kv = len(path), tree.width, req.kv_len
+            if path[-1] == n - 1:  # a path is increasing from 0: this one is 0..n-1 (chains always)
+                nodes.extend(range(start, start + n))
+                rejected.extend(range(start + n, start + w))
+            else:
+                nodes.extend(start + i for i in path)
+                kept = set(path)
+                rejected.extend(start + i for i in range(w) if i not in kept)
+            rows.extend([req.row] * n)
+            cols.extend(range(kv, kv + n))
+            req.kv_len = kv + n
+            start += w
+        num_accepted = len(nodes)
+        nodes.extend(rejected)
+        nodes_t, rows_t, cols_t = ints_to_device([nodes, rows, cols], slots.device)
+        chosen = slots[nodes_t]
+        sched.map_kv_slots(rows_t, cols_t, chosen[:num_accepted])
+        sched.free_kv_slots(chosen[num_accepted:])  # rejected nodes: freed at once
         self.after_accept(reqs, trees, results, old_kv_lens)
         for req, tree, (path, bonus) in zip(reqs, trees, results, strict=True):
             if tree.width > 1:  # a root-only tree is a plain decode row: no guess to count
