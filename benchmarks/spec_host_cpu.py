@@ -83,6 +83,9 @@ def main() -> None:
     _timed(calls, engine.runner, "forward", prof, inside)
     _timed(calls, worker, "decode_step", prof, inside)
     steps0 = worker.stats.verify_steps
+    stats = getattr(worker, "predraft_stats", None)  # older commits do not pre-draft
+    if stats is not None:
+        stats.clear()
     t0 = time.perf_counter()
     for _ in range(args.rounds):
         engine.generate(prompts, params)
@@ -100,9 +103,8 @@ def main() -> None:
         print(f"  {name:20s} {t * 1e3:9.2f} {t / steps * 1e6:8.1f} {med:9.1f}")
     crit = sum(total.get(n, 0.0) for n in CRITICAL)
     print(f"  critical path (propose + build + accept + commit): {crit / steps * 1e6:.1f} us/step")
-    stats = getattr(worker, "predraft_stats", None)
     if stats is not None:
-        print(f"  pre-drafted proposals: {stats}")
+        print(f"  proposals pre-drafted during the verify (hit), drafted anew (miss, unprepared): {dict(stats)}")
     engine.shutdown()
     if prof is not None:
         out = io.StringIO()
