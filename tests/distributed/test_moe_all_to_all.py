@@ -111,6 +111,8 @@ def _spy_all_to_all(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     # DP attention: every rank routes its own requests (an IDLE rank when one prompt runs alone); the
     # shared expert replicated on both ranks.
     ("qwen2-moe", {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}),
+    # A dense layer (mlp_only_layers) between sparse ones keeps the gather path, an IDLE rank too.
+    ("qwen3-moe", {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}),
     # Plain TP: each rank dispatches its half of the replicated rows, the outputs all-gathered back;
     # expert biases and sinks.
     ("gpt-oss", {"tp_size": 2}),
