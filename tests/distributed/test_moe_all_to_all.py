@@ -76,6 +76,43 @@ def test_dispatch_combine_equals_the_reference_over_all_experts_in_every_routing
     run_two_ranks(_check_dispatch)
 
 
+def _block(group: TPGroup, w: dict[str, torch.Tensor], whole: bool) -> SparseMoeBlock:
+    """Router + experts + a Qwen2-MoE-style gated shared expert (replicated): this rank's all-to-all
+    block, or (``whole``) the one-rank block holding every expert."""
+    from types import SimpleNamespace
+
+    from plait.models.llama import LlamaMLP
+
+    experts = FusedMoE(E, H, INTER, SINGLE, activation="swiglu_oai", bias=True) if whole else _rank_experts(group, w)
+    if whole:
+        for name, param in (("w13", experts.w13_weight), ("w2", experts.w2_weight), ("b13", experts.w13_bias),
+                            ("b2", experts.w2_bias)):
+            param.data.copy_(w[name])
+    shared = LlamaMLP(SimpleNamespace(hidden_size=H, intermediate_size=INTER), SINGLE, bias=False)
+    block = SparseMoeBlock(RouterConfig(E, K), experts, H, SINGLE if whole else group, shared_expert=shared,
+                           all_to_all=not whole)
+    g = torch.Generator().manual_seed(1)
+    for param in (block.gate.weight, block.shared_expert_gate.weight, shared.gate_up_proj.weight,
+                  shared.down_proj.weight):
+        param.data.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    return block
+
+
+def _check_both_paths(port: int, rank: int) -> None:
+    group = two_rank_group(port, rank)
+    w = _full_weights()
+    block, whole = _block(group, w, whole=False), _block(group, w, whole=True)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(2))  # replicated, as under plain TP
+    expected = whole(x)
+    # The gather path a graph capture keeps: rank 0 alone adds the replicated shared expert.
+    torch.testing.assert_close(group.all_reduce(block.forward_partial(x)), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(block.forward_scattered(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_replicated_shared_expert_counts_once_on_the_gather_path_and_the_all_to_all_path():
+    run_two_ranks(_check_both_paths)
+
+
 def _check_rows(port: int, rank: int, nccl: bool = False) -> None:
     group = two_rank_group(port, rank, nccl)
     device = f"cuda:{rank}" if nccl else "cpu"
