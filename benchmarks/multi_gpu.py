@@ -233,8 +233,9 @@ EP_LAYOUTS: dict[str, dict[str, Any]] = {
 def moe_ep(out_dir: str, only: list[str] | None = None) -> None:
     """offline-throughput on qwen3-30b-a3b (random weights) for the EP layouts (``only``: a subset;
     default the two DP-attention ones), each in its own process; the all-to-all run of a pair is
-    written with the gather run of the same parallel layout as its peer. CUDA graphs stay on: decode
-    steps replay the gather path in both, so the difference is in the eager (prefill) forwards."""
+    written with the gather run of the same parallel layout as its peer. On CUDA decode steps (DP
+    attention: MAX_LEN rounds) take the gather path in both, so the difference is in the prefill
+    (SUM_LEN) forwards."""
     shape = "qwen3-30b-a3b" if CUDA else "tiny"
     path, vocab = _model(shape, cpu_arch="qwen3-moe")
     n = 256 if CUDA else 8

@@ -114,8 +114,9 @@ class ModelRunner:
         graph_factory = None if config.disable_cuda_graph else graph_factory_for(self.device)
         graphs = graph_factory is not None
         if graphs and config.moe_a2a_backend == "all_to_all":
-            logger.info("moe_a2a_backend all_to_all: eager forwards dispatch experts by all-to-all; the CUDA graphs "
-                        "(decode, verify) are captured on the all-gather path (its sizes are fixed per bucket)")
+            logger.info("moe_a2a_backend all_to_all: prefill steps (DP attention: SUM_LEN rounds) dispatch experts by "
+                        "all-to-all; decode and verify steps (DP attention: MAX_LEN rounds), which CUDA graphs are "
+                        "captured for, keep the all-gather path")
         max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
         widths = verify_graph_widths(config)
         # Sized for the largest graph before any capture (replays write into it; never reallocated).

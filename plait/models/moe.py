@@ -110,11 +110,12 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         return SparseMoeBlock(router, experts, cfg.hidden_size, tp, self.router_bias, shared, all_to_all)
 
     def run_mlp(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Under DP attention an all-to-all MoE layer routes this rank's own rows itself (no gather);
-        plain tensor parallelism reaches it through ``SparseMoeBlock.forward``."""
+        """An all-to-all MoE layer's dispatching steps: under DP attention it routes this rank's own
+        rows (no gather), under plain TP its slice of the replicated rows. Other steps and dense
+        layers take the gather path."""
         mlp = self.mlp
-        if self.dp_group is not None and isinstance(mlp, SparseMoeBlock) and mlp.dispatches_all_to_all(hidden):
-            return mlp.forward_own_tokens(hidden)
+        if isinstance(mlp, SparseMoeBlock) and mlp.dispatches_all_to_all(hidden, fb):
+            return mlp.forward_own_tokens(hidden) if self.dp_group is not None else mlp.forward_scattered(hidden)
         return super().run_mlp(hidden, fb)
 
 

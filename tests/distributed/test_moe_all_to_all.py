@@ -13,8 +13,9 @@ import plait.layers.moe.all_to_all as a2a
 from plait.config import EngineConfig
 from plait.distributed.all_to_all import all_to_all_rows, exchange_counts
 from plait.distributed.parallel_state import SINGLE, TPGroup
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ForwardMode
 from plait.layers.moe.all_to_all import dispatch_combine, split_rows
-from plait.layers.moe.layer import FusedMoE, SparseMoeBlock
+from plait.layers.moe.layer import FusedMoE, SparseMoeBlock, all_to_all_step
 from plait.layers.moe.reference import fused_experts_reference
 from plait.layers.moe.router import RouterConfig
 from tests.helpers import make_engine, prompt_ids, run_two_ranks, single_rank_outputs, two_rank_group
@@ -202,3 +203,25 @@ def test_cli_flag_sets_the_backend_and_refuses_unknown_names():
     assert engine_options(args)["moe_a2a_backend"] == "all_to_all"
     with pytest.raises(SystemExit):
         build_parser().parse_args([*argv, "--moe-a2a-backend", "deepep"])
+
+
+def _step(mode: ForwardMode, padding: DPPaddingMode | None = None) -> ForwardBatch:
+    empty = torch.empty(0, dtype=torch.int64)
+    fb = ForwardBatch(forward_mode=mode, batch_size=0, input_ids=empty, req_pool_indices=empty, seq_lens=empty,
+                      out_cache_loc=empty, positions=empty)
+    fb.mlp_sync.padding_mode = padding
+    return fb
+
+
+def test_on_cuda_only_steps_graphs_are_never_captured_for_dispatch_by_all_to_all():
+    """A graph's warm-up runs and its capture must take one path: on CUDA the kinds of steps graphs are
+    captured for (DP attention: MAX_LEN; plain TP: decode, verify) keep the gather path."""
+    extend, decode = _step(ForwardMode.EXTEND), _step(ForwardMode.DECODE)
+    assert all_to_all_step(decode, on_cuda=False, capturing=False)  # no graphs off CUDA
+    assert all_to_all_step(extend, on_cuda=True, capturing=False)
+    assert not all_to_all_step(decode, on_cuda=True, capturing=False)
+    assert not all_to_all_step(_step(ForwardMode.TARGET_VERIFY), on_cuda=True, capturing=False)
+    assert not all_to_all_step(extend, on_cuda=True, capturing=True)
+    # DP attention: the step's global padding mode decides, whatever this rank's own mode (IDLE here).
+    assert all_to_all_step(_step(ForwardMode.IDLE, DPPaddingMode.SUM_LEN), on_cuda=True, capturing=False)
+    assert not all_to_all_step(_step(ForwardMode.EXTEND, DPPaddingMode.MAX_LEN), on_cuda=True, capturing=False)

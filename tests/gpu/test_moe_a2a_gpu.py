@@ -1,8 +1,8 @@
 """Expert parallelism's all-to-all dispatch over NCCL on two GPUs (nvidia-h200-x2): the exchange and
 the dispatch/combine with the fused Triton kernels on the received pairs, as the gloo tests check on
-the CPU, and whole engines whose greedy tokens equal the gather path's (fp32 tiny models; CUDA graphs
-on: prefill dispatches by all-to-all and captured decode keeps the gather path; graphs off: every
-step dispatches)."""
+the CPU, and whole engines whose greedy tokens equal the gather path's (fp32 tiny models; on CUDA
+prefill steps dispatch by all-to-all and decode steps keep the gather path, replayed from graphs or
+eager)."""
 
 from __future__ import annotations
 

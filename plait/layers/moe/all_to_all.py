@@ -18,8 +18,9 @@ by the caller) and:
 
 Pairs are sent one by one: a token whose K experts include several of one rank is sent to it once
 per expert (DeepEP sends it once and fans out there; that saves bytes at large K / small ep_size).
-The split sizes are host ints exchanged every call, so this path cannot run inside a CUDA graph; the
-layer takes the all-gather path while a graph is captured (``SparseMoeBlock.dispatches_all_to_all``).
+The split sizes are host ints exchanged every call, so this path cannot run inside a CUDA graph; on
+CUDA the steps of the kinds graphs are captured for take the all-gather path
+(``SparseMoeBlock.dispatches_all_to_all`` says which).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ the combination sums the ranks' results.
 With ``all_to_all`` (``--moe-a2a-backend``, whole experts per rank: ep_size == tp.size) each rank
 routes only its own tokens and dispatches each (token, expert) pair to the rank holding the expert
 (plait.layers.moe.all_to_all). A shared expert is then replicated on every rank (each computes it
-for its own tokens, as SGLang does under DeepEP); on the gather path, which CUDA graph captures
-keep, rank 0 alone adds it to its partial sums, so the reduction counts it once.
+for its own tokens, as SGLang does under DeepEP); on the gather path, which the steps CUDA graphs
+are captured for keep, rank 0 alone adds it to its partial sums, so the reduction counts it once.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
-from plait.forward_batch import ShardedMLP
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ShardedMLP
 from plait.layers.moe.all_to_all import dispatch_combine, split_rows
 from plait.layers.moe.reference import ACTIVATIONS, fused_experts_reference
 from plait.layers.moe.router import RouterConfig, select_experts
@@ -48,6 +48,17 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         else:
             return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
     return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+
+
+def all_to_all_step(fb: ForwardBatch, on_cuda: bool, capturing: bool) -> bool:
+    """``SparseMoeBlock.dispatches_all_to_all``'s rule for a layer configured for all-to-all."""
+    if not on_cuda:
+        return True
+    if capturing:
+        return False
+    if fb.mlp_sync.padding_mode is not None:
+        return fb.mlp_sync.padding_mode == DPPaddingMode.SUM_LEN
+    return not fb.forward_mode.is_cuda_graph()
 
 
 def _divide(n: int, d: int, what: str, fix: str) -> int:
@@ -202,11 +213,17 @@ class SparseMoeBlock(nn.Module):
         # The sigmoid scales each token's row, so it commutes with summing the ranks' partials.
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward_partial(x)
 
-    def dispatches_all_to_all(self, x: torch.Tensor) -> bool:
-        """Whether this call takes the all-to-all path: configured, and not inside a CUDA graph
-        capture (its split sizes are host ints of each step; captured graphs keep the gather path).
-        Every rank of a step decides alike: they replay a graph together or run eagerly together."""
-        return self.all_to_all and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    def dispatches_all_to_all(self, x: torch.Tensor, fb: ForwardBatch) -> bool:
+        """Whether the step ``fb`` takes the all-to-all path (its split sizes are host ints of each
+        step, so no CUDA graph can hold it). On CUDA, steps of the kinds graphs are captured for keep
+        the gather path whether they replay or not, so a graph's warm-up runs and its capture take
+        one path (kernels compile and lazy state initialises before the capture): under DP attention
+        the MAX_LEN steps (captures and replays are MAX_LEN), under plain TP the decode and verify
+        steps. The rule reads the step's global layout, so every rank decides alike. Off CUDA
+        (no graphs) every step dispatches."""
+        if not self.all_to_all:
+            return False
+        return all_to_all_step(fb, x.is_cuda, x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def forward_own_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP output [n, H] of this rank's own tokens ``x`` [n, H] (DP attention: its requests'
@@ -232,6 +249,6 @@ class SparseMoeBlock(nn.Module):
         return reduced  # expert biases are inside the partial sums (one rank per expert group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dispatches_all_to_all(x):
-            return self.forward_scattered(x)
+        """The gather path under tensor parallelism (the decoder layer picks ``forward_scattered``
+        for the steps that dispatch by all-to-all)."""
         return self.tp.all_reduce(self.forward_partial(x))
