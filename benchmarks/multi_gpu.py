@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py correctness OUT_DIR
     PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py decode OUT_DIR
     PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py offline OUT_DIR
+    PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py moe-ep OUT_DIR [LAYOUT ...]
 
 correctness (llama-3.2-1b shape, bf16, random weights): greedy generation of 8 prompts on one GPU with
 every step's logits recorded, then with tp_size=2 and with DP attention (dp_size=2, CUDA graphs on).
@@ -12,7 +13,8 @@ the tolerance. DP attention's other rank schedules in its own process, so its lo
 the requests rank 0 served and its tokens for all. decode: decode-bs1 on llama-3.1-8b, one GPU and
 tp_size=2, against the one- and two-GPU byte floors. offline: offline-throughput on llama-3.1-8b for
 one GPU, tp2, DP attention dp2 and two replicas, each written with ratio_vs_peer against the one-GPU
-plait run.
+plait run. moe-ep: offline-throughput on qwen3-30b-a3b with expert parallelism (ep 2), the gather path
+against the all-to-all one (--moe-a2a-backend), under DP attention (and plain TP when named).
 
 On a CPU (no CUDA) it runs the same code on a tiny model with gloo, to check the script itself.
 """
@@ -60,12 +62,12 @@ AB_LAYOUTS: dict[str, dict[str, Any]] = {"dp2-nccl": {**LAYOUTS["dp2"], "disable
                                          "tp2-nccl": {**LAYOUTS["tp2"], "disable_custom_all_reduce": True}}
 
 
-def _model(shape: str) -> tuple[str, int]:
+def _model(shape: str, cpu_arch: str = "llama") -> tuple[str, int]:
     if CUDA:
         return str(write_shape_dir(tempfile.mkdtemp(), shape)), SHAPES[shape]["vocab_size"]
     from plait.testing import make_tiny_model
 
-    path = make_tiny_model(tempfile.mkdtemp(), "llama")
+    path = make_tiny_model(tempfile.mkdtemp(), cpu_arch)
     return str(path), 500
 
 
@@ -218,6 +220,48 @@ def offline(out_dir: str, only: list[str] | None = None) -> None:
                      detail=results[name], others={k: v["output_tok_s"] for k, v in results.items()})
 
 
+# Expert parallelism's two dispatch paths (--moe-a2a-backend) on the MoE shape, under DP attention and
+# under plain TP: whole experts per GPU (ep_size = tp_size = 2).
+EP_LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp2-ep2-gather": {**LAYOUTS["dp2"], "ep_size": 2},
+    "dp2-ep2-a2a": {**LAYOUTS["dp2"], "ep_size": 2, "moe_a2a_backend": "all_to_all"},
+    "tp2-ep2-gather": {**LAYOUTS["tp2"], "ep_size": 2},
+    "tp2-ep2-a2a": {**LAYOUTS["tp2"], "ep_size": 2, "moe_a2a_backend": "all_to_all"},
+}
+
+
+def moe_ep(out_dir: str, only: list[str] | None = None) -> None:
+    """offline-throughput on qwen3-30b-a3b (random weights) for the EP layouts (``only``: a subset;
+    default the two DP-attention ones), each in its own process; the all-to-all run of a pair is
+    written with the gather run of the same parallel layout as its peer. On CUDA decode steps (DP
+    attention: MAX_LEN rounds) take the gather path in both, so the difference is in the prefill
+    (SUM_LEN) forwards."""
+    shape = "qwen3-30b-a3b" if CUDA else "tiny"
+    path, vocab = _model(shape, cpu_arch="qwen3-moe")
+    n = 256 if CUDA else 8
+    prompts = random_prompts(n, 512, vocab, seed=0) if CUDA else [[5 + i, 7, 9] for i in range(n)]
+    out_len = 128 if CUDA else 4
+    params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": out_len}] * n
+    results = {}
+    for name in only or ["dp2-ep2-gather", "dp2-ep2-a2a"]:
+        engine_opts = {"max_running_requests": n, "disable_radix_cache": True, **HOST, **EP_LAYOUTS[name]}
+        results[name] = _isolated(plait_throughput, path, prompts, params, **engine_opts)
+        print(name, results[name]["output_tok_s"])
+    if not CUDA:
+        return
+    lim = measure_limits()
+    floor = 2 * n * out_len / throughput_floor_seconds(shape, [512] * n, [out_len] * n, lim)
+    for name, result in results.items():
+        if not name.endswith("-a2a"):
+            continue
+        peer = results.get(name.replace("-a2a", "-gather"), {}).get("output_tok_s")
+        write_result(out_dir, f"offline-throughput-{name}", shape, "output_tok_s", result["output_tok_s"],
+                     None if peer is None else "plait, same layout, --moe-a2a-backend none", peer, floor,
+                     {"dtype": "bfloat16", "load_format": "dummy", "requests": n, **EP_LAYOUTS[name]},
+                     detail=result, others={k: v["output_tok_s"] for k, v in results.items()},
+                     floor_definition="two GPUs: 2 x the one-GPU offline floor of the shape")
+
+
 def _kernel_table(step: Any, top: int = 20) -> list[dict[str, Any]]:
     """Run ``step()`` under the torch profiler: its top operations and kernels by device time."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -360,6 +404,8 @@ if __name__ == "__main__":
         profile_dp2(sys.argv[2])
     elif sys.argv[1] == "offline":
         offline(sys.argv[2], sys.argv[3:] or None)
+    elif sys.argv[1] == "moe-ep":
+        moe_ep(sys.argv[2], sys.argv[3:] or None)
     elif sys.argv[1] == "decode":
         decode(sys.argv[2], sys.argv[3:] or None)
     else:

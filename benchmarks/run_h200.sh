@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
 #   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|fp8-tests|fp8|moe-kernel|profile-moe|profile-graph|profile-host|profile-spec|
-#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|moe|x2|x2-profile (x2: on nvidia-h200-x2)|...
+#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|moe|x2|x2-profile|x2-moe-ep (x2*: on nvidia-h200-x2)|...
 # moe: decode-bs1 and offline-throughput for qwen3-30b-a3b and gpt-oss-20b (random weights of the real
 # shapes) against transformers generate / generate_batch in the same run; generate_batch runs the first
 # 16 of the 256 offline requests (same lengths; the JSON's peer_requests / peer_note say so).
@@ -100,6 +100,10 @@ for stage in "$@"; do
         for what in correctness decode offline; do
           NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py $what "$OUT" 2>&1 | grep -v " INFO " | tail -8
         done ;;
+    # nvidia-h200-x2 only: expert parallelism's all-to-all dispatch (--moe-a2a-backend) on NCCL (its GPU
+    # tests), then qwen3-30b-a3b offline-throughput with ep 2 under DP attention, gather path vs all-to-all.
+    x2-moe-ep) python -m pytest -q -m gpu tests/gpu/test_moe_a2a_gpu.py -p no:cacheprovider 2>&1 | tail -3
+        NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py moe-ep "$OUT" 2>&1 | grep -v " INFO " | tail -8 ;;
     # nvidia-h200-x2: where DP attention's offline time goes (rounds by kind, control plane, kernels).
     x2-profile) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py profile-dp2 "$OUT" 2>&1 | grep -v " INFO " | tail -40 ;;
     *) echo "unknown stage $stage" ;;

@@ -21,6 +21,7 @@ from plait.cli_aliases import ALIASED_FIELDS, PlaitArgumentParser, add_engine_al
 from plait.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
+    MOE_A2A_BACKENDS,
     QUANTIZATIONS,
     SAMPLING_DEFAULTS,
     WARMUP_MODES,
@@ -52,6 +53,7 @@ FLAG_CHOICES: dict[str, tuple[str, ...]] = {name: ATTENTION_BACKENDS for name in
     "speculative_draft_attention_backend")} | {"quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 FLAG_CHOICES["warmup"] = WARMUP_MODES
+FLAG_CHOICES["moe_a2a_backend"] = MOE_A2A_BACKENDS
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:

@@ -31,6 +31,11 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SAMPLING_DEFAULTS: tuple[str, ...] = ("model", "openai")
 # EngineConfig.warmup: "auto" on a GPU only (not on the CPU, not under the Triton interpreter).
 WARMUP_MODES: tuple[str, ...] = ("auto", "on", "off")
+# --moe-a2a-backend (SGLang's name): how expert parallelism moves tokens to their experts. "none":
+# every rank sees every token (all-gather / replicated) and the partial sums are reduced;
+# "all_to_all": each rank routes its own tokens and sends each (token, expert) pair to the rank holding
+# the expert (plait.layers.moe.all_to_all). docs/moe.md says which layouts take which.
+MOE_A2A_BACKENDS: tuple[str, ...] = ("none", "all_to_all")
 
 
 def auto_backends(device_type: str) -> tuple[str, str]:
@@ -163,6 +168,7 @@ class EngineConfig:
     # Expert parallelism (mixture-of-experts models): the tp_size ranks form ep_size groups, each
     # holding num_experts / ep_size whole experts sharded over its tp_size / ep_size ranks.
     ep_size: int = 1
+    moe_a2a_backend: str = "none"
     dp_size: int = 1
     enable_dp_attention: bool = False
     nnodes: int = 1
@@ -266,6 +272,15 @@ class EngineConfig:
         _check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
                f"ep_size ({self.ep_size}) must be >= 1 and divide tp_size ({self.tp_size}): expert parallelism "
                "splits the tensor-parallel ranks into ep_size groups")
+        _check(self.moe_a2a_backend in MOE_A2A_BACKENDS,
+               f"moe_a2a_backend must be one of {MOE_A2A_BACKENDS}, got {self.moe_a2a_backend!r}")
+        if self.moe_a2a_backend == "all_to_all":
+            _check(self.ep_size > 1 and self.ep_size == self.tp_size,
+                   f"--moe-a2a-backend all_to_all needs whole experts on every rank: --ep-size equal to --tp-size "
+                   f"and > 1 (got ep_size {self.ep_size}, tp_size {self.tp_size})")
+            _check(not self.enable_two_batch_overlap,
+                   "--moe-a2a-backend all_to_all does not run under --enable-two-batch-overlap (its micro-batches "
+                   "would take the gather path): drop one of the two")
         _check(self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): each node runs "
                "tp_size / nnodes ranks")

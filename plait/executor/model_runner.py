@@ -65,7 +65,7 @@ class ModelRunner:
         # DP attention: attention (and its KV cache) is unsharded on each rank; only the MLP is split.
         attn_tp = SINGLE if config.enable_dp_attention else tp
         self.model = load_model(mc, self.device, config.load_format, tp, config.seed, attn_tp=attn_tp,
-                                ep_size=config.ep_size)
+                                ep_size=config.ep_size, moe_a2a_backend=config.moe_a2a_backend)
         if envs.COUNT_ROUTED_EXPERTS.get():  # benchmarks: before any graph is captured
             routing_stats.attach(self.model, self.device)
         log_device_memory("the weights", self.device)
@@ -113,6 +113,10 @@ class ModelRunner:
         self.verify_graph_runner: VerifyGraphRunner | None = None
         graph_factory = None if config.disable_cuda_graph else graph_factory_for(self.device)
         graphs = graph_factory is not None
+        if graphs and config.moe_a2a_backend == "all_to_all":
+            logger.info("moe_a2a_backend all_to_all: prefill steps (DP attention: SUM_LEN rounds) dispatch experts by "
+                        "all-to-all; decode and verify steps (DP attention: MAX_LEN rounds), which CUDA graphs are "
+                        "captured for, keep the all-gather path")
         max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
         widths = verify_graph_widths(config)
         # Sized for the largest graph before any capture (replays write into it; never reallocated).

@@ -46,7 +46,7 @@ class GptOssForCausalLM(MoEForCausalLM):
     renames = ((".mlp.router.", ".mlp.gate."),)
 
     def __init__(self, cfg: DecoderConfig, tp: TPGroup = SINGLE, attn_tp: TPGroup | None = None,
-                 ep_size: int = 1) -> None:
+                 ep_size: int = 1, moe_a2a_backend: str = "none") -> None:
         limit, alpha = float(getattr(cfg, "swiglu_limit", 7.0)), float(getattr(cfg, "swiglu_alpha", 1.702))
         if (limit, alpha) != (7.0, 1.702):
             raise ValueError(f"gpt-oss with swiglu_limit {limit} / swiglu_alpha {alpha} is not supported "
@@ -54,7 +54,7 @@ class GptOssForCausalLM(MoEForCausalLM):
         self.attn_tp = attn_tp or tp
         # MXFP4 halves of one expert tensor, kept until both arrived: (layer prefix, proj) -> {part: tensor}
         self._pending_mxfp4: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        super().__init__(cfg, tp, attn_tp, ep_size)
+        super().__init__(cfg, tp, attn_tp, ep_size, moe_a2a_backend)
 
     @staticmethod
     def attention_biases(cfg: DecoderConfig) -> tuple[bool, bool]:

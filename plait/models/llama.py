@@ -165,9 +165,14 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, fb)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.run_mlp(hidden, fb), residual
+
+    def run_mlp(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The MLP over this rank's rows: under DP attention around the gather of every rank's rows,
+        else whole (it reduces over its TP group itself)."""
         if self.dp_group is not None:
-            return dp_gathered_mlp(self.mlp, hidden, fb, self.dp_group), residual
-        return self.mlp(hidden), residual
+            return dp_gathered_mlp(self.mlp, hidden, fb, self.dp_group)
+        return self.mlp(hidden)
 
     def forward_ops(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                     fb: ForwardBatch) -> LayerOps:

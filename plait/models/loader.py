@@ -235,16 +235,20 @@ def load_full_tensors(mc: ModelConfig, names: set[str], load_format: str, seed: 
 
 
 def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGroup = SINGLE,
-               seed: int = 0, attn_tp: TPGroup | None = None, ep_size: int = 1) -> nn.Module:
-    """``ep_size``: expert parallelism over ``tp``'s ranks (mixture-of-experts models only)."""
+               seed: int = 0, attn_tp: TPGroup | None = None, ep_size: int = 1,
+               moe_a2a_backend: str = "none") -> nn.Module:
+    """``ep_size``: expert parallelism over ``tp``'s ranks and ``moe_a2a_backend`` its dispatch
+    (mixture-of-experts models only)."""
     cls = MODEL_REGISTRY[mc.architecture]
     weights = None if load_format == "dummy" else _checkpoint_weights(mc, load_format, lazy=tp.size > 1)
-    moe_kwargs: dict[str, int] = {}
+    moe_kwargs: dict[str, int | str] = {}
     if ep_size > 1:
         if not getattr(cls, "is_moe", False):
             raise ValueError(f"ep_size {ep_size} needs a mixture-of-experts model; {mc.architecture} is dense "
                              "(use ep_size 1)")
         moe_kwargs["ep_size"] = ep_size
+    if moe_a2a_backend != "none":
+        moe_kwargs["moe_a2a_backend"] = moe_a2a_backend
     # Build in place on the device with the model dtype as default: weights are torch.empty (no init
     # cost); the rotary cache asks for float32 explicitly and stays float32.
     previous = torch.get_default_dtype()

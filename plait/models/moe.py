@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
+from plait.forward_batch import ForwardBatch
 from plait.layers.moe.layer import FusedMoE, SparseMoeBlock
 from plait.layers.moe.router import RouterConfig
 from plait.models.llama import (
@@ -87,6 +88,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
     # Set per architecture by the model class (see MoEForCausalLM.decoder_for).
     ep_size: int = 1
+    moe_a2a_backend: str = "none"
     scoring: str = "softmax_topk"
     activation: str = "silu"
     expert_bias: bool = False
@@ -101,8 +103,20 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         experts = FusedMoE(num_experts, cfg.hidden_size, moe_intermediate_of(cfg), tp, self.ep_size,
                            self.activation, self.expert_bias)
         shared_size = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
-        shared = LlamaMLP(cfg, tp, bias=False, intermediate_size=shared_size) if shared_size else None
-        return SparseMoeBlock(router, experts, cfg.hidden_size, tp, self.router_bias, shared)
+        all_to_all = self.moe_a2a_backend == "all_to_all"
+        # All-to-all: each rank runs the shared expert on its own tokens, so it holds all of it.
+        shared = (LlamaMLP(cfg, SINGLE if all_to_all else tp, bias=False, intermediate_size=shared_size)
+                  if shared_size else None)
+        return SparseMoeBlock(router, experts, cfg.hidden_size, tp, self.router_bias, shared, all_to_all)
+
+    def run_mlp(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """An all-to-all MoE layer's dispatching steps: under DP attention it routes this rank's own
+        rows (no gather), under plain TP its slice of the replicated rows. Other steps and dense
+        layers take the gather path."""
+        mlp = self.mlp
+        if isinstance(mlp, SparseMoeBlock) and mlp.dispatches_all_to_all(hidden, fb):
+            return mlp.forward_own_tokens(hidden) if self.dp_group is not None else mlp.forward_scattered(hidden)
+        return super().run_mlp(hidden, fb)
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -114,16 +128,18 @@ class MoEForCausalLM(LlamaForCausalLM):
     renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, cfg: DecoderConfig, tp: TPGroup = SINGLE, attn_tp: TPGroup | None = None,
-                 ep_size: int = 1) -> None:
+                 ep_size: int = 1, moe_a2a_backend: str = "none") -> None:
         if ep_size < 1:
             raise ValueError(f"ep_size must be >= 1, got {ep_size}")
         # Set before nn.Module's init: LlamaForCausalLM's init reads layer_cls.
         self.ep_size = ep_size
+        self.moe_a2a_backend = moe_a2a_backend
         super().__init__(cfg, tp, attn_tp)
 
     @property
     def layer_cls(self) -> type[LlamaDecoderLayer]:  # type: ignore[override]
-        return type(f"{type(self).__name__}DecoderLayer", (self.decoder_base,), {"ep_size": self.ep_size})
+        return type(f"{type(self).__name__}DecoderLayer", (self.decoder_base,),
+                    {"ep_size": self.ep_size, "moe_a2a_backend": self.moe_a2a_backend})
 
     def rename(self, name: str) -> str:
         for old, new in self.renames:

@@ -46,7 +46,7 @@ import torch
 
 from plait.config import EngineConfig
 from plait.distributed.copy_engine_rows import CopyEngineRows, copy_engine_rows
-from plait.distributed.dp_mlp import dp_gathered_mlp, dp_mlp_ops
+from plait.distributed.dp_mlp import dp_mlp_ops
 from plait.distributed.parallel_state import TPGroup
 from plait.executor.model_runner import ModelRunner
 from plait.executor.sizing import use_rank_device
@@ -417,7 +417,7 @@ class DPAttentionRunner(ModelRunner):
         halves = split_forward_batch(fb, TboSplit(0, 0, False)) if fb.mlp_sync.micro_batches is not None else None
         for layer in self.model.model.layers:
             if halves is None:
-                dp_gathered_mlp(layer.mlp, hidden, fb, self.tp)
+                layer.run_mlp(hidden, fb)  # the layer's own MLP path (gathered, or all-to-all MoE)
             else:
                 run_overlapped(*(dp_mlp_ops(layer.mlp, hidden, half, self.tp) for half in halves))
         return LogitsOutput(next_token_logits=torch.empty(0, self.model_config.vocab_size, device=self.device))

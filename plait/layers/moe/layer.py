@@ -13,6 +13,12 @@ expert another rank holds map to an out-of-range local id and contribute nothing
 
 The per-expert down-projection bias (gpt-oss) is added by one rank per expert group only, since
 the combination sums the ranks' results.
+
+With ``all_to_all`` (``--moe-a2a-backend``, whole experts per rank: ep_size == tp.size) each rank
+routes only its own tokens and dispatches each (token, expert) pair to the rank holding the expert
+(plait.layers.moe.all_to_all). A shared expert is then replicated on every rank (each computes it
+for its own tokens, as SGLang does under DeepEP); on the gather path, which the steps CUDA graphs
+are captured for keep, rank 0 alone adds it to its partial sums, so the reduction counts it once.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import torch
 from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
-from plait.forward_batch import ShardedMLP
+from plait.forward_batch import DPPaddingMode, ForwardBatch, ShardedMLP
+from plait.layers.moe.all_to_all import dispatch_combine, split_rows
 from plait.layers.moe.reference import ACTIVATIONS, fused_experts_reference
 from plait.layers.moe.router import RouterConfig, select_experts
 from plait.layers.moe.routing_stats import RoutedExpertCounter
@@ -41,6 +48,17 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         else:
             return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
     return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+
+
+def all_to_all_step(fb: ForwardBatch, on_cuda: bool, capturing: bool) -> bool:
+    """``SparseMoeBlock.dispatches_all_to_all``'s rule for a layer configured for all-to-all."""
+    if not on_cuda:
+        return True
+    if capturing:
+        return False
+    if fb.mlp_sync.padding_mode is not None:
+        return fb.mlp_sync.padding_mode == DPPaddingMode.SUM_LEN
+    return not fb.forward_mode.is_cuda_graph()
 
 
 def _divide(n: int, d: int, what: str, fix: str) -> int:
@@ -131,6 +149,14 @@ class FusedMoE(nn.Module):
                              self.activation, self.w13_bias, b2, self.fused_kernels)
 
 
+    def forward_received(self, rows: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """The all-to-all dispatch's pairs: ``rows`` [N, H], each for one of this rank's experts
+        (``local_ids`` [N, 1] int32) with its routing weight (``weights`` [N, 1] float32) -> the
+        weighted outputs [N, H]. Whole experts only (moe_tp_size 1), so the down bias is added here."""
+        return fused_experts(rows, self.w13_weight, self.w2_weight, weights, local_ids, self.activation,
+                             self.w13_bias, self.w2_bias, self.fused_kernels)
+
+
 class Router(nn.Module):
     """The replicated router projection ``[E, H]`` (gpt-oss adds a bias)."""
 
@@ -149,9 +175,16 @@ class SparseMoeBlock(nn.Module):
     Qwen2-MoE has). Satisfies ``ShardedMLP``, so DP attention's row exchange drives it like a dense MLP."""
 
     def __init__(self, router: RouterConfig, experts: FusedMoE, hidden_size: int, tp: TPGroup = SINGLE,
-                 router_bias: bool = False, shared_expert: ShardedMLP | None = None) -> None:
+                 router_bias: bool = False, shared_expert: ShardedMLP | None = None,
+                 all_to_all: bool = False) -> None:
+        """``all_to_all``: dispatch by all-to-all where it can run (see ``dispatches_all_to_all``);
+        needs whole experts per rank, and ``shared_expert`` then replicated (built over one rank)."""
         super().__init__()
+        if all_to_all and (experts.moe_tp_size != 1 or tp.size < 2):
+            raise ValueError(f"the all-to-all MoE dispatch needs whole experts on every rank: ep_size equal to "
+                             f"tp_size > 1 (got ep_size {experts.ep_size}, tp_size {tp.size})")
         self.tp = tp
+        self.all_to_all = all_to_all
         self.router_config = router
         self.gate = Router(router.num_experts, hidden_size, router_bias)
         self.experts = experts
@@ -168,14 +201,54 @@ class SparseMoeBlock(nn.Module):
         if self.routing_counter is not None:
             self.routing_counter.record(topk_ids)
         out = self.experts(x, topk_weights, topk_ids)
-        if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None
-            # The sigmoid scales each token's row, so it commutes with summing the ranks' partials.
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward_partial(x)
+        # A replicated shared expert (all-to-all layout) joins one rank's partial sums only.
+        if not self.all_to_all or self.tp.rank == 0:
+            out = self._add_shared(x, out)
         return out
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.shared_expert is None:
+            return out
+        assert self.shared_expert_gate is not None
+        # The sigmoid scales each token's row, so it commutes with summing the ranks' partials.
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward_partial(x)
+
+    def dispatches_all_to_all(self, x: torch.Tensor, fb: ForwardBatch) -> bool:
+        """Whether the step ``fb`` takes the all-to-all path (its split sizes are host ints of each
+        step, so no CUDA graph can hold it). On CUDA, steps of the kinds graphs are captured for keep
+        the gather path whether they replay or not, so a graph's warm-up runs and its capture take
+        one path (kernels compile and lazy state initialises before the capture): under DP attention
+        the MAX_LEN steps (captures and replays are MAX_LEN), under plain TP the decode and verify
+        steps. The rule reads the step's global layout, so every rank decides alike. Off CUDA
+        (no graphs) every step dispatches."""
+        if not self.all_to_all:
+            return False
+        return all_to_all_step(fb, x.is_cuda, x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def forward_own_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP output [n, H] of this rank's own tokens ``x`` [n, H] (DP attention: its requests'
+        rows; n = 0 on an IDLE rank), the routed experts reached by all-to-all. Every rank calls it
+        together."""
+        topk_weights, topk_ids = select_experts(self.gate(x), self.router_config, self.experts.fused_kernels)
+        if self.routing_counter is not None:
+            self.routing_counter.record(topk_ids)
+        out = dispatch_combine(x, topk_weights, topk_ids, self.tp, self.experts.num_local_experts,
+                               self.experts.forward_received)
+        return self._add_shared(x, out)
+
+    def forward_scattered(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain tensor parallelism with all-to-all: ``x`` [T, H] is replicated; each rank takes its
+        slice of rows (``split_rows``), runs ``forward_own_tokens`` on it and the slices' outputs are
+        all-gathered back, so every rank ends with the whole [T, H]."""
+        rows = split_rows(x.shape[0], self.tp.size)
+        start = sum(rows[: self.tp.rank])
+        own = self.forward_own_tokens(x[start : start + rows[self.tp.rank]])
+        return self.tp.all_gather_rows(own, rows)
 
     def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
         return reduced  # expert biases are inside the partial sums (one rank per expert group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The gather path under tensor parallelism (the decoder layer picks ``forward_scattered``
+        for the steps that dispatch by all-to-all)."""
         return self.tp.all_reduce(self.forward_partial(x))
