@@ -226,7 +226,7 @@ class NgramWorker(BaseSpecWorker):
         # rid -> the next proposals drafted while its last verify ran (see predraft), and how the
         # proposals asked for since were served: "hit" (prepared), "miss" (prepared for other
         # outcomes, drafted anew), "unprepared" (drafted anew).
-        self._prepared: dict[str, PreparedDrafts] = {}
+        self.prepared: dict[str, PreparedDrafts] = {}
         self.predraft_stats: Counter[str] = Counter()
 
     def _new_drafter(self) -> NgramDrafter:
@@ -237,7 +237,7 @@ class NgramWorker(BaseSpecWorker):
     def propose(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
         out: list[DraftTree | None] = []
         for req, depth in zip(reqs, max_depths, strict=True):
-            prepared = self._prepared.pop(req.rid, None)
+            prepared = self.prepared.pop(req.rid, None)
             if self._cooling(req):
                 out.append(None)
                 continue
@@ -264,7 +264,7 @@ class NgramWorker(BaseSpecWorker):
                 continue  # cooling, and a root-only row leaves its average as it is: no draft next step
             proposals = self.drafter.predraft(req.rid, req.fill_ids, tree, self.num_steps, self.num_draft_tokens,
                                               self.topk)
-            self._prepared[req.rid] = PreparedDrafts(req.fill_len, version, proposals)
+            self.prepared[req.rid] = PreparedDrafts(req.fill_len, version, proposals)
 
     def _cooling(self, req: Req) -> bool:
         """Whether ``req`` skips drafting now: its guesses keep failing (acceptance average below
@@ -284,13 +284,13 @@ class NgramWorker(BaseSpecWorker):
         self.drafter = self._new_drafter()
         self._cold_waits.clear()
         self._finished.clear()
-        self._prepared.clear()
+        self.prepared.clear()
         self.predraft_stats.clear()
 
     def on_finish(self, req: Req) -> None:
         super().on_finish(req)
         self._cold_waits.pop(req.rid, None)
-        self._prepared.pop(req.rid, None)
+        self.prepared.pop(req.rid, None)
         self.drafter.forget(req.rid)
         self._finished.append(req.fill_ids)
 
@@ -310,5 +310,5 @@ class NgramWorker(BaseSpecWorker):
                 break
             if req.rid not in self.drafter.indices:
                 tree = self.drafter.propose(req.rid, req.fill_ids, self.num_steps, self.num_draft_tokens, self.topk)
-                self._prepared[req.rid] = PreparedDrafts(req.fill_len, version, {(): tree})
+                self.prepared[req.rid] = PreparedDrafts(req.fill_len, version, {(): tree})
                 budget -= 1

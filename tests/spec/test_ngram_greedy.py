@@ -340,3 +340,20 @@ def test_sampled_riders_draw_the_token_plain_decoding_draws(model_path):
     assert [o.token_ids for o in outs[1:]] == plain[1:]
     assert [o.meta_info["spec_verify_ct"] for o in outs[1:]] == [0, 0, 0]
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+@pytest.mark.parametrize("flags", [CHAIN, TREE], ids=["chain", "tree"])
+def test_steps_drafted_during_the_verify_keep_greedy_output_unchanged(model_path, reference, flags, bs):
+    engine = make_engine(model_path, max_running_requests=bs, chunked_prefill_size=8, **flags)
+    engine.generate(PROMPTS[:3], GREEDY)  # fills the n-gram cache with the answers
+    worker = engine.scheduler.spec_worker
+    worker.predraft_stats.clear()
+    outs = engine.generate(PROMPTS[:3], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:3]
+    stats = worker.predraft_stats
+    # Repeats land on the guessed outcome: most proposals were ready when the verify came back.
+    assert stats["hit"] > 2 * (stats["miss"] + stats["unprepared"]), stats
+    assert not worker.prepared and not worker.drafter.indices  # nothing outlives its request
+    assert_no_leaks(engine)
+
