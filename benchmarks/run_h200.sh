@@ -24,6 +24,12 @@ for stage in "$@"; do
     latency-8b) python -m plait bench latency --shape llama-3.1-8b --prefill --out "$OUT" 2>&1 | tail -40 ;;
     offline) python -m plait bench offline --workload offline-throughput --peer --overlap-check --out "$OUT" 2>&1 | tail -40 ;;
     warm-start) python -m plait bench warm-start --out "$OUT" 2>&1 | grep -E '^warm-start|^\{"workload|Error' ;;
+    feature-tests) python -m pytest -q -m gpu tests/gpu/test_structured_gpu.py tests/gpu/test_fp8_gpu.py \
+        tests/gpu/test_gguf_gpu.py tests/gpu/test_sglang_api_gpu.py tests/gpu/test_fused_moe_gpu.py \
+        -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    structured) python -m plait bench structured --tokenizer bench-tokenizer --out "$OUT" 2>&1 | tail -4 ;;
+    tbo-cost) python -m plait bench offline --workload offline-throughput --shape llama-3.1-8b --tbo-peer \
+        --out "$OUT" 2>&1 | tail -2 ;;
     warm-start-cold) python -m plait bench warm-start --ttft-shape llama-3.1-8b --offline-shape llama-3.2-1b \
                        --no-disk-start --out "$OUT" 2>&1 | grep -E '^warm-start|^\{"workload|Error' ;;
     profile-throughput) python benchmarks/profile_throughput.py "$OUT" 2>&1 | tail -25 ;;
