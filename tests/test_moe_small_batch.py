@@ -17,6 +17,7 @@ from plait.layers.moe.fused_router import fused_topk  # noqa: E402
 from plait.layers.moe.layer import FusedMoE, SparseMoeBlock  # noqa: E402
 from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
 from plait.layers.moe.router import RouterConfig, select_experts  # noqa: E402
+from tests.test_fused_moe_triton import assert_equals_reference  # noqa: E402
 from tests.test_fused_moe_triton import make_experts as experts  # noqa: E402
 
 # Tiles smaller than the tiny shapes, so the loops take several steps and the K dimension is even.
@@ -32,9 +33,7 @@ def qwen3_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 1):
 
 def assert_matches_reference(x, w13, w2, weights, ids, activation, b13=None, b2=None, config=None):
     out = small.fused_experts_small_batch(x, w13, w2, weights, ids, activation, b13, b2, config)
-    ref = fused_experts_reference(x, w13, w2, weights, ids, activation, b13, b2)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert_equals_reference(out, x, w13, w2, weights, ids, activation, b13, b2)
 
 
 @pytest.mark.parametrize("config", [EVEN, None], ids=["even-k-tiles", "default-tiles-masked-k"])
