@@ -67,7 +67,7 @@ for stage in "$@"; do
     moe) OUT=$OUT bash "$0" moe-latency moe-offline ;;
     moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-offline)
-      for shape in qwen3-30b-a3b gpt-oss-20b; do
+      for shape in ${MOE_SHAPES:-qwen3-30b-a3b gpt-oss-20b}; do
         python -m plait bench offline --workload offline-throughput --shape $shape --peer --peer-requests 16 \
           --out "$OUT" 2>&1 | tail -3
       done ;;
@@ -95,6 +95,13 @@ for stage in "$@"; do
       for w in spec-ngram-repeat spec-ngram-miss; do
         python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
           --out "$OUT" 2>&1 | tail -5
+      done ;;
+    serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
+    # The n-gram pair alone, shortened as in `spec`.
+    spec-ngram)
+      for w in spec-ngram-repeat spec-ngram-miss; do
+        python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
+          --out "$OUT" 2>&1 | tail -3
       done ;;
     # The n-gram pair as the issue names them (64 prompts x 128 tokens; about 5 minutes of GPU time).
     spec-ngram-full)
