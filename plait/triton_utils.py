@@ -51,3 +51,45 @@ def patch_interpreter_fp8_casts() -> None:
 
     create_fp_to_fp._plait_fp8_fix = True  # type: ignore[attr-defined]
     builder.create_fp_to_fp = create_fp_to_fp
+
+
+def patch_interpreter_nested_calls() -> None:
+    """triton 3.6's interpreter re-patches ``triton.language`` (``inspect.getmembers`` over ``tl``,
+    ``tl.tensor``, ``tl.math`` and ``tl.core``, a few milliseconds) on every call of a ``@triton.jit``
+    helper from inside a kernel, once per program instance: a fifth of an interpreted engine run. The
+    launch already patched those modules with the same builder and restores them when its grid is done,
+    so a nested call whose modules are all patched skips the repeat (one it adds is patched as before).
+    Outputs are unchanged: the patched members are the same functions either way. Idempotent."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    if getattr(original, "_plait_nested_fix", False):
+        return
+    patched_langs: list[set[int]] = []  # ids of the modules the launch in progress patched (0 or 1 entry)
+
+    def langs_of(fn: object) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}  # type: ignore[attr-defined]
+
+    def patch_lang(fn: object):  # type: ignore[no-untyped-def]
+        langs = langs_of(fn)
+        if patched_langs and langs <= patched_langs[0]:  # a helper called from the running kernel
+            return interpreter._LangPatchScope()  # nothing set, nothing to restore
+        scope = original(fn)
+        if patched_langs:  # a helper that sees a module the kernel did not: patched until the launch ends
+            patched_langs[0] |= langs
+            return scope
+        patched_langs.append(langs)  # the launch itself (GridExecutor), which restores in a finally
+        restore = scope.restore
+
+        def restore_and_forget() -> None:
+            patched_langs.clear()
+            restore()
+
+        scope.restore = restore_and_forget
+        return scope
+
+    patch_lang._plait_nested_fix = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang

@@ -14,10 +14,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        from plait.triton_utils import patch_interpreter_for_numpy, patch_interpreter_fp8_casts
+        from plait.triton_utils import (
+            patch_interpreter_for_numpy,
+            patch_interpreter_fp8_casts,
+            patch_interpreter_nested_calls,
+        )
 
         patch_interpreter_for_numpy()
         patch_interpreter_fp8_casts()
+        patch_interpreter_nested_calls()
     except ImportError:  # triton not installed: the Triton tests skip themselves
         pass
 

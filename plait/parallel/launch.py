@@ -194,10 +194,11 @@ def _spawned_worker(rank: int, world: int, config: EngineConfig, host: str, port
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s tp{rank} %(name)s %(levelname)s "
                         "%(message)s")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        # Triton kernels on CPU tensors (tests): the same interpreter fix as the parent process.
-        from plait.triton_utils import patch_interpreter_for_numpy
+        # Triton kernels on CPU tensors (tests): the same interpreter fixes as the parent process.
+        from plait.triton_utils import patch_interpreter_for_numpy, patch_interpreter_nested_calls
 
         patch_interpreter_for_numpy()
+        patch_interpreter_nested_calls()
     store = dist.TCPStore(host, port, world, is_master=False, timeout=startup_timeout(config))
     run_worker(rank, world, config, store, local_world)
 
