@@ -47,17 +47,29 @@ def ngram_engine(one_layer):
     return engine
 
 
-def _verify_batch(engine, prefixes: list[int], trees: list[DraftTree]):
-    """A verify batch over fresh rows whose prefixes hold arbitrary (fixed) KV."""
-    runner = engine.runner
-    reqs, slots = [], []
-    for pre, tree in zip(prefixes, trees, strict=True):
-        row = runner.req_to_token_pool.alloc()
-        s = runner.allocator.alloc(pre + tree.width)
-        runner.req_to_token_pool.write(row, 0, s[:pre])
-        reqs.append(SimpleNamespace(kv_len=pre, req_pool_idx=row))
-        slots.append(s[pre:])
-    return lambda **kw: engine.scheduler.spec_worker.build_verify_batch(reqs, trees, torch.cat(slots), **kw)
+@pytest.fixture
+def verify_batch(ngram_engine):
+    """``make(prefixes, trees)``: a verify batch over fresh rows whose prefixes hold arbitrary (fixed)
+    KV. The rows and slots go back to the pools after the test, so the module's engine stays leak-free
+    for the engine run that shares it."""
+    runner = ngram_engine.runner
+    held: list[tuple[int, torch.Tensor]] = []
+
+    def make(prefixes: list[int], trees: list[DraftTree]):
+        reqs, slots = [], []
+        for pre, tree in zip(prefixes, trees, strict=True):
+            row = runner.req_to_token_pool.alloc()
+            s = runner.allocator.alloc(pre + tree.width)
+            held.append((row, s))
+            runner.req_to_token_pool.write(row, 0, s[:pre])
+            reqs.append(SimpleNamespace(kv_len=pre, req_pool_idx=row))
+            slots.append(s[pre:])
+        return lambda **kw: ngram_engine.scheduler.spec_worker.build_verify_batch(reqs, trees, torch.cat(slots), **kw)
+
+    yield make
+    for row, s in held:
+        runner.req_to_token_pool.free(row)
+        runner.allocator.free(s)
 
 
 def test_widths_cover_every_adaptive_depth_for_every_algorithm():
@@ -86,21 +98,21 @@ def test_every_verify_graph_shares_one_logits_buffer(ngram_engine):
         assert out.next_token_logits.data_ptr() == base.data_ptr()
 
 
-def test_can_run_only_uniform_captured_widths(ngram_engine):
+def test_can_run_only_uniform_captured_widths(ngram_engine, verify_batch):
     runner = ngram_engine.runner.verify_graph_runner
     chain = DraftTree.chain
-    uniform = _verify_batch(ngram_engine, [4, 6], [chain(5, [6, 7]), chain(8, [9, 10])])()
-    mixed = _verify_batch(ngram_engine, [4, 6], [chain(5, [6, 7]), chain(8, [9])])()
-    too_wide = _verify_batch(ngram_engine, [4], [chain(5, [6, 7, 8, 9])])()
+    uniform = verify_batch([4, 6], [chain(5, [6, 7]), chain(8, [9, 10])])()
+    mixed = verify_batch([4, 6], [chain(5, [6, 7]), chain(8, [9])])()
+    too_wide = verify_batch([4], [chain(5, [6, 7, 8, 9])])()
     assert uniform_width(uniform) == 3 and uniform_width(mixed) is None
     assert runner.can_run(uniform)
     assert not runner.can_run(mixed)
     assert not runner.can_run(too_wide)
 
 
-def test_replay_logits_equal_eager_on_a_padded_tree_batch(ngram_engine):
+def test_replay_logits_equal_eager_on_a_padded_tree_batch(ngram_engine, verify_batch):
     tree = DraftTree([5, 6, 7, 8], [-1, 0, 0, 1])
-    batch = _verify_batch(ngram_engine, [3, 9, 5], [tree] * 3)  # 3 requests pad to the 4 bucket
+    batch = verify_batch([3, 9, 5], [tree] * 3)  # 3 requests pad to the 4 bucket
     runner = ngram_engine.runner
     graphs = runner.verify_graph_runner
     before = _replays(graphs)
@@ -113,18 +125,18 @@ def test_replay_logits_equal_eager_on_a_padded_tree_batch(ngram_engine):
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_replay_returns_the_argmax_of_its_logits_computed_in_the_graph(ngram_engine):
+def test_replay_returns_the_argmax_of_its_logits_computed_in_the_graph(ngram_engine, verify_batch):
     tree = DraftTree([5, 6, 7], [-1, 0, 1])
-    batch = _verify_batch(ngram_engine, [4, 7, 2], [tree] * 3)
+    batch = verify_batch([4, 7, 2], [tree] * 3)
     out = ngram_engine.runner.forward(batch())
     assert out.greedy_ids is not None and out.greedy_ids.shape == (9,)
     assert torch.equal(out.greedy_ids, out.next_token_logits.argmax(dim=-1))
 
 
-def test_mixed_widths_are_padded_to_the_widest_captured_graph_and_accept_the_same(ngram_engine):
+def test_mixed_widths_are_padded_to_the_widest_captured_graph_and_accept_the_same(ngram_engine, verify_batch):
     chain = DraftTree.chain
     trees = [chain(5, [6, 7]), chain(8, [9]), DraftTree([4, 6, 2], [-1, 0, 0])]
-    batch = _verify_batch(ngram_engine, [4, 6, 3], trees)
+    batch = verify_batch([4, 6, 3], trees)
     runner, worker = ngram_engine.runner, ngram_engine.scheduler.spec_worker
     graphs = runner.verify_graph_runner
     assert worker.graph_pad_width(trees) == 3
@@ -150,9 +162,9 @@ def test_uniform_or_uncaptured_widths_are_not_padded(ngram_engine):
     assert worker.graph_pad_width([chain(5, [6]), chain(7, [8, 9, 1, 2])]) is None  # width 5 not captured
 
 
-def test_replay_pads_into_the_dummy_row_slot_and_a_mask_of_ones(ngram_engine):
+def test_replay_pads_into_the_dummy_row_slot_and_a_mask_of_ones(ngram_engine, verify_batch):
     graphs = ngram_engine.runner.verify_graph_runner
-    batch = _verify_batch(ngram_engine, [4, 7, 2], [DraftTree.chain(5, [6])] * 3)()
+    batch = verify_batch([4, 7, 2], [DraftTree.chain(5, [6])] * 3)()
     ngram_engine.runner.forward(batch)
     assert graphs.req_pool_indices[3].item() == DUMMY_REQ_ROW
     assert graphs.out_cache_loc[6:8].tolist() == [DUMMY_KV_SLOT] * 2
@@ -162,7 +174,7 @@ def test_replay_pads_into_the_dummy_row_slot_and_a_mask_of_ones(ngram_engine):
     assert DUMMY_REQ_ROW not in graphs.req_pool_indices[:3].tolist()
 
 
-def test_replay_plans_on_the_padded_view_and_marks_it(ngram_engine):
+def test_replay_plans_on_the_padded_view_and_marks_it(ngram_engine, verify_batch):
     graphs = ngram_engine.runner.verify_graph_runner
     backend = ngram_engine.runner.attn_backend
     planned: list[tuple[int, int]] = []
@@ -174,7 +186,7 @@ def test_replay_plans_on_the_padded_view_and_marks_it(ngram_engine):
 
     backend.init_forward_metadata_out_graph = spy
     try:
-        batch = _verify_batch(ngram_engine, [4, 7, 2], [DraftTree.chain(5, [6, 7])] * 3)()
+        batch = verify_batch([4, 7, 2], [DraftTree.chain(5, [6, 7])] * 3)()
         ngram_engine.runner.forward(batch)
     finally:
         del backend.init_forward_metadata_out_graph
@@ -184,22 +196,23 @@ def test_replay_plans_on_the_padded_view_and_marks_it(ngram_engine):
     assert not batch.forward_metadata_ready  # the live batch itself was never planned
 
 
-def test_ngram_greedy_output_is_the_same_with_verify_graphs(one_layer, reference):
-    engine = make_engine(one_layer, attention_backend="triton", speculative_algorithm="NGRAM",
-                         max_total_tokens=1024)
-    graphs = _with_verify_graphs(engine)
+def test_ngram_greedy_output_is_the_same_with_verify_graphs(ngram_engine, reference):
+    engine = ngram_engine  # the module's engine: the other tests give back every row and slot they take
+    graphs = engine.runner.verify_graph_runner
+    before = _replays(graphs)
     for p, ref in zip(PROMPTS, reference, strict=True):  # proposals that are right, and wrong siblings
         engine.scheduler.spec_worker.drafter.cache.insert(p + ref)
     outs = engine.generate(PROMPTS, SHORT)
     assert [o.token_ids for o in outs] == reference
-    assert _replays(graphs) > 0
+    assert _replays(graphs) > before
     assert_no_leaks(engine)
 
 
 def test_standalone_greedy_output_is_the_same_with_verify_graphs(one_layer, reference):
     engine = make_engine(one_layer, attention_backend="triton", speculative_algorithm="STANDALONE",
                          speculative_draft_model_path=str(one_layer), max_total_tokens=1024)
-    graphs = _with_verify_graphs(engine)
+    # A self-draft is always accepted in full: every verify is 4 wide (three requests: the bucket of 4).
+    graphs = _with_verify_graphs(engine, widths=(4,))
     outs = engine.generate(PROMPTS, SHORT)
     assert [o.token_ids for o in outs] == reference
     assert _replays(graphs) > 0
