@@ -1,6 +1,7 @@
 """The chain draft loop captured per (steps, batch bucket) on the CPU: EagerGraph stand-in, Triton
 draft backends under the interpreter, PLAIT_CHECK_PLANS on. Graphs on and off draft the same tokens
-(equal acceptance histograms) and keep greedy output exact."""
+(equal acceptance histograms) and keep greedy output exact. Where only the draft loop is compared the
+target verifies on torch_native, outside the interpreter."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def reference(one_layer):
 
 
 def _run(target, graphs: bool, **spec):
-    engine = make_engine(target, attention_backend="triton", max_total_tokens=1024, **spec)
+    engine = make_engine(target, attention_backend="torch_native", speculative_draft_attention_backend="triton",
+                         max_total_tokens=1024, **spec)
     worker = engine.scheduler.spec_worker
     if graphs:
         worker.draft_graphs = worker.build_draft_graphs(MAX_BS, EagerGraph)

@@ -54,13 +54,17 @@ def test_standalone_tree_on_triton(one_layer, reference):
 
 
 @pytest.mark.parametrize("fmt", ["EAGLE", "EAGLE3"])
-def test_eagle_heads_on_triton(tmp_path_factory, fmt):
+def test_eagle_heads_on_triton(tmp_path_factory, one_layer, reference, fmt):
     from plait.testing import make_eagle_head
 
-    # EAGLE3 captures target layers [2, L//2, L-3]: the shortest target it accepts has 3 layers.
-    target = make_tiny_model(tmp_path_factory.mktemp("three_layers"), "llama", seed=0, num_hidden_layers=3)
+    # EAGLE3 captures target layers [2, L//2, L-3]: the shortest target it accepts has 3 layers. EAGLE
+    # reads the final hidden state only: the 1-layer model.
+    if fmt == "EAGLE3":
+        target = make_tiny_model(tmp_path_factory.mktemp("three_layers"), "llama", seed=0, num_hidden_layers=3)
+        reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, SHORT)]
+    else:
+        target = one_layer
     head = make_eagle_head(tmp_path_factory.mktemp(fmt), target, fmt)
-    reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, SHORT)]
     engine = make_engine(target, attention_backend="triton", speculative_algorithm=fmt,
                          speculative_draft_model_path=str(head))
     outs = engine.generate(PROMPTS, SHORT)
