@@ -6,6 +6,8 @@
 # shapes) against transformers generate / generate_batch in the same run; generate_batch runs the first
 # 16 of the 256 offline requests (same lengths; the JSON's peer_requests / peer_note say so).
 # profile-moe: the bs-1 MoE decode step's kernels per layer and the MoE layer alone at M = 1..8.
+# moe-tune-small: tune the small-batch MoE path and its per-bucket path choice into $OUT/moe-configs
+# (PLAIT_MOE_CONFIG_DIR for the stages after it), then moe-latency.
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
@@ -65,6 +67,15 @@ for stage in "$@"; do
           --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/bf16-gemv-$on" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
     moe) OUT=$OUT bash "$0" moe-latency moe-offline ;;
+    # About 2-3 minutes: the small-batch MoE tables of both shapes (the small path's tiles and, per
+    # bucket, whether it beats the aligned pipeline) into $OUT/moe-configs, then moe-latency on them.
+    # Later stages of the same invocation (profile-moe, moe-offline) read them too.
+    moe-tune-small)
+      python benchmarks/tune_fused_moe.py --small-batch --shape qwen3-30b-a3b --shape gpt-oss-20b \
+        --out-dir "$OUT/moe-configs" --budget-s "${MOE_TUNE_S:-110}" --report "$OUT/moe-tune-small.json" 2>&1 \
+        | tee "$OUT/moe-tune-small.log" | grep -E 'M=|precompiled|budget|Error'
+      export PLAIT_MOE_CONFIG_DIR=$OUT/moe-configs
+      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-offline)
       for shape in ${MOE_SHAPES:-qwen3-30b-a3b gpt-oss-20b}; do

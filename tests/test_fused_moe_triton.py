@@ -194,13 +194,17 @@ def test_tuned_config_of_the_nearest_bucket_is_read(tmp_path, monkeypatch):
     table = {"1": SMALL.to_json(), "64": SMALL_FUSED.to_json()}
     (tmp_path / kernel_config.config_file_name(8, 96, "Fake GPU")).write_text(json.dumps(table))
     monkeypatch.setattr(kernel_config, "CONFIG_DIR", tmp_path)
-    kernel_config.load_configs.cache_clear()
-    try:
-        assert kernel_config.get_config(20, 8, 96, 2, "Fake GPU") == SMALL
-        assert kernel_config.get_config(50, 8, 96, 2, "Fake GPU") == SMALL_FUSED
-        assert kernel_config.get_config(50, 8, 96, 2, "Other GPU") == kernel_config.default_config(50, 8, 2)
-    finally:
-        kernel_config.load_configs.cache_clear()
+    assert kernel_config.get_config(20, 8, 96, 2, "Fake GPU") == SMALL
+    assert kernel_config.get_config(50, 8, 96, 2, "Fake GPU") == SMALL_FUSED
+    assert kernel_config.get_config(50, 8, 96, 2, "Other GPU") == kernel_config.default_config(50, 8, 2)
+
+
+def test_the_moe_config_dir_is_read_before_the_shipped_tables(tmp_path, monkeypatch):
+    table = {"1": SMALL_FUSED.to_json()}
+    (tmp_path / kernel_config.config_file_name(128, 768, "NVIDIA H200")).write_text(json.dumps(table))
+    shipped = kernel_config.get_config(1, 128, 768, 8, "NVIDIA H200")
+    monkeypatch.setenv("PLAIT_MOE_CONFIG_DIR", str(tmp_path))
+    assert kernel_config.get_config(1, 128, 768, 8, "NVIDIA H200") == SMALL_FUSED != shipped
 
 
 def test_shipped_tuned_configs_parse_and_cover_the_benchmark_shapes():
