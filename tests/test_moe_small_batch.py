@@ -102,6 +102,36 @@ def test_one_launch_router_matches_torch(scoring, renormalize, top_k):
     torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_router_through_the_small_m_gemv_equals_linear_and_picks_the_same_experts(num_tokens):
+    # What Router.forward runs on CUDA for decode batches (dense_linear's GEMV, then the bias), here in
+    # the interpreter: 12 experts (not a multiple of the row tile) with gpt-oss's router bias, in fp16
+    # (the GEMV takes half-precision weights; the interpreter has no bf16).
+    from plait.layers.moe.layer import Router
+    from plait.layers.quantization.gemv import gemv
+
+    g = torch.Generator().manual_seed(num_tokens)
+    router = Router(12, 64, bias=True, dtype=torch.float16)
+    router.weight.data.copy_(torch.randn(12, 64, generator=g) / 8)
+    router.bias.data.copy_(torch.randn(12, generator=g))
+    x = torch.randn(num_tokens, 64, generator=g).half()
+    through_gemv = gemv(x, router.weight) + router.bias
+    reference = torch.nn.functional.linear(x.float(), router.weight.float(), router.bias.float())
+    assert through_gemv.dtype == router(x).dtype == torch.float16  # logits in the activations' dtype either way
+    torch.testing.assert_close(through_gemv.float(), reference, atol=2e-3, rtol=2e-3)
+    cfg = RouterConfig(12, 4, "topk_softmax")
+    ids, ref_ids = (select_experts(logits, cfg, fused=False)[1] for logits in (through_gemv, reference))
+    assert torch.equal(ids, ref_ids)
+
+
+def test_router_takes_the_gemv_unless_the_switch_is_off(monkeypatch):
+    from plait.layers.moe.layer import Router
+
+    assert Router(8, 16).small_m_gemv
+    monkeypatch.setenv("PLAIT_BF16_GEMV", "0")
+    assert not Router(8, 16).small_m_gemv
+
+
 def test_router_refuses_a_top_k_above_the_experts():
     with pytest.raises(ValueError, match="top_k"):
         fused_topk(torch.randn(2, 4), 5, True, False)
