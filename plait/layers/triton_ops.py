@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from plait import envs
+from plait.layers.rotary import QKNorm
 
 # (v [T, Hkv*D], k_cache [slots, Hkv, D], v_cache [slots, Hkv, D], loc [T]): where rotary_ may also
 # write the new tokens' K/V.
@@ -84,8 +85,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads, n_k_heads,
-                   V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr):
+                   V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc, WQ, WK, eps,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, QK_NORM: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(POS + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -96,13 +97,24 @@ def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads,
         if which == 0:
             base = Q + t * stride_q
             n_heads = n_q_heads
+            w_norm = WQ
         else:
             base = K + t * stride_k
             n_heads = n_k_heads
+            w_norm = WK
         mask = heads[:, None] < n_heads
         offs = heads[:, None] * (2 * HALF) + d[None, :]
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + offs + HALF, mask=mask, other=0.0)
+        if QK_NORM:
+            # Qwen3's per-head RMSNorm before the rotation, with qk_norm.qk_rmsnorm's arithmetic (the
+            # mean of squares over the whole head in fp32, the normalised value rounded to the input
+            # dtype, times the weight, rounded again), so the result equals the two-kernel path's.
+            dh = tl.arange(0, 2 * HALF)
+            head = tl.load(base + heads[:, None] * (2 * HALF) + dh[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(head * head, axis=1) / (2 * HALF) + eps)[:, None]
+            x1 = (tl.load(w_norm + d)[None, :] * (x1.to(tl.float32) * rstd).to(x1.dtype)).to(x1.dtype)
+            x2 = (tl.load(w_norm + HALF + d)[None, :] * (x2.to(tl.float32) * rstd).to(x2.dtype)).to(x2.dtype)
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         r1, r2 = (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
         tl.store(base + offs, r1, mask=mask)
@@ -122,13 +134,24 @@ def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads,
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-            head_dim: int, kv_store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            head_dim: int, kv_store: KVStore | None = None,
+            qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq*D] and k [T, Hkv*D] (each row contiguous); cos_sin_cache float32 [P, D].
 
     ``kv_store``: also write the rotated k and v into the paged cache at ``loc`` (the attention
-    backend's KV store, in the same launch; the backend then runs with ``save_kv_cache=False``)."""
+    backend's KV store, in the same launch; the backend then runs with ``save_kv_cache=False``).
+    ``qk_norm``: first normalise every head of q and k (Qwen3's q_norm / k_norm), in the same launch
+    (what ``qk_norm.qk_rmsnorm`` followed by this kernel computes, one launch fewer per layer)."""
     t = q.shape[0]
     n_q, n_k = q.shape[1] // head_dim, k.shape[1] // head_dim
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        if q_weight.numel() != head_dim or k_weight.numel() != head_dim:
+            raise ValueError(f"qk_norm: want two [{head_dim}] weights (the head dim), got {q_weight.numel()} and "
+                             f"{k_weight.numel()}")
+        norm_args = (q_weight.contiguous(), k_weight.contiguous(), float(eps))
+    else:
+        norm_args = (q, k, 0.0)  # unused
     if not t:
         return q, k
     if kv_store is not None:
@@ -139,8 +162,9 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
     else:
         store_args = (k, k, k, positions, 0, 0, 0)  # unused
     _rotary_kernel[(t,)](q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
-                         n_q, n_k, *store_args, HALF=head_dim // 2,
-                         BLOCK_H=triton.next_power_of_2(max(n_q, n_k)), STORE=kv_store is not None)
+                         n_q, n_k, *store_args, *norm_args, HALF=head_dim // 2,
+                         BLOCK_H=triton.next_power_of_2(max(n_q, n_k)), STORE=kv_store is not None,
+                         QK_NORM=qk_norm is not None)
     return q, k
 
 
