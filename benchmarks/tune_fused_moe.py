@@ -162,17 +162,21 @@ def graph_time_us(fns: list[Callable[[], object]], replays: int = 5) -> float:
     return statistics.median(times)
 
 
-def _precompile(args: tuple[MoeShape, list[dict]]) -> int:
+def _precompile(args: tuple[MoeShape, bool, list[dict]]) -> int:
     """Worker: run each config once on a small expert set so Triton writes it to the disk cache
-    (E = 16 keeps the same integer specialisation as the real E, a multiple of 16)."""
-    shape, configs = args
+    (E = 16 keeps the same integer specialisation as the real E, a multiple of 16); ``small``: the
+    configs are the small-batch path's."""
+    shape, small, configs = args
     w13, w2, b13, b2 = make_weights(shape, num_experts=16)
-    x, weights, ids = make_inputs(shape, 4, seed=0, num_experts=16)
+    x, weights, ids = make_inputs(shape, 1 if small else 4, seed=0, num_experts=16)
     done = 0
     for raw in configs:
         try:
-            fused_experts_with_config(x, w13, w2, weights, ids, shape.activation, b13, b2,
-                                      MoeKernelConfig.from_json(raw))
+            if small:
+                fused_experts_small_batch(x, w13, w2, weights, ids, shape.activation, b13, b2, SmallBatchConfig(**raw))
+            else:
+                fused_experts_with_config(x, w13, w2, weights, ids, shape.activation, b13, b2,
+                                          MoeKernelConfig.from_json(raw))
             done += 1
         except Exception:  # out of shared memory / registers: the main process skips it
             pass
@@ -180,15 +184,18 @@ def _precompile(args: tuple[MoeShape, list[dict]]) -> int:
     return done
 
 
-def precompile(names: list[str], jobs: int) -> None:
-    work = [(name, cfg.to_json()) for name in names for cfg in candidate_configs()]
-    if jobs <= 1 or not work:
+def precompile(names: list[str], jobs: int, small: bool = False) -> None:
+    """Compile every candidate of ``names`` (the aligned pipeline's, or with ``small`` the small-batch
+    path's) in ``jobs`` worker processes."""
+    work = {name: [cfg.to_json() for cfg in (small_batch_candidates(MOE_KERNEL_SHAPES[name].top_k) if small
+                                             else candidate_configs())] for name in names}
+    total = sum(len(cfgs) for cfgs in work.values())
+    if jobs <= 1 or not total:
         return
-    chunks: list[tuple[MoeShape, list[dict]]] = []
-    for name in names:
-        cfgs = [c for n, c in work if n == name]
+    chunks: list[tuple[MoeShape, bool, list[dict]]] = []
+    for name, cfgs in work.items():
         per = max(1, -(-len(cfgs) * len(names) // jobs))
-        chunks += [(MOE_KERNEL_SHAPES[name], cfgs[i:i + per]) for i in range(0, len(cfgs), per)]
+        chunks += [(MOE_KERNEL_SHAPES[name], small, cfgs[i:i + per]) for i in range(0, len(cfgs), per)]
     t0 = time.perf_counter()
     try:
         with mp.get_context("spawn").Pool(min(jobs, len(chunks))) as pool:
@@ -196,7 +203,7 @@ def precompile(names: list[str], jobs: int) -> None:
     except Exception as exc:  # the timing loop then compiles each config itself
         print(f"precompile failed ({type(exc).__name__}: {exc}); compiling lazily", flush=True)
         return
-    print(f"precompiled {done}/{len(work)} configs in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"precompiled {done}/{total} configs in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
 def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float, rotations: int) -> dict:
@@ -264,41 +271,6 @@ def small_batch_candidates(top_k: int = 8) -> list[SmallBatchConfig]:
         if 2 * bn * bk <= limit and top_k_pad * bh * bk <= limit:
             out.append(SmallBatchConfig(bn, bh, bk, warps, stages))
     return out
-
-
-def _precompile_small(args: tuple[MoeShape, list[dict]]) -> int:
-    """Worker: ``_precompile`` for small-batch configs (16 experts: the same specialisation)."""
-    shape, configs = args
-    w13, w2, b13, b2 = make_weights(shape, num_experts=16)
-    x, weights, ids = make_inputs(shape, 1, seed=0, num_experts=16)
-    done = 0
-    for raw in configs:
-        try:
-            fused_experts_small_batch(x, w13, w2, weights, ids, shape.activation, b13, b2, SmallBatchConfig(**raw))
-            done += 1
-        except Exception:  # registers / shared memory: the timing loop skips it
-            pass
-    torch.cuda.synchronize()
-    return done
-
-
-def precompile_small(names: list[str], jobs: int) -> None:
-    chunks: list[tuple[MoeShape, list[dict]]] = []
-    for name in names:
-        shape = MOE_KERNEL_SHAPES[name]
-        cfgs = [c.to_json() for c in small_batch_candidates(shape.top_k)]
-        per = max(1, -(-len(cfgs) * len(names) // max(jobs, 1)))
-        chunks += [(shape, cfgs[i:i + per]) for i in range(0, len(cfgs), per)]
-    if jobs <= 1 or not chunks:
-        return
-    t0 = time.perf_counter()
-    try:
-        with mp.get_context("spawn").Pool(min(jobs, len(chunks))) as pool:
-            done = sum(pool.map(_precompile_small, chunks))
-    except Exception as exc:
-        print(f"precompile failed ({type(exc).__name__}: {exc}); compiling lazily", flush=True)
-        return
-    print(f"precompiled {done} small-batch configs in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
 def small_batch_buckets(shape: MoeShape, batch_sizes: list[int]) -> list[int]:
@@ -389,10 +361,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
-    if args.small_batch:
-        precompile_small(names, args.jobs)
-    else:
-        precompile(names, args.jobs)
+    precompile(names, args.jobs, small=args.small_batch)
     tune = tune_small_batch if args.small_batch else tune_shape
     report = {}
     for i, name in enumerate(names):

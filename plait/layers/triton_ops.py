@@ -14,11 +14,12 @@ import triton
 import triton.language as tl
 
 from plait import envs
-from plait.layers.rotary import QKNorm
 
 # (v [T, Hkv*D], k_cache [slots, Hkv, D], v_cache [slots, Hkv, D], loc [T]): where rotary_ may also
 # write the new tokens' K/V.
 KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# (q_weight [D], k_weight [D], eps): the per-head q/k RMSNorm rotary_ may apply first (rotary.QKNorm).
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
 
 def use_triton(x: torch.Tensor) -> bool:
