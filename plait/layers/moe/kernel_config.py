@@ -23,9 +23,14 @@ CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
 def config_dirs() -> tuple[pathlib.Path, ...]:
     """Where the MoE tables (this module's and ``small_batch``'s) are looked up, first match wins:
-    ``PLAIT_MOE_CONFIG_DIR`` (if set), then ``configs/``."""
-    override = envs.MOE_CONFIG_DIR.get()
-    return ((pathlib.Path(override),) if override else ()) + (CONFIG_DIR,)
+    ``PLAIT_MOE_CONFIG_DIR`` (if set), then ``configs/``. Every MoE layer call asks (eager steps
+    too), so the tuple is built once per setting."""
+    return _dirs(envs.MOE_CONFIG_DIR.get(), CONFIG_DIR)
+
+
+@functools.cache
+def _dirs(override: str | None, package_dir: pathlib.Path) -> tuple[pathlib.Path, ...]:
+    return ((pathlib.Path(override),) if override else ()) + (package_dir,)
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,15 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeKernelCo
 
 def get_config(num_tokens: int, num_experts: int, intermediate: int, top_k: int,
                device_name: str) -> MoeKernelConfig:
-    """The tuned config of the bucket nearest ``num_tokens`` (ties: the smaller bucket), else the default."""
-    table = load_configs(num_experts, intermediate, device_name)
+    """The tuned config of the bucket nearest ``num_tokens`` (ties: the smaller bucket), else the default
+    (resolved once per call shape and table source)."""
+    return _resolve(num_tokens, num_experts, intermediate, top_k, device_name, config_dirs())
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(num_tokens: int, num_experts: int, intermediate: int, top_k: int, device_name: str,
+             dirs: tuple[pathlib.Path, ...]) -> MoeKernelConfig:
+    table = _load_configs(num_experts, intermediate, device_name, dirs)
     if not table:
         return default_config(num_tokens, num_experts, top_k)
     return table[nearest_bucket(table, num_tokens)]

@@ -146,8 +146,15 @@ def small_batch_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int,
     """The dispatcher's choice for ``num_tokens`` tokens: the small path's tiles where it should run,
     None where the aligned pipeline should. With a table for the shape and device: the path measured
     fastest at the nearest bucket, and the aligned pipeline above the largest bucket (the tuner
-    measures every bucket where the small path could win). Without one: ``use_small_batch``."""
-    table = load_small_batch_table(num_experts, inter, device_name)
+    measures every bucket where the small path could win). Without one: ``use_small_batch``.
+    Resolved once per call shape and table source (every MoE layer call asks)."""
+    return _plan(num_tokens, num_experts, top_k, hidden, inter, device_name, config_dirs())
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, device_name: str,
+          dirs: tuple[pathlib.Path, ...]) -> SmallBatchConfig | None:
+    table = _load_table(num_experts, inter, device_name, dirs)
     if not table:
         if not use_small_batch(num_tokens * top_k, num_experts, hidden, inter):
             return None
