@@ -96,6 +96,8 @@ for stage in "$@"; do
         python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
           --out "$OUT" 2>&1 | tail -5
       done ;;
+    # bs-1 decode attention at short contexts: split heuristics x stage-1 configs (graph us per layer).
+    attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
     # The n-gram pair alone, shortened as in `spec`.
     spec-ngram)
