@@ -59,6 +59,10 @@ for stage in "$@"; do
         --budget-s "${GEMV_TUNE_S:-40}" 2>&1 | tee "$OUT/gemv-fp8-tune.log" | grep -E 'M= 1:|wrote|Error'
       PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant --workload decode-bs1 --out "$OUT" \
         2>&1 | grep -E '^\{"workload|Error' ;;
+    gemv-moe)  # tune the bf16 GEMV at the MoE shapes' attention projections and routers (M 1-8) over the shipped table
+      mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
+      python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --shapes qwen3-30b-a3b,gpt-oss-20b --kinds bf16 \
+        --m 1,2,4,8 --budget-s "${GEMV_TUNE_S:-60}" 2>&1 | tee "$OUT/gemv-moe-tune.log" | grep -E 'M= 1:|wrote|Error' ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
