@@ -23,6 +23,11 @@ for stage in "$@"; do
     latency-1b) python -m plait bench latency --shape llama-3.2-1b --out "$OUT" 2>&1 | tail -40 ;;
     latency-8b) python -m plait bench latency --shape llama-3.1-8b --prefill --out "$OUT" 2>&1 | tail -40 ;;
     offline) python -m plait bench offline --workload offline-throughput --peer --overlap-check --out "$OUT" 2>&1 | tail -40 ;;
+    offline-nopeer)  # offline-throughput 1b and 8b, plait alone (the peers' ratios are in earlier runs)
+      for shape in llama-3.2-1b llama-3.1-8b; do
+        python -m plait bench offline --workload offline-throughput --shape $shape --out "$OUT" 2>&1 \
+          | grep -E '^\{"workload|Error'
+      done ;;
     warm-start) python -m plait bench warm-start --out "$OUT" 2>&1 | grep -E '^warm-start|^\{"workload|Error' ;;
     feature-tests) python -m pytest -q -m gpu tests/gpu/test_structured_gpu.py tests/gpu/test_fp8_gpu.py \
         tests/gpu/test_gguf_gpu.py tests/gpu/test_sglang_api_gpu.py tests/gpu/test_fused_moe_gpu.py \
