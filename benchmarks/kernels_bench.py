@@ -269,7 +269,6 @@ def write_result(out_dir: str | None, record: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    global HKV
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default=None, help="write one JSON per workload/shape here")
     parser.add_argument("--iters", type=int, default=50)
@@ -278,12 +277,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs and split heuristics")
     parser.add_argument("--sweep-decode", default=None, metavar="BSxCTX,...",
                         help="only sweep decode launch configs x split heuristics at these shapes (e.g. 128x576)")
-    parser.add_argument("--kv-heads", type=int, default=HKV,
-                        help=f"KV heads of the decode/extend problems (default {HKV}; qwen3-30b-a3b has 4)")
     args = parser.parse_args()
-    if HQ % args.kv_heads:
-        raise SystemExit(f"--kv-heads must divide the {HQ} query heads, got {args.kv_heads}")
-    HKV = args.kv_heads
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")
 

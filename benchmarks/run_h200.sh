@@ -48,10 +48,6 @@ for stage in "$@"; do
     fp8) python -m plait bench quant --workload gemm decode-bs1 offline-throughput --sweep --out "$OUT" 2>&1 \
            | tee "$OUT/fp8-bench.log" | grep -E '^\{"workload|measured|Error' ;;
     profile-moe) python benchmarks/profile_moe_step.py --out "$OUT" 2>&1 | grep -v "^   " | tail -40 ;;
-    # About a minute: bs-1 decode attention at short contexts with qwen3-30b-a3b's 4 KV heads (32 query
-    # heads), every stage-1 config x split heuristic; "default" is what the backend runs.
-    decode-attn-short) python benchmarks/kernels_bench.py --sweep-decode 1x200,1x640,1x2048 --kv-heads 4 2>&1 \
-                         | tee "$OUT/decode-attn-short.log" | tail -4 ;;
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
