@@ -212,11 +212,15 @@ def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_k
             torch.cuda.synchronize()
     names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     small = small_batch_plan(1, e, k, h, i, torch.cuda.get_device_name()) is not None
-    expected = (("_small_gate_up_kernel", "_small_down_sum_kernel") if small
-                else ("_align_scan_kernel", "_align_scatter_kernel", "_moe_sum_kernel"))
-    for kernel in ("_gemv_kernel", "_fused_topk_kernel", *expected):
-        assert sum(n.startswith(kernel) for n in names) == 1, names
-    assert len(names) <= (4 if small else 7) + bias, names  # the router's bias add, while it is its own kernel
+    expected = ({"_small_gate_up_kernel": 1, "_small_down_sum_kernel": 1} if small else
+                {"_align_scan_kernel": 1, "_align_scatter_kernel": 1, "fused_moe_kernel": 2, "_moe_sum_kernel": 1})
+    expected.update({"_gemv_kernel": 1, "_fused_topk_kernel": 1})
+    for kernel, count in expected.items():
+        assert sum(n.startswith(kernel) for n in names) == count, names
+    # Besides: the aligned pipeline's activation kernel where its config keeps it separate, and the
+    # router's bias add while it is its own kernel.
+    others = [n for n in names if not n.startswith(tuple(expected)) and not n.startswith("_moe_activation_kernel")]
+    assert len(others) <= bias, names
     assert torch.isfinite(out).all()
 
 
