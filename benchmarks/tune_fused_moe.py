@@ -247,8 +247,11 @@ def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float,
 
 
 # (block_n, block_h, block_k, num_warps, num_stages) of the small-batch path: narrow row tiles (many
-# programs, each streaming few rows) to wide ones, reduction steps of 64..512, and deeper pipelines.
+# programs, each streaming few rows) to wide ones, reduction steps of 64..1024, and deeper pipelines.
+# At one token a grid of few programs per SM has little in flight unless each step is wide: the
+# last rows are one or two rows per program with a whole (or half) reduction dimension per step.
 _SMALL_TILES = (
+    (2, 1, 1024, 4, 3), (4, 1, 1024, 4, 3), (4, 2, 1024, 8, 3), (8, 1, 512, 4, 3), (8, 2, 1024, 8, 2),
     (4, 2, 256, 4, 3), (4, 4, 256, 4, 3), (4, 4, 512, 8, 3), (8, 2, 256, 4, 3), (8, 2, 512, 8, 4),
     (8, 4, 64, 4, 3), (8, 4, 128, 4, 3), (8, 4, 128, 4, 5), (8, 4, 256, 4, 3), (8, 4, 256, 4, 4),
     (8, 4, 256, 8, 3), (8, 4, 512, 8, 3), (8, 8, 64, 4, 3), (8, 8, 128, 4, 3), (8, 8, 128, 4, 4),

@@ -36,7 +36,12 @@ def assert_matches_reference(x, w13, w2, weights, ids, activation, b13=None, b2=
     assert_equals_reference(out, x, w13, w2, weights, ids, activation, b13, b2)
 
 
-@pytest.mark.parametrize("config", [EVEN, None], ids=["even-k-tiles", "default-tiles-masked-k"])
+# One row per program with the whole reduction in one masked step: the widest-K tuner candidates' form.
+ONE_ROW = small.SmallBatchConfig(block_n=2, block_h=1, block_k=64)
+
+
+@pytest.mark.parametrize("config", [EVEN, None, ONE_ROW], ids=["even-k-tiles", "default-tiles-masked-k",
+                                                              "one-row-one-step"])
 def test_silu_with_normalised_top_k_matches_reference(config):
     # I = 24 is not a multiple of block_n: the wrapped columns are computed and not stored.
     w13, w2, _, _ = experts(16, 32, 24, bias=False)
