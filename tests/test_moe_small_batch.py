@@ -36,8 +36,8 @@ def assert_matches_reference(x, w13, w2, weights, ids, activation, b13=None, b2=
     assert_equals_reference(out, x, w13, w2, weights, ids, activation, b13, b2)
 
 
-# One row per program with the whole reduction in one masked step: the widest-K tuner candidates' form.
-ONE_ROW = small.SmallBatchConfig(block_n=2, block_h=1, block_k=64)
+# One down row per program, the whole reduction in one masked step: the widest-K tuner candidates' form.
+ONE_ROW = small.SmallBatchConfig(block_n=8, block_h=1, block_k=64)
 
 
 @pytest.mark.parametrize("config", [EVEN, None, ONE_ROW], ids=["even-k-tiles", "default-tiles-masked-k",
