@@ -81,7 +81,7 @@ for stage in "$@"; do
     # Later stages of the same invocation (profile-moe, moe-offline) read them too.
     moe-tune-small)
       python benchmarks/tune_fused_moe.py --small-batch --shape qwen3-30b-a3b --shape gpt-oss-20b \
-        --out-dir "$OUT/moe-configs" --budget-s "${MOE_TUNE_S:-110}" --report "$OUT/moe-tune-small.json" 2>&1 \
+        --out-dir "$OUT/moe-configs" --budget-s "${MOE_TUNE_S:-80}" --report "$OUT/moe-tune-small.json" 2>&1 \
         | tee "$OUT/moe-tune-small.log" | grep -E 'M=|precompiled|budget|Error'
       export PLAIT_MOE_CONFIG_DIR=$OUT/moe-configs
       python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
