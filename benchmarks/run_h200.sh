@@ -84,12 +84,15 @@ for stage in "$@"; do
     moe) OUT=$OUT bash "$0" moe-latency moe-offline ;;
     # About 2-3 minutes: the small-batch MoE tables of both shapes (the small path's tiles and, per
     # bucket, whether it beats the aligned pipeline) into $OUT/moe-configs, then moe-latency on them.
-    # Later stages of the same invocation (profile-moe, moe-offline) read them too.
+    # Later stages of the same invocation (profile-moe, moe-offline) read them too (and the GEMV tables
+    # of a gemv-moe stage run before it).
     moe-tune-small)
       python benchmarks/tune_fused_moe.py --small-batch --shape qwen3-30b-a3b --shape gpt-oss-20b \
         --out-dir "$OUT/moe-configs" --budget-s "${MOE_TUNE_S:-80}" --report "$OUT/moe-tune-small.json" 2>&1 \
         | tee "$OUT/moe-tune-small.log" | grep -E 'M=|precompiled|budget|Error'
       export PLAIT_MOE_CONFIG_DIR=$OUT/moe-configs
+      # The router and projection GEMV tables too, where a gemv-moe stage of this run tuned them.
+      if [ -d "$OUT/gemv-configs" ]; then export PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs; fi
       python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-offline)
