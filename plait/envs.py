@@ -103,9 +103,10 @@ BF16_GEMV = EnvVar(
     "1 (the default): dense bf16/fp16 linear layers run decode batches of <= 16 tokens on CUDA through "
     "plait's Triton GEMV; 0: through cuBLAS (the A/B baseline). Read when a layer is built.")
 PDL = EnvVar(
-    "PLAIT_PDL", _flag, False,
-    "1: the decode step's small Triton kernels launch with programmatic dependent launch (sm_90+; "
-    "plait.layers.pdl): each may start while the one before it finishes. 0 (the default): plain launches.")
+    "PLAIT_PDL", _flag, True,
+    "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
+    "(sm_90+; plait.layers.pdl): each may start while the one before it finishes. 0: plain launches (the "
+    "A/B baseline).")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
