@@ -93,7 +93,7 @@ for stage in "$@"; do
       export PLAIT_MOE_CONFIG_DIR=$OUT/moe-configs
       # The router and projection GEMV tables too, where a gemv-moe stage of this run tuned them.
       if [ -d "$OUT/gemv-configs" ]; then export PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs; fi
-      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
+      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b ${MOE_PEER:---no-peer} --out "$OUT" 2>&1 | tail -6 ;;
     moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-offline)
       for shape in ${MOE_SHAPES:-qwen3-30b-a3b gpt-oss-20b}; do
