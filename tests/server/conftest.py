@@ -85,6 +85,7 @@ class Server:
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
+        self._terminated = False
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> Server:
         deadline = time.monotonic() + timeout
@@ -107,9 +108,15 @@ class Server:
         assert len(children) == 1, f"expected one scheduler process, found {children}"
         return children[0]
 
+    def terminate(self) -> None:
+        """SIGTERM, once: the server drains and exits (seconds); ``stop`` waits for it."""
+        if self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -167,6 +174,10 @@ def start_server(server_model, tmp_path_factory) -> Iterator[Any]:
         return srv.wait_ready() if wait else srv
 
     yield start
+    # Signal every server first: they drain in parallel, and the session ends after the slowest
+    # shutdown rather than after the sum of them.
+    for srv in started:
+        srv.terminate()
     for srv in started:
         srv.stop()
 
