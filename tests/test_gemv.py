@@ -1,5 +1,6 @@
-"""The small-M GEMV (plait.layers.quantization.gemv) against the dequantized-weight product, in the
-Triton interpreter at tiny shapes, and its launch-config tables (file, PLAIT_GEMV_CONFIG_DIR, fallback)."""
+"""The small-M GEMV (plait.layers.quantization.gemv) against the dequantized-weight product (FP8: the
+weight-only form; the W8A8 form is tests/test_gemv_w8a8.py), in the Triton interpreter at tiny shapes,
+and its launch-config tables (file, PLAIT_GEMV_CONFIG_DIR, fallback)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _fp8(layout: str, n: int, k: int):
 def test_fp8_channel_gemv_equals_the_dequantized_weight_product(m, split_k):
     q, s, _ = _fp8("channel", N, K)
     x = _rand(m, K, seed=1)
-    out = gemv(x, q, s, None, GemvConfig(block_n=16, block_k=64, split_k=split_k))
+    out = gemv(x, q, s, None, GemvConfig(block_n=16, block_k=64, split_k=split_k), w8a8=False)
     torch.testing.assert_close(out, x @ dequantize_weight(q, s, None).t(), rtol=1e-5, atol=1e-5)
 
 
@@ -45,7 +46,7 @@ def test_fp8_block_gemv_equals_the_dequantized_weight_product(m):
     # N 136 and K 320 end inside a 128 x 128 scale block; BLOCK_K 256 is narrowed to the block width.
     q, s, block = _fp8("block", 136, 320)
     x = _rand(m, 320, seed=2)
-    out = gemv(x, q, s, block, GemvConfig(block_n=16, block_k=256, split_k=2))
+    out = gemv(x, q, s, block, GemvConfig(block_n=16, block_k=256, split_k=2), w8a8=False)
     torch.testing.assert_close(out, x @ dequantize_weight(q, s, block).t(), rtol=1e-5, atol=1e-5)
 
 
@@ -61,7 +62,7 @@ def test_bf16_gemv_equals_the_bf16_weight_product(m):
 def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
     q, s, _ = _fp8("channel", N, K)
     x = _rand(m, K, seed=5).to(torch.bfloat16)
-    out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64))
+    out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64), w8a8=False)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ dequantize_weight(q, s, None).t(), rtol=1e-2, atol=1e-3)
 
@@ -163,8 +164,8 @@ def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
     monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: tiny)
     ran: list[GemvConfig] = []
 
-    def fake_time(x, ws, scale, block, cfg, reps=2):
-        out = gemv(x, ws[0], scale, block, cfg)
+    def fake_time(x, ws, scale, block, cfg, reps=2, w8a8=False):
+        out = gemv(x, ws[0], scale, block, cfg, w8a8=w8a8)
         ref = x.float() @ (dequantize_weight(ws[0], scale, block) if scale is not None else ws[0].float()).t()
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
         ran.append(cfg)
@@ -187,9 +188,10 @@ def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
 
     case = gemv_tune.Case("bf16", 48, 256, 1, ["tiny/o"])
     broken = gemv_tune.candidates("bf16", 1, 48, 256, 8)[0]
-    monkeypatch.setattr(gemv_tune, "time_config", lambda x, ws, s, b, cfg, reps=2: 0.0 if cfg == broken else 1.0)
+    monkeypatch.setattr(gemv_tune, "time_config", lambda x, ws, s, b, cfg, reps=2, w8a8=False: float(cfg != broken))
     real = gemv_tune.rel_error
-    monkeypatch.setattr(gemv_tune, "rel_error", lambda x, w, s, b, cfg: 1.0 if cfg == broken else real(x, w, s, b, cfg))
+    monkeypatch.setattr(gemv_tune, "rel_error",
+                        lambda x, w, s, b, cfg, w8a8=False: 1.0 if cfg == broken else real(x, w, s, b, cfg))
     ws, scale, block = gemv_tune.make_weights("bf16", 48, 256, rotate=False, device="cpu")
     row = gemv_tune.tune_case(case, ws, scale, block, 8)
     assert row["best"] != broken.to_json() and row["best_us"] == 1e6
