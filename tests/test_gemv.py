@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from plait.layers.quantization import gemv_config
-from plait.layers.quantization.fp8_kernels import dequantize_weight, quantize_weight_per_channel
+from plait.layers.quantization.fp8_kernels import (
+    dequantize_weight,
+    quantize_weight_per_channel,
+    reference_w8a8_gemv,
+)
 from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, split_counters
 from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
 from tests.quant_helpers import block_quantize
@@ -160,13 +164,17 @@ def test_bf16_gemv_switch_is_read_when_a_layer_is_built(monkeypatch):
 def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
     from plait.bench import gemv_tune
 
-    tiny = [gemv_tune.Case("fp8_channel", 48, 256, 1, ["tiny/o_proj"]), gemv_tune.Case("bf16", 48, 256, 2, ["tiny/o"])]
+    tiny = [gemv_tune.Case("fp8_channel", 48, 256, 1, ["tiny/o_proj"]), gemv_tune.Case("bf16", 48, 256, 2, ["tiny/o"]),
+            gemv_tune.Case("fp8_channel_mma", 48, 256, 1, ["tiny/o_proj"])]
     monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: tiny)
     ran: list[GemvConfig] = []
 
     def fake_time(x, ws, scale, block, cfg, reps=2, w8a8=False):
         out = gemv(x, ws[0], scale, block, cfg, w8a8=w8a8)
-        ref = x.float() @ (dequantize_weight(ws[0], scale, block) if scale is not None else ws[0].float()).t()
+        if w8a8:  # the W8A8 kinds run the activation-quantizing form
+            ref = reference_w8a8_gemv(x.float(), ws[0], scale, block)
+        else:
+            ref = x.float() @ (dequantize_weight(ws[0], scale, block) if scale is not None else ws[0].float()).t()
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
         ran.append(cfg)
         return 1.0 / (cfg.block_n * 1000 + cfg.block_k + cfg.split_k)  # the widest tile wins
@@ -179,7 +187,8 @@ def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
     assert len(ran) == sum(len(gemv_tune.candidates(c.kind, c.m, c.n, c.k, 8)) for c in tiny)
     assert table["fp8_channel"]["N48_K256"]["1"] == expected["fp8_channel"].to_json()
     assert table["bf16"]["N48_K256"]["2"] == expected["bf16"].to_json()
-    assert [r["M"] for r in rows] == [1, 2] and saved == [1, 2]
+    assert table["fp8_channel_mma"]["N48_K256"]["1"] == expected["fp8_channel_mma"].to_json()
+    assert sorted(r["M"] for r in rows) == [1, 1, 2] and saved == [1, 2, 3]
     assert all(r["best_us"] <= r["default_us"] for r in rows)
 
 
