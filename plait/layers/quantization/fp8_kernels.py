@@ -7,14 +7,17 @@ layouts (``W = q * s``):
 
 Paths (``fp8_linear`` picks one):
   GEMV    few tokens (decode): ``plait.layers.quantization.gemv.gemv``, one launch that reads the FP8
-          weight once, converts it in registers and multiplies the activations as they are
-          (bf16/fp16/fp32: weight-only dequantization), with configs tuned per shape.
+          weight once, with configs tuned per shape. By default (``PLAIT_FP8_GEMV_W8A8``) it quantizes
+          the activations to e4m3 per token and 128-column group inside the kernel and multiplies
+          e4m3 x e4m3 on the tensor cores (``reference_w8a8_gemv`` is what it computes); else it
+          converts the weight in registers and multiplies the activations as they are (weight-only
+          dequantization). The layer's bias is added in its epilogue.
   GEMM    many tokens (prefill): activations are quantized to FP8 (per token for channel weights,
           per token and 128-column group for block weights, or a checkpoint's static per-tensor
           scale), then ``torch._scaled_mm`` with rowwise scales (channel) or ``w8a8_block_matmul``,
           a Triton kernel applying both block scales per K tile (block).
   CPU     the dequantizing reference: the fp32 dequantized weight times the activations as they are
-          (the GEMV's arithmetic, exact in fp32). Activations are not quantized there: a dynamic
+          (the weight-only GEMV's arithmetic, exact in fp32). Activations are not quantized there: a dynamic
           quantizer is discontinuous, and two fp32 computations of one model that differ in the last
           bit before it (a different summation order) drift apart layer over layer once rounding
           steps flip, so a simulation could not be compared with it token for token.

@@ -4,8 +4,12 @@ At these sizes the weights are the bytes: the kernel is built to read ``W [N, K]
 checkpoints store it) once at HBM speed, whatever its dtype:
 
   fp8 e4m3  with channel scales ``[N]`` fp32 or block scales ``[ceil(N / bn), ceil(K / bk)]`` fp32
-            (``W = q * s``), converted in registers: weight-only dequantization, the activations
-            multiply as they are (bf16 / fp16 / fp32)
+            (``W = q * s``), in one of two forms:
+              W8A8 (the default, ``fp8_w8a8_default``): each step's activations are quantized to e4m3
+                per token and ``W8A8_GROUP``-column group (scale = max |x| / 448, at least MIN_SCALE)
+                and multiplied e4m3 x e4m3 on the tensor cores, the weight tile unconverted
+              weight-only: the weights converted in registers, the activations multiply as they are
+                (bf16 / fp16 / fp32)
   bf16/fp16 with no scale
 
 Grid: ``(ceil(N / BLOCK_N), split_k)``. A program owns ``BLOCK_N`` rows and one K slice (the whole row
@@ -16,9 +20,16 @@ software-pipelined by ``num_stages``).
            once at the end (no cross-thread reduction per step)
   M >= 2   tensor cores: ``tl.dot`` of the activations (padded to 16 rows by masks, which read
            nothing) with the converted weight tile
+  W8A8     every M: ``BLOCK_K`` is one 128-column group; ``tl.dot(W [BLOCK_N, 128], x_q^T [128, 16])``
+           with the weight rows as the MMA's M (>= 16 per warp: on sm_90 a warpgroup MMA reading the
+           e4m3 weight tile straight from the shared memory its async copy filled), times each token's
+           group scale. What decode computes is then ``reference_w8a8_gemv`` (fp8_kernels): activations
+           quantized per token and 128 columns, finer than the prefill GEMM's per-token scales for
+           channel weights, the block GEMM's grouping for block weights.
 
 Channel scales multiply the result once; block scales multiply each step's products (a step lies in
-one scale block: ``BLOCK_K`` divides the block width, the wrapper narrows it if needed).
+one scale block: ``BLOCK_K`` divides the block width, the wrapper narrows it if needed). A bias ``[N]``
+is added before the store.
 
 Split-K (``split_k`` > 1, for shapes whose row tiles alone would leave SMs idle) stays one launch: each
 program stores its fp32 partial, and the last program of a row tile to finish (an atomic counter per
