@@ -56,6 +56,31 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str
             "e4m3_widened": len(re.findall(r"cvt\.\S*\.(?:f16x2|bf16x2|f32)\.e4m3x2", ptx))}
 
 
+def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[int, int], ...],
+                                   ms: tuple[int, ...] = (1, 16)) -> list[dict[str, int]]:
+    """Each kind's default config at each (N, K) and M compiled by this script in a process without
+    TRITON_INTERPRET (tests run in the interpreter); its JSON lines. Skips without the wheel's ptxas."""
+    import pathlib
+
+    import pytest
+
+    from plait.layers.quantization.gemv_config import default_config
+
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
+        pytest.skip("this triton wheel has no ptxas")
+    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
+            for kind in kinds for m in ms for n, k in shapes]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).parent.parent
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, __file__, json.dumps(work)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(work)
+    return results
+
+
 if __name__ == "__main__":
     for kind, m, n, k, raw in json.loads(sys.argv[1]):
         print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, GemvConfig.from_json(raw))}))

@@ -12,12 +12,11 @@ import torch
 from plait.layers.quantization import gemv_config
 from plait.layers.quantization.fp8_kernels import (
     dequantize_weight,
-    quantize_weight_per_channel,
     reference_w8a8_gemv,
 )
 from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, split_counters
 from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
-from tests.quant_helpers import block_quantize
+from tests.quant_helpers import random_fp8_weight
 
 # N 40 is not a multiple of BLOCK_N 16, K 200 not a multiple of BLOCK_K 64.
 N, K = 40, 200
@@ -27,19 +26,12 @@ def _rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _fp8(layout: str, n: int, k: int):
-    w = _rand(n, k, seed=0) * 0.05
-    if layout == "channel":
-        q, s = quantize_weight_per_channel(w)
-        return q, s, None
-    q, s = block_quantize(w)
-    return q, s, (128, 128)
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("m", [1, 3])
 def test_fp8_channel_gemv_equals_the_dequantized_weight_product(m, split_k):
-    q, s, _ = _fp8("channel", N, K)
+    q, s, _ = random_fp8_weight("channel", N, K)
     x = _rand(m, K, seed=1)
     out = gemv(x, q, s, None, GemvConfig(block_n=16, block_k=64, split_k=split_k), w8a8=False)
     torch.testing.assert_close(out, x @ dequantize_weight(q, s, None).t(), rtol=1e-5, atol=1e-5)
@@ -48,7 +40,7 @@ def test_fp8_channel_gemv_equals_the_dequantized_weight_product(m, split_k):
 @pytest.mark.parametrize("m", [1, 3])
 def test_fp8_block_gemv_equals_the_dequantized_weight_product(m):
     # N 136 and K 320 end inside a 128 x 128 scale block; BLOCK_K 256 is narrowed to the block width.
-    q, s, block = _fp8("block", 136, 320)
+    q, s, block = random_fp8_weight("block", 136, 320)
     x = _rand(m, 320, seed=2)
     out = gemv(x, q, s, block, GemvConfig(block_n=16, block_k=256, split_k=2), w8a8=False)
     torch.testing.assert_close(out, x @ dequantize_weight(q, s, block).t(), rtol=1e-5, atol=1e-5)
@@ -64,7 +56,7 @@ def test_bf16_gemv_equals_the_bf16_weight_product(m):
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
-    q, s, _ = _fp8("channel", N, K)
+    q, s, _ = random_fp8_weight("channel", N, K)
     x = _rand(m, K, seed=5).to(torch.bfloat16)
     out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64), w8a8=False)
     assert out.dtype == torch.bfloat16
@@ -72,14 +64,14 @@ def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
 
 
 def test_split_k_leaves_its_counters_zero():
-    q, s, _ = _fp8("channel", N, K)
+    q, s, _ = random_fp8_weight("channel", N, K)
     gemv(_rand(2, K, seed=6), q, s, None, GemvConfig(block_n=16, block_k=64, split_k=3))
     counters = split_counters(torch.device("cpu"))
     assert counters.numel() == MAX_COUNTERS and int(counters.abs().sum()) == 0
 
 
 def test_bad_calls_fail_naming_the_limit():
-    q, s, _ = _fp8("channel", N, K)
+    q, s, _ = random_fp8_weight("channel", N, K)
     with pytest.raises(ValueError, match=r"M must be in 1\.\.16, got 17"):
         gemv(torch.zeros(17, K), q, s)
     with pytest.raises(ValueError, match="bf16 weights take no scale"):
@@ -209,25 +201,9 @@ def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
 # --- the GPU build, without a GPU ----------------------------------------------------------------
 def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_loads():
     """The interpreter runs the kernel's Python; this compiles it for an H200 with the wheel's ptxas."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from tests.gemv_aot import compile_defaults_in_subprocess
 
-    import triton
-
-    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
-        pytest.skip("this triton wheel has no ptxas")
-    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
-            for kind in ("fp8_channel", "fp8_block", "bf16") for m in (1, 16) for n, k in ((6144, 4096), (4096, 4096))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).parent.parent
-    env["PYTHONPATH"] = str(root)
-    done = subprocess.run([sys.executable, str(root / "tests" / "gemv_aot.py"), json.dumps(work)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(results) == len(work)
+    results = compile_defaults_in_subprocess(("fp8_channel", "fp8_block", "bf16"), ((6144, 4096), (4096, 4096)))
     for r in results:
         assert r["stack"] == 0 and r["regs"] <= 128, r  # no spills; >= 4 programs of 4 warps fit an SM
         assert r["pipelined_loads"] > 0, r  # num_stages turned the weight loads into async copies

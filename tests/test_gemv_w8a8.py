@@ -4,19 +4,16 @@ interpreter at tiny shapes; and the W8A8 default configs compiled for an H200 (s
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from plait.layers.quantization.fp8_kernels import (
     dequantize_weight,
-    quantize_weight_per_channel,
     reference_w8a8_gemv,
 )
 from plait.layers.quantization.gemv import gemv, plan_launch
-from plait.layers.quantization.gemv_config import GemvConfig, default_config
-from tests.quant_helpers import block_quantize
+from plait.layers.quantization.gemv_config import GemvConfig
+from tests.quant_helpers import qdq_groups, random_fp8_weight
 
 # K 200 ends inside its second 128-column group; N 40 is not a multiple of BLOCK_N 16 (num_warps 1
 # allows 16 weight rows per program). Block weights: N 136, K 320 end inside a 128 x 128 scale block.
@@ -30,13 +27,7 @@ def _rand(*shape: int, seed: int) -> torch.Tensor:
 
 
 def _fp8(layout: str):
-    n, k = SHAPES[layout]
-    w = _rand(n, k, seed=0) * 0.05
-    if layout == "channel":
-        q, s = quantize_weight_per_channel(w)
-        return q, s, None
-    q, s = block_quantize(w)
-    return q, s, (128, 128)
+    return random_fp8_weight(layout, *SHAPES[layout])
 
 
 def _cfg(split_k: int) -> GemvConfig:
@@ -50,8 +41,16 @@ def test_w8a8_gemv_equals_the_activation_quantizing_reference(layout, m, split_k
     q, s, block = _fp8(layout)
     x = _rand(m, q.shape[1], seed=m)
     out = gemv(x, q, s, block, _cfg(split_k), w8a8=True)
-    # The same e4m3 codes and scales; only the fp32 summation order differs.
-    torch.testing.assert_close(out, reference_w8a8_gemv(x, q, s, block), rtol=1e-5, atol=1e-5)
+    # The tests' own simulation (torch's e4m3 conversion per row and 128 columns, the last group short):
+    # the same codes and scales, only the fp32 summation order differs.
+    torch.testing.assert_close(out, qdq_groups(x) @ dequantize_weight(q, s, block).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_w8a8_reference_equals_the_tests_simulation():
+    q, s, block = _fp8("block")
+    x = _rand(3, q.shape[1], seed=3)
+    torch.testing.assert_close(reference_w8a8_gemv(x, q, s, block), qdq_groups(x) @ dequantize_weight(q, s, block).t(),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("layout", ["channel", "block"])
@@ -141,25 +140,9 @@ def test_a_bias_of_the_wrong_length_is_refused():
 # --- the GPU build, without a GPU ----------------------------------------------------------------
 def test_w8a8_default_configs_compile_to_fp8_warpgroup_mmas_reading_unconverted_weights():
     """The interpreter upcasts the dot; this compiles the kernel for an H200 with the wheel's ptxas."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from tests.gemv_aot import compile_defaults_in_subprocess
 
-    import triton
-
-    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
-        pytest.skip("this triton wheel has no ptxas")
-    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
-            for kind in ("fp8_channel_mma", "fp8_block_mma") for m in (1, 16) for n, k in ((6144, 4096), (4096, 14336))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).parent.parent
-    env["PYTHONPATH"] = str(root)
-    done = subprocess.run([sys.executable, str(root / "tests" / "gemv_aot.py"), json.dumps(work)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(results) == len(work)
+    results = compile_defaults_in_subprocess(("fp8_channel_mma", "fp8_block_mma"), ((6144, 4096), (4096, 14336)))
     for r in results:
         assert r["stack"] == 0 and r["regs"] <= 128, r  # no spills
         assert r["wgmma_e4m3"] > 0, r  # e4m3 x e4m3 warpgroup MMAs ...
