@@ -132,6 +132,9 @@ def _gemv_kernel(
                         eviction_policy="evict_first")
         if SCALE == 2:
             s = tl.load(s_rows + k0 // BK_SCALE)
+        if BLOCK_M > 1:
+            x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
+            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         if BLOCK_M == 1:
             if EVEN_K:
                 x = tl.load(X + offs_k)
@@ -144,11 +147,11 @@ def _gemv_kernel(
         elif W8A8:
             # One step is one 128-column group: its per-row scale and e4m3 codes, then an e4m3 x e4m3
             # dot (the weight tile unconverted, as the async copy left it in shared memory). Rows past M
-            # and columns past K load zeros: scale MIN_S, codes 0.
-            x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
-            xf = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            # and columns past K loaded zeros: scale MIN_S, codes 0. x / scale as plait's quantizer
+            # kernel divides (exact in the interpreter, within 2 ulp on the GPU).
+            xf = x.to(tl.float32)
             x_s = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_V, MIN_S)  # [BLOCK_M]
-            x_q = tl.clamp(tl.math.div_rn(xf, x_s[:, None]), -FP8_MAX_V, FP8_MAX_V).to(W.dtype.element_ty)
+            x_q = tl.clamp(xf / x_s[:, None], -FP8_MAX_V, FP8_MAX_V).to(W.dtype.element_ty)
             # Swapped operands, W [BLOCK_N, 128] @ x_q^T [128, BLOCK_M]: the weight rows are the dot's M
             # (>= 64: a Hopper warpgroup MMA reading e4m3 from shared memory; an M of 16 tokens would
             # take mma.sync, which Triton runs on sm_90 by widening e4m3 to fp16 in registers).
@@ -161,8 +164,6 @@ def _gemv_kernel(
                 part = part * s[:, None]
             acc_t += part
         else:
-            x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
             if UPCAST_DOT:  # triton 3.6's interpreter multiplies bf16 dot operands as integers
                 part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:  # e4m3 (and bf16 / fp16) converts exactly to the activations' dtype
