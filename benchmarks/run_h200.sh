@@ -82,6 +82,12 @@ for stage in "$@"; do
       mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
       python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --shapes qwen3-30b-a3b,gpt-oss-20b --kinds bf16 \
         --m 1,2,4,8 --budget-s "${GEMV_TUNE_S:-60}" 2>&1 | tee "$OUT/gemv-moe-tune.log" | grep -E 'M= 1:|wrote|Error' ;;
+    pdl-ab)  # programmatic dependent launch (PLAIT_PDL): its GPU test, then decode-bs1 1b and 8b without (0) and with it (1)
+      python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3
+      for on in 0 1; do
+        PLAIT_PDL=$on python -m plait bench latency --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/pdl-$on" \
+          2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \

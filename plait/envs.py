@@ -102,8 +102,12 @@ FP8_GEMV_W8A8 = EnvVar(
     "1 (the default): FP8 decode GEMVs (<= 16 tokens) quantize the activations per token and 128-column "
     "group and multiply e4m3 x e4m3 on the tensor cores; 0: weight-only dequantization (the A/B baseline). "
     "Read at every call.")
+PDL = EnvVar(
+    "PLAIT_PDL", _flag, False,
+    "1: the decode step's small Triton kernels launch with programmatic dependent launch (sm_90+; "
+    "plait.layers.pdl): each may start while the one before it finishes. 0 (the default): plain launches.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
-                                    SLOW_TESTS, GEMV_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8)
+                                    SLOW_TESTS, GEMV_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8, PDL)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from plait import envs
+from plait.layers.pdl import pdl_prologue, use_pdl
 
 # (v [T, Hkv*D], k_cache [slots, Hkv, D], v_cache [slots, Hkv, D], loc [T]): where rotary_ may also
 # write the new tokens' K/V.
@@ -27,7 +28,8 @@ def use_triton(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -53,16 +55,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = torch.empty_like(x2) if residual is not None else y
     r2 = residual.reshape(-1, n_cols) if residual is not None else x2
     if n_rows:
+        pdl = use_pdl(x2)
         _rmsnorm_kernel[(n_rows,)](x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), n_cols, eps,
                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-                                   num_warps=8 if n_cols >= 4096 else 4)
+                                   USE_PDL=pdl, num_warps=8 if n_cols >= 4096 else 4, launch_pdl=pdl)
     if residual is None:
         return y.view(shape)
     return y.view(shape), res_out.view(shape)
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -78,7 +82,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block)
+        pdl = use_pdl(x2)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block,
+                                                                   USE_PDL=pdl, launch_pdl=pdl)
     return y.view(*x.shape[:-1], n)
 
 
