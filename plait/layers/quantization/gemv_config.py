@@ -28,7 +28,7 @@ CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 # Token counts the tuner measures; the kernel serves 1..GEMV_MAX_TOKENS.
 M_BUCKETS = (1, 2, 4, 8, 16)
 GEMV_MAX_TOKENS = 16
-KINDS = ("fp8_channel", "fp8_block", "bf16", "fp16")
+KINDS = ("fp8_channel", "fp8_block", "fp8_channel_mma", "fp8_block_mma", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,11 @@ class GemvConfig:
         return cls(**{k: int(data[k]) for k in cls.__dataclass_fields__ if k in data})
 
 
-def gemv_kind(weight_dtype: torch.dtype, block: tuple[int, int] | None) -> str:
-    """The table a weight's configs live in: its dtype and, for FP8, its scale layout."""
+def gemv_kind(weight_dtype: torch.dtype, block: tuple[int, int] | None, w8a8: bool = False) -> str:
+    """The table a weight's configs live in: its dtype and, for FP8, its scale layout and form (``_mma``:
+    activations quantized, e4m3 x e4m3 tensor-core dots; else weight-only)."""
     if weight_dtype == torch.float8_e4m3fn:
-        return "fp8_block" if block is not None else "fp8_channel"
+        return ("fp8_block" if block is not None else "fp8_channel") + ("_mma" if w8a8 else "")
     if weight_dtype == torch.bfloat16:
         return "bf16"
     if weight_dtype == torch.float16:
@@ -128,8 +129,15 @@ def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfi
     - 2..16 tokens: the tensor-core form needs 16 rows and 16+ columns; 32 rows x 256 columns per step.
     - split-K only when the row tiles alone give fewer than about 4 programs per SM, into whole
       ``block_k`` steps (FP8 block scales: steps of at most one 128-column scale block).
+    - the FP8 W8A8 kinds (``*_mma``): 64 rows x one 128-column group per step, four steps in flight.
     """
     fp8 = kind.startswith("fp8")
+    if kind.endswith("_mma"):
+        # 64 weight rows (one warpgroup MMA of 4 warps) x one 128-column activation group (128 bytes of
+        # each row) per step: the depth of the pipeline carries the bytes in flight.
+        block_n = 64
+        split_k = balanced_split(-(-n // block_n), -(-k // 128), num_sms)
+        return GemvConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=4)
     if m == 1:
         # Halving the row tile before splitting K: a split adds a partial round trip to each tile's tail.
         block_n, block_k = 8 if -(-n // 8) >= 4 * num_sms else 4, 512 if fp8 else 256
