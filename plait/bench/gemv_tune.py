@@ -56,8 +56,9 @@ def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
     if is_w8a8(kind):
         # A step is one 128-column group whatever M is; 16+ weight rows per warp (one warpgroup MMA per
         # 4 warps); what varies is the bytes in flight: rows per program and pipeline depth.
-        return [(64, 128, 4, 4), (64, 128, 4, 6), (64, 128, 4, 8), (128, 128, 4, 4), (128, 128, 4, 6),
-                (128, 128, 8, 4), (128, 128, 8, 6), (256, 128, 8, 4)]
+        return [(64, 128, 4, 4), (64, 128, 4, 6), (64, 128, 4, 8), (128, 128, 4, 3), (128, 128, 4, 4),
+                (128, 128, 4, 6), (128, 128, 8, 4), (128, 128, 8, 6), (256, 128, 4, 4), (256, 128, 8, 3),
+                (256, 128, 8, 4)]
     if m == 1:
         tiles = [(4, 1024, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3),
                  (8, 512, 4, 1)]
