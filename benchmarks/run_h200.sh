@@ -24,6 +24,11 @@ for stage in "$@"; do
     latency-1b) python -m plait bench latency --shape llama-3.2-1b --out "$OUT" 2>&1 | tail -40 ;;
     latency-8b) python -m plait bench latency --shape llama-3.1-8b --prefill --out "$OUT" 2>&1 | tail -40 ;;
     offline) python -m plait bench offline --workload offline-throughput --peer --overlap-check --out "$OUT" 2>&1 | tail -40 ;;
+    offline-nopeer)  # offline-throughput 1b and 8b, plait alone (the peers' ratios are in earlier runs)
+      for shape in llama-3.2-1b llama-3.1-8b; do
+        python -m plait bench offline --workload offline-throughput --shape $shape --out "$OUT" 2>&1 \
+          | grep -E '^\{"workload|Error'
+      done ;;
     warm-start) python -m plait bench warm-start --out "$OUT" 2>&1 | grep -E '^warm-start|^\{"workload|Error' ;;
     feature-tests) python -m pytest -q -m gpu tests/gpu/test_structured_gpu.py tests/gpu/test_fp8_gpu.py \
         tests/gpu/test_gguf_gpu.py tests/gpu/test_sglang_api_gpu.py tests/gpu/test_fused_moe_gpu.py \
@@ -65,7 +70,7 @@ for stage in "$@"; do
       # then FP8 decode-bs1 8b with W8A8 (1) and weight-only (0), both JSONs kept
       python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/fp8-mma-tests.log" \
         | tail -6
-      mkdir -p "$OUT/gemv-configs" && cp plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
+      mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
       PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" \
         --shapes llama-3.1-8b --kinds fp8_channel_mma,fp8_block_mma --m 1,16 --budget-s "${GEMV_TUNE_S:-60}" \
         --compare 2>&1 | tee "$OUT/fp8-mma-tune.log" | grep -E 'M= ?[0-9]+:|precompiled|budget|wrote|Error'
@@ -73,6 +78,10 @@ for stage in "$@"; do
         PLAIT_FP8_GEMV_W8A8=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant \
           --workload decode-bs1 --out "$OUT/fp8-w8a8-$on" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    gemv-moe)  # tune the bf16 GEMV at the MoE shapes' attention projections and routers (M 1-8) over the shipped table
+      mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
+      python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --shapes qwen3-30b-a3b,gpt-oss-20b --kinds bf16 \
+        --m 1,2,4,8 --budget-s "${GEMV_TUNE_S:-60}" 2>&1 | tee "$OUT/gemv-moe-tune.log" | grep -E 'M= 1:|wrote|Error' ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
@@ -110,6 +119,8 @@ for stage in "$@"; do
         python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
           --out "$OUT" 2>&1 | tail -5
       done ;;
+    # bs-1 decode attention at short contexts: split heuristics x stage-1 configs (graph us per layer).
+    attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
     # The n-gram pair alone, shortened as in `spec`.
     spec-ngram)
