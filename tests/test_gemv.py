@@ -198,6 +198,25 @@ def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
     assert row["best"] != broken.to_json() and row["best_us"] == 1e6
 
 
+def test_compare_times_both_fp8_forms_per_shape_and_m(monkeypatch):
+    from plait.bench import gemv_tune
+
+    monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: [gemv_tune.Case(kinds[0], 48, 256, 1, ["t/o"])])
+    forms: list[tuple[bool, int]] = []
+
+    def fake_time(x, ws, scale, block, cfg, reps=2, w8a8=False):
+        gemv(x, ws[0], scale, block, cfg, w8a8=w8a8)  # runs on the tables in force (cfg None)
+        forms.append((w8a8, x.shape[0]))
+        return 2e-6 if not w8a8 else 1e-6
+
+    monkeypatch.setattr(gemv_tune, "time_config", fake_time)
+    rows = gemv_tune.compare_forms(("tiny",), (1, 16), device="cpu")
+    assert [(r["kind"], r["M"]) for r in rows] == [("fp8_channel", 1), ("fp8_channel", 16), ("fp8_block", 1),
+                                                     ("fp8_block", 16)]
+    assert forms == [(False, 1), (True, 1), (False, 16), (True, 16)] * 2
+    assert all(r["speedup"] == 2.0 and r["w8a8"]["tb_s"] == 2 * r["weight_only"]["tb_s"] for r in rows)
+
+
 # --- the GPU build, without a GPU ----------------------------------------------------------------
 def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_loads():
     """The interpreter runs the kernel's Python; this compiles it for an H200 with the wheel's ptxas."""

@@ -278,19 +278,18 @@ def _grouped(all_cases: list[Case]) -> Iterator[tuple[tuple[str, int, int], list
         yield (kind, n, k), group
 
 
-def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...]) -> list[dict[str, Any]]:
+def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...], device: str = "cuda") -> list[dict[str, Any]]:
     """FP8 weight-only against W8A8 per projection, scale layout and M, each on the config its own kind's
     table gives (``PLAIT_GEMV_CONFIG_DIR`` first, as at run time), timed as ``tune`` times: rows of us
-    and TB/s (weight bytes read, scales included) of both forms."""
-    _, num_sms = device_info(torch.empty(0, device="cuda"))
+    and TB/s (weight bytes read, scales included) of both forms. ``device`` "cpu": the interpreter."""
     rows: list[dict[str, Any]] = []
     for layout in ("fp8_channel", "fp8_block"):
         for c in cases(shapes, (layout,), (1,)):
-            ws, scale, block = make_weights(layout, c.n, c.k)
+            ws, scale, block = make_weights(layout, c.n, c.k, rotate=device == "cuda", device=device)
             assert scale is not None
             weight_bytes = c.n * c.k + 4 * scale.numel()
             for m in ms:
-                x = torch.randn(m, c.k, device="cuda", dtype=torch.bfloat16)
+                x = torch.randn(m, c.k, device=device, dtype=torch.bfloat16)
                 row: dict[str, Any] = {"kind": layout, "N": c.n, "K": c.k, "M": m, "layers": c.layers}
                 for form, w8a8 in (("weight_only", False), ("w8a8", True)):
                     seconds = time_config(x, ws, scale, block, None, reps=4, w8a8=w8a8)
@@ -301,5 +300,6 @@ def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...]) -> list[dict[str
                       f"{row['weight_only']['us']:7.2f} us {row['weight_only']['tb_s']:.2f} TB/s | w8a8 "
                       f"{row['w8a8']['us']:7.2f} us {row['w8a8']['tb_s']:.2f} TB/s | x{row['speedup']:.2f}", flush=True)
             del ws
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
