@@ -161,6 +161,8 @@ def _gemv_kernel(
                 part = tl.dot(w.to(tl.float32), tl.trans(x_q.to(tl.float32)), input_precision="ieee")
             else:
                 part = tl.dot(w, tl.trans(x_q))
+            # Each group's products leave the tensor core and are scaled and added in fp32 here: Hopper's
+            # reduced-precision fp8 accumulation spans at most 128 products.
             part = part * x_s[None, :]
             if SCALE == 2:
                 part = part * s[:, None]
