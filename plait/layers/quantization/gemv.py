@@ -23,9 +23,11 @@ software-pipelined by ``num_stages``).
   W8A8     every M: ``BLOCK_K`` is one 128-column group; ``tl.dot(W [BLOCK_N, 128], x_q^T [128, 16])``
            with the weight rows as the MMA's M (>= 16 per warp: on sm_90 a warpgroup MMA reading the
            e4m3 weight tile straight from the shared memory its async copy filled), times each token's
-           group scale. What decode computes is then ``reference_w8a8_gemv`` (fp8_kernels): activations
-           quantized per token and 128 columns, finer than the prefill GEMM's per-token scales for
-           channel weights, the block GEMM's grouping for block weights.
+           group scale. At M == 1 the one row is quantized (its padding rows take its codes and are
+           never stored), the next step's row loaded one step ahead. What decode computes is then
+           ``reference_w8a8_gemv`` (fp8_kernels): activations quantized per token and 128 columns,
+           finer than the prefill GEMM's per-token scales for channel weights, the block GEMM's
+           grouping for block weights.
 
 Channel scales multiply the result once; block scales multiply each step's products (a step lies in
 one scale block: ``BLOCK_K`` divides the block width, the wrapper narrows it if needed). A bias ``[N]``
@@ -99,6 +101,7 @@ def _gemv_kernel(
     GPU_FENCE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     W8A8: tl.constexpr,  # quantize each step's activations to e4m3 per row (BLOCK_K == W8A8_GROUP)
+    ONE_ROW: tl.constexpr,  # W8A8 with M == 1
     HAS_BIAS: tl.constexpr,
     FP8_MAX_V: tl.constexpr,
     MIN_S: tl.constexpr,
@@ -120,6 +123,9 @@ def _gemv_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif W8A8:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if ONE_ROW:
+            offs_k0 = k_lo + tl.arange(0, BLOCK_K)
+            x_next = tl.load(X + offs_k0, mask=offs_k0 < k_hi, other=0.0)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -132,7 +138,7 @@ def _gemv_kernel(
                         eviction_policy="evict_first")
         if SCALE == 2:
             s = tl.load(s_rows + k0 // BK_SCALE)
-        if BLOCK_M > 1:
+        if BLOCK_M > 1 and not ONE_ROW:
             x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
             x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         if BLOCK_M == 1:
@@ -151,9 +157,17 @@ def _gemv_kernel(
             # division per row, not per element: the quantizer is most of the loop's instructions) is
             # within an ulp of x / scale, at most 448 plus rounding, which the conversion rounds to 448:
             # no clamp.
-            xf = x.to(tl.float32)
-            x_s = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_V, MIN_S)  # [BLOCK_M]
-            x_q = (xf * (1.0 / x_s)[:, None]).to(W.dtype.element_ty)
+            if ONE_ROW:  # M == 1: quantize the one row and give every padding row its codes (never stored)
+                x1 = x_next.to(tl.float32)
+                # The next step's row now (2 bytes a thread: too narrow for the pipelined async copies).
+                x_next = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0)
+                s1 = tl.maximum(tl.max(tl.abs(x1), axis=0) / FP8_MAX_V, MIN_S)
+                x_q = tl.broadcast_to((x1 * (1.0 / s1)).to(W.dtype.element_ty)[None, :], [BLOCK_M, BLOCK_K])
+                x_s = tl.full([BLOCK_M], 1.0, tl.float32) * s1
+            else:
+                xf = x.to(tl.float32)
+                x_s = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_V, MIN_S)  # [BLOCK_M]
+                x_q = (xf * (1.0 / x_s)[:, None]).to(W.dtype.element_ty)
             # Swapped operands, W [BLOCK_N, 128] @ x_q^T [128, BLOCK_M]: the weight rows are the dot's M
             # (>= 64: a Hopper warpgroup MMA reading e4m3 from shared memory; an M of 16 tokens would
             # take mma.sync, which Triton runs on sm_90 by widening e4m3 to fp16 in registers).
@@ -239,11 +253,12 @@ class GemvLaunch:
     num_warps: int
     num_stages: int
     w8a8: bool = False
+    one_row: bool = False  # W8A8 at M == 1: one row quantized, its codes broadcast to the padding rows
 
-    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool]:
+    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool]:
         """What the compiled kernel depends on besides the dtypes and the scale layout."""
         return (self.block_m == 1, self.block_n, self.block_k, self.even_k, self.split_k > 1, self.num_warps,
-                self.num_stages, self.w8a8)
+                self.num_stages, self.w8a8, self.one_row)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -270,7 +285,7 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
     if triton.cdiv(n, block_n) > MAX_COUNTERS:
         split_k, k_per_split = 1, k_steps * block_k
     return GemvLaunch(block_m, block_n, block_k, split_k, k_per_split, k % k_per_split == 0, config.num_warps,
-                      config.num_stages, w8a8)
+                      config.num_stages, w8a8, w8a8 and m == 1)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -342,7 +357,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
-        W8A8=w8a8, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
+        W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
