@@ -169,8 +169,9 @@ def _gemv_kernel(
                 x_s = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_V, MIN_S)  # [BLOCK_M]
                 x_q = (xf * (1.0 / x_s)[:, None]).to(W.dtype.element_ty)
             # Swapped operands, W [BLOCK_N, 128] @ x_q^T [128, BLOCK_M]: the weight rows are the dot's M
-            # (>= 64: a Hopper warpgroup MMA reading e4m3 from shared memory; an M of 16 tokens would
-            # take mma.sync, which Triton runs on sm_90 by widening e4m3 to fp16 in registers).
+            # (16 per warp, 64 per warpgroup: a Hopper warpgroup MMA reading e4m3 from shared memory; an
+            # M of 16 tokens would take mma.sync, which Triton runs on sm_90 by widening e4m3 to fp16 in
+            # registers).
             if UPCAST_DOT:  # the interpreter has no fp8 dot; e4m3 products are exact in fp32
                 part = tl.dot(w.to(tl.float32), tl.trans(x_q.to(tl.float32)), input_precision="ieee")
             else:
@@ -267,8 +268,7 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
     """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
     (M >= 2, and every M with ``w8a8``), a step inside one scale block (block scales), with ``w8a8`` a
     step of exactly one ``W8A8_GROUP``-column activation group and 16+ weight rows per warp, and K
-    slices of whole steps. Cached: eager
-    decode steps plan every layer's call."""
+    slices of whole steps. Cached: eager decode steps plan every layer's call."""
     block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
     block_n = config.block_n if block_m == 1 else max(16, config.block_n)
     if w8a8:  # the weight rows are the dot's M: 16 per warp, so the warps form whole warpgroup MMAs
