@@ -10,6 +10,9 @@ shapes per form (one token: elementwise tiles of 4-32 rows; more tokens: tensor-
 split-K off and at the balanced split, and the work ordered by what decode reads most (M 1 first, the
 8b shapes before the 1b ones). ``budget_s`` stops the sweep when spent; untuned entries keep the
 default.
+
+The FP8 W8A8 kinds (``MMA_KINDS``: activations quantized in the kernel, e4m3 x e4m3 dots) are tuned
+only when named; ``compare_forms`` times both FP8 forms per shape and M on the tables in force.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from plait.layers.quantization.gemv_config import (
 
 TUNED_SHAPES = ("llama-3.1-8b", "llama-3.2-1b")
 TUNED_KINDS = ("fp8_channel", "bf16", "fp8_block")
+ROTATE_BYTES = 256 << 20  # weight copies per case: >= 5x the H200's 50 MB L2
 # The FP8 W8A8 (tensor-core) kinds: tuned on their own (``--kinds``), not in the default sweep.
 MMA_KINDS = ("fp8_channel_mma", "fp8_block_mma")
 
@@ -48,7 +52,6 @@ def is_w8a8(kind: str) -> bool:
 def weight_kind(kind: str) -> str:
     """The weight a kind multiplies: its dtype and scale layout, without the form."""
     return kind.removesuffix("_mma")
-ROTATE_BYTES = 256 << 20  # weight copies per case: >= 5x the H200's 50 MB L2
 
 
 def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
