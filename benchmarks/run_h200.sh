@@ -72,7 +72,7 @@ for stage in "$@"; do
         | tail -6
       mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
       PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" \
-        --shapes llama-3.1-8b --kinds fp8_channel_mma,fp8_block_mma --m 1,16 --budget-s "${GEMV_TUNE_S:-60}" \
+        --shapes llama-3.1-8b --kinds fp8_channel_mma,fp8_block_mma --m 1,16 --budget-s "${GEMV_TUNE_S:-90}" \
         --compare 2>&1 | tee "$OUT/fp8-mma-tune.log" | grep -E 'M= ?[0-9]+:|precompiled|budget|wrote|Error'
       for on in 1 0; do
         PLAIT_FP8_GEMV_W8A8=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant \

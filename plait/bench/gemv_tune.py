@@ -78,7 +78,8 @@ def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
 
 
 def candidates(kind: str, m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
-    """The configs tried for one case: each tile with split-K off and at the balanced split."""
+    """The configs tried for one case: each tile with split-K off and at the balanced split (W8A8 tiles
+    at half of it too; the split's value does not change the compiled kernel)."""
     elem = 1 if kind.startswith("fp8") else 2
     out: list[GemvConfig] = []
     for block_n, k_bytes, warps, stages in _tiles(kind, m):
@@ -86,7 +87,10 @@ def candidates(kind: str, m: int, n: int, k: int, num_sms: int) -> list[GemvConf
         base = GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, num_stages=stages)
         rows = max(block_n, 16 * warps) if is_w8a8(kind) else max(block_n, 1 if m == 1 else 16)
         split = balanced_split(-(-n // rows), -(-k // block_k), num_sms)
-        out += [base] + ([replace(base, split_k=split)] if split > 1 else [])
+        splits = [split] if split > 1 else []
+        if is_w8a8(kind) and split >= 4:  # tall tiles carry more bytes in flight: fewer programs may do
+            splits.append(split // 2)
+        out += [base] + [replace(base, split_k=s) for s in splits]
     default = default_config(kind, m, n, k, num_sms)
     return out + ([default] if default not in out else [])
 
