@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.layers.pdl import pdl_prologue, use_pdl
+
 from ._common import (
     LaunchConfig,
     check_head_dim,
@@ -115,7 +117,9 @@ def _decode_stage1_kernel(
     FUSED_REDUCE: tl.constexpr,
     GPU_FENCE: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
@@ -357,6 +361,7 @@ def decode_attention_fwd(
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,)):
         raise ValueError(f"sinks must be float32 [num_q_heads={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
     sinks_arg = sinks if sinks is not None else num_kv_splits  # unused without sinks
+    pdl = use_pdl(q)
 
     _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
         q,
@@ -399,8 +404,10 @@ def decode_attention_fwd(
         FUSED_REDUCE=fused,
         GPU_FENCE=fused and q.is_cuda,
         HAS_SINKS=sinks is not None,
+        USE_PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     if fused:
         return
