@@ -155,8 +155,8 @@ def _gemv_kernel(
             # dot (the weight tile unconverted, as the async copy left it in shared memory). Rows past M
             # and columns past K loaded zeros: scale MIN_S, codes 0. x times the scale's reciprocal (one
             # division per row, not per element: the quantizer is most of the loop's instructions) is
-            # within an ulp of x / scale, at most 448 plus rounding, which the conversion rounds to 448:
-            # no clamp.
+            # within a few ulp of x / scale (the GPU's fp32 division is approximate too), so at most 448
+            # plus rounding, which the conversion rounds to 448: no clamp.
             if ONE_ROW:  # M == 1: quantize the one row and give every padding row its codes (never stored)
                 x1 = x_next.to(tl.float32)
                 # The next step's row now (2 bytes a thread: too narrow for the pipelined async copies).
