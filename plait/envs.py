@@ -108,9 +108,10 @@ FP8_GEMV_W8A8 = EnvVar(
     "group and multiply e4m3 x e4m3 on the tensor cores; 0: weight-only dequantization (the A/B baseline). "
     "Read at every call.")
 PDL = EnvVar(
-    "PLAIT_PDL", _flag, False,
-    "1: the decode step's small Triton kernels launch with programmatic dependent launch (sm_90+; "
-    "plait.layers.pdl): each may start while the one before it finishes. 0 (the default): plain launches.")
+    "PLAIT_PDL", _flag, True,
+    "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
+    "(sm_90+; plait.layers.pdl): each may start while the one before it finishes. 0: plain launches (the "
+    "A/B baseline).")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
