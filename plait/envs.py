@@ -102,10 +102,11 @@ BF16_GEMV = EnvVar(
     "PLAIT_BF16_GEMV", _flag, True,
     "1 (the default): dense bf16/fp16 linear layers run decode batches of <= 16 tokens on CUDA through "
     "plait's Triton GEMV; 0: through cuBLAS (the A/B baseline). Read when a layer is built.")
-FP8_GEMV_W8A8 = EnvVar(
-    "PLAIT_FP8_GEMV_W8A8", _flag, True,
-    "1 (the default): FP8 decode GEMVs (<= 16 tokens) quantize the activations per token and 128-column "
-    "group and multiply e4m3 x e4m3 on the tensor cores; 0: weight-only dequantization (the A/B baseline). "
+FP8_GEMV_W8A8 = EnvVar[bool | None](
+    "PLAIT_FP8_GEMV_W8A8", _flag, None,
+    "The form of FP8 decode GEMVs (<= 16 tokens). 1: W8A8 (activations quantized per token and 128-column "
+    "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
+    "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,

@@ -217,6 +217,19 @@ def test_compare_times_both_fp8_forms_per_shape_and_m(monkeypatch):
     assert all(r["speedup"] == 2.0 and r["w8a8"]["tb_s"] == 2 * r["weight_only"]["tb_s"] for r in rows)
 
 
+def test_preferences_mark_the_cases_where_w8a8_measured_faster():
+    from plait.bench import gemv_tune
+
+    rows = [{"kind": "fp8_channel", "N": 48, "K": 256, "M": 1, "speedup": 0.6},
+            {"kind": "fp8_channel", "N": 48, "K": 256, "M": 16, "speedup": 1.3},
+            {"kind": "fp8_block", "N": 48, "K": 256, "M": 16, "speedup": 1.01}]  # inside the margin
+    in_force = {1: SMALL, 16: GemvConfig(**{**SMALL.to_json(), "prefer_w8a8": True})}  # 16: marked before
+    table = gemv_tune.w8a8_preferences(rows, lambda kind, m, n, k: in_force[m])
+    assert table["fp8_channel"]["N48_K256"] == {"1": SMALL.to_json(), "16": {**SMALL.to_json(), "prefer_w8a8": 1}}
+    assert table["fp8_block"]["N48_K256"] == {"16": SMALL.to_json()}  # the old mark removed
+    assert GemvConfig.from_json(table["fp8_channel"]["N48_K256"]["16"]).prefer_w8a8
+
+
 # --- the GPU build, without a GPU ----------------------------------------------------------------
 def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_loads():
     """The interpreter runs the kernel's Python; this compiles it for an H200 with the wheel's ptxas."""

@@ -310,3 +310,15 @@ def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...], device: str = "c
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def w8a8_preferences(rows: list[dict[str, Any]], weight_only_entry: Callable[[str, int, int, int], GemvConfig],
+                     margin: float = 1.05) -> dict[str, Any]:
+    """Table entries (the config file's layout) for ``compare_forms`` rows: each case's weight-only config
+    in force (``weight_only_entry(kind, m, n, k)``) at the bucket of its M, with ``prefer_w8a8`` where
+    W8A8 measured at least ``margin`` times faster, and without it elsewhere."""
+    table: dict[str, Any] = {}
+    for r in rows:
+        cfg = replace(weight_only_entry(r["kind"], r["M"], r["N"], r["K"]), prefer_w8a8=r["speedup"] >= margin)
+        table.setdefault(r["kind"], {}).setdefault(shape_key(r["N"], r["K"]), {})[str(r["M"])] = cfg.to_json()
+    return table

@@ -62,9 +62,10 @@ MIN_SCALE = 1e-12
 W8A8_GROUP = 128
 
 
-def fp8_w8a8_default() -> bool:
-    """Whether FP8 weights take the W8A8 (tensor-core) form when a call does not say: the one place that
-    decides it (``PLAIT_FP8_GEMV_W8A8``, default on)."""
+def fp8_w8a8_default() -> bool | None:
+    """The FP8 form when a call does not say, the one switch (``PLAIT_FP8_GEMV_W8A8``): True W8A8, False
+    weight-only, None (unset) the launch config's ``prefer_w8a8`` (the tuned table's measured choice per
+    shape and token bucket; weight-only where it has none)."""
     return envs.FP8_GEMV_W8A8.get()
 
 
@@ -307,8 +308,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
 
     ``w`` fp8 e4m3 with ``scale`` ``[N]`` (channel, ``block`` None) or ``[ceil(N / bn), ceil(K / bk)]``
     (``block`` (bn, bk)); or bf16 / fp16 with ``scale`` None. ``bias [N]`` is added in the epilogue.
-    ``w8a8`` (FP8 weights only; None: ``fp8_w8a8_default()``): quantize the activations per row and
-    128-column group and multiply e4m3 x e4m3 on the tensor cores; False: weight-only dequantization.
+    ``w8a8`` (FP8 weights only): True quantizes the activations per row and 128-column group and
+    multiplies e4m3 x e4m3 on the tensor cores; False: weight-only dequantization; None:
+    ``fp8_w8a8_default()``, and where that is unset too, the weight-only table entry's ``prefer_w8a8``
+    (the form measured faster for this case; an explicit ``config``'s own flag, launched as given).
     Block scales narrower than, or not a multiple of, 128 columns take the weight-only form. ``config``
     overrides the tuned / default launch config (the tuner, tests)."""
     m, k = x.shape
@@ -332,9 +335,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         x = x.contiguous()
     if w.stride(1) != 1:
         raise ValueError("gemv: the weight's rows must be contiguous")
-    w8a8 = fp8 and (fp8_w8a8_default() if w8a8 is None else w8a8) and (block is None or block[1] % W8A8_GROUP == 0)
+    device_name, num_sms = device_info(x)
+    if w8a8 is None:
+        w8a8 = fp8_w8a8_default()
+    if fp8 and w8a8 is None:  # the weight-only entry says which form measured faster here
+        if config is None:
+            weight_only = get_config(gemv_kind(w.dtype, block), m, n, k, device_name, num_sms)
+            w8a8 = weight_only.prefer_w8a8
+            config = None if w8a8 else weight_only  # W8A8: its own table's entry
+        else:
+            w8a8 = config.prefer_w8a8
+    w8a8 = fp8 and bool(w8a8) and (block is None or block[1] % W8A8_GROUP == 0)
     if config is None:
-        device_name, num_sms = device_info(x)
         config = get_config(gemv_kind(w.dtype, block, w8a8), m, n, k, device_name, num_sms)
     plan = plan_launch(m, n, k, block, config, w8a8)
     block_m, block_n, block_k, split_k, k_per_split = (plan.block_m, plan.block_n, plan.block_k, plan.split_k,
