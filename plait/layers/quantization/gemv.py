@@ -5,10 +5,10 @@ checkpoints store it) once at HBM speed, whatever its dtype:
 
   fp8 e4m3  with channel scales ``[N]`` fp32 or block scales ``[ceil(N / bn), ceil(K / bk)]`` fp32
             (``W = q * s``), in one of two forms:
-              W8A8 (where the tuned table marks it faster, ``fp8_w8a8_default`` forces a form): each
-                step's activations are quantized to e4m3
-                per token and ``W8A8_GROUP``-column group (scale = max |x| / 448, at least MIN_SCALE)
-                and multiplied e4m3 x e4m3 on the tensor cores, the weight tile unconverted
+              W8A8 (where the tuned table marks it faster; ``fp8_w8a8_default`` may force a form):
+                each step's activations are quantized to e4m3 per token and ``W8A8_GROUP``-column
+                group (scale = max |x| / 448, at least MIN_SCALE) and multiplied e4m3 x e4m3 on the
+                tensor cores, the weight tile unconverted
               weight-only: the weights converted in registers, the activations multiply as they are
                 (bf16 / fp16 / fp32)
   bf16/fp16 with no scale
