@@ -91,6 +91,8 @@ for stage in "$@"; do
         PLAIT_PDL=$on python -m plait bench latency --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/pdl-$on" \
           2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    fp8-decode)  # FP8 decode-bs1 8b (weight-only GEMV, the shipped configs) against plait bf16 in the same run
+      python -m plait bench quant --workload decode-bs1 --out "$OUT" 2>&1 | grep -E '^\{"workload|Error' ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
@@ -108,7 +110,7 @@ for stage in "$@"; do
       export PLAIT_MOE_CONFIG_DIR=$OUT/moe-configs
       # The router and projection GEMV tables too, where a gemv-moe stage of this run tuned them.
       if [ -d "$OUT/gemv-configs" ]; then export PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs; fi
-      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
+      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b ${MOE_PEER:---no-peer} --out "$OUT" 2>&1 | tail -6 ;;
     moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-offline)
       for shape in ${MOE_SHAPES:-qwen3-30b-a3b gpt-oss-20b}; do

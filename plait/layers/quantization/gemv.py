@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from plait import envs
+from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
 
 # Row tiles one split-K launch may count (int32 each): gate_up of a 70b model at BLOCK_N 4 needs 14k.
@@ -107,7 +108,9 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     FP8_MAX_V: tl.constexpr,
     MIN_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -362,6 +365,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         partials = counters = out  # unused
     scale_arg = scale if scale is not None else out  # unused without scales
     bias_arg = bias.contiguous() if bias is not None else out  # unused without a bias
+    pdl = use_pdl(x)
     _gemv_kernel[(n_tiles, split_k)](
         x, w, scale_arg, out, bias_arg, partials, counters, m, n, k, x.stride(0), w.stride(0),
         scale.stride(0) if block is not None else 0, out.stride(0), k_per_split, split_k,
@@ -371,7 +375,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 
