@@ -91,6 +91,12 @@ for stage in "$@"; do
         PLAIT_PDL=$on python -m plait bench latency --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/pdl-$on" \
           2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    gemv-prefetch-ab)  # decode-bs1 8b, FP8 weights and bf16 in each run, without (0) and with (1) the GEMV's L2
+      # prefetch before its PDL wait (docs/quantization.md#small-m-gemv); about 2 min
+      for on in 0 1; do
+        PLAIT_GEMV_PREFETCH=$on python -m plait bench quant --workload decode-bs1 --out "$OUT/gemv-prefetch-$on" 2>&1 \
+          | grep -E '^\{"workload|Error'
+      done ;;
     fp8-decode)  # FP8 decode-bs1 8b (weight-only GEMV, the shipped configs) against plait bf16 in the same run
       python -m plait bench quant --workload decode-bs1 --out "$OUT" 2>&1 | grep -E '^\{"workload|Error' ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned

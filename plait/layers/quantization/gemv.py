@@ -386,7 +386,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     scale_arg = scale if scale is not None else out  # unused without scales
     bias_arg = bias.contiguous() if bias is not None else out  # unused without a bias
     pdl = use_pdl(x)
-    prefetch = prefetch_row_bytes(plan, w.element_size()) if pdl else 0
+    prefetch = prefetch_row_bytes(plan, w.element_size()) if pdl and envs.GEMV_PREFETCH.get() else 0
     _gemv_kernel[(n_tiles, split_k)](
         x, w, scale_arg, out, bias_arg, partials, counters, m, n, k, x.stride(0), w.stride(0),
         scale.stride(0) if block is not None else 0, out.stride(0), k_per_split, split_k,
