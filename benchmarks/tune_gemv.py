@@ -18,7 +18,8 @@ The FP8 W8A8 kinds (``fp8_channel_mma``, ``fp8_block_mma``: activations quantize
 e4m3 x e4m3 tensor-core dots) are tuned when ``--kinds`` names them. ``--compare`` then times both FP8
 forms, weight-only and W8A8, per shape and M on the tables in force (run it with
 ``PLAIT_GEMV_CONFIG_DIR`` naming ``--out`` so the fresh entries are read) into
-``compare_fp8_forms.json`` beside the table:
+``compare_fp8_forms.json`` beside the table, and marks the weight-only entries of the cases where W8A8
+was at least 5% faster with ``prefer_w8a8`` (unmarks the others): what calls take by default.
 
   PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python benchmarks/tune_gemv.py --out $OUT/gemv-configs \\
       --shapes llama-3.1-8b --kinds fp8_channel_mma,fp8_block_mma --m 1,16 --compare
@@ -36,7 +37,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from plait.bench.gemv_tune import MMA_KINDS, TUNED_KINDS, TUNED_SHAPES, compare_forms, tune  # noqa: E402
+from plait.bench.gemv_tune import (  # noqa: E402
+    MMA_KINDS,
+    TUNED_KINDS,
+    TUNED_SHAPES,
+    compare_forms,
+    tune,
+    w8a8_preferences,
+)
 from plait.layers.quantization import gemv_config  # noqa: E402
 from plait.layers.quantization.gemv_config import CONFIG_DIR, M_BUCKETS, config_file_name  # noqa: E402
 
@@ -82,11 +90,20 @@ def main() -> None:
     print(f"wrote {path} ({sum(len(b) for s in table.values() for b in s.values())} entries) and {report}")
     if args.compare:
         gemv_config.clear_cache()  # the table just written
-        rows = compare_forms(_csv(args.shapes), tuple(int(m) for m in _csv(args.m)))
+        compared_rows = compare_forms(_csv(args.shapes), tuple(int(m) for m in _csv(args.m)))
         compared = out / "compare_fp8_forms.json"
         compared.write_text(json.dumps({"device": device, "gemv_config_dirs": [str(d) for d in
-                                        gemv_config.config_dirs()], "rows": rows}, indent=1) + "\n")
-        print(f"compare: wrote {compared}")
+                                        gemv_config.config_dirs()], "rows": compared_rows}, indent=1) + "\n")
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        preferred = w8a8_preferences(compared_rows, lambda kind, m, n, k: gemv_config.get_config(
+            kind, m, n, k, device, num_sms))
+        for kind, shapes in preferred.items():
+            for shape, buckets in shapes.items():
+                table.setdefault(kind, {}).setdefault(shape, {}).update(buckets)
+        save(table, rows)
+        chosen = [f"{r['kind']} N{r['N']} K{r['K']} M{r['M']}" for r in compared_rows if
+                  preferred[r["kind"]][gemv_config.shape_key(r["N"], r["K"])][str(r["M"])].get("prefer_w8a8")]
+        print(f"compare: wrote {compared}; W8A8 preferred (>= 5% faster) at: {', '.join(chosen) or 'none'}")
 
 
 if __name__ == "__main__":

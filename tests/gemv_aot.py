@@ -1,6 +1,7 @@
 """Compile the GEMV kernel ahead of time for an H100/H200 (sm_90) without a GPU, with the Triton wheel's
-own ptxas, and print each launch's register and shared-memory use, its pipelined loads, its e4m3
-warpgroup MMAs and its e4m3 -> wider conversions as JSON lines. Run as a script with
+own ptxas, as the GPU launches it (with PDL and its weight prefetch), and print each launch's register
+and shared-memory use, its pipelined loads, its e4m3 warpgroup MMAs, its e4m3 -> wider conversions and
+what it issues before the grid-dependency wait, as JSON lines. Run as a script with
 TRITON_INTERPRET unset (tests/test_gemv.py does); arguments: JSON [kind, m, n, k, config] cases."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from plait.layers.quantization.gemv import _gemv_kernel, plan_launch
+from plait.layers.quantization.gemv import _gemv_kernel, plan_launch, prefetch_row_bytes
 from plait.layers.quantization.gemv_config import GemvConfig
 
 WEIGHT = {"fp8_channel": "fp8e4nv", "fp8_block": "fp8e4nv", "fp8_channel_mma": "fp8e4nv", "fp8_block_mma": "fp8e4nv",
@@ -37,7 +38,8 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str
                   SCALE=2 if block else (1 if kind.startswith("fp8") else 0), BN_SCALE=block[0] if block else 1,
                   BK_SCALE=block[1] if block else 1, EVEN_K=plan.even_k, SPLIT=plan.split_k > 1,
                   NUM_STAGES=plan.num_stages, INPUT_PRECISION=None, GPU_FENCE=True, UPCAST_DOT=False,
-                  W8A8=w8a8, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12)
+                  W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
+                  USE_PDL=True, PREFETCH_ROW_BYTES=prefetch_row_bytes(plan, 2 if kind in ("bf16", "fp16") else 1))
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
     kernel = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -53,7 +55,9 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str
     return {"regs": int(found.group(1)), "stack": int(found.group(2)), "shared": kernel.metadata.shared,
             "pipelined_loads": kernel.asm["ttgir"].count("async_copy_global_to_local"),
             "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\.\S*\.e4m3\.e4m3", ptx)),
-            "e4m3_widened": len(re.findall(r"cvt\.\S*\.(?:f16x2|bf16x2|f32)\.e4m3x2", ptx))}
+            "e4m3_widened": len(re.findall(r"cvt\.\S*\.(?:f16x2|bf16x2|f32)\.e4m3x2", ptx)),
+            "prefetches_before_wait": ptx[: ptx.find("griddepcontrol.wait")].count("prefetch.global.L2"),
+            "loads_before_wait": len(re.findall(r"\b(?:ld\.global|cp\.async)", ptx[: ptx.find("griddepcontrol.wait")]))}
 
 
 def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[int, int], ...],

@@ -198,7 +198,48 @@ def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
     assert row["best"] != broken.to_json() and row["best_us"] == 1e6
 
 
+def test_compare_times_both_fp8_forms_per_shape_and_m(monkeypatch):
+    from plait.bench import gemv_tune
+
+    monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: [gemv_tune.Case(kinds[0], 48, 256, 1, ["t/o"])])
+    forms: list[tuple[bool, int]] = []
+
+    def fake_time(x, ws, scale, block, cfg, reps=2, w8a8=False):
+        gemv(x, ws[0], scale, block, cfg, w8a8=w8a8)  # runs on the tables in force (cfg None)
+        forms.append((w8a8, x.shape[0]))
+        return 2e-6 if not w8a8 else 1e-6
+
+    monkeypatch.setattr(gemv_tune, "time_config", fake_time)
+    rows = gemv_tune.compare_forms(("tiny",), (1, 16), device="cpu")
+    assert [(r["kind"], r["M"]) for r in rows] == [("fp8_channel", 1), ("fp8_channel", 16), ("fp8_block", 1),
+                                                     ("fp8_block", 16)]
+    assert forms == [(False, 1), (True, 1), (False, 16), (True, 16)] * 2
+    assert all(r["speedup"] == 2.0 and r["w8a8"]["tb_s"] == 2 * r["weight_only"]["tb_s"] for r in rows)
+
+
+def test_preferences_mark_the_cases_where_w8a8_measured_faster():
+    from plait.bench import gemv_tune
+
+    rows = [{"kind": "fp8_channel", "N": 48, "K": 256, "M": 1, "speedup": 0.6},
+            {"kind": "fp8_channel", "N": 48, "K": 256, "M": 16, "speedup": 1.3},
+            {"kind": "fp8_block", "N": 48, "K": 256, "M": 16, "speedup": 1.01}]  # inside the margin
+    in_force = {1: SMALL, 16: GemvConfig(**{**SMALL.to_json(), "prefer_w8a8": True})}  # 16: marked before
+    table = gemv_tune.w8a8_preferences(rows, lambda kind, m, n, k: in_force[m])
+    assert table["fp8_channel"]["N48_K256"] == {"1": SMALL.to_json(), "16": {**SMALL.to_json(), "prefer_w8a8": 1}}
+    assert table["fp8_block"]["N48_K256"] == {"16": SMALL.to_json()}  # the old mark removed
+    assert GemvConfig.from_json(table["fp8_channel"]["N48_K256"]["16"]).prefer_w8a8
+
+
 # --- the GPU build, without a GPU ----------------------------------------------------------------
+def test_pdl_launches_prefetch_their_weight_rows_before_waiting_and_load_nothing():
+    """A PDL-launched GEMV asks L2 for its first weight lines while its predecessor finishes; no load
+    into the program comes before the grid-dependency wait."""
+    from tests.gemv_aot import compile_defaults_in_subprocess
+
+    for r in compile_defaults_in_subprocess(("fp8_channel", "bf16"), ((6144, 4096),), ms=(1,)):
+        assert r["prefetches_before_wait"] > 0 and r["loads_before_wait"] == 0, r
+
+
 def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_loads():
     """The interpreter runs the kernel's Python; this compiles it for an H200 with the wheel's ptxas."""
     from tests.gemv_aot import compile_defaults_in_subprocess

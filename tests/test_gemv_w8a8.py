@@ -4,9 +4,12 @@ interpreter at tiny shapes; and the W8A8 default configs compiled for an H200 (s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from plait.layers.quantization import gemv as gemv_module
 from plait.layers.quantization.fp8_kernels import (
     dequantize_weight,
     reference_w8a8_gemv,
@@ -76,14 +79,45 @@ def test_an_all_zero_activation_row_gives_zeros_not_nan():
     assert bool(out.isfinite().all()) and float(out[0].abs().max()) > 0
 
 
-def test_fp8_weights_take_weight_only_by_default_and_the_switch_selects_w8a8(monkeypatch):
+def test_the_tuned_entry_chooses_the_form_unless_the_switch_does(monkeypatch):
     q, s, _ = _fp8("channel")
     x = _rand(2, q.shape[1], seed=5)
-    cfg = GemvConfig(block_n=16, block_k=64, num_warps=1)  # block_k 64: the W8A8 form steps 128 anyway
+    w8a8_ref, weight_only_ref = reference_w8a8_gemv(x, q, s, None), x @ dequantize_weight(q, s, None).t()
+    plain = GemvConfig(block_n=16, block_k=64, num_warps=1)  # block_k 64: the W8A8 form steps 128 anyway
+    preferring = GemvConfig(block_n=16, block_k=64, num_warps=1, prefer_w8a8=True)
     monkeypatch.delenv("PLAIT_FP8_GEMV_W8A8", raising=False)
-    torch.testing.assert_close(gemv(x, q, s, None, cfg), x @ dequantize_weight(q, s, None).t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv(x, q, s, None, plain), weight_only_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv(x, q, s, None, preferring), w8a8_ref, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("PLAIT_FP8_GEMV_W8A8", "1")
-    torch.testing.assert_close(gemv(x, q, s, None, cfg), reference_w8a8_gemv(x, q, s, None), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv(x, q, s, None, plain), w8a8_ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("PLAIT_FP8_GEMV_W8A8", "0")
+    torch.testing.assert_close(gemv(x, q, s, None, preferring), weight_only_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_table_entry_preferring_w8a8_launches_the_w8a8_tables_config(tmp_path, monkeypatch):
+    from plait.layers.quantization import gemv_config
+
+    q, s, _ = _fp8("channel")
+    n, k = q.shape
+    mma = GemvConfig(block_n=16, block_k=128, split_k=2, num_warps=1, num_stages=2)
+    table = {"fp8_channel": {f"N{n}_K{k}": {"1": {**GemvConfig(8, 64).to_json(), "prefer_w8a8": 1},
+                                               "16": GemvConfig(8, 64).to_json()}},
+             "fp8_channel_mma": {f"N{n}_K{k}": {"16": mma.to_json()}}}
+    (tmp_path / gemv_config.config_file_name("cpu")).write_text(json.dumps(table))
+    monkeypatch.setenv("PLAIT_GEMV_CONFIG_DIR", str(tmp_path))
+    monkeypatch.delenv("PLAIT_FP8_GEMV_W8A8", raising=False)
+    gemv_config.clear_cache()
+    try:
+        assert gemv_config.get_config("fp8_channel", 1, n, k, "cpu", 8).prefer_w8a8
+        launched: list[GemvConfig] = []
+        real_plan = gemv_module.plan_launch
+        monkeypatch.setattr(gemv_module, "plan_launch", lambda *a: launched.append(a[4]) or real_plan(*a))
+        one, two = _rand(1, k, seed=6), _rand(2, k, seed=7)
+        torch.testing.assert_close(gemv(one, q, s), reference_w8a8_gemv(one, q, s, None), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gemv(two, q, s), two @ dequantize_weight(q, s, None).t(), rtol=1e-5, atol=1e-5)
+        assert launched == [mma, GemvConfig(8, 64)]  # M 1: the W8A8 entry; M 2 (bucket 16): weight-only
+    finally:
+        gemv_config.clear_cache()
 
 
 def test_w8a8_plans_one_group_per_step_and_a_warpgroup_of_weight_rows():

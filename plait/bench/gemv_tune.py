@@ -10,6 +10,9 @@ shapes per form (one token: elementwise tiles of 4-32 rows; more tokens: tensor-
 split-K off and at the balanced split, and the work ordered by what decode reads most (M 1 first, the
 8b shapes before the 1b ones). ``budget_s`` stops the sweep when spent; untuned entries keep the
 default.
+
+The FP8 W8A8 kinds (``MMA_KINDS``: activations quantized in the kernel, e4m3 x e4m3 dots) are tuned
+only when named; ``compare_forms`` times both FP8 forms per shape and M on the tables in force.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from plait.layers.quantization.gemv_config import (
 
 TUNED_SHAPES = ("llama-3.1-8b", "llama-3.2-1b")
 TUNED_KINDS = ("fp8_channel", "bf16", "fp8_block")
+ROTATE_BYTES = 256 << 20  # weight copies per case: >= 5x the H200's 50 MB L2
 # The FP8 W8A8 (tensor-core) kinds: tuned on their own (``--kinds``), not in the default sweep.
 MMA_KINDS = ("fp8_channel_mma", "fp8_block_mma")
 
@@ -48,7 +52,6 @@ def is_w8a8(kind: str) -> bool:
 def weight_kind(kind: str) -> str:
     """The weight a kind multiplies: its dtype and scale layout, without the form."""
     return kind.removesuffix("_mma")
-ROTATE_BYTES = 256 << 20  # weight copies per case: >= 5x the H200's 50 MB L2
 
 
 def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
@@ -56,8 +59,9 @@ def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
     if is_w8a8(kind):
         # A step is one 128-column group whatever M is; 16+ weight rows per warp (one warpgroup MMA per
         # 4 warps); what varies is the bytes in flight: rows per program and pipeline depth.
-        return [(64, 128, 4, 4), (64, 128, 4, 6), (64, 128, 4, 8), (128, 128, 4, 4), (128, 128, 4, 6),
-                (128, 128, 8, 4), (128, 128, 8, 6), (256, 128, 8, 4)]
+        return [(64, 128, 4, 4), (64, 128, 4, 6), (64, 128, 4, 8), (128, 128, 4, 3), (128, 128, 4, 4),
+                (128, 128, 4, 6), (128, 128, 8, 4), (128, 128, 8, 6), (256, 128, 4, 4), (256, 128, 8, 3),
+                (256, 128, 8, 4)]
     if m == 1:
         tiles = [(4, 1024, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3),
                  (8, 512, 4, 1)]
@@ -74,7 +78,8 @@ def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
 
 
 def candidates(kind: str, m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
-    """The configs tried for one case: each tile with split-K off and at the balanced split."""
+    """The configs tried for one case: each tile with split-K off and at the balanced split (W8A8 tiles
+    at half of it too; the split's value does not change the compiled kernel)."""
     elem = 1 if kind.startswith("fp8") else 2
     out: list[GemvConfig] = []
     for block_n, k_bytes, warps, stages in _tiles(kind, m):
@@ -82,7 +87,10 @@ def candidates(kind: str, m: int, n: int, k: int, num_sms: int) -> list[GemvConf
         base = GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, num_stages=stages)
         rows = max(block_n, 16 * warps) if is_w8a8(kind) else max(block_n, 1 if m == 1 else 16)
         split = balanced_split(-(-n // rows), -(-k // block_k), num_sms)
-        out += [base] + ([replace(base, split_k=split)] if split > 1 else [])
+        splits = [split] if split > 1 else []
+        if is_w8a8(kind) and split >= 4:  # tall tiles carry more bytes in flight: fewer programs may do
+            splits.append(split // 2)
+        out += [base] + [replace(base, split_k=s) for s in splits]
     default = default_config(kind, m, n, k, num_sms)
     return out + ([default] if default not in out else [])
 
@@ -277,19 +285,18 @@ def _grouped(all_cases: list[Case]) -> Iterator[tuple[tuple[str, int, int], list
         yield (kind, n, k), group
 
 
-def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...]) -> list[dict[str, Any]]:
+def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...], device: str = "cuda") -> list[dict[str, Any]]:
     """FP8 weight-only against W8A8 per projection, scale layout and M, each on the config its own kind's
     table gives (``PLAIT_GEMV_CONFIG_DIR`` first, as at run time), timed as ``tune`` times: rows of us
-    and TB/s (weight bytes read, scales included) of both forms."""
-    _, num_sms = device_info(torch.empty(0, device="cuda"))
+    and TB/s (weight bytes read, scales included) of both forms. ``device`` "cpu": the interpreter."""
     rows: list[dict[str, Any]] = []
     for layout in ("fp8_channel", "fp8_block"):
         for c in cases(shapes, (layout,), (1,)):
-            ws, scale, block = make_weights(layout, c.n, c.k)
+            ws, scale, block = make_weights(layout, c.n, c.k, rotate=device == "cuda", device=device)
             assert scale is not None
             weight_bytes = c.n * c.k + 4 * scale.numel()
             for m in ms:
-                x = torch.randn(m, c.k, device="cuda", dtype=torch.bfloat16)
+                x = torch.randn(m, c.k, device=device, dtype=torch.bfloat16)
                 row: dict[str, Any] = {"kind": layout, "N": c.n, "K": c.k, "M": m, "layers": c.layers}
                 for form, w8a8 in (("weight_only", False), ("w8a8", True)):
                     seconds = time_config(x, ws, scale, block, None, reps=4, w8a8=w8a8)
@@ -300,5 +307,18 @@ def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...]) -> list[dict[str
                       f"{row['weight_only']['us']:7.2f} us {row['weight_only']['tb_s']:.2f} TB/s | w8a8 "
                       f"{row['w8a8']['us']:7.2f} us {row['w8a8']['tb_s']:.2f} TB/s | x{row['speedup']:.2f}", flush=True)
             del ws
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
+
+
+def w8a8_preferences(rows: list[dict[str, Any]], weight_only_entry: Callable[[str, int, int, int], GemvConfig],
+                     margin: float = 1.05) -> dict[str, Any]:
+    """Table entries (the config file's layout) for ``compare_forms`` rows: each case's weight-only config
+    in force (``weight_only_entry(kind, m, n, k)``) at the bucket of its M, with ``prefer_w8a8`` where
+    W8A8 measured at least ``margin`` times faster, and without it elsewhere."""
+    table: dict[str, Any] = {}
+    for r in rows:
+        cfg = replace(weight_only_entry(r["kind"], r["M"], r["N"], r["K"]), prefer_w8a8=r["speedup"] >= margin)
+        table.setdefault(r["kind"], {}).setdefault(shape_key(r["N"], r["K"]), {})[str(r["M"])] = cfg.to_json()
+    return table

@@ -7,11 +7,11 @@ layouts (``W = q * s``):
 
 Paths (``fp8_linear`` picks one):
   GEMV    few tokens (decode): ``plait.layers.quantization.gemv.gemv``, one launch that reads the FP8
-          weight once, with configs tuned per shape. By default (``PLAIT_FP8_GEMV_W8A8``) it quantizes
-          the activations to e4m3 per token and 128-column group inside the kernel and multiplies
-          e4m3 x e4m3 on the tensor cores (``reference_w8a8_gemv`` is what it computes); else it
-          converts the weight in registers and multiplies the activations as they are (weight-only
-          dequantization). The layer's bias is added in its epilogue.
+          weight once, with configs tuned per shape, in the form its table marks faster for the case
+          (``PLAIT_FP8_GEMV_W8A8`` forces one): W8A8 quantizes the activations to e4m3 per token and
+          128-column group inside the kernel and multiplies e4m3 x e4m3 on the tensor cores
+          (``reference_w8a8_gemv`` is what it computes); weight-only converts the weight in registers
+          and multiplies the activations as they are. The layer's bias is added in its epilogue.
   GEMM    many tokens (prefill): activations are quantized to FP8 (per token for channel weights,
           per token and 128-column group for block weights, or a checkpoint's static per-tensor
           scale), then ``torch._scaled_mm`` with rowwise scales (channel) or ``w8a8_block_matmul``,

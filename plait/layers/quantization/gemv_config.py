@@ -8,6 +8,9 @@ used in the same GPU session), then ``configs/``. Layout::
     {"fp8_channel": {"N6144_K4096": {"1": {"block_n": 8, "block_k": 512, "split_k": 1,
                                            "num_warps": 4, "num_stages": 3}, "16": {...}}}, ...}
 
+An FP8 weight-only entry may carry ``"prefer_w8a8": 1``: that case runs the W8A8 form, with the entry of
+``fp8_channel_mma`` / ``fp8_block_mma`` (``tune_gemv.py --compare`` sets it where W8A8 measured faster).
+
 The outer keys are weight kinds (``gemv_kind``); a call takes the smallest tuned bucket >= its token
 count (its tiles were measured for that many rows). A shape or kind without an entry gets
 ``default_config``.
@@ -35,13 +38,16 @@ KINDS = ("fp8_channel", "fp8_block", "fp8_channel_mma", "fp8_block_mma", "bf16",
 class GemvConfig:
     """One launch: ``block_n`` weight rows per program, ``block_k`` columns per loop step (elements),
     ``split_k`` programs along K per row tile (1: each program reads whole rows), ``num_warps``,
-    ``num_stages`` (software pipelining of the weight loads)."""
+    ``num_stages`` (software pipelining of the weight loads). ``prefer_w8a8`` (FP8 weight-only tables
+    only): the W8A8 form, with its own table's config, measured faster for this case; calls that do not
+    choose a form take it (``plait.layers.quantization.gemv``)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    prefer_w8a8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -54,11 +60,18 @@ class GemvConfig:
             raise ValueError(f"GemvConfig: split_k and num_stages must be >= 1, got {self}")
 
     def to_json(self) -> dict[str, int]:
-        return asdict(self)
+        """The table entry: ``prefer_w8a8`` only where set (1)."""
+        data = {k: int(v) for k, v in asdict(self).items()}
+        if not self.prefer_w8a8:
+            del data["prefer_w8a8"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, int]) -> GemvConfig:
-        return cls(**{k: int(data[k]) for k in cls.__dataclass_fields__ if k in data})
+        values = {k: int(data[k]) for k in cls.__dataclass_fields__ if k in data}
+        if "prefer_w8a8" in values:
+            values["prefer_w8a8"] = bool(values["prefer_w8a8"])
+        return cls(**values)  # type: ignore[arg-type]
 
 
 def gemv_kind(weight_dtype: torch.dtype, block: tuple[int, int] | None, w8a8: bool = False) -> str:
