@@ -223,6 +223,12 @@ def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_k
     others = [n for n in names if not n.startswith(tuple(expected)) and not n.startswith("_moe_activation_kernel")]
     assert len(others) <= bias, names
     assert torch.isfinite(out).all()
+    # The routing inside the gate/up kernel is the top-k kernel's, bit for bit.
+    from plait.layers.moe.router import select_experts
+
+    with torch.inference_mode():
+        weights, ids = select_experts(block.gate(x), block.router_config, True)
+        assert torch.equal(out, moe(x, weights, ids))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 16])
