@@ -52,6 +52,7 @@ from plait.engine.messages import (
     coalesce_updates,
     config_to_json,
 )
+from plait.engine.scheduler_process import freeze_startup_heap
 from plait.server.errors import APIError
 from plait.server.metrics import ServerMetrics
 from plait.server.request_log import RequestLog, RequestRecord
@@ -163,6 +164,7 @@ class SchedulerClient:
                 self._startup_failed(f"the scheduler process exited: {reason}")
                 return
         self.tokenizer = await tokenizer_task
+        freeze_startup_heap()
         if self.request_log is not None:
             self.request_log.tokenizer = self.tokenizer
         ready = self.ready
