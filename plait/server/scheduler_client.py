@@ -421,9 +421,7 @@ class SchedulerClient:
                 self.metrics.ttft.observe(now - t.arrival)
                 k -= 1
             else:
-                gap = (now - t.last_token) / k
-                for _ in range(k):
-                    self.metrics.itl.observe(gap)
+                self.metrics.itl.observe((now - t.last_token) / k, k)
             t.last_token = now
         if upd.finished:
             self.metrics.e2e.observe(now - t.arrival)
