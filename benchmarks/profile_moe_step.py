@@ -8,7 +8,8 @@
 2. ``layer``: one MoE layer's experts alone at M = 1..8 tokens as CUDA graph replays rotating over 8
    routings, the small-batch path (``plait.layers.moe.small_batch``) against the aligned pipeline,
    with the kernels each launches and the bytes of the distinct experts read; the router alone, one
-   fused launch against torch's; and with ``--sweep`` the small path's tiles at M = 1.
+   fused launch against torch's; and with ``--sweep`` the small path's candidate tiles
+   (``tune_fused_moe.small_batch_candidates``) at M = 1.
 
     PYTHONPATH=$PWD python benchmarks/profile_moe_step.py --out OUT_DIR [--shape qwen3-30b-a3b] [--sweep] [--no-step]
 """
@@ -43,14 +44,13 @@ from plait.bench.workloads import make_engine, release, steady_decode_timing  # 
 from plait.layers.moe.fused_moe_triton import fused_experts_triton  # noqa: E402
 from plait.layers.moe.fused_router import fused_topk  # noqa: E402
 from plait.layers.moe.router import RouterConfig, select_experts  # noqa: E402
-from plait.layers.moe.small_batch import SmallBatchConfig, fused_experts_small_batch, use_small_batch  # noqa: E402
+from plait.layers.moe.small_batch import SmallBatchConfig, fused_experts_small_batch, small_batch_plan  # noqa: E402
 
 STEPS = 20
 ROTATIONS = 8
 # Names of the MoE layer's Triton kernels (the router GEMM is a cuBLAS kernel like the others).
 MOE_KERNELS = ("_fused_topk_kernel", "_small_gate_up_kernel", "_small_down_sum_kernel", "fused_moe_kernel",
                "_align_scan_kernel", "_align_scatter_kernel", "_moe_activation_kernel", "_moe_sum_kernel")
-SWEEP = small_batch_candidates()
 
 
 def cuda_kernels(prof: torch.profiler.profile) -> list[Any]:
@@ -136,8 +136,9 @@ def profile_layer(name: str, sweep: bool) -> dict[str, Any]:
     experts = make_weights(shape)
     rows = []
     for m in range(1, 9):
-        row: dict[str, Any] = {"num_tokens": m, "dispatch_takes_small_batch": use_small_batch(m * shape.top_k,
-                                                                                              shape.num_experts)}
+        plan = small_batch_plan(m, shape.local_experts, shape.top_k, shape.hidden, shape.inter,
+                                torch.cuda.get_device_name())
+        row: dict[str, Any] = {"num_tokens": m, "dispatch_takes_small_batch": plan is not None}
         row["small_batch"] = layer_path_us(shape, experts, m, small_batch=True)
         row["aligned"] = layer_path_us(shape, experts, m, small_batch=False)
         row["router"] = router_us(shape, m)
@@ -146,7 +147,7 @@ def profile_layer(name: str, sweep: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows}
     if sweep:
         out["sweep_m1"] = []
-        for cfg in SWEEP:
+        for cfg in small_batch_candidates(shape.top_k):
             try:
                 res = layer_path_us(shape, experts, 1, small_batch=True, config=cfg)
             except Exception as e:  # a tile that does not fit: say so, keep sweeping
@@ -161,7 +162,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="directory for profile-moe-step.json")
     ap.add_argument("--shape", action="append", choices=sorted(MOE_KERNEL_SHAPES), help="repeatable; default both")
     ap.add_argument("--bs", type=int, default=1)
-    ap.add_argument("--sweep", action="store_true", help="also time the small-batch tiles of SWEEP at M = 1")
+    ap.add_argument("--sweep", action="store_true", help="also time the small-batch candidate tiles at M = 1")
     ap.add_argument("--no-step", action="store_true", help="skip the engine decode-step profile")
     args = ap.parse_args()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "bs": args.bs}

@@ -6,6 +6,8 @@
 # shapes) against transformers generate / generate_batch in the same run; generate_batch runs the first
 # 16 of the 256 offline requests (same lengths; the JSON's peer_requests / peer_note say so).
 # profile-moe: the bs-1 MoE decode step's kernels per layer and the MoE layer alone at M = 1..8.
+# moe-tune-small: tune the small-batch MoE path and its per-bucket path choice into $OUT/moe-configs
+# (PLAIT_MOE_CONFIG_DIR for the stages after it), then moe-latency.
 # backends (about 3-4 min): extend kernels per attention backend/kernel path, then prefill MFU (8b, 8 x 2048)
 # and offline-throughput (1b) for triton, torch_flash and the hybrid pair (prefill torch_flash, decode
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
@@ -23,6 +25,11 @@ for stage in "$@"; do
     latency-1b) python -m plait bench latency --shape llama-3.2-1b --out "$OUT" 2>&1 | tail -40 ;;
     latency-8b) python -m plait bench latency --shape llama-3.1-8b --prefill --out "$OUT" 2>&1 | tail -40 ;;
     offline) python -m plait bench offline --workload offline-throughput --peer --overlap-check --out "$OUT" 2>&1 | tail -40 ;;
+    offline-nopeer)  # offline-throughput 1b and 8b, plait alone (the peers' ratios are in earlier runs)
+      for shape in llama-3.2-1b llama-3.1-8b; do
+        python -m plait bench offline --workload offline-throughput --shape $shape --out "$OUT" 2>&1 \
+          | grep -E '^\{"workload|Error'
+      done ;;
     warm-start) python -m plait bench warm-start --out "$OUT" 2>&1 | grep -E '^warm-start|^\{"workload|Error' ;;
     feature-tests) python -m pytest -q -m gpu tests/gpu/test_structured_gpu.py tests/gpu/test_fp8_gpu.py \
         tests/gpu/test_gguf_gpu.py tests/gpu/test_sglang_api_gpu.py tests/gpu/test_fused_moe_gpu.py \
@@ -59,12 +66,34 @@ for stage in "$@"; do
         --budget-s "${GEMV_TUNE_S:-40}" 2>&1 | tee "$OUT/gemv-fp8-tune.log" | grep -E 'M= 1:|wrote|Error'
       PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant --workload decode-bs1 --out "$OUT" \
         2>&1 | grep -E '^\{"workload|Error' ;;
+    gemv-moe)  # tune the bf16 GEMV at the MoE shapes' attention projections and routers (M 1-8) over the shipped table
+      mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
+      python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --shapes qwen3-30b-a3b,gpt-oss-20b --kinds bf16 \
+        --m 1,2,4,8 --budget-s "${GEMV_TUNE_S:-60}" 2>&1 | tee "$OUT/gemv-moe-tune.log" | grep -E 'M= 1:|wrote|Error' ;;
+    pdl-ab)  # programmatic dependent launch (PLAIT_PDL): its GPU test, then decode-bs1 1b and 8b without (0) and with it (1)
+      python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3
+      for on in 0 1; do
+        PLAIT_PDL=$on python -m plait bench latency --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/pdl-$on" \
+          2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
           --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/bf16-gemv-$on" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
     moe) OUT=$OUT bash "$0" moe-latency moe-offline ;;
+    # About 2-3 minutes: the small-batch MoE tables of both shapes (the small path's tiles and, per
+    # bucket, whether it beats the aligned pipeline) into $OUT/moe-configs, then moe-latency on them.
+    # Later stages of the same invocation (profile-moe, moe-offline) read them too (and the GEMV tables
+    # of a gemv-moe stage run before it).
+    moe-tune-small)
+      python benchmarks/tune_fused_moe.py --small-batch --shape qwen3-30b-a3b --shape gpt-oss-20b \
+        --out-dir "$OUT/moe-configs" --budget-s "${MOE_TUNE_S:-80}" --report "$OUT/moe-tune-small.json" 2>&1 \
+        | tee "$OUT/moe-tune-small.log" | grep -E 'M=|precompiled|budget|Error'
+      export PLAIT_MOE_CONFIG_DIR=$OUT/moe-configs
+      # The router and projection GEMV tables too, where a gemv-moe stage of this run tuned them.
+      if [ -d "$OUT/gemv-configs" ]; then export PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs; fi
+      python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-offline)
       for shape in ${MOE_SHAPES:-qwen3-30b-a3b gpt-oss-20b}; do
@@ -96,6 +125,8 @@ for stage in "$@"; do
         python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
           --out "$OUT" 2>&1 | tail -5
       done ;;
+    # bs-1 decode attention at short contexts: split heuristics x stage-1 configs (graph us per layer).
+    attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
     # The n-gram pair alone, shortened as in `spec`.
     spec-ngram)

@@ -8,8 +8,11 @@ config), checks the fastest against the fp32 reference, and writes it per M to
 ``plait.layers.moe.kernel_config`` reads at run time. The file is rewritten after every M, so a run
 stopped by ``--budget-s`` keeps what it measured (the run time picks the nearest measured bucket).
 
-``--small-batch`` tunes the two-launch small-batch path instead (``plait.layers.moe.small_batch``),
-for the buckets it serves (pairs * 4 <= experts), into ``small_E{E}_N{I}_{GPU}.json``.
+``--small-batch`` tunes the two-launch small-batch path instead (``plait.layers.moe.small_batch``)
+at the buckets where it could win (pairs <= experts), times the aligned pipeline at the same buckets
+(at the config the run time gives it), and writes both the small path's best tiles and the faster
+path per bucket into ``small_E{E}_N{I}_{GPU}.json``: the dispatcher takes the small path only where
+it measured faster. Point ``PLAIT_MOE_CONFIG_DIR`` at ``--out-dir`` to serve a fresh tune.
 
 Compiling the candidates dominates a cold run; ``--jobs`` worker processes compile them first into
 Triton's on-disk cache (the kernels do not specialise on the token count, so one compile per
@@ -17,7 +20,7 @@ config and shape serves every M).
 
   python benchmarks/tune_fused_moe.py --shape qwen3-30b-a3b --shape gpt-oss-20b \\
       [--batch-sizes 1,2,4,...] [--out-dir plait/layers/moe/configs] [--budget-s 300] [--jobs 12] [--tp 2] [--ep 2]
-  python benchmarks/tune_fused_moe.py --small-batch [--shape ...] [--budget-s 120]
+  python benchmarks/tune_fused_moe.py --small-batch [--shape ...] [--budget-s 120] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -38,13 +41,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from plait.layers.moe.fused_moe_triton import fused_experts_with_config  # noqa: E402
-from plait.layers.moe.kernel_config import CONFIG_DIR, MoeKernelConfig, config_file_name  # noqa: E402
+from plait.layers.moe.kernel_config import CONFIG_DIR, MoeKernelConfig, config_file_name, get_config  # noqa: E402
 from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
 from plait.layers.moe.small_batch import (  # noqa: E402
     SmallBatchConfig,
     fused_experts_small_batch,
     small_config_file_name,
-    use_small_batch,
 )
 
 
@@ -160,17 +162,21 @@ def graph_time_us(fns: list[Callable[[], object]], replays: int = 5) -> float:
     return statistics.median(times)
 
 
-def _precompile(args: tuple[MoeShape, list[dict]]) -> int:
+def _precompile(args: tuple[MoeShape, bool, list[dict]]) -> int:
     """Worker: run each config once on a small expert set so Triton writes it to the disk cache
-    (E = 16 keeps the same integer specialisation as the real E, a multiple of 16)."""
-    shape, configs = args
+    (E = 16 keeps the same integer specialisation as the real E, a multiple of 16); ``small``: the
+    configs are the small-batch path's."""
+    shape, small, configs = args
     w13, w2, b13, b2 = make_weights(shape, num_experts=16)
-    x, weights, ids = make_inputs(shape, 4, seed=0, num_experts=16)
+    x, weights, ids = make_inputs(shape, 1 if small else 4, seed=0, num_experts=16)
     done = 0
     for raw in configs:
         try:
-            fused_experts_with_config(x, w13, w2, weights, ids, shape.activation, b13, b2,
-                                      MoeKernelConfig.from_json(raw))
+            if small:
+                fused_experts_small_batch(x, w13, w2, weights, ids, shape.activation, b13, b2, SmallBatchConfig(**raw))
+            else:
+                fused_experts_with_config(x, w13, w2, weights, ids, shape.activation, b13, b2,
+                                          MoeKernelConfig.from_json(raw))
             done += 1
         except Exception:  # out of shared memory / registers: the main process skips it
             pass
@@ -178,15 +184,18 @@ def _precompile(args: tuple[MoeShape, list[dict]]) -> int:
     return done
 
 
-def precompile(names: list[str], jobs: int) -> None:
-    work = [(name, cfg.to_json()) for name in names for cfg in candidate_configs()]
-    if jobs <= 1 or not work:
+def precompile(names: list[str], jobs: int, small: bool = False) -> None:
+    """Compile every candidate of ``names`` (the aligned pipeline's, or with ``small`` the small-batch
+    path's) in ``jobs`` worker processes."""
+    work = {name: [cfg.to_json() for cfg in (small_batch_candidates(MOE_KERNEL_SHAPES[name].top_k) if small
+                                             else candidate_configs())] for name in names}
+    total = sum(len(cfgs) for cfgs in work.values())
+    if jobs <= 1 or not total:
         return
-    chunks: list[tuple[MoeShape, list[dict]]] = []
-    for name in names:
-        cfgs = [c for n, c in work if n == name]
+    chunks: list[tuple[MoeShape, bool, list[dict]]] = []
+    for name, cfgs in work.items():
         per = max(1, -(-len(cfgs) * len(names) // jobs))
-        chunks += [(MOE_KERNEL_SHAPES[name], cfgs[i:i + per]) for i in range(0, len(cfgs), per)]
+        chunks += [(MOE_KERNEL_SHAPES[name], small, cfgs[i:i + per]) for i in range(0, len(cfgs), per)]
     t0 = time.perf_counter()
     try:
         with mp.get_context("spawn").Pool(min(jobs, len(chunks))) as pool:
@@ -194,7 +203,7 @@ def precompile(names: list[str], jobs: int) -> None:
     except Exception as exc:  # the timing loop then compiles each config itself
         print(f"precompile failed ({type(exc).__name__}: {exc}); compiling lazily", flush=True)
         return
-    print(f"precompiled {done}/{len(work)} configs in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"precompiled {done}/{total} configs in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
 def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float, rotations: int) -> dict:
@@ -237,24 +246,63 @@ def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float,
     return {"file": path, "buckets": report}
 
 
-def small_batch_candidates() -> list[SmallBatchConfig]:
-    """Tiles of the small-batch path worth timing: (block_n, block_h, block_k, num_warps)."""
-    tiles = ((4, 4, 256, 4), (8, 4, 128, 4), (8, 4, 256, 4), (8, 4, 512, 8), (8, 8, 64, 4), (8, 8, 128, 4),
-             (16, 4, 128, 4), (16, 4, 256, 8), (16, 8, 128, 4), (16, 8, 256, 4), (16, 16, 64, 4), (32, 8, 128, 4))
-    return [SmallBatchConfig(bn, bh, bk, warps) for bn, bh, bk, warps in tiles]
+# (block_n, block_h, block_k, num_warps, num_stages) of the small-batch path: narrow row tiles (many
+# programs, each streaming few rows) to wide ones, reduction steps of 64..1024, and deeper pipelines.
+# At one token a grid of few programs per SM has little in flight unless each step is wide: the
+# last rows are one or two rows per program with a whole (or half) reduction dimension per step.
+_SMALL_TILES = (
+    (2, 1, 1024, 4, 3), (4, 1, 1024, 4, 3), (4, 2, 1024, 8, 3), (8, 1, 512, 4, 3), (8, 2, 1024, 8, 2),
+    (4, 2, 256, 4, 3), (4, 4, 256, 4, 3), (4, 4, 512, 8, 3), (8, 2, 256, 4, 3), (8, 2, 512, 8, 4),
+    (8, 4, 64, 4, 3), (8, 4, 128, 4, 3), (8, 4, 128, 4, 5), (8, 4, 256, 4, 3), (8, 4, 256, 4, 4),
+    (8, 4, 256, 8, 3), (8, 4, 512, 8, 3), (8, 8, 64, 4, 3), (8, 8, 128, 4, 3), (8, 8, 128, 4, 4),
+    (16, 2, 256, 4, 3), (16, 4, 128, 4, 3), (16, 4, 128, 4, 5), (16, 4, 256, 8, 3), (16, 4, 256, 8, 4),
+    (16, 8, 128, 4, 3), (16, 8, 128, 8, 4), (16, 8, 256, 8, 3), (16, 16, 64, 4, 3), (32, 4, 128, 4, 3),
+    (32, 8, 128, 4, 3), (32, 8, 128, 8, 4), (32, 4, 256, 8, 3),
+)
+# fp32 accumulator elements one thread may hold (gate + up tiles, or the [K, block_h, block_k] down
+# tile, over 32 * num_warps threads) before the tile spills registers.
+_ACC_PER_THREAD = 64
+
+
+def small_batch_candidates(top_k: int = 8) -> list[SmallBatchConfig]:
+    """The small path's tiles worth timing for ``top_k`` experts per token: ``_SMALL_TILES`` whose
+    accumulators fit the registers."""
+    top_k_pad = 1 << (top_k - 1).bit_length()
+    out = []
+    for bn, bh, bk, warps, stages in _SMALL_TILES:
+        limit = _ACC_PER_THREAD * 32 * warps
+        if 2 * bn * bk <= limit and top_k_pad * bh * bk <= limit:
+            out.append(SmallBatchConfig(bn, bh, bk, warps, stages))
+    return out
+
+
+def small_batch_buckets(shape: MoeShape, batch_sizes: list[int]) -> list[int]:
+    """The buckets where the small path could win: at most as many pairs as experts (beyond that
+    the pairs share experts and the aligned pipeline reads each once; the run time takes the aligned
+    pipeline above the table's largest bucket)."""
+    return [m for m in batch_sizes if 0 < m * shape.top_k <= shape.num_experts]
 
 
 def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: float, rotations: int) -> dict:
-    """The fastest ``SmallBatchConfig`` per M among the buckets the small-batch path serves."""
+    """Per bucket: the fastest ``SmallBatchConfig``, and the aligned pipeline at the config the run
+    time would give it (``kernel_config.get_config``), timed the same way; the table records the
+    faster path per bucket (``small_batch.SmallBatchBucket``), which the dispatcher follows."""
     shape = MOE_KERNEL_SHAPES[name]
     w13, w2, b13, b2 = make_weights(shape)
-    path = os.path.join(out_dir, small_config_file_name(shape.local_experts, shape.inter, torch.cuda.get_device_name()))
+    device = torch.cuda.get_device_name()
+    path = os.path.join(out_dir, small_config_file_name(shape.local_experts, shape.inter, device))
     best: dict[str, dict] = {}
     report: dict[str, dict] = {}
-    for m in [m for m in batch_sizes if use_small_batch(m * shape.top_k, shape.num_experts)]:
+    for m in small_batch_buckets(shape, batch_sizes):
+        if time.monotonic() > deadline:
+            print(f"{name}: budget spent before small-batch M={m}", flush=True)
+            break
         inputs = [make_inputs(shape, m, seed=s) for s in range(rotations)]
+        aligned_cfg = get_config(m, shape.local_experts, shape.inter, shape.top_k, device)
+        aligned_us = graph_time_us([lambda x=x, w=w, i=i, cfg=aligned_cfg: fused_experts_with_config(
+            x, w13, w2, w, i, shape.activation, b13, b2, cfg) for x, w, i in inputs])
         timings: list[tuple[float, SmallBatchConfig]] = []
-        for cfg in small_batch_candidates():
+        for cfg in small_batch_candidates(shape.top_k):
             if time.monotonic() > deadline:
                 break
             fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_small_batch(
@@ -274,10 +322,13 @@ def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: 
         err = float((out - ref).norm() / ref.norm())
         if not err < 2e-2:
             raise SystemExit(f"{name} M={m}: {cfg} is off the fp32 reference by {err:.3g} (relative)")
-        best[str(m)] = cfg.to_json()
-        report[str(m)] = {"us": us, "config": cfg.to_json(), "tried": len(timings), "worst_us": timings[-1][0]}
-        print(f"{name} small-batch M={m}: {us:.1f} us  {cfg}  (of {len(timings)}; worst {timings[-1][0]:.1f} us)",
-              flush=True)
+        winner = "small" if us < aligned_us else "aligned"
+        best[str(m)] = {"path": winner, "config": cfg.to_json(), "us": {"small": us, "aligned": aligned_us}}
+        report[str(m)] = {"path": winner, "small_us": us, "aligned_us": aligned_us, "config": cfg.to_json(),
+                          "aligned_config": aligned_cfg.to_json(), "tried": len(timings),
+                          "worst_us": timings[-1][0]}
+        print(f"{name} small-batch M={m}: small {us:.1f} us  {cfg}  (of {len(timings)}; worst "
+              f"{timings[-1][0]:.1f} us); aligned {aligned_us:.1f} us -> {winner}", flush=True)
         with open(path, "w") as f:
             json.dump(best, f, indent=2)
             f.write("\n")
@@ -313,8 +364,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
-    if not args.small_batch:
-        precompile(names, args.jobs)
+    precompile(names, args.jobs, small=args.small_batch)
     tune = tune_small_batch if args.small_batch else tune_shape
     report = {}
     for i, name in enumerate(names):

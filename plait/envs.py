@@ -93,12 +93,21 @@ GEMV_CONFIG_DIR = _str_var(
     "PLAIT_GEMV_CONFIG_DIR",
     "A directory of small-M GEMV launch configs (gemv_<device>.json, as benchmarks/tune_gemv.py writes), "
     "read before the ones shipped in plait/layers/quantization/configs/.")
+MOE_CONFIG_DIR = _str_var(
+    "PLAIT_MOE_CONFIG_DIR",
+    "A directory of fused-MoE launch configs (E*_N*_<device>.json and the small-batch tables "
+    "small_E*_N*_<device>.json, as benchmarks/tune_fused_moe.py writes), read before the ones shipped in "
+    "plait/layers/moe/configs/.")
 BF16_GEMV = EnvVar(
     "PLAIT_BF16_GEMV", _flag, True,
     "1 (the default): dense bf16/fp16 linear layers run decode batches of <= 16 tokens on CUDA through "
     "plait's Triton GEMV; 0: through cuBLAS (the A/B baseline). Read when a layer is built.")
+PDL = EnvVar(
+    "PLAIT_PDL", _flag, False,
+    "1: the decode step's small Triton kernels launch with programmatic dependent launch (sm_90+; "
+    "plait.layers.pdl): each may start while the one before it finishes. 0 (the default): plain launches.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
-                                    SLOW_TESTS, GEMV_CONFIG_DIR, BF16_GEMV)
+                                    SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, PDL)

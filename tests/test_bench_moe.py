@@ -122,3 +122,41 @@ def test_one_launch_counter_records_what_the_torch_counter_records():
         fused_counter.record(ids, fused=True)
         assert fused_counter.calls() == torch_counter.calls()
     assert fused_counter.calls() == [(1, 1), (2, 1)]
+
+
+def test_eager_attention_peer_batches_few_enough_tokens_that_its_scores_fit():
+    # gpt-oss's transformers peer runs paged eager attention, which materialises a batch's scores
+    # [heads, T, T + cached]: at transformers' default 8192 tokens that alone is the 8 GiB allocation
+    # the H200 run failed on. SDPA peers keep transformers' defaults.
+    from plait.bench import peer_hf
+    from plait.bench.shapes import SHAPES
+
+    cfg = peer_hf.gpu_batching_config("gpt-oss-20b")
+    heads = SHAPES["gpt-oss-20b"]["num_attention_heads"]
+
+    def bf16_score_bytes(tokens: int) -> int:
+        return heads * tokens * tokens * 2
+
+    assert bf16_score_bytes(8192) == 8 * 2**30
+    assert bf16_score_bytes(cfg.max_batch_tokens) <= 2**29
+    assert cfg.max_memory_percent < 0.9  # transformers' own share for the cache
+    assert peer_hf.gpu_batching_config("qwen3-30b-a3b") is None
+
+
+def test_release_leaves_nothing_holding_the_engines_model(tmp_path):
+    # Each bench engine is released before the next engine or the transformers peer is built, so the
+    # GPU memory its weights and KV pool held can return: nothing may keep the model alive.
+    import gc
+    import weakref
+
+    from plait.bench.shapes import write_shape_dir
+    from plait.bench.workloads import make_engine as bench_engine
+    from plait.bench.workloads import release
+
+    engine = bench_engine(str(write_shape_dir(str(tmp_path), "tiny-qwen3-moe")), max_total_tokens=512)
+    engine.generate([[1, 2, 3]], {"max_new_tokens": 2, "temperature": 0.0})
+    model = weakref.ref(engine.runner.model)
+    release(engine)
+    del engine
+    gc.collect()
+    assert model() is None

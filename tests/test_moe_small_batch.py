@@ -36,7 +36,12 @@ def assert_matches_reference(x, w13, w2, weights, ids, activation, b13=None, b2=
     assert_equals_reference(out, x, w13, w2, weights, ids, activation, b13, b2)
 
 
-@pytest.mark.parametrize("config", [EVEN, None], ids=["even-k-tiles", "default-tiles-masked-k"])
+# One down row per program, the whole reduction in one masked step: the widest-K tuner candidates' form.
+ONE_ROW = small.SmallBatchConfig(block_n=8, block_h=1, block_k=64)
+
+
+@pytest.mark.parametrize("config", [EVEN, None, ONE_ROW], ids=["even-k-tiles", "default-tiles-masked-k",
+                                                              "one-row-one-step"])
 def test_silu_with_normalised_top_k_matches_reference(config):
     # I = 24 is not a multiple of block_n: the wrapped columns are computed and not stored.
     w13, w2, _, _ = experts(16, 32, 24, bias=False)
@@ -71,11 +76,14 @@ def test_a_token_whose_every_expert_is_remote_gets_zeros_not_its_bias():
     assert torch.equal(out, torch.zeros(1, 16))
 
 
-def test_threshold_takes_the_small_path_only_while_pairs_are_sparse_among_experts():
-    assert small.use_small_batch(8, 128) and small.use_small_batch(32, 128)  # qwen3-30b-a3b at 1 and 4 tokens
-    assert not small.use_small_batch(64, 128)  # 8 tokens: pairs share experts, the aligned path reads each once
-    assert small.use_small_batch(4, 32) and small.use_small_batch(8, 32) and not small.use_small_batch(16, 32)
-    assert not small.use_small_batch(0, 128)
+def test_untuned_rule_takes_the_small_path_only_for_sparse_pairs_of_small_experts():
+    qwen3, gpt_oss = (2048, 768), (2880, 2880)
+    assert small.use_small_batch(8, 128, *qwen3) and small.use_small_batch(32, 128, *qwen3)  # 1 and 4 tokens
+    assert not small.use_small_batch(64, 128, *qwen3)  # 8 tokens: pairs share experts, aligned reads each once
+    assert small.use_small_batch(4, 32, 32, 16) and not small.use_small_batch(16, 32, 32, 16)
+    assert not small.use_small_batch(0, 128, *qwen3)
+    # gpt-oss-20b's experts (25M parameters): the aligned GEMM streams them faster even at one token.
+    assert not small.use_small_batch(4, 32, *gpt_oss)
 
 
 def test_default_tiles_keep_the_grid_large_at_one_token():
@@ -97,6 +105,36 @@ def test_one_launch_router_matches_torch(scoring, renormalize, top_k):
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert torch.equal(ids[1:], ref_ids[1:]) and torch.equal(ids[0], torch.arange(top_k, dtype=torch.int32))
     torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_router_through_the_small_m_gemv_equals_linear_and_picks_the_same_experts(num_tokens):
+    # What Router.forward runs on CUDA for decode batches (dense_linear's GEMV, then the bias), here in
+    # the interpreter: 12 experts (not a multiple of the row tile) with gpt-oss's router bias, in fp16
+    # (the GEMV takes half-precision weights; the interpreter has no bf16).
+    from plait.layers.moe.layer import Router
+    from plait.layers.quantization.gemv import gemv
+
+    g = torch.Generator().manual_seed(num_tokens)
+    router = Router(12, 64, bias=True, dtype=torch.float16)
+    router.weight.data.copy_(torch.randn(12, 64, generator=g) / 8)
+    router.bias.data.copy_(torch.randn(12, generator=g))
+    x = torch.randn(num_tokens, 64, generator=g).half()
+    through_gemv = gemv(x, router.weight) + router.bias
+    reference = torch.nn.functional.linear(x.float(), router.weight.float(), router.bias.float())
+    assert through_gemv.dtype == router(x).dtype == torch.float16  # logits in the activations' dtype either way
+    torch.testing.assert_close(through_gemv.float(), reference, atol=2e-3, rtol=2e-3)
+    cfg = RouterConfig(12, 4, "topk_softmax")
+    ids, ref_ids = (select_experts(logits, cfg, fused=False)[1] for logits in (through_gemv, reference))
+    assert torch.equal(ids, ref_ids)
+
+
+def test_router_takes_the_gemv_unless_the_switch_is_off(monkeypatch):
+    from plait.layers.moe.layer import Router
+
+    assert Router(8, 16).small_m_gemv
+    monkeypatch.setenv("PLAIT_BF16_GEMV", "0")
+    assert not Router(8, 16).small_m_gemv
 
 
 def test_router_refuses_a_top_k_above_the_experts():
@@ -183,7 +221,7 @@ def test_moe_layer_with_fused_kernels_equals_the_torch_path_across_the_switch(nu
         fused = block(x)
         block.experts.fused_kernels = False
         torch.testing.assert_close(fused, block(x), atol=1e-4, rtol=1e-4)
-    assert small.use_small_batch(num_tokens * 4, 32) == (num_tokens <= 2)
+    assert small.use_small_batch(num_tokens * 4, 32, 32, 16) == (num_tokens <= 2)
 
 
 def test_public_entry_point_can_force_either_path():
@@ -222,16 +260,56 @@ def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, tiny_
     assert launches["fused_moe_kernel"] == 2 * len(moes)  # the prefill: gate/up and down
 
 
-def test_tuned_small_batch_table_of_the_nearest_bucket_is_read(tmp_path, monkeypatch):
-    one, four = small.SmallBatchConfig(8, 4, 256), small.SmallBatchConfig(16, 8, 128, num_warps=8)
-    table = {"1": one.to_json(), "4": four.to_json()}
-    (tmp_path / small.small_config_file_name(128, 768, "Fake GPU")).write_text(json.dumps(table))
-    monkeypatch.setattr(small, "CONFIG_DIR", tmp_path)
-    small.load_small_batch_configs.cache_clear()
-    try:
-        assert small.get_small_batch_config(2, 128, 8, 2048, 768, "Fake GPU") == one
-        assert small.get_small_batch_config(3, 128, 8, 2048, 768, "Fake GPU") == four
-        untuned = small.get_small_batch_config(1, 128, 8, 2048, 768, "Other GPU")
-        assert untuned == small.small_batch_config(1, 8, 2048, 768)
-    finally:
-        small.load_small_batch_configs.cache_clear()
+def write_small_table(directory, buckets: dict[int, tuple[str, small.SmallBatchConfig]], experts=32, inter=16,
+                      device="cpu") -> None:
+    """A table as ``tune_fused_moe.py --small-batch`` writes it."""
+    table = {str(m): {"path": path, "config": cfg.to_json(), "us": {"small": 1.0, "aligned": 2.0}}
+             for m, (path, cfg) in buckets.items()}
+    (directory / small.small_config_file_name(experts, inter, device)).write_text(json.dumps(table))
+
+
+def test_tuned_small_batch_table_of_the_nearest_bucket_is_read_from_the_config_dir(tmp_path, monkeypatch):
+    one, four = small.SmallBatchConfig(8, 4, 256), small.SmallBatchConfig(16, 8, 128, num_warps=8, num_stages=4)
+    write_small_table(tmp_path, {1: ("small", one), 4: ("small", four)}, 128, 768, "Fake GPU")
+    monkeypatch.setenv("PLAIT_MOE_CONFIG_DIR", str(tmp_path))
+    assert small.get_small_batch_config(2, 128, 8, 2048, 768, "Fake GPU") == one
+    assert small.get_small_batch_config(3, 128, 8, 2048, 768, "Fake GPU") == four
+    untuned = small.get_small_batch_config(1, 128, 8, 2048, 768, "Other GPU")
+    assert untuned == small.small_batch_config(1, 8, 2048, 768)
+    monkeypatch.delenv("PLAIT_MOE_CONFIG_DIR")
+    assert small.get_small_batch_config(2, 128, 8, 2048, 768, "Fake GPU") == small.small_batch_config(2, 8, 2048, 768)
+
+
+def test_dispatcher_takes_the_path_the_table_measured_faster_per_bucket(tmp_path, monkeypatch):
+    tiles = small.SmallBatchConfig(8, 4, 16)
+    # The untuned rule would take the small path at 1 and 2 tokens (4 and 8 pairs, 32 experts).
+    write_small_table(tmp_path, {1: ("aligned", tiles), 2: ("small", tiles), 4: ("aligned", tiles)})
+    monkeypatch.setenv("PLAIT_MOE_CONFIG_DIR", str(tmp_path))
+    plan = [small.small_batch_plan(m, 32, 4, 32, 16, "cpu") for m in (1, 2, 3, 4, 5, 64)]
+    assert plan == [None, tiles, tiles, None, None, None]  # 3: nearest bucket 2 (ties go down); 5+: above the table
+    # Without a table: the untuned rule, with the default tiles.
+    monkeypatch.delenv("PLAIT_MOE_CONFIG_DIR")
+    assert small.small_batch_plan(1, 32, 4, 32, 16, "cpu") == small.small_batch_config(1, 4, 32, 16)
+    assert small.small_batch_plan(4, 32, 4, 32, 16, "cpu") is None
+
+
+def test_fused_experts_follows_the_table_and_both_paths_match_the_reference(tmp_path, monkeypatch):
+    w13, w2, _, _ = experts(32, 32, 16, bias=False)
+    write_small_table(tmp_path, {1: ("aligned", EVEN), 2: ("small", EVEN)})
+    monkeypatch.setenv("PLAIT_MOE_CONFIG_DIR", str(tmp_path))
+    counter = collections.Counter()
+    for name in ("fused_experts_small_batch", "fused_experts_with_config"):
+        original = getattr(fused_moe_triton, name)
+        monkeypatch.setattr(fused_moe_triton, name,
+                            lambda *a, _f=original, _n=name, **k: (counter.update([_n]), _f(*a, **k))[1])
+    for num_tokens in (1, 2):
+        weights, ids = qwen3_routing(num_tokens, 32, 4, seed=num_tokens)
+        x = torch.randn(num_tokens, 32)
+        out = fused_moe_triton.fused_experts_triton(x, w13, w2, weights, ids, "silu")
+        assert_equals_reference(out, x, w13, w2, weights, ids, "silu")
+    assert counter == {"fused_experts_with_config": 1, "fused_experts_small_batch": 1}
+
+
+def test_a_bucket_naming_an_unknown_path_is_refused():
+    with pytest.raises(ValueError, match="path must be one of"):
+        small.SmallBatchBucket.from_json({"path": "fast", "config": EVEN.to_json()})

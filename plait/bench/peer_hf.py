@@ -21,6 +21,28 @@ def attention_for(shape: str, paged: bool = False) -> str:
     return ("paged|eager" if eager else "paged|sdpa") if paged else ("eager" if eager else "sdpa")
 
 
+# transformers' paged eager attention materialises a whole batch's scores, [heads, T, T + cached] in
+# bf16 (then more copies: the sinks joined, an fp32 softmax). At its default of 8192 tokens per batch
+# that is 8 GiB a copy for gpt-oss-20b's 64 heads, more than the share of memory its KV cache sizing
+# leaves free (90% of what the model leaves goes to the cache): the 16-request peer ran out of memory
+# on an H200 and generated nothing. Eager peers batch at most this many tokens (a 512-token prompt
+# workload still prefills four requests per batch) and give the cache a smaller share of memory (16
+# requests of 640 tokens need under 1 GiB of it).
+EAGER_MAX_BATCH_TOKENS = 2048
+EAGER_CACHE_MEMORY_FRACTION = 0.6
+
+
+def gpu_batching_config(shape: str) -> Any:
+    """The ``ContinuousBatchingConfig`` of the shape's ``generate_batch`` peer on a GPU: bounded for
+    eager-attention shapes (see ``EAGER_MAX_BATCH_TOKENS``), None (transformers' defaults) otherwise."""
+    if SHAPES[shape]["model_type"] not in NO_SDPA:
+        return None
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(max_batch_tokens=EAGER_MAX_BATCH_TOKENS,
+                                    max_memory_percent=EAGER_CACHE_MEMORY_FRACTION)
+
+
 def hf_model(shape: str, attn_implementation: str | None = None) -> torch.nn.Module:
     """The shape with random weights, on the benchmark's device and dtype (plait.bench.hardware);
     ``attn_implementation`` defaults to ``attention_for(shape)``."""
@@ -92,7 +114,7 @@ def generate_batch_throughput(shape: str, prompts: list[list[int]], new_tokens: 
     config = {"attn_implementation": attn, "max_new_tokens": max_new, "do_sample": False,
               "eos_token_id": None, "note": "per-request lengths not supported: every request runs max_new_tokens"
               if not isinstance(new_tokens, int) else None}
-    cb = None if torch.cuda.is_available() else _cpu_batching_config(prompts, max(max_new, 8))
+    cb = gpu_batching_config(shape) if torch.cuda.is_available() else _cpu_batching_config(prompts, max(max_new, 8))
     config["continuous_batching_config"] = None if cb is None else vars(cb)
     model.generate_batch(inputs=prompts[:4], generation_config=GenerationConfig(max_new_tokens=8, do_sample=False,
                          eos_token_id=None, pad_token_id=0), continuous_batching_config=cb, progress_bar=False)

@@ -143,12 +143,21 @@ def param_counts(shape: str) -> dict[str, int]:
 
 
 def linear_shapes(shape: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of each fused linear layer of one decoder layer."""
+    """(N, K) of each fused linear layer of one decoder layer that runs as a dense GEMM: a MoE shape's
+    router in place of the MLP's projections (its experts run in the fused MoE kernels), and those
+    only where some layers are dense."""
     c = SHAPES[shape]
     h, hd = c["hidden_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * c["intermediate_size"], h),
-            "down_proj": (h, c["intermediate_size"])}
+    shapes = {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q)}
+    mlp = {"gate_up_proj": (2 * c["intermediate_size"], h), "down_proj": (h, c["intermediate_size"])}
+    if not is_moe(shape):
+        return {**shapes, **mlp}
+    counts = moe_counts(shape)
+    shapes["router"] = (counts["experts"], h)
+    if counts["sparse_layers"] < c["num_hidden_layers"]:
+        shapes.update(mlp)
+    return shapes
 
 
 def kv_bytes_per_token(shape: str, dtype_bytes: int = 2) -> int:

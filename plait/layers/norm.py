@@ -6,6 +6,14 @@ import torch
 from torch import nn
 
 
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * norm(x)`` over the last dimension: the mean of squares in float32, the normalised
+    value rounded to x's dtype before the weight multiplies it (Hugging Face's order)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -28,8 +36,5 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        orig = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(orig)
+        out = rms_norm_native(x, self.weight, self.eps)
         return out if residual is None else (out, residual)

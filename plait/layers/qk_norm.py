@@ -6,6 +6,10 @@ few kilobytes. ``qk_rmsnorm`` normalises every head of q with ``q_weight`` and e
 the fused QKV projection's output: any row stride, heads contiguous inside a row) and writes two
 contiguous outputs. The arithmetic is ``triton_ops.rmsnorm``'s: the mean of squares in fp32, the
 normalised value rounded to the input dtype, then multiplied by the weight.
+
+The engine now runs this norm inside the rotary kernel (``triton_ops.rotary_`` with a
+``rotary.QKNorm``: one launch normalises, rotates and stores K/V); this standalone launch is the
+two-kernel form that fused one is checked against.
 """
 
 from __future__ import annotations

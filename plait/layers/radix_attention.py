@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from plait.forward_batch import ForwardBatch
-from plait.layers.rotary import RotaryEmbedding
+from plait.layers.rotary import QKNorm, RotaryEmbedding
 
 
 class RadixAttention(nn.Module):
@@ -33,10 +33,12 @@ class RadixAttention(nn.Module):
             "sinks", nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
-                rope: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention over the batch's KV; with ``rope`` (and ``positions``) q and k are rotated first,
-        and when the serving backend stores K/V plainly into the paged pool, the rotary kernel writes
-        them there itself (one kernel fewer per layer)."""
+                rope: RotaryEmbedding | None = None, positions: torch.Tensor | None = None,
+                qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """Attention over the batch's KV; with ``rope`` (and ``positions``) q and k are rotated first
+        (normalised per head before that with ``qk_norm``, in the rotary kernel), and when the serving
+        backend stores K/V plainly into the paged pool, the rotary kernel writes them there itself
+        (one kernel fewer per layer)."""
         backend = fb.attn_backend
         assert backend is not None, "the model runner sets fb.attn_backend before forward"
         if rope is None:
@@ -44,9 +46,9 @@ class RadixAttention(nn.Module):
         assert positions is not None
         target = backend.rope_kv_store_target(self, fb)
         if target is None:
-            q, k = rope(positions, q, k)
+            q, k = rope(positions, q, k, qk_norm=qk_norm)
             return backend.forward(q, k, v, self, fb)
-        q, k = rope(positions, q, k, kv_store=(v, target[0], target[1], fb.out_cache_loc))
+        q, k = rope(positions, q, k, kv_store=(v, target[0], target[1], fb.out_cache_loc), qk_norm=qk_norm)
         return backend.forward(q, k, v, self, fb, save_kv_cache=False)
 
 

@@ -4,10 +4,21 @@ Llama-3 frequency scaling. The cos/sin cache is float32 [max_positions, rotary_d
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from plait.layers.norm import rms_norm_native
+
+
+class QKNorm(NamedTuple):
+    """A per-head RMSNorm of q and k applied before the rotation (Qwen3's ``q_norm`` / ``k_norm``):
+    the two ``[head_dim]`` weights and their shared epsilon."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
 
 
 def rope_settings(hf_config: object) -> tuple[float, dict[str, Any]]:
@@ -99,15 +110,20 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq*D], k [T, Hkv*D] rotated at ``positions`` [T]. On CUDA in place, by one kernel.
         ``kv_store`` (v, k_cache, v_cache, loc): the rotated k and v are written into the paged
-        cache at ``loc`` too (in the same kernel on CUDA)."""
+        cache at ``loc`` too (in the same kernel on CUDA). ``qk_norm``: every head of q and k is
+        normalised first (in the same kernel on CUDA)."""
         if q.is_cuda:
             from plait.layers.triton_ops import rotary_
 
-            return rotary_(positions, q, k, self.cos_sin_cache, self.head_dim, kv_store)
+            return rotary_(positions, q, k, self.cos_sin_cache, self.head_dim, kv_store, qk_norm)
+        if qk_norm is not None:
+            t, d = q.shape[0], self.head_dim
+            q = rms_norm_native(q.reshape(t, -1, d), qk_norm.q_weight, qk_norm.eps).view(t, -1)
+            k = rms_norm_native(k.reshape(t, -1, d), qk_norm.k_weight, qk_norm.eps).view(t, -1)
         q, k = self.forward_native(positions, q, k)
         if kv_store is not None:
             v, k_cache, v_cache, loc = kv_store

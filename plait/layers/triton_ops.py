@@ -14,10 +14,13 @@ import triton
 import triton.language as tl
 
 from plait import envs
+from plait.layers.pdl import pdl_prologue, use_pdl
 
 # (v [T, Hkv*D], k_cache [slots, Hkv, D], v_cache [slots, Hkv, D], loc [T]): where rotary_ may also
 # write the new tokens' K/V.
 KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# (q_weight [D], k_weight [D], eps): the per-head q/k RMSNorm rotary_ may apply first (rotary.QKNorm).
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -27,7 +30,8 @@ def use_triton(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -53,16 +57,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = torch.empty_like(x2) if residual is not None else y
     r2 = residual.reshape(-1, n_cols) if residual is not None else x2
     if n_rows:
+        pdl = use_pdl(x2)
         _rmsnorm_kernel[(n_rows,)](x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), n_cols, eps,
                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-                                   num_warps=8 if n_cols >= 4096 else 4)
+                                   USE_PDL=pdl, num_warps=8 if n_cols >= 4096 else 4, launch_pdl=pdl)
     if residual is None:
         return y.view(shape)
     return y.view(shape), res_out.view(shape)
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -78,14 +84,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block)
+        pdl = use_pdl(x2)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block,
+                                                                   USE_PDL=pdl, launch_pdl=pdl)
     return y.view(*x.shape[:-1], n)
 
 
 @triton.jit
 def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads, n_k_heads,
-                   V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr):
+                   V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc, WQ, WK, eps,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, QK_NORM: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(POS + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -96,13 +104,24 @@ def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads,
         if which == 0:
             base = Q + t * stride_q
             n_heads = n_q_heads
+            w_norm = WQ
         else:
             base = K + t * stride_k
             n_heads = n_k_heads
+            w_norm = WK
         mask = heads[:, None] < n_heads
         offs = heads[:, None] * (2 * HALF) + d[None, :]
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + offs + HALF, mask=mask, other=0.0)
+        if QK_NORM:
+            # Qwen3's per-head RMSNorm before the rotation, with qk_norm.qk_rmsnorm's arithmetic (the
+            # mean of squares over the whole head in fp32, the normalised value rounded to the input
+            # dtype, times the weight, rounded again), so the result equals the two-kernel path's.
+            dh = tl.arange(0, 2 * HALF)
+            head = tl.load(base + heads[:, None] * (2 * HALF) + dh[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(head * head, axis=1) / (2 * HALF) + eps)[:, None]
+            x1 = (tl.load(w_norm + d)[None, :] * (x1.to(tl.float32) * rstd).to(x1.dtype)).to(x1.dtype)
+            x2 = (tl.load(w_norm + HALF + d)[None, :] * (x2.to(tl.float32) * rstd).to(x2.dtype)).to(x2.dtype)
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         r1, r2 = (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
         tl.store(base + offs, r1, mask=mask)
@@ -122,13 +141,24 @@ def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads,
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-            head_dim: int, kv_store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            head_dim: int, kv_store: KVStore | None = None,
+            qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq*D] and k [T, Hkv*D] (each row contiguous); cos_sin_cache float32 [P, D].
 
     ``kv_store``: also write the rotated k and v into the paged cache at ``loc`` (the attention
-    backend's KV store, in the same launch; the backend then runs with ``save_kv_cache=False``)."""
+    backend's KV store, in the same launch; the backend then runs with ``save_kv_cache=False``).
+    ``qk_norm``: first normalise every head of q and k (Qwen3's q_norm / k_norm), in the same launch
+    (what ``qk_norm.qk_rmsnorm`` followed by this kernel computes, one launch fewer per layer)."""
     t = q.shape[0]
     n_q, n_k = q.shape[1] // head_dim, k.shape[1] // head_dim
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        if q_weight.numel() != head_dim or k_weight.numel() != head_dim:
+            raise ValueError(f"qk_norm: want two [{head_dim}] weights (the head dim), got {q_weight.numel()} and "
+                             f"{k_weight.numel()}")
+        norm_args = (q_weight.contiguous(), k_weight.contiguous(), float(eps))
+    else:
+        norm_args = (q, k, 0.0)  # unused
     if not t:
         return q, k
     if kv_store is not None:
@@ -139,8 +169,9 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
     else:
         store_args = (k, k, k, positions, 0, 0, 0)  # unused
     _rotary_kernel[(t,)](q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
-                         n_q, n_k, *store_args, HALF=head_dim // 2,
-                         BLOCK_H=triton.next_power_of_2(max(n_q, n_k)), STORE=kv_store is not None)
+                         n_q, n_k, *store_args, *norm_args, HALF=head_dim // 2,
+                         BLOCK_H=triton.next_power_of_2(max(n_q, n_k)), STORE=kv_store is not None,
+                         QK_NORM=qk_norm is not None)
     return q, k
 
 

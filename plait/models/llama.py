@@ -26,7 +26,7 @@ from plait.layers.norm import RMSNorm
 from plait.layers.overlap import LayerOps, run_overlapped
 from plait.layers.quantization.kv_cache import load_kv_scale
 from plait.layers.radix_attention import RadixAttention
-from plait.layers.rotary import RotaryEmbedding, rope_settings
+from plait.layers.rotary import QKNorm, RotaryEmbedding, rope_settings
 
 
 @dataclass
@@ -90,20 +90,26 @@ class LlamaAttention(nn.Module):
                                    sinks=self.has_sinks)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook before rotary (Qwen3 normalizes each head here)."""
+        """Hook before rotary (Qwen3 normalizes each head here off CUDA)."""
         return q, k
+
+    def rope_qk_norm(self, q: torch.Tensor) -> QKNorm | None:
+        """A per-head q/k norm for the rotary kernel to apply first (Qwen3 on CUDA), or None."""
+        return None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions))
+        return self.o_proj(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions,
+                                     qk_norm=self.rope_qk_norm(q)))
 
     def forward_partial(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """This rank's unreduced, bias-free output projection (the caller reduces, then adds
         ``o_proj.add_bias``)."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
-        return self.o_proj.partial(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions))
+        return self.o_proj.partial(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions,
+                                             qk_norm=self.rope_qk_norm(q)))
 
 
 class LlamaMLP(nn.Module):

@@ -1,4 +1,5 @@
-"""Qwen3: the Llama decoder plus a per-head RMSNorm on q and k before rotary."""
+"""Qwen3: the Llama decoder plus a per-head RMSNorm on q and k before rotary (on CUDA inside the
+rotary kernel: one launch normalises, rotates and stores K/V)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from plait.distributed.parallel_state import TPGroup
 from plait.layers.norm import RMSNorm
+from plait.layers.rotary import QKNorm
 from plait.models.llama import DecoderConfig, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -16,14 +18,17 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.is_cuda:  # both norms in one launch (plait.layers.qk_norm); q_norm and k_norm share eps
-            from plait.layers.qk_norm import qk_rmsnorm
-
-            return qk_rmsnorm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        if q.is_cuda:  # the rotary kernel normalises both first, in its own launch (rope_qk_norm)
+            return q, k
         t = q.shape[0]
         q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
         k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
         return q, k
+
+
+    def rope_qk_norm(self, q: torch.Tensor) -> QKNorm | None:
+        # q_norm and k_norm share eps (the config's rms_norm_eps).
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if q.is_cuda else None
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -93,6 +93,11 @@ class SpecWorker(Protocol):
         """The scheduler ran a plain target forward (a draft model mirrors the target's KV)."""
         ...
 
+    def joins_next_verify(self, req: Req) -> bool:
+        """Whether admitted ``req``, whose prompt is cached but for its last token, would join the
+        next speculative step's verify forward as one of its rows (instead of needing a forward)."""
+        ...
+
     def on_finish(self, req: Req) -> None:
         """``req`` finished, for any reason."""
         ...

@@ -285,6 +285,13 @@ class Scheduler:
         locs = [decode_slots] if decode_slots is not None else []
         budget = self.config.prefill_token_budget(self.runner.max_context_len)
         self.admit()
+        if skip and not entries and self.spec_worker is not None and all(
+                self.spec_worker.joins_next_verify(r) for r in self.prefilling):
+            # This step verified already and only cached-prompt admissions are left: they join the
+            # next step's verify as rows of it (decode_step admits them) rather than cost a forward
+            # of their own now. Never a wait for nothing: the next step verifies them, or, when it
+            # does not speculate, schedules them here with an empty ``skip``.
+            return None
         for req in self.prefilling:
             if budget <= 0:
                 break

@@ -140,6 +140,9 @@ class BaseSpecWorker(ABC):
         adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
         return max(0, min(self.num_steps, adaptive, left - 1, room))
 
+    def joins_next_verify(self, req: Req) -> bool:
+        return self.joins_admissions and req.fill_len - req.kv_len == 1 and self._max_depth(req) is not None
+
     def should_speculate(self) -> bool:
         """Whether this scheduler step speculates (False: a plain, overlapped decode step)."""
         if self._skip > 0:

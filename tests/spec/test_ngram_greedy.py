@@ -280,9 +280,9 @@ def test_admitted_requests_with_a_cached_prompt_join_the_verify_forward(model_pa
         fb, *a, **kw)
     outs = engine.generate(PROMPTS[:4], GREEDY)
     assert [o.token_ids for o in outs] == reference[:4]
-    # Both first requests joined the first verify; later admissions follow finishes in the same
-    # step (after the verify), so they prefill as a one-token decode, never as an extend.
-    assert modes[0] == ("TARGET_VERIFY", 2) and all(mode != "EXTEND" for mode, _ in modes), modes
+    # Both first requests joined the first verify; later admissions follow finishes (after a
+    # verify) and wait for the next step's verify rather than prefill in a forward of their own.
+    assert modes[0] == ("TARGET_VERIFY", 2) and all(mode == "TARGET_VERIFY" for mode, _ in modes), modes
     assert all(o.meta_info["cached_tokens"] == len(p) - 1 for o, p in zip(outs, PROMPTS, strict=False))
     assert_no_leaks(engine)
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.layers.pdl import pdl_prologue, use_pdl
+
 from ._common import (
     LaunchConfig,
     check_head_dim,
@@ -115,7 +117,9 @@ def _decode_stage1_kernel(
     FUSED_REDUCE: tl.constexpr,
     GPU_FENCE: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
@@ -149,6 +153,9 @@ def _decode_stage1_kernel(
             mask_n = offs_n < split_end
             loc = tl.load(Kv_Indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
             k = tl.load(k_head + loc[:, None] * stride_kbs + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            # V is issued with K, before the QK dot that does not need it: the two gathers overlap
+            # (at short contexts a split is one tile, and its loads' latency is the kernel's time).
+            v = tl.load(v_head + loc[:, None] * stride_vbs + offs_dv[None, :], mask=mask_n[:, None], other=0.0)
             # An FP8 cache converts in registers; its K scale is folded into sm_scale, its V scale
             # multiplies each split's output (the merge is linear in V).
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION)  # [BLOCK_H, BLOCK_N] fp32
@@ -159,31 +166,40 @@ def _decode_stage1_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_head + loc[:, None] * stride_vbs + offs_dv[None, :], mask=mask_n[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
             m_i = m_new
 
         out = acc / l_i[:, None] * v_scale
         lse = m_i * 0.6931471805599453 + tl.log(l_i)  # base-2 max -> natural-log LSE
-        o_ptrs = (
-            Att_Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split_id * stride_os + offs_dv[None, :]
-        )
-        tl.store(o_ptrs, out, mask=mask_h[:, None])
-        tl.store(Att_Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split_id, lse, mask=mask_h)
+        if (n_active == 1) & FUSED_REDUCE:
+            # The only split is the whole answer: write it at once, without the workspace round trip,
+            # the fence, the counter and the merge (short contexts, where those latencies dominate).
+            # A sink adds exp(sink) to the denominator: out * exp(lse) / (exp(lse) + exp(sink)).
+            if HAS_SINKS:
+                sink = tl.load(Sinks + heads, mask=mask_h, other=0.0)
+                out = out / (1.0 + tl.exp(sink - lse))[:, None]
+            tl.store(Out + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_dv[None, :],
+                     out.to(Out.dtype.element_ty), mask=mask_h[:, None])
+        else:
+            o_ptrs = (Att_Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split_id * stride_os
+                      + offs_dv[None, :])
+            tl.store(o_ptrs, out, mask=mask_h[:, None])
+            tl.store(Att_Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split_id, lse, mask=mask_h)
         if FUSED_REDUCE:
-            # The last split of (request, kv head) to finish merges all of them (stage 2 without a
-            # second launch). Publication protocol (CUDA's threadfence reduction): every thread fences
-            # its partial stores at GPU scope, the CTA synchronises, then one acq_rel atomic counts the
-            # split; the program that sees count == active - 1 reads the partials through L2 (.cg).
-            if GPU_FENCE:
-                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [offs_h],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-            tl.debug_barrier()
-            counter = Split_Counters + b * num_kv_heads + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                _merge_splits(Att_Out, Att_Lse, Out, Sinks, b, heads, mask_h, n_active, stride_ob, stride_oh,
-                              stride_os, stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV, HAS_SINKS)
+            if n_active > 1:
+                # The last split of (request, kv head) to finish merges all of them (stage 2 without a
+                # second launch). Publication protocol (CUDA's threadfence reduction): every thread fences
+                # its partial stores at GPU scope, the CTA synchronises, then one acq_rel atomic counts the
+                # split; the program that sees count == active - 1 reads the partials through L2 (.cg).
+                if GPU_FENCE:
+                    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [offs_h],
+                                              dtype=tl.int32, is_pure=False, pack=1)
+                tl.debug_barrier()
+                counter = Split_Counters + b * num_kv_heads + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+                    _merge_splits(Att_Out, Att_Lse, Out, Sinks, b, heads, mask_h, n_active, stride_ob, stride_oh,
+                                  stride_os, stride_lb, stride_lh, stride_o_b, stride_o_h, BLOCK_H, DV, HAS_SINKS)
     if FUSED_REDUCE:
         if (n_active == 0) & (split_id == 0):
             # No split at all (a padded CUDA-graph row with fill value 0): zeros, as stage 2 writes.
@@ -345,6 +361,7 @@ def decode_attention_fwd(
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,)):
         raise ValueError(f"sinks must be float32 [num_q_heads={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
     sinks_arg = sinks if sinks is not None else num_kv_splits  # unused without sinks
+    pdl = use_pdl(q)
 
     _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
         q,
@@ -387,8 +404,10 @@ def decode_attention_fwd(
         FUSED_REDUCE=fused,
         GPU_FENCE=fused and q.is_cuda,
         HAS_SINKS=sinks is not None,
+        USE_PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     if fused:
         return

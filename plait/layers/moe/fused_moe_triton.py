@@ -33,7 +33,7 @@ from plait.layers.moe.activation_triton import activate
 from plait.layers.moe.align import max_padded_size, moe_align_block_size
 from plait.layers.moe.kernel_config import MoeKernelConfig, get_config
 from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
-from plait.layers.moe.small_batch import fused_experts_small_batch, get_small_batch_config, use_small_batch
+from plait.layers.moe.small_batch import fused_experts_small_batch, get_small_batch_config, small_batch_plan
 
 # Larger batches run in chunks of this many tokens so the [P, 2I] intermediates stay bounded.
 CHUNK_TOKENS = 16384
@@ -298,17 +298,23 @@ def fused_experts_triton(
     b2: torch.Tensor | None = None,
     small_batch: bool | None = None,
 ) -> torch.Tensor:
-    """[T, H] -> [T, H]: sum_k w[t,k] * down_k(act(gate_up_k(x_t))). While the pairs are few against
-    the experts (``small_batch.use_small_batch``; ``small_batch`` forces either way) the two-launch
-    path of ``small_batch`` without alignment; else the aligned pipeline, its launch config tuned
-    for this shape, device and batch bucket (``kernel_config.get_config``)."""
-    if use_small_batch(topk_ids.numel(), w13.shape[0]) if small_batch is None else small_batch:
+    """[T, H] -> [T, H]: sum_k w[t,k] * down_k(act(gate_up_k(x_t))). Where the small-batch path of
+    ``small_batch`` should run (``small_batch.small_batch_plan``: the path measured faster for this
+    shape, device and token bucket, or the untuned rule; ``small_batch`` forces either way) its two
+    launches without alignment; else the aligned pipeline, its launch config tuned for this shape,
+    device and batch bucket (``kernel_config.get_config``)."""
+    num_tokens, hidden = hidden_states.shape[0], hidden_states.shape[-1]  # checked before either path runs
+    num_experts, top_k, inter = w13.shape[0], topk_ids.shape[-1], w13.shape[1] // 2
+    device_name = _device_name(hidden_states.device)
+    if small_batch is None:
+        small_cfg = small_batch_plan(num_tokens, num_experts, top_k, hidden, inter, device_name)
+    elif small_batch:
+        small_cfg = get_small_batch_config(num_tokens, num_experts, top_k, hidden, inter, device_name)
+    else:
+        small_cfg = None
+    if small_cfg is not None:
         check_expert_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
-        small_cfg = get_small_batch_config(hidden_states.shape[0], w13.shape[0], topk_ids.shape[-1],
-                                           hidden_states.shape[1], w13.shape[1] // 2,
-                                           _device_name(hidden_states.device))
         return fused_experts_small_batch(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2,
                                          small_cfg)
-    config = get_config(hidden_states.shape[0], w13.shape[0], w13.shape[1] // 2, topk_ids.shape[-1],
-                        _device_name(hidden_states.device))
+    config = get_config(num_tokens, num_experts, inter, top_k, device_name)
     return fused_experts_with_config(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2, config)

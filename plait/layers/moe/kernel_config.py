@@ -1,8 +1,10 @@
 """Launch configurations of the fused MoE kernels, stored as data and read at run time.
 
 ``benchmarks/tune_fused_moe.py`` writes one JSON file per expert shape and device under
-``configs/``, named ``E{E}_N{N}_{device}.json`` (N is the intermediate size per rank, ``w2.shape[2]``;
-in the device name every character other than a letter, digit or ``-`` becomes ``_``). Each maps a
+``configs/`` (or any directory: at run time the one named by ``PLAIT_MOE_CONFIG_DIR`` is read first,
+so a fresh tune serves the same GPU session, then ``configs/``), named ``E{E}_N{N}_{device}.json``
+(N is the intermediate size per rank, ``w2.shape[2]``; in the device name every character other
+than a letter, digit or ``-`` becomes ``_``). Each maps a
 batch bucket M (tokens, as a string) to a config; a call takes the bucket nearest its token count.
 Without a file, a default that depends on how many tokens each expert receives on average.
 """
@@ -13,9 +15,22 @@ import functools
 import pathlib
 from dataclasses import asdict, dataclass
 
-from plait.layers.tuned_configs import device_file_tag, nearest_bucket, read_json_file
+from plait import envs
+from plait.layers.tuned_configs import device_file_tag, first_existing, nearest_bucket
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+
+
+def config_dirs() -> tuple[pathlib.Path, ...]:
+    """Where the MoE tables (this module's and ``small_batch``'s) are looked up, first match wins:
+    ``PLAIT_MOE_CONFIG_DIR`` (if set), then ``configs/``. Every MoE layer call asks (eager steps
+    too), so the tuple is built once per setting."""
+    return _dirs(envs.MOE_CONFIG_DIR.get(), CONFIG_DIR)
+
+
+@functools.cache
+def _dirs(override: str | None, package_dir: pathlib.Path) -> tuple[pathlib.Path, ...]:
+    return ((pathlib.Path(override),) if override else ()) + (package_dir,)
 
 
 @dataclass(frozen=True)
@@ -51,10 +66,16 @@ def config_file_name(num_experts: int, intermediate: int, device_name: str) -> s
     return f"E{num_experts}_N{intermediate}_{device_file_tag(device_name)}.json"
 
 
-@functools.cache
 def load_configs(num_experts: int, intermediate: int, device_name: str) -> dict[int, MoeKernelConfig] | None:
-    """Bucket M -> config from the tuned file, or None when no file exists for this shape/device."""
-    raw = read_json_file(CONFIG_DIR / config_file_name(num_experts, intermediate, device_name))
+    """Bucket M -> config from the tuned file, or None when no file exists for this shape/device
+    (parsed once per shape, device and ``config_dirs``)."""
+    return _load_configs(num_experts, intermediate, device_name, config_dirs())
+
+
+@functools.cache
+def _load_configs(num_experts: int, intermediate: int, device_name: str,
+                  dirs: tuple[pathlib.Path, ...]) -> dict[int, MoeKernelConfig] | None:
+    raw = first_existing(config_file_name(num_experts, intermediate, device_name), dirs)
     if raw is None:
         return None
     return {int(m): MoeKernelConfig.from_json(cfg) for m, cfg in raw.items()}
@@ -72,8 +93,15 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeKernelCo
 
 def get_config(num_tokens: int, num_experts: int, intermediate: int, top_k: int,
                device_name: str) -> MoeKernelConfig:
-    """The tuned config of the bucket nearest ``num_tokens`` (ties: the smaller bucket), else the default."""
-    table = load_configs(num_experts, intermediate, device_name)
+    """The tuned config of the bucket nearest ``num_tokens`` (ties: the smaller bucket), else the default
+    (resolved once per call shape and table source)."""
+    return _resolve(num_tokens, num_experts, intermediate, top_k, device_name, config_dirs())
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(num_tokens: int, num_experts: int, intermediate: int, top_k: int, device_name: str,
+             dirs: tuple[pathlib.Path, ...]) -> MoeKernelConfig:
+    table = _load_configs(num_experts, intermediate, device_name, dirs)
     if not table:
         return default_config(num_tokens, num_experts, top_k)
     return table[nearest_bucket(table, num_tokens)]

@@ -26,12 +26,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait import envs
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ShardedMLP
 from plait.layers.moe.all_to_all import dispatch_combine, split_rows
 from plait.layers.moe.reference import ACTIVATIONS, fused_experts_reference
 from plait.layers.moe.router import RouterConfig, select_experts
 from plait.layers.moe.routing_stats import RoutedExpertCounter
+from plait.layers.quantization.gemv import dense_linear
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -158,16 +160,20 @@ class FusedMoE(nn.Module):
 
 
 class Router(nn.Module):
-    """The replicated router projection ``[E, H]`` (gpt-oss adds a bias)."""
+    """The replicated router projection ``[E, H]`` (gpt-oss adds a bias). Logits come back in x's
+    dtype either way (``select_experts`` upcasts them to fp32 itself)."""
 
     def __init__(self, num_experts: int, hidden_size: int, bias: bool = False,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False) if bias else None
+        # Decode batches on CUDA through the small-M GEMV, as the dense linear layers: one launch where
+        # cuBLAS picks a split-K GEMM plus its reduce for this thin [E, H] matrix (``PLAIT_BF16_GEMV``).
+        self.small_m_gemv = envs.BF16_GEMV.get()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias, self.small_m_gemv)
 
 
 class SparseMoeBlock(nn.Module):

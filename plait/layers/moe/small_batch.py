@@ -16,13 +16,16 @@ the experts by the top-k ids directly):
 
 Pairs whose expert id is outside [0, E) (experts another expert-parallel rank holds) are skipped,
 as in the reference. An expert that two pairs of the step share is read twice (from L2 at best),
-so the path pays off only while the pairs rarely share experts: ``use_small_batch`` says when.
+so the path pays off only while the pairs rarely share experts and the experts are small: a tuned
+table says per token bucket which path measured faster (``small_batch_plan``), ``use_small_batch``
+is the rule without one.
 Buffer sizes depend only on T, K and the shapes, and nothing is read on the host: graph capturable.
 """
 
 from __future__ import annotations
 
 import functools
+import pathlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -30,71 +33,136 @@ import triton
 import triton.language as tl
 
 from plait.layers.moe.activation_triton import activate
-from plait.layers.moe.kernel_config import CONFIG_DIR
+from plait.layers.moe.kernel_config import config_dirs
 from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
-from plait.layers.tuned_configs import device_file_tag, nearest_bucket, read_json_file
+from plait.layers.tuned_configs import device_file_tag, first_existing, nearest_bucket
 
-# The small path runs while pairs * SPARSITY_FACTOR <= experts: then the pairs of a step share few
-# experts (with P pairs over E experts, about P / (2E) of the pairs repeat one), so reading each
-# pair's expert on its own costs little over reading each distinct expert once.
+# The untuned rule (``use_small_batch``) takes the small path while pairs * SPARSITY_FACTOR <= experts:
+# then the pairs of a step share few experts (with P pairs over E experts, about P / (2E) of the pairs
+# repeat one), so reading each pair's expert on its own costs little over reading each distinct
+# expert once.
 SPARSITY_FACTOR = 4
+# ... and only for experts of at most this many parameters (gate, up and down: 3 * H * I). What the
+# small path saves is launches (the alignment's two and the top-k sum: a few microseconds) and the
+# padding of each pair to a block_m-row tile; what it costs is bandwidth, since its GEMV tiles stream
+# a large expert below the aligned GEMM's rate. With large experts (gpt-oss-20b: 25M parameters, a
+# bs-1 layer reads 200 MB) the bytes' time dwarfs the saved launches and the aligned pipeline wins
+# (measured on an H200 with the default tiles: 62 us aligned, 79 us small at one token); with small
+# ones (qwen3-30b-a3b: 4.7M, 75 MB) the two tie at one token and the small path wins at two.
+SMALL_EXPERT_MAX_PARAMS = 8 << 20
 
 # Enough programs for every SM of a large GPU to hold a few, so the weight reads keep enough bytes
 # in flight; a program's tile is the unit each SM streams.
 _TARGET_PROGRAMS = 512
 
+PATHS = ("small", "aligned")
 
-def use_small_batch(num_pairs: int, num_experts: int) -> bool:
-    """Whether ``fused_experts_triton`` takes this module's path for T * K = ``num_pairs`` pairs."""
-    return 0 < num_pairs and num_pairs * SPARSITY_FACTOR <= num_experts
+
+def use_small_batch(num_pairs: int, num_experts: int, hidden: int, inter: int) -> bool:
+    """The untuned rule (no table for the shape and device): whether ``fused_experts_triton`` takes
+    this module's path for T * K = ``num_pairs`` pairs over experts of ``hidden`` x ``inter``."""
+    return (0 < num_pairs and num_pairs * SPARSITY_FACTOR <= num_experts
+            and 3 * hidden * inter <= SMALL_EXPERT_MAX_PARAMS)
 
 
 @dataclass(frozen=True)
 class SmallBatchConfig:
     """Tiles of the two launches: ``block_n`` columns of I per gate/up program, ``block_h`` rows of H
-    per down program, ``block_k`` of the reduction dimension per step (both kernels)."""
+    per down program, ``block_k`` of the reduction dimension per step (both kernels), and the
+    launches' ``num_warps`` and ``num_stages`` (software pipelining of the weight loads)."""
 
     block_n: int
     block_h: int
     block_k: int
     num_warps: int = 4
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_h", "block_k"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SmallBatchConfig.{name} must be a power of two, got {value}")
-        if self.num_warps < 1:
-            raise ValueError(f"SmallBatchConfig.num_warps must be >= 1, got {self.num_warps}")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"SmallBatchConfig: num_warps and num_stages must be >= 1, got {self}")
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class SmallBatchBucket:
+    """One measured token bucket of a small-batch table: the path that won there (``path``, one of
+    ``PATHS``: this module's or the aligned pipeline at its own tuned config), and the small path's
+    fastest tiles (used where it wins, or where a caller forces the small path)."""
+
+    path: str
+    config: SmallBatchConfig
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise ValueError(f"SmallBatchBucket.path must be one of {PATHS}, got {self.path!r}")
+
+    @classmethod
+    def from_json(cls, data: dict) -> SmallBatchBucket:
+        return cls(path=data["path"], config=SmallBatchConfig(**data["config"]))
+
+
 def small_config_file_name(num_experts: int, intermediate: int, device_name: str) -> str:
-    """The tuned table of this path, beside the aligned pipeline's in ``kernel_config.CONFIG_DIR``:
-    ``small_E{E}_N{I}_{device}.json``, token bucket M -> ``SmallBatchConfig`` fields
-    (``benchmarks/tune_fused_moe.py --small-batch`` writes it)."""
+    """The tuned table of this path, beside the aligned pipeline's (``kernel_config.config_dirs``):
+    ``small_E{E}_N{I}_{device}.json``, token bucket M -> {"path": "small" | "aligned", "config":
+    ``SmallBatchConfig`` fields, "us": {path: measured microseconds}} (``benchmarks/tune_fused_moe.py
+    --small-batch`` writes it; "us" is for reading, not read here)."""
     return f"small_E{num_experts}_N{intermediate}_{device_file_tag(device_name)}.json"
 
 
+def load_small_batch_table(num_experts: int, intermediate: int,
+                           device_name: str) -> dict[int, SmallBatchBucket] | None:
+    """Bucket M -> ``SmallBatchBucket`` from the first of ``config_dirs`` holding the shape's table,
+    or None (parsed once per shape, device and directory list)."""
+    return _load_table(num_experts, intermediate, device_name, config_dirs())
+
+
 @functools.cache
-def load_small_batch_configs(num_experts: int, intermediate: int,
-                             device_name: str) -> dict[int, SmallBatchConfig] | None:
-    raw = read_json_file(CONFIG_DIR / small_config_file_name(num_experts, intermediate, device_name))
+def _load_table(num_experts: int, intermediate: int, device_name: str,
+                dirs: tuple[pathlib.Path, ...]) -> dict[int, SmallBatchBucket] | None:
+    raw = first_existing(small_config_file_name(num_experts, intermediate, device_name), dirs)
     if raw is None:
         return None
-    return {int(m): SmallBatchConfig(**cfg) for m, cfg in raw.items()}
+    return {int(m): SmallBatchBucket.from_json(bucket) for m, bucket in raw.items()}
 
 
 def get_small_batch_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
                            device_name: str) -> SmallBatchConfig:
-    """The tuned config of the bucket nearest ``num_tokens`` for this shape and device, else
-    ``small_batch_config``'s choice."""
-    table = load_small_batch_configs(num_experts, inter, device_name)
+    """The small path's tiles for ``num_tokens``: the tuned ones of the nearest bucket for this shape
+    and device, else ``small_batch_config``'s choice."""
+    table = load_small_batch_table(num_experts, inter, device_name)
     if not table:
         return small_batch_config(num_tokens, top_k, hidden, inter)
-    return table[nearest_bucket(table, num_tokens)]
+    return table[nearest_bucket(table, num_tokens)].config
+
+
+def small_batch_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                     device_name: str) -> SmallBatchConfig | None:
+    """The dispatcher's choice for ``num_tokens`` tokens: the small path's tiles where it should run,
+    None where the aligned pipeline should. With a table for the shape and device: the path measured
+    fastest at the nearest bucket, and the aligned pipeline above the largest bucket (the tuner
+    measures every bucket where the small path could win). Without one: ``use_small_batch``.
+    Resolved once per call shape and table source (every MoE layer call asks)."""
+    return _plan(num_tokens, num_experts, top_k, hidden, inter, device_name, config_dirs())
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, device_name: str,
+          dirs: tuple[pathlib.Path, ...]) -> SmallBatchConfig | None:
+    table = _load_table(num_experts, inter, device_name, dirs)
+    if not table:
+        if not use_small_batch(num_tokens * top_k, num_experts, hidden, inter):
+            return None
+        return small_batch_config(num_tokens, top_k, hidden, inter)
+    if num_tokens < 1 or num_tokens > max(table):
+        return None
+    bucket = table[nearest_bucket(table, num_tokens)]
+    return bucket.config if bucket.path == "small" else None
 
 
 def _largest_block(count: int, width: int, smallest: int, largest: int) -> int:
@@ -237,10 +305,11 @@ def fused_experts_small_batch(
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if b13 is not None else 0, act.stride(0),
         TOP_K=top_k, HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation),
         ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=hidden % cfg.block_k == 0, num_warps=cfg.num_warps)
+        EVEN_K=hidden % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
         act, w2, b2 if b2 is not None else w2, ids, weights, out, hidden, inter, num_experts,
         act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0, out.stride(0),
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
-        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, num_warps=cfg.num_warps)
+        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
