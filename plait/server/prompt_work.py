@@ -68,14 +68,14 @@ def tokenize_prompt(frontend: Frontend, prompt: str | list[int]) -> list[int]:
 
 
 def ids_only(prompt: object) -> bool:
-    """Whether a completions prompt is token ids only (one list of ints, or a list of them), at most
-    ``INLINE_PROMPT_IDS`` in all: cheap enough to check on the event loop."""
+    """Whether a completions prompt, as the request model validated it (a string, a list of strings,
+    of ints or of int lists: one kind throughout), is token ids, at most ``INLINE_PROMPT_IDS`` in all:
+    cheap enough to check on the event loop. The first element tells the kind."""
     if not isinstance(prompt, list) or not prompt:
         return False
-    if all(isinstance(i, int) for i in prompt):
+    if isinstance(prompt[0], int):
         return len(prompt) <= INLINE_PROMPT_IDS
-    return (all(isinstance(p, list) and all(isinstance(i, int) for i in p) for p in prompt)
-            and sum(map(len, prompt)) <= INLINE_PROMPT_IDS)
+    return isinstance(prompt[0], list) and sum(map(len, prompt)) <= INLINE_PROMPT_IDS
 
 
 def check_rendered(text: str, max_chars: int) -> None:
