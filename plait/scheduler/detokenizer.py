@@ -110,12 +110,13 @@ class IncrementalDetokenizer:
     def take_delta(self, finished: bool) -> str:
         """New text for a streaming client. While running, hold back a suffix that could begin a
         stop string; when finished, everything up to the (trimmed) end."""
-        end = len(self.final_text())
+        text = self.text  # decodes what waits, once
+        end = len(text) if self.stopped_at is None else min(len(text), self.stopped_at)
         if not finished and self.stop:
-            end = min(end, len(self.text) - self._stop_prefix_overlap())
+            end = min(end, len(text) - self._stop_prefix_overlap())
         if end <= self.sent:
             return ""
-        delta = self.text[self.sent : end]
+        delta = text[self.sent : end]
         self.sent = end
         return delta
 
