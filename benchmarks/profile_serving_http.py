@@ -158,7 +158,8 @@ def _serve(model: str, port: int, log: Any, profile_to: str | None, extra: list[
     cmd = [sys.executable, "-c", main_src, profile_to or "", "" if replay_step_ms is None else str(replay_step_ms),
            "serve", "--model", model, "--port", str(port), "--device", "cpu",
            "--max-running-requests", "256", "--max-total-tokens", "65536", *extra]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # Run from that tree too: ``python -c`` puts the working directory first on sys.path.
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=SERVER_TREE or None)
 
 
 def run_server_load(model: str, requests: list[tuple[list[int], int]], log_dir: str, profile_to: str | None,
