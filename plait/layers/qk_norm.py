@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.layers.pdl import pdl_prologue, use_pdl
+
 
 @triton.jit
 def _head_rmsnorm(src, dst, w_ptr, n_heads, eps, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -38,7 +40,8 @@ def _head_rmsnorm(src, dst, w_ptr, n_heads, eps, HEAD_DIM: tl.constexpr, BLOCK_D
 @triton.jit
 def _qk_rmsnorm_kernel(Q, K, WQ, WK, QO, KO, stride_q, stride_k, n_q_heads, n_k_heads, eps,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                       BLOCK_HK: tl.constexpr):
+                       BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     _head_rmsnorm(Q + t * stride_q, QO + t * n_q_heads * HEAD_DIM, WQ, n_q_heads, eps, HEAD_DIM, BLOCK_D, BLOCK_HQ)
     _head_rmsnorm(K + t * stride_k, KO + t * n_k_heads * HEAD_DIM, WK, n_k_heads, eps, HEAD_DIM, BLOCK_D, BLOCK_HK)
@@ -63,8 +66,10 @@ def qk_rmsnorm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weigh
     k_out = torch.empty(n_tokens, k.shape[1], dtype=k.dtype, device=k.device)
     if n_tokens:
         block_hq = triton.next_power_of_2(n_q_heads)
+        pdl = use_pdl(q)
         _qk_rmsnorm_kernel[(n_tokens,)](
             q, k, q_weight, k_weight, q_out, k_out, q.stride(0), k.stride(0), n_q_heads, n_k_heads, eps,
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_HQ=block_hq,
-            BLOCK_HK=triton.next_power_of_2(n_k_heads), num_warps=8 if block_hq * head_dim >= 4096 else 4)
+            BLOCK_HK=triton.next_power_of_2(n_k_heads), USE_PDL=pdl,
+            num_warps=8 if block_hq * head_dim >= 4096 else 4, launch_pdl=pdl)
     return q_out, k_out

@@ -93,7 +93,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads, n_k_heads,
                    V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc, WQ, WK, eps,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, QK_NORM: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, QK_NORM: tl.constexpr,
+                   USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0)
     pos = tl.load(POS + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -168,10 +170,11 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
         store_args = (v, k_cache, v_cache, loc, v.stride(0), k_cache.stride(0), v_cache.stride(0))
     else:
         store_args = (k, k, k, positions, 0, 0, 0)  # unused
+    pdl = use_pdl(q)
     _rotary_kernel[(t,)](q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
                          n_q, n_k, *store_args, *norm_args, HALF=head_dim // 2,
                          BLOCK_H=triton.next_power_of_2(max(n_q, n_k)), STORE=kv_store is not None,
-                         QK_NORM=qk_norm is not None)
+                         QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl)
     return q, k
 
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.layers.pdl import pdl_prologue, use_pdl
+
 _COUNT_BLOCK = 1024  # pairs per histogram step
 _FILL_BLOCK = 1024
 _SCATTER_BLOCK = 256  # pairs per scatter program
@@ -54,9 +56,10 @@ def expert_histogram(topk_ids, num_pairs, num_experts, BLOCK_E: tl.constexpr, CO
 def _align_scan_kernel(topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded, cursor,
                        num_pairs, num_experts, max_padded, max_blocks,
                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-                       FILL_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+                       FILL_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program: per-expert counts, padded offsets (into ``cursor``, the scatter's start positions),
     the padded total, the sentinel fill of ``sorted_token_ids`` and the block -> expert table."""
+    pdl_prologue(USE_PDL)
     e_range = tl.arange(0, BLOCK_E)
     e_valid = e_range < num_experts
     counts = expert_histogram(topk_ids, num_pairs, num_experts, BLOCK_E, COUNT_BLOCK)
@@ -75,8 +78,10 @@ def _align_scan_kernel(topk_ids, sorted_token_ids, expert_ids, num_tokens_post_p
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _align_scatter_kernel(topk_ids, sorted_token_ids, cursor, num_pairs, num_experts, BLOCK: tl.constexpr):
+def _align_scatter_kernel(topk_ids, sorted_token_ids, cursor, num_pairs, num_experts, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
     """Each valid pair takes the next free row of its expert's run."""
+    pdl_prologue(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < num_pairs
     ids = tl.load(topk_ids + offs, mask=in_range, other=-1)
@@ -105,10 +110,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
+    pdl = use_pdl(ids)
     _align_scan_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_padded, cursor, num_pairs, num_experts,
                              max_padded, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e, COUNT_BLOCK=_COUNT_BLOCK,
-                             FILL_BLOCK=_FILL_BLOCK, BLOCK_B=max(16, 4096 // block_e), num_warps=8)
+                             FILL_BLOCK=_FILL_BLOCK, BLOCK_B=max(16, 4096 // block_e), USE_PDL=pdl, num_warps=8,
+                             launch_pdl=pdl)
     if num_pairs:
         _align_scatter_kernel[(triton.cdiv(num_pairs, _SCATTER_BLOCK),)](
-            ids, sorted_ids, cursor, num_pairs, num_experts, BLOCK=_SCATTER_BLOCK)
+            ids, sorted_ids, cursor, num_pairs, num_experts, BLOCK=_SCATTER_BLOCK, USE_PDL=pdl, launch_pdl=pdl)
     return sorted_ids, expert_ids, num_post_padded

@@ -34,6 +34,7 @@ from plait.layers.moe.align import max_padded_size, moe_align_block_size
 from plait.layers.moe.kernel_config import MoeKernelConfig, get_config
 from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from plait.layers.moe.small_batch import fused_experts_small_batch, get_small_batch_config, small_batch_plan
+from plait.layers.pdl import pdl_prologue, use_pdl
 
 # Larger batches run in chunks of this many tokens so the [P, 2I] intermediates stay bounded.
 CHUNK_TOKENS = 16384
@@ -53,6 +54,7 @@ def fused_moe_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """C[pair, n] = (A[pair // A_ROW_DIV] @ B[expert].T)[n] (+ Bias[expert, n]) (* weight[pair]).
 
@@ -61,6 +63,7 @@ def fused_moe_kernel(
     With ACTIVATION >= 0, N is the activation's width I: column n accumulates B rows n (gate) and
     up_offset + n (up) and stores act(gate) * up.
     """
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -124,9 +127,11 @@ def fused_moe_kernel(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _moe_activation_kernel(X, Y, topk_ids, n_rows, n, num_experts, stride_x, stride_y, ACTIVATION: tl.constexpr,
-                           ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+                           ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     """Y[row, :n] = act(X[row, :n], X[row, n:2n]) for each pair row whose expert is in [0, E) (the
     GEMM wrote no other row)."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids + row)
     if (expert < 0) | (expert >= num_experts):
@@ -141,9 +146,10 @@ def _moe_activation_kernel(X, Y, topk_ids, n_rows, n, num_experts, stride_x, str
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _moe_sum_kernel(X, topk_ids, Y, n_tokens, H, num_experts, stride_x, stride_y,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Y[t] = sum over k of X[t * TOP_K + k] in fp32, skipping pairs whose expert is outside [0, E)
     (their rows of X were never written)."""
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -169,6 +175,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b
     em = sorted_token_ids.shape[0]
     num_pairs = c.shape[0]
     grid = (triton.cdiv(em, config.block_m) * triton.cdiv(n, config.block_n),)
+    pdl = use_pdl(a)
     fused_moe_kernel[grid](
         a, b, c, bias if bias is not None else b, topk_weights if topk_weights is not None else c,
         sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -178,8 +185,8 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None,
         ACTIVATION=_NO_ACTIVATION if activation is None else _ACTIVATION_CODE[activation],
-        EVEN_K=k % config.block_k == 0, ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        EVEN_K=k % config.block_k == 0, ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, USE_PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
 
 
@@ -190,10 +197,11 @@ def moe_activation(gate_up: torch.Tensor, out: torch.Tensor, topk_ids: torch.Ten
     n_rows, n = out.shape
     block = min(1024, triton.next_power_of_2(n))
     if n_rows:
+        pdl = use_pdl(gate_up)
         _moe_activation_kernel[(n_rows, triton.cdiv(n, block))](
             gate_up, out, topk_ids, n_rows, n, num_experts, gate_up.stride(0), out.stride(0),
             ACTIVATION=_ACTIVATION_CODE[activation],
-            ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK=block)
+            ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK=block, USE_PDL=pdl, launch_pdl=pdl)
 
 
 def moe_sum(pair_out: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, num_experts: int) -> None:
@@ -202,9 +210,10 @@ def moe_sum(pair_out: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, n
     top_k = topk_ids.shape[1]
     block = min(1024, triton.next_power_of_2(hidden))
     if n_tokens:
+        pdl = use_pdl(out)
         _moe_sum_kernel[(n_tokens, triton.cdiv(hidden, block))](
             pair_out, topk_ids, out, n_tokens, hidden, num_experts, pair_out.stride(0), out.stride(0),
-            TOP_K=top_k, BLOCK_H=block)
+            TOP_K=top_k, BLOCK_H=block, USE_PDL=pdl, launch_pdl=pdl)
 
 
 def check_expert_inputs(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

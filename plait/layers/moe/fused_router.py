@@ -18,10 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.layers.pdl import pdl_prologue, use_pdl
+
 
 @triton.jit
 def _fused_topk_kernel(Logits, Weights, Ids, E, stride_l, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
-                       SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                       SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     in_e = offs < E
@@ -66,8 +70,10 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, softmax_first: bool,
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens:
         block_e = triton.next_power_of_2(num_experts)
+        pdl = use_pdl(router_logits)
         _fused_topk_kernel[(num_tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
             TOP_K_PAD=triton.next_power_of_2(top_k), SOFTMAX_FIRST=softmax_first,
-            RENORMALIZE=renormalize, BLOCK_E=block_e, num_warps=1 if block_e <= 256 else 4)
+            RENORMALIZE=renormalize, BLOCK_E=block_e, USE_PDL=pdl, num_warps=1 if block_e <= 256 else 4,
+            launch_pdl=pdl)
     return weights, ids

@@ -35,6 +35,7 @@ import triton.language as tl
 from plait.layers.moe.activation_triton import activate
 from plait.layers.moe.kernel_config import config_dirs
 from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.tuned_configs import device_file_tag, first_existing, nearest_bucket
 
 # The untuned rule (``use_small_batch``) takes the small path while pairs * SPARSITY_FACTOR <= experts:
@@ -190,10 +191,11 @@ def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
                           stride_xm, stride_we, stride_wn, stride_be, stride_am,
                           TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Act[p, n] = act(gate, up) with gate = x[p // TOP_K] . W13[e, n] (+ B13[e, n]) and up the same
     at row INTER + n, for the block of columns n of program 1, e = topk_ids[p]; rows of skipped pairs
     stay unwritten. W13 [E, 2 * INTER, H] with H contiguous."""
+    pdl_prologue(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids + pair).to(tl.int64)
     if (expert < 0) | (expert >= num_experts):
@@ -237,9 +239,11 @@ def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
 def _small_down_sum_kernel(Act, W2, B2, topk_ids, topk_weights, Out, H, INTER, num_experts,
                            stride_am, stride_we, stride_wh, stride_be, stride_om,
                            TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     """Out[t, h] = sum over t's valid pairs p of weight[p] * (Act[p] . W2[e_p, h] (+ B2[e_p, h])), in
     fp32, for the block of rows h of program 1. W2 [E, H, INTER] with INTER contiguous."""
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rows = (offs_h % H).to(tl.int64)  # wrapped like the gate/up columns; the store masks them
@@ -300,16 +304,18 @@ def fused_experts_small_batch(
     # The routers return float32 weights: then no cast (not even a no-op ``to``) is issued.
     weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x)
     _small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.block_n))](
         x, w13, b13 if b13 is not None else w13, ids, act, hidden, inter, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if b13 is not None else 0, act.stride(0),
         TOP_K=top_k, HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation),
         ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=hidden % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=hidden % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl)
     _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
         act, w2, b2 if b2 is not None else w2, ids, weights, out, hidden, inter, num_experts,
         act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0, out.stride(0),
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
-        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out
