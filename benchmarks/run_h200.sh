@@ -99,6 +99,12 @@ for stage in "$@"; do
       done ;;
     fp8-decode)  # FP8 decode-bs1 8b (weight-only GEMV, the shipped configs) against plait bf16 in the same run
       python -m plait bench quant --workload decode-bs1 --out "$OUT" 2>&1 | grep -E '^\{"workload|Error' ;;
+    fp8-decode-noprefetch)  # the same with the GEMV's L2 weight prefetch under PDL off (its A/B)
+      PLAIT_GEMV_PREFETCH=0 python -m plait bench quant --workload decode-bs1 --out "$OUT/noprefetch" 2>&1 \
+        | grep -E '^\{"workload|Error' ;;
+    pdl-test) python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
+    moe-latency-nopeer) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-peer --out "$OUT" 2>&1 \
+                          | grep -E '^\{"workload|Error' ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
