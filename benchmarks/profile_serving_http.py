@@ -35,7 +35,15 @@ from typing import Any
 
 import httpx
 
-from plait.server.bench import _free_port, _wait_healthy, make_requests, run_load, run_load_procs, stop_server
+from plait.server.bench import (
+    _free_port,
+    _wait_healthy,
+    make_requests,
+    percentile,
+    run_load,
+    run_load_procs,
+    stop_server,
+)
 
 # File-path fragments (or function names) of each group, first match wins. Self times only, so the
 # groups add up to the profile's total.
@@ -150,7 +158,8 @@ def _serve(model: str, port: int, log: Any, profile_to: str | None, extra: list[
     cmd = [sys.executable, "-c", main_src, profile_to or "", "" if replay_step_ms is None else str(replay_step_ms),
            "serve", "--model", model, "--port", str(port), "--device", "cpu",
            "--max-running-requests", "256", "--max-total-tokens", "65536", *extra]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # Run from that tree too: ``python -c`` puts the working directory first on sys.path.
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=SERVER_TREE or None)
 
 
 def run_server_load(model: str, requests: list[tuple[list[int], int]], log_dir: str, profile_to: str | None,
@@ -198,6 +207,7 @@ def _load_named(base: str, name: str, requests: list[tuple[list[int], int]], pid
     tokens = sum(r.tokens for r in results)
     return {"chunks": chunks, "tokens": tokens, "errors": sum(not r.ok for r in results), "duration_s": duration,
             "output_tok_s": tokens / duration, "tokens_per_chunk": tokens / max(chunks, 1),
+            "ttft_p50_ms": 1000 * (percentile([r.ttft for r in results if r.ttft is not None], 50) or 0.0),
             "http_cpu_s": http_cpu, "client_cpu_s": client_cpu,
             "http_cpu_us_per_chunk": 1e6 * http_cpu / max(chunks, 1),
             "http_cpu_us_per_token": 1e6 * http_cpu / max(tokens, 1),

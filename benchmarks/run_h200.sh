@@ -13,6 +13,7 @@
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
 # gemv-tests / gemv / gemv-bf16-ab: the small-M GEMV's GPU tests; its tuning, then gemm and FP8 decode-bs1 on
 # the fresh configs; bf16 decode-bs1 8b with cuBLAS and with the GEMV (docs/quantization.md#small-m-gemv).
+# fp8-mma: the FP8 GEMV's W8A8 form: GPU tests, tuning, weight-only vs W8A8 per shape, decode-bs1 A/B.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -66,6 +67,20 @@ for stage in "$@"; do
         --budget-s "${GEMV_TUNE_S:-40}" 2>&1 | tee "$OUT/gemv-fp8-tune.log" | grep -E 'M= 1:|wrote|Error'
       PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant --workload decode-bs1 --out "$OUT" \
         2>&1 | grep -E '^\{"workload|Error' ;;
+    fp8-mma)  # the FP8 GEMV's W8A8 form (docs/quantization.md#small-m-gemv), about 3 min: the FP8 GPU tests,
+      # its kinds tuned at the 8b shapes for M 1 and 16 over the shipped table, weight-only vs W8A8 per shape
+      # (marking the cases where W8A8 is faster), then FP8 decode-bs1 8b with the tables' choice (table), W8A8 (1)
+      # and weight-only (0), each JSON kept
+      python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/fp8-mma-tests.log" \
+        | tail -6
+      mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
+      PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" \
+        --shapes llama-3.1-8b --kinds fp8_channel_mma,fp8_block_mma --m 1,16 --budget-s "${GEMV_TUNE_S:-90}" \
+        --compare 2>&1 | tee "$OUT/fp8-mma-tune.log" | grep -E 'M= ?[0-9]+:|precompiled|budget|wrote|Error'
+      for on in table 1 0; do
+        PLAIT_FP8_GEMV_W8A8=${on#table} PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant \
+          --workload decode-bs1 --out "$OUT/fp8-w8a8-$on" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     gemv-moe)  # tune the bf16 GEMV at the MoE shapes' attention projections and routers (M 1-8) over the shipped table
       mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
       python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --shapes qwen3-30b-a3b,gpt-oss-20b --kinds bf16 \
@@ -76,6 +91,20 @@ for stage in "$@"; do
         PLAIT_PDL=$on python -m plait bench latency --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/pdl-$on" \
           2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    gemv-prefetch-ab)  # decode-bs1 8b, FP8 weights and bf16 in each run, without (0) and with (1) the GEMV's L2
+      # prefetch before its PDL wait (docs/quantization.md#small-m-gemv); about 2 min
+      for on in 0 1; do
+        PLAIT_GEMV_PREFETCH=$on python -m plait bench quant --workload decode-bs1 --out "$OUT/gemv-prefetch-$on" 2>&1 \
+          | grep -E '^\{"workload|Error'
+      done ;;
+    fp8-decode)  # FP8 decode-bs1 8b (weight-only GEMV, the shipped configs) against plait bf16 in the same run
+      python -m plait bench quant --workload decode-bs1 --out "$OUT" 2>&1 | grep -E '^\{"workload|Error' ;;
+    fp8-decode-noprefetch)  # the same with the GEMV's L2 weight prefetch under PDL off (its A/B)
+      PLAIT_GEMV_PREFETCH=0 python -m plait bench quant --workload decode-bs1 --out "$OUT/noprefetch" 2>&1 \
+        | grep -E '^\{"workload|Error' ;;
+    pdl-test) python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
+    moe-latency-nopeer) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-peer --out "$OUT" 2>&1 \
+                          | grep -E '^\{"workload|Error' ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \

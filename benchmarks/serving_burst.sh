@@ -64,6 +64,19 @@ for run in ("cold", "warm", "interval", "poisson"):
                                                        "device": r.get("device"), "commit": r.get("commit")}
 (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary, indent=1))
+def num(v, f):
+    return "n/a" if v is None else format(v, f)
+for run in ("cold", "warm", "interval"):
+    r = summary.get(run)
+    if r:
+        print(f"{run:8s} server {num(r['plait'], '.0f')} tok/s vs offline {num(r['peer'], '.0f')}: "
+              f"ratio_vs_peer {num(r['ratio_vs_peer'], '.3f')} (bar 0.90); TTFT p50 {num(r['ttft_p50_ms'], '.0f')} ms vs "
+              f"{num(r['peer_ttft_p50_ms'], '.0f')} ms: ratio {num(r['ttft_p50_ratio_vs_peer'], '.2f')} (bar 1.5); "
+              f"tokens/event {num(r['tokens_per_chunk'], '.2f')}; errors {r['errors']}")
+if summary.get("poisson"):
+    p = summary["poisson"]
+    print(f"poisson  TTFT p50 {num(p['ttft_p50_ms'], '.1f')} ms, p99 {num(p['ttft_p99_ms'], '.1f')} ms; "
+          f"ITL p50 {num(p['itl_p50_ms'], '.2f')} ms; errors {p['errors']}")
 EOF
 rm -rf "$TRITON_CACHE_DIR"
 echo "=== done $(date +%T); JSON under $R"

@@ -102,6 +102,16 @@ BF16_GEMV = EnvVar(
     "PLAIT_BF16_GEMV", _flag, True,
     "1 (the default): dense bf16/fp16 linear layers run decode batches of <= 16 tokens on CUDA through "
     "plait's Triton GEMV; 0: through cuBLAS (the A/B baseline). Read when a layer is built.")
+FP8_GEMV_W8A8 = EnvVar[bool | None](
+    "PLAIT_FP8_GEMV_W8A8", _flag, None,
+    "The form of FP8 decode GEMVs (<= 16 tokens). 1: W8A8 (activations quantized per token and 128-column "
+    "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
+    "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
+    "Read at every call.")
+GEMV_PREFETCH = EnvVar(
+    "PLAIT_GEMV_PREFETCH", _flag, True,
+    "1 (the default): a GEMV launched with PDL prefetches its first weight lines into L2 before it waits "
+    "for the previous kernel; 0: it does not (the A/B baseline). Read at every call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
@@ -111,4 +121,5 @@ PDL = EnvVar(
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
-                                    SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, PDL)
+                                    SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
+                                    GEMV_PREFETCH, PDL)

@@ -298,3 +298,17 @@ def calibrate_input_scales(path: pathlib.Path) -> dict[str, float]:
     for h in hooks:
         h.remove()
     return {k: v / E4M3_MAX for k, v in amax.items()}
+
+
+def random_fp8_weight(layout: str, n: int, k: int, seed: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]:
+    """A random ``[n, k]`` weight (std 0.05) as FP8 ``(q, scale, block)``: ``layout`` "channel" (plait's
+    per-row quantizer, block None) or "block" (the published 128 x 128 layout)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if layout == "channel":
+        from plait.layers.quantization.fp8_kernels import quantize_weight_per_channel
+
+        q, s = quantize_weight_per_channel(w)
+        return q, s, None
+    q, s = block_quantize(w)
+    return q, s, (128, 128)

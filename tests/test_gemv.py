@@ -1,5 +1,6 @@
-"""The small-M GEMV (plait.layers.quantization.gemv) against the dequantized-weight product, in the
-Triton interpreter at tiny shapes, and its launch-config tables (file, PLAIT_GEMV_CONFIG_DIR, fallback)."""
+"""The small-M GEMV (plait.layers.quantization.gemv) against the dequantized-weight product (FP8: the
+weight-only form; the W8A8 form is tests/test_gemv_w8a8.py), in the Triton interpreter at tiny shapes,
+and its launch-config tables (file, PLAIT_GEMV_CONFIG_DIR, fallback)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import pytest
 import torch
 
 from plait.layers.quantization import gemv_config
-from plait.layers.quantization.fp8_kernels import dequantize_weight, quantize_weight_per_channel
+from plait.layers.quantization.fp8_kernels import (
+    dequantize_weight,
+    reference_w8a8_gemv,
+)
 from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, split_counters
 from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
-from tests.quant_helpers import block_quantize
+from tests.quant_helpers import random_fp8_weight
 
 # N 40 is not a multiple of BLOCK_N 16, K 200 not a multiple of BLOCK_K 64.
 N, K = 40, 200
@@ -22,30 +26,23 @@ def _rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _fp8(layout: str, n: int, k: int):
-    w = _rand(n, k, seed=0) * 0.05
-    if layout == "channel":
-        q, s = quantize_weight_per_channel(w)
-        return q, s, None
-    q, s = block_quantize(w)
-    return q, s, (128, 128)
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("m", [1, 3])
 def test_fp8_channel_gemv_equals_the_dequantized_weight_product(m, split_k):
-    q, s, _ = _fp8("channel", N, K)
+    q, s, _ = random_fp8_weight("channel", N, K)
     x = _rand(m, K, seed=1)
-    out = gemv(x, q, s, None, GemvConfig(block_n=16, block_k=64, split_k=split_k))
+    out = gemv(x, q, s, None, GemvConfig(block_n=16, block_k=64, split_k=split_k), w8a8=False)
     torch.testing.assert_close(out, x @ dequantize_weight(q, s, None).t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_fp8_block_gemv_equals_the_dequantized_weight_product(m):
     # N 136 and K 320 end inside a 128 x 128 scale block; BLOCK_K 256 is narrowed to the block width.
-    q, s, block = _fp8("block", 136, 320)
+    q, s, block = random_fp8_weight("block", 136, 320)
     x = _rand(m, 320, seed=2)
-    out = gemv(x, q, s, block, GemvConfig(block_n=16, block_k=256, split_k=2))
+    out = gemv(x, q, s, block, GemvConfig(block_n=16, block_k=256, split_k=2), w8a8=False)
     torch.testing.assert_close(out, x @ dequantize_weight(q, s, block).t(), rtol=1e-5, atol=1e-5)
 
 
@@ -59,22 +56,22 @@ def test_bf16_gemv_equals_the_bf16_weight_product(m):
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
-    q, s, _ = _fp8("channel", N, K)
+    q, s, _ = random_fp8_weight("channel", N, K)
     x = _rand(m, K, seed=5).to(torch.bfloat16)
-    out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64))
+    out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64), w8a8=False)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ dequantize_weight(q, s, None).t(), rtol=1e-2, atol=1e-3)
 
 
 def test_split_k_leaves_its_counters_zero():
-    q, s, _ = _fp8("channel", N, K)
+    q, s, _ = random_fp8_weight("channel", N, K)
     gemv(_rand(2, K, seed=6), q, s, None, GemvConfig(block_n=16, block_k=64, split_k=3))
     counters = split_counters(torch.device("cpu"))
     assert counters.numel() == MAX_COUNTERS and int(counters.abs().sum()) == 0
 
 
 def test_bad_calls_fail_naming_the_limit():
-    q, s, _ = _fp8("channel", N, K)
+    q, s, _ = random_fp8_weight("channel", N, K)
     with pytest.raises(ValueError, match=r"M must be in 1\.\.16, got 17"):
         gemv(torch.zeros(17, K), q, s)
     with pytest.raises(ValueError, match="bf16 weights take no scale"):
@@ -159,13 +156,17 @@ def test_bf16_gemv_switch_is_read_when_a_layer_is_built(monkeypatch):
 def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
     from plait.bench import gemv_tune
 
-    tiny = [gemv_tune.Case("fp8_channel", 48, 256, 1, ["tiny/o_proj"]), gemv_tune.Case("bf16", 48, 256, 2, ["tiny/o"])]
+    tiny = [gemv_tune.Case("fp8_channel", 48, 256, 1, ["tiny/o_proj"]), gemv_tune.Case("bf16", 48, 256, 2, ["tiny/o"]),
+            gemv_tune.Case("fp8_channel_mma", 48, 256, 1, ["tiny/o_proj"])]
     monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: tiny)
     ran: list[GemvConfig] = []
 
-    def fake_time(x, ws, scale, block, cfg, reps=2):
-        out = gemv(x, ws[0], scale, block, cfg)
-        ref = x.float() @ (dequantize_weight(ws[0], scale, block) if scale is not None else ws[0].float()).t()
+    def fake_time(x, ws, scale, block, cfg, reps=2, w8a8=False):
+        out = gemv(x, ws[0], scale, block, cfg, w8a8=w8a8)
+        if w8a8:  # the W8A8 kinds run the activation-quantizing form
+            ref = reference_w8a8_gemv(x.float(), ws[0], scale, block)
+        else:
+            ref = x.float() @ (dequantize_weight(ws[0], scale, block) if scale is not None else ws[0].float()).t()
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
         ran.append(cfg)
         return 1.0 / (cfg.block_n * 1000 + cfg.block_k + cfg.split_k)  # the widest tile wins
@@ -178,7 +179,8 @@ def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
     assert len(ran) == sum(len(gemv_tune.candidates(c.kind, c.m, c.n, c.k, 8)) for c in tiny)
     assert table["fp8_channel"]["N48_K256"]["1"] == expected["fp8_channel"].to_json()
     assert table["bf16"]["N48_K256"]["2"] == expected["bf16"].to_json()
-    assert [r["M"] for r in rows] == [1, 2] and saved == [1, 2]
+    assert table["fp8_channel_mma"]["N48_K256"]["1"] == expected["fp8_channel_mma"].to_json()
+    assert sorted(r["M"] for r in rows) == [1, 1, 2] and saved == [1, 2, 3]
     assert all(r["best_us"] <= r["default_us"] for r in rows)
 
 
@@ -187,36 +189,62 @@ def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
 
     case = gemv_tune.Case("bf16", 48, 256, 1, ["tiny/o"])
     broken = gemv_tune.candidates("bf16", 1, 48, 256, 8)[0]
-    monkeypatch.setattr(gemv_tune, "time_config", lambda x, ws, s, b, cfg, reps=2: 0.0 if cfg == broken else 1.0)
+    monkeypatch.setattr(gemv_tune, "time_config", lambda x, ws, s, b, cfg, reps=2, w8a8=False: float(cfg != broken))
     real = gemv_tune.rel_error
-    monkeypatch.setattr(gemv_tune, "rel_error", lambda x, w, s, b, cfg: 1.0 if cfg == broken else real(x, w, s, b, cfg))
+    monkeypatch.setattr(gemv_tune, "rel_error",
+                        lambda x, w, s, b, cfg, w8a8=False: 1.0 if cfg == broken else real(x, w, s, b, cfg))
     ws, scale, block = gemv_tune.make_weights("bf16", 48, 256, rotate=False, device="cpu")
     row = gemv_tune.tune_case(case, ws, scale, block, 8)
     assert row["best"] != broken.to_json() and row["best_us"] == 1e6
 
 
+def test_compare_times_both_fp8_forms_per_shape_and_m(monkeypatch):
+    from plait.bench import gemv_tune
+
+    monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: [gemv_tune.Case(kinds[0], 48, 256, 1, ["t/o"])])
+    forms: list[tuple[bool, int]] = []
+
+    def fake_time(x, ws, scale, block, cfg, reps=2, w8a8=False):
+        gemv(x, ws[0], scale, block, cfg, w8a8=w8a8)  # runs on the tables in force (cfg None)
+        forms.append((w8a8, x.shape[0]))
+        return 2e-6 if not w8a8 else 1e-6
+
+    monkeypatch.setattr(gemv_tune, "time_config", fake_time)
+    rows = gemv_tune.compare_forms(("tiny",), (1, 16), device="cpu")
+    assert [(r["kind"], r["M"]) for r in rows] == [("fp8_channel", 1), ("fp8_channel", 16), ("fp8_block", 1),
+                                                     ("fp8_block", 16)]
+    assert forms == [(False, 1), (True, 1), (False, 16), (True, 16)] * 2
+    assert all(r["speedup"] == 2.0 and r["w8a8"]["tb_s"] == 2 * r["weight_only"]["tb_s"] for r in rows)
+
+
+def test_preferences_mark_the_cases_where_w8a8_measured_faster():
+    from plait.bench import gemv_tune
+
+    rows = [{"kind": "fp8_channel", "N": 48, "K": 256, "M": 1, "speedup": 0.6},
+            {"kind": "fp8_channel", "N": 48, "K": 256, "M": 16, "speedup": 1.3},
+            {"kind": "fp8_block", "N": 48, "K": 256, "M": 16, "speedup": 1.01}]  # inside the margin
+    in_force = {1: SMALL, 16: GemvConfig(**{**SMALL.to_json(), "prefer_w8a8": True})}  # 16: marked before
+    table = gemv_tune.w8a8_preferences(rows, lambda kind, m, n, k: in_force[m])
+    assert table["fp8_channel"]["N48_K256"] == {"1": SMALL.to_json(), "16": {**SMALL.to_json(), "prefer_w8a8": 1}}
+    assert table["fp8_block"]["N48_K256"] == {"16": SMALL.to_json()}  # the old mark removed
+    assert GemvConfig.from_json(table["fp8_channel"]["N48_K256"]["16"]).prefer_w8a8
+
+
 # --- the GPU build, without a GPU ----------------------------------------------------------------
+def test_pdl_launches_prefetch_their_weight_rows_before_waiting_and_load_nothing():
+    """A PDL-launched GEMV asks L2 for its first weight lines while its predecessor finishes; no load
+    into the program comes before the grid-dependency wait."""
+    from tests.gemv_aot import compile_defaults_in_subprocess
+
+    for r in compile_defaults_in_subprocess(("fp8_channel", "bf16"), ((6144, 4096),), ms=(1,)):
+        assert r["prefetches_before_wait"] > 0 and r["loads_before_wait"] == 0, r
+
+
 def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_loads():
     """The interpreter runs the kernel's Python; this compiles it for an H200 with the wheel's ptxas."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from tests.gemv_aot import compile_defaults_in_subprocess
 
-    import triton
-
-    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
-        pytest.skip("this triton wheel has no ptxas")
-    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
-            for kind in ("fp8_channel", "fp8_block", "bf16") for m in (1, 16) for n, k in ((6144, 4096), (4096, 4096))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).parent.parent
-    env["PYTHONPATH"] = str(root)
-    done = subprocess.run([sys.executable, str(root / "tests" / "gemv_aot.py"), json.dumps(work)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(results) == len(work)
+    results = compile_defaults_in_subprocess(("fp8_channel", "fp8_block", "bf16"), ((6144, 4096), (4096, 4096)))
     for r in results:
         assert r["stack"] == 0 and r["regs"] <= 128, r  # no spills; >= 4 programs of 4 warps fit an SM
         assert r["pipelined_loads"] > 0, r  # num_stages turned the weight loads into async copies

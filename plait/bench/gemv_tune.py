@@ -10,6 +10,9 @@ shapes per form (one token: elementwise tiles of 4-32 rows; more tokens: tensor-
 split-K off and at the balanced split, and the work ordered by what decode reads most (M 1 first, the
 8b shapes before the 1b ones). ``budget_s`` stops the sweep when spent; untuned entries keep the
 default.
+
+The FP8 W8A8 kinds (``MMA_KINDS``: activations quantized in the kernel, e4m3 x e4m3 dots) are tuned
+only when named; ``compare_forms`` times both FP8 forms per shape and M on the tables in force.
 """
 
 from __future__ import annotations
@@ -37,10 +40,28 @@ from plait.layers.quantization.gemv_config import (
 TUNED_SHAPES = ("llama-3.1-8b", "llama-3.2-1b")
 TUNED_KINDS = ("fp8_channel", "bf16", "fp8_block")
 ROTATE_BYTES = 256 << 20  # weight copies per case: >= 5x the H200's 50 MB L2
+# The FP8 W8A8 (tensor-core) kinds: tuned on their own (``--kinds``), not in the default sweep.
+MMA_KINDS = ("fp8_channel_mma", "fp8_block_mma")
+
+
+def is_w8a8(kind: str) -> bool:
+    """Whether a kind's calls take the W8A8 form (``gemv(..., w8a8=True)``)."""
+    return kind.endswith("_mma")
+
+
+def weight_kind(kind: str) -> str:
+    """The weight a kind multiplies: its dtype and scale layout, without the form."""
+    return kind.removesuffix("_mma")
 
 
 def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
     """(block_n, block_k in bytes, num_warps, num_stages) tried for a kind and token count."""
+    if is_w8a8(kind):
+        # A step is one 128-column group whatever M is; 16+ weight rows per warp (one warpgroup MMA per
+        # 4 warps); what varies is the bytes in flight: rows per program and pipeline depth.
+        return [(64, 128, 4, 4), (64, 128, 4, 6), (64, 128, 4, 8), (128, 128, 4, 3), (128, 128, 4, 4),
+                (128, 128, 4, 6), (128, 128, 8, 4), (128, 128, 8, 6), (256, 128, 4, 4), (256, 128, 8, 3),
+                (256, 128, 8, 4)]
     if m == 1:
         tiles = [(4, 1024, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3),
                  (8, 512, 4, 1)]
@@ -57,14 +78,19 @@ def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
 
 
 def candidates(kind: str, m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
-    """The configs tried for one case: each tile with split-K off and at the balanced split."""
+    """The configs tried for one case: each tile with split-K off and at the balanced split (W8A8 tiles
+    at half of it too; the split's value does not change the compiled kernel)."""
     elem = 1 if kind.startswith("fp8") else 2
     out: list[GemvConfig] = []
     for block_n, k_bytes, warps, stages in _tiles(kind, m):
         block_k = k_bytes // elem
         base = GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, num_stages=stages)
-        split = balanced_split(-(-n // max(block_n, 1 if m == 1 else 16)), -(-k // block_k), num_sms)
-        out += [base] + ([replace(base, split_k=split)] if split > 1 else [])
+        rows = max(block_n, 16 * warps) if is_w8a8(kind) else max(block_n, 1 if m == 1 else 16)
+        split = balanced_split(-(-n // rows), -(-k // block_k), num_sms)
+        splits = [split] if split > 1 else []
+        if is_w8a8(kind) and split >= 4:  # tall tiles carry more bytes in flight: fewer programs may do
+            splits.append(split // 2)
+        out += [base] + [replace(base, split_k=s) for s in splits]
     default = default_config(kind, m, n, k, num_sms)
     return out + ([default] if default not in out else [])
 
@@ -94,6 +120,7 @@ def make_weights(kind: str, n: int, k: int, rotate: bool = True, device: str = "
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
     scale: torch.Tensor | None = None
     block: tuple[int, int] | None = None
+    kind = weight_kind(kind)
     if kind == "fp8_channel":
         from plait.layers.quantization.fp8_kernels import quantize_weight_per_channel
 
@@ -108,19 +135,27 @@ def make_weights(kind: str, n: int, k: int, rotate: bool = True, device: str = "
 
 
 def time_config(x: torch.Tensor, ws: list[torch.Tensor], scale: torch.Tensor | None, block: tuple[int, int] | None,
-                cfg: GemvConfig | None, reps: int = 2) -> float:
+                cfg: GemvConfig | None, reps: int = 2, w8a8: bool = False) -> float:
     """Seconds per call of ``gemv`` with ``cfg`` (None: the table's / default) over the rotated copies."""
-    calls: list[Callable[[], Any]] = [lambda w=w: gemv(x, w, scale, block, cfg) for w in ws]
+    calls: list[Callable[[], Any]] = [lambda w=w: gemv(x, w, scale, block, cfg, w8a8=w8a8 and scale is not None)
+                                      for w in ws]
     return graph_time(calls, reps=reps)
 
 
 def rel_error(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
-              cfg: GemvConfig) -> float:
-    """Max error of ``gemv`` with ``cfg`` relative to the fp32 product's largest entry."""
-    from plait.layers.quantization.fp8_kernels import dequantize_weight
+              cfg: GemvConfig, w8a8: bool = False) -> float:
+    """Max error of ``gemv`` with ``cfg`` relative to the largest entry of its fp32 reference: the
+    dequantized-weight product, with ``w8a8`` of the activations quantized as the W8A8 form does."""
+    from plait.layers.quantization.fp8_kernels import dequantize_weight, reference_w8a8_gemv
 
-    ref = x.float() @ (dequantize_weight(w, scale, block) if scale is not None else w.float()).t()
-    return float((gemv(x, w, scale, block, cfg).float() - ref).abs().max() / ref.abs().max())
+    if scale is None:
+        ref = x.float() @ w.float().t()
+    elif w8a8:
+        ref = reference_w8a8_gemv(x.float(), w, scale, block)
+    else:
+        ref = x.float() @ dequantize_weight(w, scale, block).t()
+    return float((gemv(x, w, scale, block, cfg, w8a8=w8a8 and scale is not None).float() - ref).abs().max()
+                 / ref.abs().max())
 
 
 def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, block: tuple[int, int] | None,
@@ -129,16 +164,17 @@ def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, bl
     x = torch.randn(case.m, case.k, device=ws[0].device, dtype=torch.bfloat16)
     weight_bytes = case.n * case.k * ws[0].element_size()
     timed: list[tuple[float, GemvConfig]] = []
+    w8a8 = is_w8a8(case.kind)
     for cfg in candidates(case.kind, case.m, case.n, case.k, num_sms):
         try:
-            timed.append((time_config(x, ws, scale, block, cfg), cfg))
+            timed.append((time_config(x, ws, scale, block, cfg, w8a8=w8a8), cfg))
         except Exception as e:  # a config the compiler or the device rejects (shared memory, registers)
             print(f"  {cfg}: {type(e).__name__}: {str(e)[:120]}")
     if not timed:
         raise RuntimeError(f"gemv tune: no config ran for {case}")
     timed.sort(key=lambda t: t[0])
     # The fastest config that computes the product: a broken one never lands in the table.
-    correct = ((t, c) for t, c in timed if rel_error(x, ws[0], scale, block, c) < 1e-2)
+    correct = ((t, c) for t, c in timed if rel_error(x, ws[0], scale, block, c, w8a8=w8a8) < 1e-2)
     best_s, best = next(correct, (None, None))
     if best is None or best_s is None:
         raise RuntimeError(f"gemv tune: no config of {case} matches the fp32 reference")
@@ -155,9 +191,9 @@ def _compile_work(all_cases: list[Case], num_sms: int) -> list[tuple[str, int, i
     seen: set[tuple[Any, ...]] = set()
     work = []
     for c in all_cases:
-        block = (128, 128) if c.kind == "fp8_block" else None
+        block = (128, 128) if weight_kind(c.kind) == "fp8_block" else None
         for cfg in candidates(c.kind, c.m, c.n, c.k, num_sms):
-            key = (c.kind, plan_launch(c.m, c.n, c.k, block, cfg).compile_key())
+            key = (c.kind, plan_launch(c.m, c.n, c.k, block, cfg, is_w8a8(c.kind)).compile_key())
             if key not in seen:
                 seen.add(key)
                 work.append((c.kind, c.n, c.k, c.m, cfg.to_json()))
@@ -173,7 +209,8 @@ def _precompile_chunk(items: list[tuple[str, int, int, int, dict[str, int]]]) ->
             loaded = ((kind, n, k), make_weights(kind, n, k, rotate=False))
         (w,), scale, block = loaded[1]
         try:
-            gemv(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, scale, block, GemvConfig.from_json(raw))
+            gemv(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, scale, block, GemvConfig.from_json(raw),
+                 w8a8=is_w8a8(kind))
             done += 1
         except Exception:  # out of shared memory / registers: the timing loop reports it
             pass
@@ -246,3 +283,42 @@ def _grouped(all_cases: list[Case]) -> Iterator[tuple[tuple[str, int, int], list
         groups.setdefault((c.m != 1, c.kind, c.n, c.k), []).append(c)
     for (_, kind, n, k), group in groups.items():
         yield (kind, n, k), group
+
+
+def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...], device: str = "cuda") -> list[dict[str, Any]]:
+    """FP8 weight-only against W8A8 per projection, scale layout and M, each on the config its own kind's
+    table gives (``PLAIT_GEMV_CONFIG_DIR`` first, as at run time), timed as ``tune`` times: rows of us
+    and TB/s (weight bytes read, scales included) of both forms. ``device`` "cpu": the interpreter."""
+    rows: list[dict[str, Any]] = []
+    for layout in ("fp8_channel", "fp8_block"):
+        for c in cases(shapes, (layout,), (1,)):
+            ws, scale, block = make_weights(layout, c.n, c.k, rotate=device == "cuda", device=device)
+            assert scale is not None
+            weight_bytes = c.n * c.k + 4 * scale.numel()
+            for m in ms:
+                x = torch.randn(m, c.k, device=device, dtype=torch.bfloat16)
+                row: dict[str, Any] = {"kind": layout, "N": c.n, "K": c.k, "M": m, "layers": c.layers}
+                for form, w8a8 in (("weight_only", False), ("w8a8", True)):
+                    seconds = time_config(x, ws, scale, block, None, reps=4, w8a8=w8a8)
+                    row[form] = {"us": seconds * 1e6, "tb_s": weight_bytes / seconds / 1e12}
+                row["speedup"] = row["weight_only"]["us"] / row["w8a8"]["us"]
+                rows.append(row)
+                print(f"compare {layout:11s} N={c.n:6d} K={c.k:6d} M={m:2d}: weight-only "
+                      f"{row['weight_only']['us']:7.2f} us {row['weight_only']['tb_s']:.2f} TB/s | w8a8 "
+                      f"{row['w8a8']['us']:7.2f} us {row['w8a8']['tb_s']:.2f} TB/s | x{row['speedup']:.2f}", flush=True)
+            del ws
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def w8a8_preferences(rows: list[dict[str, Any]], weight_only_entry: Callable[[str, int, int, int], GemvConfig],
+                     margin: float = 1.05) -> dict[str, Any]:
+    """Table entries (the config file's layout) for ``compare_forms`` rows: each case's weight-only config
+    in force (``weight_only_entry(kind, m, n, k)``) at the bucket of its M, with ``prefer_w8a8`` where
+    W8A8 measured at least ``margin`` times faster, and without it elsewhere."""
+    table: dict[str, Any] = {}
+    for r in rows:
+        cfg = replace(weight_only_entry(r["kind"], r["M"], r["N"], r["K"]), prefer_w8a8=r["speedup"] >= margin)
+        table.setdefault(r["kind"], {}).setdefault(shape_key(r["N"], r["K"]), {})[str(r["M"])] = cfg.to_json()
+    return table

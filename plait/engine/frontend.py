@@ -94,7 +94,7 @@ class Frontend:
                 raise ValueError("prompt must not be empty")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
-            ids = [int(i) for i in prompt]
+            ids = list(map(int, prompt))
         self.check_input_ids(ids)
         return ids
 
@@ -102,6 +102,8 @@ class Frontend:
         if not ids:
             raise ValueError("prompt must not be empty (0 tokens)")
         vocab = self.limits.vocab_size
+        if 0 <= min(ids) and max(ids) < vocab:  # the common case, without a Python loop over the ids
+            return
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"input_ids must be in [0, {vocab}) (the vocabulary size); got {bad[:5]}")

@@ -91,41 +91,51 @@ class RequestUpdate:
         return self.finish_reason is not None or self.error is not None
 
 
-def _joined(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:
-    return None if a is None and b is None else [*(a or ()), *(b or ())]
+def _joined(parts: list[list[Any] | None]) -> list[Any] | None:
+    return None if all(p is None for p in parts) else [x for p in parts for x in (p or ())]
+
+
+def _merged(run: list[RequestUpdate]) -> RequestUpdate:
+    """One update for consecutive ones of a request (none an error, none but the last finished):
+    outputs concatenated, the counts and the finish from the last. Linear in the run's outputs."""
+    if len(run) == 1:
+        return run[0]
+    later = run[-1]
+    assert run[0].rid == later.rid and run[0].error is None and not run[-2].finished
+    return RequestUpdate(
+        rid=later.rid, token_ids=[t for u in run for t in u.token_ids], text="".join(u.text for u in run),
+        logprobs=_joined([u.logprobs for u in run]), top_logprobs=_joined([u.top_logprobs for u in run]),
+        finish_reason=later.finish_reason, finish_message=later.finish_message, matched_stop=later.matched_stop,
+        input_logprobs=_joined([u.input_logprobs for u in run]),
+        input_top_logprobs=_joined([u.input_top_logprobs for u in run]),
+        prompt_tokens=max(u.prompt_tokens for u in run),
+        completion_tokens=max(u.completion_tokens for u in run), cached_tokens=later.cached_tokens)
 
 
 def merge_updates(first: RequestUpdate, later: RequestUpdate) -> RequestUpdate:
     """One update for two consecutive ones of a request, as if the scheduler had reported both at
     once: outputs concatenated, the counts and the finish from ``later``. Neither may be an error."""
-    assert first.rid == later.rid and first.error is None and later.error is None and not first.finished
-    return RequestUpdate(
-        rid=later.rid, token_ids=first.token_ids + later.token_ids, text=first.text + later.text,
-        logprobs=_joined(first.logprobs, later.logprobs), top_logprobs=_joined(first.top_logprobs, later.top_logprobs),
-        finish_reason=later.finish_reason, finish_message=later.finish_message, matched_stop=later.matched_stop,
-        input_logprobs=_joined(first.input_logprobs, later.input_logprobs),
-        input_top_logprobs=_joined(first.input_top_logprobs, later.input_top_logprobs),
-        prompt_tokens=max(first.prompt_tokens, later.prompt_tokens),
-        completion_tokens=max(first.completion_tokens, later.completion_tokens), cached_tokens=later.cached_tokens)
+    return _merged([first, later])
 
 
 def coalesce_updates(updates: list[RequestUpdate]) -> list[RequestUpdate]:
-    """Updates in arrival order with each request's consecutive ones merged (``merge_updates``);
-    an error update and anything after a finished one stay as they are."""
-    out: list[RequestUpdate] = []
-    last: dict[str, int] = {}  # rid -> index in out of its latest mergeable update
+    """Updates in arrival order with each request's consecutive ones merged (``merge_updates``, in
+    one pass however many queued up); an error update and anything after a finished one stay as
+    they are."""
+    runs: list[list[RequestUpdate]] = []
+    last: dict[str, int] = {}  # rid -> index in runs of its open (mergeable) run
     for upd in updates:
         j = last.get(upd.rid)
         if j is not None and upd.error is None:
-            out[j] = merge_updates(out[j], upd)
+            runs[j].append(upd)
         else:
-            out.append(upd)
-            j = len(out) - 1
-        if out[j].finished:
+            runs.append([upd])
+            j = len(runs) - 1
+        if upd.finished:
             last.pop(upd.rid, None)
         else:
             last[upd.rid] = j
-    return out
+    return [_merged(run) for run in runs]
 
 
 @dataclass(frozen=True)

@@ -134,12 +134,14 @@ class RowParallelLinear(nn.Module):
         n = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, None)
-        return dense_linear(x, self.weight, None, self.small_m_gemv)
+            return self.quant_method.apply(self, x, bias)
+        return dense_linear(x, self.weight, bias, self.small_m_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # nothing to reduce: the bias goes into the matmul (the GEMV's epilogue)
+            return self._matmul(x, self.bias)
         out = self._matmul(x)
         if self.reduce_results:
             out = self.tp.all_reduce(out)

@@ -36,21 +36,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from plait.bench.results import git_commit
 from plait.bench.shapes import SHAPES, write_shape_dir
+from plait.server import bench_http
 
 METRIC = "output_tok_s"
+T = TypeVar("T")
 
 try:
+    from orjson import dumps as _dumps
     from orjson import loads as _loads
 except ImportError:
     _loads = json.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj).encode()
 
 
 @dataclass
@@ -108,18 +114,16 @@ async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
         yield buf.rstrip(b"\r").decode("utf-8")
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
-               timeout: float) -> RequestResult:
+async def _one(url: str, model: str, prompt: list[int], output_len: int, timeout: float) -> RequestResult:
     res = RequestResult(len(prompt), output_len)
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True}
+    body = _dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+                   "ignore_eos": True, "return_token_ids": True})
     start = time.perf_counter()
     last: float | None = None
     try:
-        async with client.stream("POST", url, json=body, timeout=timeout) as r:
-            if r.status_code != 200:
-                await r.aread()
-                res.error = f"HTTP {r.status_code}: {r.text[:200]}"
+        async with asyncio.timeout(timeout), bench_http.post(url, body) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.aread())[:200].decode(errors='replace')}"
                 return res
             async for line in sse_lines(r.aiter_bytes()):
                 if not line.startswith("data: "):
@@ -146,7 +150,10 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                     last = now
                     res.tokens += k
                 res.finish_reason = choice.get("finish_reason") or res.finish_reason
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except TimeoutError:
+        res.error = f"timed out after {timeout} s"
+        return res
+    except (OSError, EOFError, ValueError, bench_http.ProtocolError) as e:  # ValueError: bad JSON, long lines
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.e2e = time.perf_counter() - start
@@ -160,25 +167,34 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
 async def run_load(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,
                    max_concurrency: int | None, seed: int, timeout: float) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/v1/completions"
+    bench_http.split_url(url)  # an http:// URL, or a ValueError before any request
     rng = random.Random(seed + 1)
-    limit = max_concurrency or len(requests)
-    sem = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    sem = asyncio.Semaphore(max_concurrency or len(requests))
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        async def gated(prompt: list[int], olen: int) -> RequestResult:
-            async with sem:
-                return await _one(client, url, model, prompt, olen, timeout)
+    async def gated(prompt: list[int], olen: int) -> RequestResult:
+        async with sem:
+            return await _one(url, model, prompt, olen, timeout)
 
-        tasks = []
-        start = time.perf_counter()
-        for prompt, olen in requests:
-            tasks.append(asyncio.create_task(gated(prompt, olen)))
-            if math.isfinite(request_rate):
-                await asyncio.sleep(rng.expovariate(request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    tasks = []
+    start = time.perf_counter()
+    for prompt, olen in requests:
+        tasks.append(asyncio.create_task(gated(prompt, olen)))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
     return list(results), duration
+
+
+def run_client(coro: Coroutine[Any, Any, T]) -> T:
+    """Run the load generator on uvloop where it is installed (as uvicorn serves on it): the
+    client's per-event cost is part of what a burst measures."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def _load_worker(args: tuple[Any, ...], barrier: Any, out: Any) -> None:
@@ -190,7 +206,7 @@ def _load_worker(args: tuple[Any, ...], barrier: Any, out: Any) -> None:
         results, _ = await run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout)
         return results, start, time.perf_counter()
 
-    out.put(asyncio.run(go()))
+    out.put(run_client(go()))
 
 
 def run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,
@@ -201,7 +217,7 @@ def run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], in
     i % procs, each with rate / procs (Poisson arrivals that add up to ``request_rate``) and its share
     of ``max_concurrency``; the duration spans the first start to the last finish."""
     if procs <= 1:
-        return asyncio.run(run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout))
+        return run_client(run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout))
     import multiprocessing
 
     # Forked: starting at once, without importing plait (and torch) again. This process has run no

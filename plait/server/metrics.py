@@ -11,12 +11,12 @@ cannot drift from it.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -118,15 +118,25 @@ def _histogram(name: str, doc: str, h: BucketCounts, total: float, labels: list[
     return family
 
 
-class _Histograms:
-    """One latency observed into plait's histogram and, with SGLang's names on, SGLang's too."""
+class _Histograms(Collector):
+    """One latency histogram, exported as plait's name and, with SGLang's names on, SGLang's too.
+    Plain counts rather than prometheus_client's Histogram: ``observe`` takes a count, so the k
+    tokens of one merged event cost one update rather than k (the HTTP process does this per
+    streamed token)."""
 
-    def __init__(self, children: list[Any]) -> None:
-        self.children = children
+    def __init__(self, names: list[str], doc: str, bounds: tuple[float, ...], model_name: str) -> None:
+        self.names, self.doc, self.bounds, self.model_name = names, doc, bounds, model_name
+        self.counts = [0] * (len(bounds) + 1)  # counts[i]: observations <= bounds[i]; the last: above all
+        self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        for child in self.children:
-            child.observe(value)
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def collect(self) -> Iterator[Metric]:
+        counts = BucketCounts(self.bounds, tuple(self.counts))
+        for name in self.names:
+            yield _histogram(name, self.doc, counts, self.sum, [self.model_name])
 
 
 class ServerMetrics:
@@ -142,9 +152,9 @@ class ServerMetrics:
         self._generated: deque[tuple[float, int]] = deque()
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...], sglang: str) -> _Histograms:
-            names = [name] + ([sglang] if sglang_names else [])
-            return _Histograms([Histogram(n, doc, MODEL_LABEL, buckets=buckets, registry=self.registry)
-                                .labels(model_name) for n in names])
+            hist = _Histograms([name] + ([sglang] if sglang_names else []), doc, buckets, model_name)
+            self.registry.register(hist)
+            return hist
 
         self.ttft = histogram("plait:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS,
                               "sglang:time_to_first_token_seconds")

@@ -22,7 +22,14 @@ from plait.server import protocol
 from plait.server.errors import APIError, bad_request
 from plait.server.http import SSE_DONE, SSEResponse, read_acknowledgements, replayed, sse, unless_disconnected
 from plait.server.logprobs import LogprobsRenderer, TopLogprobs, TopPairs
-from plait.server.prompt_work import PromptTooLong, PromptWork, check_rendered, encode_bounded, tokenize_prompt
+from plait.server.prompt_work import (
+    PromptTooLong,
+    PromptWork,
+    check_rendered,
+    encode_bounded,
+    ids_only,
+    tokenize_prompt,
+)
 from plait.server.scheduler_client import SchedulerClient
 from plait.server.tool_calling import ChatOptions, ChatOutput, ToolPlan, plan_tools, template_messages
 
@@ -195,7 +202,10 @@ class OpenAIServing:
         top = req.logprobs or 0
         # echo with logprobs scores the prompt too (OpenAI lists its tokens first).
         sp = self._sampling(req, max_new, req.logprobs is not None, top, "max_tokens", 0 if req.echo else -1)
-        prompt_ids = await self.prompt_work.run(self._completion_prompts, req.prompt)
+        if ids_only(req.prompt):
+            prompt_ids = self._completion_prompts(req.prompt)
+        else:
+            prompt_ids = await self.prompt_work.run(self._completion_prompts, req.prompt)
         for ids in prompt_ids:
             self._check_length(ids, sp, "prompt")
         echo_texts = self._echo_texts(req.prompt, prompt_ids) if req.echo else None

@@ -4,6 +4,9 @@ and output, so that a huge prompt or a template that renders megabytes never sta
 * Off the loop: the work runs on one worker thread (``PromptWork``). The Rust tokenizer releases the
   GIL while it encodes, so /health and the streams of other requests keep flowing; one thread because
   a Hugging Face tokenizer is not safe to call from several threads at once.
+* Token-id prompts stay on the loop (``ids_only``): they need no tokenizer, only a conversion and a
+  range check, pure Python that gains nothing from a thread. Sent there, each one costs two thread
+  hops and competes with the loop for the GIL, which a burst of requests pays on every stream.
 * Input bound: a text prompt longer than ``PREFIX_CHARS_PER_TOKEN`` characters per token of the
   request limit is first tokenized on that prefix only; when the prefix alone is over the limit the
   request is refused at once (400, context_length_exceeded) instead of tokenizing megabytes.
@@ -28,6 +31,8 @@ T = TypeVar("T")
 PREFIX_CHARS_PER_TOKEN = 16
 # Tokens a prefix may gain or lose at its cut (the last word split differently).
 CUT_MARGIN_TOKENS = 16
+# Most ids (all prompts of a request together) checked on the event loop: a few ms at most.
+INLINE_PROMPT_IDS = 1 << 16
 
 
 class PromptTooLong(ValueError):
@@ -60,6 +65,17 @@ def tokenize_prompt(frontend: Frontend, prompt: str | list[int]) -> list[int]:
         frontend.check_input_ids(ids)
         return ids
     return frontend.tokenize(prompt)
+
+
+def ids_only(prompt: object) -> bool:
+    """Whether a completions prompt, as the request model validated it (a string, a list of strings,
+    of ints or of int lists: one kind throughout), is token ids, at most ``INLINE_PROMPT_IDS`` in all:
+    cheap enough to check on the event loop. The first element tells the kind."""
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if isinstance(prompt[0], int):
+        return len(prompt) <= INLINE_PROMPT_IDS
+    return isinstance(prompt[0], list) and sum(map(len, prompt)) <= INLINE_PROMPT_IDS
 
 
 def check_rendered(text: str, max_chars: int) -> None:

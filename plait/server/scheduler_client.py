@@ -22,6 +22,7 @@ import asyncio
 import collections
 import enum
 import logging
+import pickle
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,7 @@ from plait.engine.messages import (
     coalesce_updates,
     config_to_json,
 )
+from plait.engine.scheduler_process import freeze_startup_heap
 from plait.server.errors import APIError
 from plait.server.metrics import ServerMetrics
 from plait.server.request_log import RequestLog, RequestRecord
@@ -58,6 +60,8 @@ from plait.server.request_log import RequestLog, RequestRecord
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.05
+# Most scheduler messages the receive loop handles before it lets the readers run.
+MAX_DRAIN_MESSAGES = 64
 CHILD_EXIT_WAIT_S = 5.0
 # After the scheduler process died: how long /health answers 503 (load balancers see it) before exit.
 DEAD_EXIT_DELAY_S = 1.0
@@ -160,6 +164,7 @@ class SchedulerClient:
                 self._startup_failed(f"the scheduler process exited: {reason}")
                 return
         self.tokenizer = await tokenizer_task
+        freeze_startup_heap()
         if self.request_log is not None:
             self.request_log.tokenizer = self.tokenizer
         ready = self.ready
@@ -175,26 +180,49 @@ class SchedulerClient:
 
     async def _recv_loop(self) -> None:
         while True:
-            msg = await self._pull.recv_pyobj()
-            if isinstance(msg, UpdateBatch):
-                self.metrics.snapshot = msg.stats
-                for upd in msg.updates:
-                    queue = self._queues.get(upd.rid)
-                    if queue is None:
-                        continue  # its client is gone and the abort already came back
-                    queue.put_nowait(upd)
-                    if upd.finished:
-                        del self._queues[upd.rid]
-                        self._buffer_limits.pop(upd.rid, None)
-                    elif queue.qsize() > self._buffer_limits.get(upd.rid, queue.qsize()):
-                        self._abort_unread(queue)
-            elif isinstance(msg, FlushCacheReply):
-                if self._flush_waiters:
-                    waiter = self._flush_waiters.pop(0)
-                    if not waiter.done():
-                        waiter.set_result(msg)
-            elif isinstance(msg, Fatal):
-                self._fatal = msg.message
+            # Every message already waiting is taken before any reader runs: a reader that fell
+            # behind (many streams at a high token rate) then finds several of its request's updates
+            # queued and sends them as one event. Awaiting one message at a time would wake the
+            # readers between messages, so each event would carry one step, however far behind the
+            # process is, and the backlog would grow in the socket instead.
+            first = await self._pull.recv()
+            for raw in self._drain_pending(first):
+                self._dispatch(pickle.loads(raw))
+            # An already-received message resolves the await above without suspending: let the
+            # readers run before the next pass.
+            await asyncio.sleep(0)
+
+    def _drain_pending(self, first: bytes) -> list[bytes]:
+        """``first`` and the messages queued behind it, at most ``MAX_DRAIN_MESSAGES`` (the readers
+        run between passes, so one pass stays bounded however fast the scheduler sends)."""
+        out = [first]
+        while len(out) < MAX_DRAIN_MESSAGES:
+            try:  # a non-blocking receive resolves at once: a message, or zmq.Again
+                out.append(self._pull.recv(zmq.NOBLOCK).result())
+            except zmq.Again:
+                break
+        return out
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, UpdateBatch):
+            self.metrics.snapshot = msg.stats
+            for upd in msg.updates:
+                queue = self._queues.get(upd.rid)
+                if queue is None:
+                    continue  # its client is gone and the abort already came back
+                queue.put_nowait(upd)
+                if upd.finished:
+                    del self._queues[upd.rid]
+                    self._buffer_limits.pop(upd.rid, None)
+                elif queue.qsize() > self._buffer_limits.get(upd.rid, queue.qsize()):
+                    self._abort_unread(queue)
+        elif isinstance(msg, FlushCacheReply):
+            if self._flush_waiters:
+                waiter = self._flush_waiters.pop(0)
+                if not waiter.done():
+                    waiter.set_result(msg)
+        elif isinstance(msg, Fatal):
+            self._fatal = msg.message
 
     async def _watchdog(self) -> None:
         assert self.proc is not None
@@ -393,9 +421,7 @@ class SchedulerClient:
                 self.metrics.ttft.observe(now - t.arrival)
                 k -= 1
             else:
-                gap = (now - t.last_token) / k
-                for _ in range(k):
-                    self.metrics.itl.observe(gap)
+                self.metrics.itl.observe((now - t.last_token) / k, k)
             t.last_token = now
         if upd.finished:
             self.metrics.e2e.observe(now - t.arrival)

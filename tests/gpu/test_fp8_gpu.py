@@ -1,5 +1,7 @@
-"""FP8 on the GPU: the GEMV and GEMM paths against the dequantizing reference at the llama-3.1-8b
-shapes, and engines with FP8 weights / an FP8 KV cache whose CUDA-graph decode equals eager decode."""
+"""FP8 on the GPU: the GEMV (its W8A8 form against the activation-quantizing reference, its weight-only
+form against the dequantized-weight product) and GEMM paths at the llama-3.1-8b shapes, the bias
+epilogue, and engines with FP8 weights / an FP8 KV cache whose CUDA-graph decode equals eager decode
+(decode runs the GEMV's default form, W8A8, in both)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from plait.layers.quantization.fp8_kernels import (  # noqa: E402
     fp8_linear,
     quantize_weight_per_channel,
     reference_fp8_linear,
+    reference_w8a8_gemv,
 )
 from plait.layers.quantization.gemv import gemv, split_counters  # noqa: E402
 from plait.layers.quantization.gemv_config import GemvConfig  # noqa: E402
@@ -43,12 +46,66 @@ LLAMA_8B_LAYERS = linear_shapes("llama-3.1-8b")
 @pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 5, 16])
 @pytest.mark.parametrize("layer", sorted(LLAMA_8B_LAYERS))
-def test_gemv_equals_the_dequantized_weight_product(block, m, layer):
+def test_weight_only_gemv_equals_the_dequantized_weight_product(block, m, layer):
     nk = LLAMA_8B_LAYERS[layer]
     q, s, blk = _weights(*nk, block)
     x = torch.randn(m, nk[1], device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ dequantize_weight(q, s, blk).t()
-    assert _rel(gemv(x, q, s, blk), ref) < 1e-2
+    assert _rel(gemv(x, q, s, blk, w8a8=False), ref) < 1e-2
+
+
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("layer", sorted(LLAMA_8B_LAYERS))
+def test_w8a8_gemv_equals_the_activation_quantizing_reference(block, m, layer):
+    nk = LLAMA_8B_LAYERS[layer]
+    q, s, blk = _weights(*nk, block)
+    x = torch.randn(m, nk[1], device="cuda", dtype=torch.bfloat16)
+    out = gemv(x, q, s, blk, w8a8=True)
+    # The same e4m3 codes: the bf16 output's rounding (2^-9 of the largest entry) and the summation order.
+    assert _rel(out, reference_w8a8_gemv(x, q, s, blk)) < 5e-3
+    # Against the unquantized activations: e4m3 moves each by at most 2^-4 of itself.
+    assert _rel(out, x.float() @ dequantize_weight(q, s, blk).t()) < 5e-2
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_w8a8_gemv_replays_in_a_graph_as_it_ran_eagerly(split_k):
+    q, s, _ = _weights(4096, 4096, False)
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    cfg = GemvConfig(block_n=64, block_k=128, split_k=split_k, num_warps=4, num_stages=4)
+    eager = gemv(x, q, s, None, cfg, w8a8=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, q, s, None, cfg, w8a8=True)
+    x.copy_(torch.randn_like(x))  # a replay reads the captured input buffer as it is now
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(out, reference_w8a8_gemv(x, q, s, None)) < 5e-3
+    assert torch.equal(out, gemv(x, q, s, None, cfg, w8a8=True))
+    assert not torch.equal(out, eager)
+    assert int(split_counters(x.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_fp8_linear_adds_the_bias_in_the_gemv(block):
+    q, s, blk = _weights(6144, 4096, block)
+    bias = torch.randn(6144, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 16, 40):  # 40: the GEMM path, bias added after
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = fp8_linear(x, q, s, blk, None, None).float() + bias.float()
+        assert _rel(fp8_linear(x, q, s, blk, None, bias), ref) < 1e-2
+
+
+def test_bf16_linear_adds_the_bias_in_the_gemv(monkeypatch):
+    from plait.layers.linear import ColumnParallelLinear
+
+    monkeypatch.setenv("PLAIT_BF16_GEMV", "1")
+    layer = ColumnParallelLinear(4096, 1024, bias=True, dtype=torch.bfloat16).cuda()
+    layer.weight.data.normal_(0, 0.02)
+    layer.bias.data.normal_(0, 1)
+    for m in (1, 7):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        assert _rel(layer(x), x.float() @ layer.weight.float().t() + layer.bias.float()) < 1e-2
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
@@ -66,10 +123,10 @@ def test_split_k_gemv_replays_in_a_graph_and_leaves_its_counters_zero(m):
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     cfg = GemvConfig(block_n=16, block_k=256, split_k=4)
     ref = x.float() @ dequantize_weight(q, s, None).t()
-    eager = gemv(x, q, s, None, cfg)
+    eager = gemv(x, q, s, None, cfg, w8a8=False)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = gemv(x, q, s, None, cfg)
+        out = gemv(x, q, s, None, cfg, w8a8=False)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()

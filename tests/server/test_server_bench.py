@@ -84,3 +84,48 @@ def test_a_benchmark_shape_that_the_served_model_is_not_is_refused(server):
     with pytest.raises(ValueError, match="--shape llama-3.1-8b does not describe the served model"):
         check_served_shape(argparse.Namespace(shape="llama-3.1-8b"), {"model": server.model})
     check_served_shape(argparse.Namespace(shape="tiny-llama"), {"model": server.model})  # a label only
+
+
+def _post(url: str, body: dict) -> tuple[int, dict[str, str], list[bytes]]:
+    import asyncio
+
+    from plait.server import bench_http
+
+    async def go() -> tuple[int, dict[str, str], list[bytes]]:
+        async with bench_http.post(url, json.dumps(body).encode()) as r:
+            return r.status, r.headers, [part async for part in r.aiter_bytes()]
+
+    return asyncio.run(go())
+
+
+def test_load_generator_client_reads_a_chunked_event_stream_as_httpx_does(server, model_name):
+    body = {"model": model_name, "prompt": [11, 12, 13], "max_tokens": 5, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    status, headers, parts = _post(server.url + "/v1/completions", body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert headers["transfer-encoding"] == "chunked"
+    expected = server.post("/v1/completions", json=body).text
+    streamed = b"".join(parts).decode()
+    assert streamed.endswith("data: [DONE]\n\n")
+    ids = [t for line in streamed.split("\n") if line.startswith("data: {")
+           for t in json.loads(line[6:])["choices"][0]["token_ids"]]
+    assert ids == [t for line in expected.split("\n") if line.startswith("data: {")
+                   for t in json.loads(line[6:])["choices"][0]["token_ids"]]
+    assert len(ids) == 5
+
+
+def test_load_generator_client_reads_an_error_body_of_known_length(server, model_name):
+    status, headers, parts = _post(server.url + "/v1/completions", {"model": model_name, "prompt": [],
+                                                                     "stream": True})
+    assert status == 400 and int(headers["content-length"]) == len(b"".join(parts))
+    assert json.loads(b"".join(parts))["error"]["param"] == "prompt"
+
+
+def test_load_generator_refuses_a_url_that_is_not_plain_http():
+    import pytest
+
+    from plait.server.bench_http import split_url
+
+    with pytest.raises(ValueError, match="not an http:// URL"):
+        split_url("https://example.com/v1/completions")
+    assert split_url("http://127.0.0.1:8000/v1/completions?x=1") == ("127.0.0.1", 8000, "/v1/completions?x=1")

@@ -7,14 +7,17 @@ layouts (``W = q * s``):
 
 Paths (``fp8_linear`` picks one):
   GEMV    few tokens (decode): ``plait.layers.quantization.gemv.gemv``, one launch that reads the FP8
-          weight once, converts it in registers and multiplies the activations as they are
-          (bf16/fp16/fp32: weight-only dequantization), with configs tuned per shape.
+          weight once, with configs tuned per shape, in the form its table marks faster for the case
+          (``PLAIT_FP8_GEMV_W8A8`` forces one): W8A8 quantizes the activations to e4m3 per token and
+          128-column group inside the kernel and multiplies e4m3 x e4m3 on the tensor cores
+          (``reference_w8a8_gemv`` is what it computes); weight-only converts the weight in registers
+          and multiplies the activations as they are. The layer's bias is added in its epilogue.
   GEMM    many tokens (prefill): activations are quantized to FP8 (per token for channel weights,
           per token and 128-column group for block weights, or a checkpoint's static per-tensor
           scale), then ``torch._scaled_mm`` with rowwise scales (channel) or ``w8a8_block_matmul``,
           a Triton kernel applying both block scales per K tile (block).
   CPU     the dequantizing reference: the fp32 dequantized weight times the activations as they are
-          (the GEMV's arithmetic, exact in fp32). Activations are not quantized there: a dynamic
+          (the weight-only GEMV's arithmetic, exact in fp32). Activations are not quantized there: a dynamic
           quantizer is discontinuous, and two fp32 computations of one model that differ in the last
           bit before it (a different summation order) drift apart layer over layer once rounding
           steps flip, so a simulation could not be compared with it token for token.
@@ -28,13 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.layers.quantization.gemv import gemv
+from plait.layers.quantization.gemv import FP8_DTYPE, FP8_MAX, MIN_SCALE, W8A8_GROUP, gemv
 from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Smallest scale a quantizer hands out: an all-zero row quantizes to zeros, not NaN.
-MIN_SCALE = 1e-12
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE"]  # defined beside the GEMV, which quantizes too
 
 
 # --- quantizers (torch; shared by the GPU GEMM path and the reference) ----------------------------
@@ -117,20 +117,30 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return wf * full
 
 
+def quantize_dequantize_rows(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """fp32 ``x`` after ``quantize_rows`` (per row, or per row and ``group`` columns) and back."""
+    xq, xs = quantize_rows(x, group)
+    if group is None:
+        return xq.float() * xs
+    return xq.float() * xs.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+
+
 def reference_fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                          input_scale: torch.Tensor | None) -> torch.Tensor:
     """The CPU path and the kernels' reference, ``x [M, K] -> [M, N]`` in fp32: activations
     quantized and dequantized exactly as the GPU GEMM quantizes them, times the dequantized weight."""
     if input_scale is not None:
         xd = quantize_static(x, input_scale).float() * input_scale.float()
-    elif block is None:
-        xq, xs = quantize_rows(x)
-        xd = xq.float() * xs
     else:
-        bk = block[1]
-        xq, xs = quantize_rows(x, bk)
-        xd = xq.float() * xs.repeat_interleave(bk, dim=1)[:, : x.shape[1]]
+        xd = quantize_dequantize_rows(x, None if block is None else block[1])
     return xd @ dequantize_weight(q, scale, block).t()
+
+
+def reference_w8a8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                        block: tuple[int, int] | None) -> torch.Tensor:
+    """What the GEMV's W8A8 form computes, in fp32: activations quantized per row and ``W8A8_GROUP``
+    columns (for channel and block weights alike), times the dequantized weight."""
+    return quantize_dequantize_rows(x, W8A8_GROUP) @ dequantize_weight(q, scale, block).t()
 
 
 # --- block-scaled W8A8 GEMM ------------------------------------------------------------------------
@@ -227,7 +237,8 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tup
     elif x.device.type != "cuda":
         out = (x2.float() @ dequantize_weight(q, scale, block).t()).to(x.dtype)
     elif m <= GEMV_MAX_TOKENS:
-        out = gemv(x2, q, scale, block)
+        out = gemv(x2, q, scale, block, bias=bias)
+        bias = None  # added in the GEMV's epilogue
     elif block is not None:
         xq, xs = quantize_rows(x2, block[1])
         out = w8a8_block_matmul(xq, xs, q, scale, block, x.dtype)

@@ -8,6 +8,9 @@ used in the same GPU session), then ``configs/``. Layout::
     {"fp8_channel": {"N6144_K4096": {"1": {"block_n": 8, "block_k": 512, "split_k": 1,
                                            "num_warps": 4, "num_stages": 3}, "16": {...}}}, ...}
 
+An FP8 weight-only entry may carry ``"prefer_w8a8": 1``: that case runs the W8A8 form, with the entry of
+``fp8_channel_mma`` / ``fp8_block_mma`` (``tune_gemv.py --compare`` sets it where W8A8 measured faster).
+
 The outer keys are weight kinds (``gemv_kind``); a call takes the smallest tuned bucket >= its token
 count (its tiles were measured for that many rows). A shape or kind without an entry gets
 ``default_config``.
@@ -28,20 +31,23 @@ CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 # Token counts the tuner measures; the kernel serves 1..GEMV_MAX_TOKENS.
 M_BUCKETS = (1, 2, 4, 8, 16)
 GEMV_MAX_TOKENS = 16
-KINDS = ("fp8_channel", "fp8_block", "bf16", "fp16")
+KINDS = ("fp8_channel", "fp8_block", "fp8_channel_mma", "fp8_block_mma", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """One launch: ``block_n`` weight rows per program, ``block_k`` columns per loop step (elements),
     ``split_k`` programs along K per row tile (1: each program reads whole rows), ``num_warps``,
-    ``num_stages`` (software pipelining of the weight loads)."""
+    ``num_stages`` (software pipelining of the weight loads). ``prefer_w8a8`` (FP8 weight-only tables
+    only): the W8A8 form, with its own table's config, measured faster for this case; calls that do not
+    choose a form take it (``plait.layers.quantization.gemv``)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    prefer_w8a8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -54,17 +60,25 @@ class GemvConfig:
             raise ValueError(f"GemvConfig: split_k and num_stages must be >= 1, got {self}")
 
     def to_json(self) -> dict[str, int]:
-        return asdict(self)
+        """The table entry: ``prefer_w8a8`` only where set (1)."""
+        data = {k: int(v) for k, v in asdict(self).items()}
+        if not self.prefer_w8a8:
+            del data["prefer_w8a8"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, int]) -> GemvConfig:
-        return cls(**{k: int(data[k]) for k in cls.__dataclass_fields__ if k in data})
+        values = {k: int(data[k]) for k in cls.__dataclass_fields__ if k in data}
+        if "prefer_w8a8" in values:
+            values["prefer_w8a8"] = bool(values["prefer_w8a8"])
+        return cls(**values)  # type: ignore[arg-type]
 
 
-def gemv_kind(weight_dtype: torch.dtype, block: tuple[int, int] | None) -> str:
-    """The table a weight's configs live in: its dtype and, for FP8, its scale layout."""
+def gemv_kind(weight_dtype: torch.dtype, block: tuple[int, int] | None, w8a8: bool = False) -> str:
+    """The table a weight's configs live in: its dtype and, for FP8, its scale layout and form (``_mma``:
+    activations quantized, e4m3 x e4m3 tensor-core dots; else weight-only)."""
     if weight_dtype == torch.float8_e4m3fn:
-        return "fp8_block" if block is not None else "fp8_channel"
+        return ("fp8_block" if block is not None else "fp8_channel") + ("_mma" if w8a8 else "")
     if weight_dtype == torch.bfloat16:
         return "bf16"
     if weight_dtype == torch.float16:
@@ -128,8 +142,15 @@ def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfi
     - 2..16 tokens: the tensor-core form needs 16 rows and 16+ columns; 32 rows x 256 columns per step.
     - split-K only when the row tiles alone give fewer than about 4 programs per SM, into whole
       ``block_k`` steps (FP8 block scales: steps of at most one 128-column scale block).
+    - the FP8 W8A8 kinds (``*_mma``): 64 rows x one 128-column group per step, four steps in flight.
     """
     fp8 = kind.startswith("fp8")
+    if kind.endswith("_mma"):
+        # 64 weight rows (one warpgroup MMA of 4 warps) x one 128-column activation group (128 bytes of
+        # each row) per step: the depth of the pipeline carries the bytes in flight.
+        block_n = 64
+        split_k = balanced_split(-(-n // block_n), -(-k // 128), num_sms)
+        return GemvConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=4)
     if m == 1:
         # Halving the row tile before splitting K: a split adds a partial round trip to each tile's tail.
         block_n, block_k = 8 if -(-n // 8) >= 4 * num_sms else 4, 512 if fp8 else 256
