@@ -1,16 +1,19 @@
 """Constrained decoding on the real trained model (SmolLM2-135M-Instruct, float32): for 30 JSON
 schemas, 10 regexes and 5 EBNF grammars, greedy and sampled, every output is complete
 (finish_reason "stop") and valid (jsonschema with format checks, re.fullmatch). All 90 requests run
-in one batch of one engine."""
+in one batch of one engine, once per test session."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
+from typing import NamedTuple
 
 import jsonschema
 import pytest
+from filelock import FileLock
 
 import plait
 from plait.bench.grammars import EBNF_GRAMMARS, JSON_SCHEMAS, REGEXES
@@ -42,8 +45,14 @@ def _check(case_id: str, text: str) -> None:
         assert re.fullmatch(EBNF_GRAMMARS[int(rest)][1], text), text
 
 
-@pytest.fixture(scope="module")
-def outputs(real_model_dir: pathlib.Path) -> dict[tuple[str, str], plait.RequestOutput]:
+class Result(NamedTuple):
+    text: str
+    finish_reason: str
+    finish_message: str | None
+
+
+def _run_batch(real_model_dir: pathlib.Path) -> dict[str, Result]:
+    """Every (case, mode) request in one batch of one engine: ``"case|mode"`` -> what the tests read."""
     with plait.Engine(model=str(real_model_dir), dtype="float32", device="cpu", max_total_tokens=32768,
                       max_running_requests=128) as engine:
         tok = engine.tokenizer
@@ -54,10 +63,27 @@ def outputs(real_model_dir: pathlib.Path) -> dict[tuple[str, str], plait.Request
             for mode, extra in (("greedy", {"temperature": 0.0}), ("sampled", {**SAMPLED, "seed": len(keys)})):
                 prompts.append(prompt)
                 params.append({"max_new_tokens": MAX_NEW, **grammar, **extra})
-                keys.append((case_id, mode))
+                keys.append(f"{case_id}|{mode}")
         outs = engine.generate(prompts, params)
         assert engine.scheduler.stats.grammar_compiles == len(CASES)
-        return dict(zip(keys, outs, strict=True))
+        return {key: Result(o.text, o.finish_reason, o.meta_info.get("finish_message"))
+                for key, o in zip(keys, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def outputs(real_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
+    """The batch's results. Under pytest-xdist the module's tests can land on both workers: the first
+    worker to get here runs the batch and leaves its results in the session's shared temporary
+    directory, the other waits for them and reads them (the batch runs once per session)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process
+        return _run_batch(real_model_dir)
+    shared = tmp_path_factory.getbasetemp().parent / "structured_real_model.json"
+    with FileLock(str(shared) + ".lock"):
+        if shared.is_file():
+            return {key: Result(*r) for key, r in json.loads(shared.read_text()).items()}
+        results = _run_batch(real_model_dir)
+        shared.write_text(json.dumps(results))
+        return results
 
 
 def test_corpus_has_30_schemas_10_regexes_5_ebnf() -> None:
@@ -67,6 +93,6 @@ def test_corpus_has_30_schemas_10_regexes_5_ebnf() -> None:
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 @pytest.mark.parametrize("case_id", [c[0] for c in CASES])
 def test_output_is_complete_and_valid(outputs, case_id: str, mode: str) -> None:
-    out = outputs[(case_id, mode)]
-    assert out.finish_reason == "stop", (out.text, out.meta_info["finish_message"])
+    out = outputs[f"{case_id}|{mode}"]
+    assert out.finish_reason == "stop", (out.text, out.finish_message)
     _check(case_id, out.text)
