@@ -109,9 +109,10 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
 GEMV_PREFETCH = EnvVar(
-    "PLAIT_GEMV_PREFETCH", _flag, True,
-    "1 (the default): a GEMV launched with PDL prefetches its first weight lines into L2 before it waits "
-    "for the previous kernel; 0: it does not (the A/B baseline). Read at every call.")
+    "PLAIT_GEMV_PREFETCH", _flag, False,
+    "1: a GEMV launched with PDL prefetches its first weight lines into L2 before it waits for the "
+    "previous kernel; 0 (the default until an A/B on the H200 shows it faster): it does not. Read at "
+    "every call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
