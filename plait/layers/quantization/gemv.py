@@ -53,6 +53,7 @@ import triton.language as tl
 from plait import envs
 from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
+from plait.layers.triton_ops import add_rounded, mul_rounded
 
 # Row tiles one split-K launch may count (int32 each): gate_up of a 70b model at BLOCK_N 4 needs 14k.
 MAX_COUNTERS = 1 << 16
@@ -60,6 +61,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Smallest scale a quantizer hands out: an all-zero row quantizes to zeros, not NaN.
 MIN_SCALE = 1e-12
+# Widest tile of the norm prologue (gemv_rmsnorm): wider rows are summed tile by tile, so the whole-row
+# tile does not take the registers the GEMV's pipeline needs.
+NORM_TILE = 4096
 # Columns per activation scale of the W8A8 form (one K step each): the block path's group width.
 W8A8_GROUP = 128
 
@@ -69,6 +73,60 @@ def fp8_w8a8_default() -> bool | None:
     weight-only, None (unset) the launch config's ``prefer_w8a8`` (the tuned table's measured choice per
     shape and token bucket; weight-only where it has none)."""
     return envs.FP8_GEMV_W8A8.get()
+
+
+@triton.jit
+def _norm_rows(X, R, NW, RES_OUT, NORMED, M, K, eps, writer, BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr,
+               WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """The RMSNorm prologue: each of the M rows' ``1 / sqrt(mean((x + r)^2) + eps)`` (fp32 ``[BLOCK_M]``,
+    0 past M) over the whole row, the expression of plait.layers.triton_ops' RMSNorm kernel (the sum
+    rounded to the activation dtype, the squares summed in fp32; for K <= NORM_BLOCK over one tile, as
+    that kernel does, wider rows tile by tile). The ``writer`` program also stores the new residual
+    ``x + r`` and, with WRITE_NORMED, the normed row. Rows are contiguous: row m starts at m * K."""
+    offs_m = tl.arange(0, BLOCK_M)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for m in range(0, M):
+        ss = 0.0
+        for c0 in range(0, K, NORM_BLOCK):
+            cols = c0 + tl.arange(0, NORM_BLOCK)
+            cmask = cols < K
+            x = tl.load(X + m * K + cols, mask=cmask, other=0.0)
+            if HAS_RES:
+                x = add_rounded(x, tl.load(R + m * K + cols, mask=cmask, other=0.0))
+                tl.store(RES_OUT + m * K + cols, x, mask=cmask & writer)
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=0)
+        r = tl.rsqrt(ss / K + eps)
+        if WRITE_NORMED:
+            for c0 in range(0, K, NORM_BLOCK):
+                cols = c0 + tl.arange(0, NORM_BLOCK)
+                wmask = (cols < K) & writer
+                x = tl.load(X + m * K + cols, mask=wmask, other=0.0)
+                if HAS_RES:
+                    x = add_rounded(x, tl.load(R + m * K + cols, mask=wmask, other=0.0))
+                w = tl.load(NW + cols, mask=wmask, other=0.0)
+                tl.store(NORMED + m * K + cols, mul_rounded(w, (x.to(tl.float32) * r).to(x.dtype)), mask=wmask)
+        rstd = tl.where(offs_m == m, r, rstd)
+    return rstd
+
+
+@triton.jit
+def _normed(x, r_ptrs, nw_ptrs, mask, k_mask, rstd, HAS_RES: tl.constexpr, MASKED: tl.constexpr = True,
+            K_MASKED: tl.constexpr = True):
+    """One loaded activation tile made what the unfused norm would have stored there: ``nw * ((x + r) *
+    rstd)`` with the unfused kernel's cast points (the sum in x's dtype, the scaling in fp32, rounded to
+    x's dtype before the weight multiplies it). Masked-off elements stay 0. ``mask`` (the tile's) is unused
+    without MASKED, ``k_mask`` (the columns', for the weight) without K_MASKED."""
+    if HAS_RES:
+        if MASKED:
+            x = add_rounded(x, tl.load(r_ptrs, mask=mask, other=0.0))
+        else:
+            x = add_rounded(x, tl.load(r_ptrs))
+    if K_MASKED:
+        w = tl.load(nw_ptrs, mask=k_mask, other=0.0)
+    else:
+        w = tl.load(nw_ptrs)
+    return mul_rounded(w, (x.to(tl.float32) * rstd).to(x.dtype))
 
 
 # M and split_k are not specialised (divisibility by 16, == 1): the token counts 2..16 and every split
@@ -91,6 +149,11 @@ def _gemv_kernel(
     stride_om,
     k_per_split,  # a multiple of BLOCK_K
     split_k,
+    R,  # NORM with HAS_RES: [M, K] residual (contiguous, as X then is); else unused
+    NW,  # NORM: [K] RMSNorm weight; else unused
+    ResOut,  # NORM with HAS_RES: [M, K] x + residual, written by program (0, 0); else unused
+    Normed,  # WRITE_NORMED: [M, K] the normed activations, written by program (0, 0); else unused
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,6 +173,10 @@ def _gemv_kernel(
     MIN_S: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     PREFETCH_ROW_BYTES: tl.constexpr = 0,  # > 0 (with USE_PDL): L2-prefetch this much of each row first
+    NORM: tl.constexpr = False,  # X is the RMSNorm's input (+ R): the kernel normalises it on load
+    HAS_RES: tl.constexpr = False,
+    WRITE_NORMED: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 1,  # the prologue's tile: the next power of two >= K, at most NORM_TILE
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -133,6 +200,10 @@ def _gemv_kernel(
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr.to(tl.int64)],
                                   dtype=tl.int32, is_pure=False, pack=1)
     pdl_prologue(USE_PDL)
+    if NORM:
+        rstd = _norm_rows(X, R, NW, ResOut, Normed, M, K, eps, (pid_n == 0) & (pid_k == 0), BLOCK_M, HAS_RES,
+                          WRITE_NORMED, NORM_BLOCK)
+        rstd_1 = tl.sum(rstd, axis=0)  # M == 1: the one row's (the other entries are 0)
     w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
     if SCALE == 2:
         s_rows = S + (rows // BN_SCALE) * stride_sn
@@ -143,6 +214,8 @@ def _gemv_kernel(
         if ONE_ROW:
             offs_k0 = k_lo + tl.arange(0, BLOCK_K)
             x_next = tl.load(X + offs_k0, mask=offs_k0 < k_hi, other=0.0)
+            if NORM:
+                x_next = _normed(x_next, R + offs_k0, NW + offs_k0, offs_k0 < k_hi, offs_k0 < k_hi, rstd_1, HAS_RES)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -158,11 +231,19 @@ def _gemv_kernel(
         if BLOCK_M > 1 and not ONE_ROW:
             x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
             x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+            if NORM:
+                x = _normed(x, R + offs_m[:, None] * K + offs_k[None, :], NW + offs_k[None, :], x_mask,
+                            (offs_k < k_hi)[None, :], rstd[:, None], HAS_RES, True, not EVEN_K)
         if BLOCK_M == 1:
             if EVEN_K:
                 x = tl.load(X + offs_k)
             else:
                 x = tl.load(X + offs_k, mask=offs_k < k_hi, other=0.0)
+            if NORM:
+                if EVEN_K:
+                    x = _normed(x, R + offs_k, NW + offs_k, None, None, rstd_1, HAS_RES, False, False)
+                else:
+                    x = _normed(x, R + offs_k, NW + offs_k, offs_k < k_hi, offs_k < k_hi, rstd_1, HAS_RES)
             prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
             if SCALE == 2:
                 prod = prod * s[:, None]
@@ -178,6 +259,9 @@ def _gemv_kernel(
                 x1 = x_next.to(tl.float32)
                 # The next step's row now (2 bytes a thread: too narrow for the pipelined async copies).
                 x_next = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0)
+                if NORM:
+                    x_next = _normed(x_next, R + offs_k + BLOCK_K, NW + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi,
+                                     offs_k + BLOCK_K < k_hi, rstd_1, HAS_RES)
                 s1 = tl.maximum(tl.max(tl.abs(x1), axis=0) / FP8_MAX_V, MIN_S)
                 x_q = tl.broadcast_to((x1 * (1.0 / s1)).to(W.dtype.element_ty)[None, :], [BLOCK_M, BLOCK_K])
                 x_s = tl.full([BLOCK_M], 1.0, tl.float32) * s1
@@ -325,6 +409,18 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
+@dataclass(frozen=True)
+class _NormArgs:
+    """What the RMSNorm prologue reads and writes (``gemv_rmsnorm``): every tensor ``[M, K]`` contiguous
+    but the weight ``[K]``."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None
+    residual_out: torch.Tensor | None
+    normed: torch.Tensor | None
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
          config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None
          ) -> torch.Tensor:
@@ -338,6 +434,37 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     (the form measured faster for this case; an explicit ``config``'s own flag, launched as given).
     Block scales narrower than, or not a multiple of, 128 columns take the weight-only form. ``config``
     overrides the tuned / default launch config (the tuner, tests)."""
+    return _gemv(x, w, scale, block, config, bias, w8a8, None)
+
+
+def gemv_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                 scale: torch.Tensor | None = None, block: tuple[int, int] | None = None, *,
+                 residual: torch.Tensor | None = None, want_normed: bool = False, bias: torch.Tensor | None = None,
+                 config: GemvConfig | None = None, w8a8: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``RMSNorm`` then ``gemv`` in one launch: ``(gemv(norm(h)), h, norm(h) if want_normed)`` with ``h =
+    x + residual`` (``x`` where ``residual`` is None), each ``[M, K]`` row normalised as RMSNorm.forward
+    does (``norm_weight [K]``, ``eps``). Every program computes its rows' scale over the whole row (K
+    elements from L2) and normalises the K slice it multiplies; program (0, 0) writes ``h`` and the normed
+    rows. The other arguments are ``gemv``'s."""
+    m, k = x.shape
+    if norm_weight.shape != (k,):
+        raise ValueError(f"gemv_rmsnorm: the norm weight must have shape ({k},), got {tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"gemv_rmsnorm: the residual must be {x.dtype} of shape {tuple(x.shape)}, got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    residual_out = torch.empty_like(x) if residual is not None else None
+    normed = torch.empty_like(x) if want_normed else None
+    out = _gemv(x, w, scale, block, config, bias, w8a8,
+                _NormArgs(norm_weight.contiguous(), eps, residual, residual_out, normed))
+    return out, residual_out if residual_out is not None else x, normed
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+          config: GemvConfig | None, bias: torch.Tensor | None, w8a8: bool | None, norm: _NormArgs | None
+          ) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     if not 1 <= m <= GEMV_MAX_TOKENS:
@@ -387,17 +514,27 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     bias_arg = bias.contiguous() if bias is not None else out  # unused without a bias
     pdl = use_pdl(x)
     prefetch = prefetch_row_bytes(plan, w.element_size()) if pdl and envs.GEMV_PREFETCH.get() else 0
+    if norm is not None:
+        norm_ptrs = (norm.residual if norm.residual is not None else out, norm.weight,
+                     norm.residual_out if norm.residual_out is not None else out,
+                     norm.normed if norm.normed is not None else out)  # ``out`` stands in for the unused ones
+    else:
+        norm_ptrs = (out, out, out, out)
     _gemv_kernel[(n_tiles, split_k)](
         x, w, scale_arg, out, bias_arg, partials, counters, m, n, k, x.stride(0), w.stride(0),
         scale.stride(0) if block is not None else 0, out.stride(0), k_per_split, split_k,
+        *norm_ptrs, norm.eps if norm is not None else 0.0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=0 if scale is None else (2 if block is not None else 1), BN_SCALE=bn_s, BK_SCALE=bk_s,
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        USE_PDL=pdl, PREFETCH_ROW_BYTES=prefetch, num_warps=config.num_warps, num_stages=config.num_stages,
-        launch_pdl=pdl)
+        USE_PDL=pdl, PREFETCH_ROW_BYTES=prefetch, NORM=norm is not None,
+        HAS_RES=norm is not None and norm.residual is not None,
+        WRITE_NORMED=norm is not None and norm.normed is not None,
+        NORM_BLOCK=min(triton.next_power_of_2(k), NORM_TILE) if norm is not None else 1,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 
