@@ -113,6 +113,11 @@ GEMV_PREFETCH = EnvVar(
     "1: a GEMV launched with PDL prefetches its first weight lines into L2 before it waits for the "
     "previous kernel; 0 (the default until an A/B on the H200 shows it faster): it does not. Read at "
     "every call.")
+FUSED_NORM_GEMV = EnvVar(
+    "PLAIT_FUSED_NORM_GEMV", _flag, True,
+    "1 (the default): a decode-sized step (<= 16 tokens) runs each add + RMSNorm that feeds a small-M GEMV "
+    "(qkv, the MoE router, a dense MLP's gate_up) inside that GEMV's prologue (plait.layers.norm_linear); 0: "
+    "the RMSNorm kernel, then the GEMV (the A/B baseline). Read at every call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
@@ -123,4 +128,4 @@ PDL = EnvVar(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_PREFETCH, PDL)
+                                    GEMV_PREFETCH, FUSED_NORM_GEMV, PDL)

@@ -19,7 +19,7 @@ from torch import nn
 
 from plait import envs
 from plait.distributed.parallel_state import SINGLE, TPGroup
-from plait.layers.quantization.gemv import dense_linear
+from plait.layers.quantization.gemv import GemvOperands, dense_gemv_operands, dense_linear
 
 
 class LinearMethod(Protocol):
@@ -27,6 +27,10 @@ class LinearMethod(Protocol):
     placed on ``layer`` (plait.layers.quantization.fp8.Fp8LinearMethod)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def gemv_operands(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> GemvOperands | None:
+        """The layer's weight as the GEMV takes it, where ``apply`` of a decode-sized ``x`` runs the GEMV."""
+        ...
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -67,6 +71,12 @@ class ColumnParallelLinear(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
         return dense_linear(x, self.weight, self.bias, self.small_m_gemv)
+
+    def gemv_operands(self, x: torch.Tensor) -> GemvOperands | None:
+        """Where ``forward`` of a decode-sized ``x`` runs the GEMV: its operands (plait.layers.norm_linear)."""
+        if self.quant_method is not None:
+            return self.quant_method.gemv_operands(self, x, self.bias)
+        return dense_gemv_operands(x, self.weight, self.bias, self.small_m_gemv)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -33,7 +33,8 @@ from plait.layers.moe.all_to_all import dispatch_combine, split_rows
 from plait.layers.moe.reference import ACTIVATIONS, fused_experts_reference
 from plait.layers.moe.router import RouterConfig, select_experts
 from plait.layers.moe.routing_stats import RoutedExpertCounter
-from plait.layers.quantization.gemv import dense_linear
+from plait.layers.norm_linear import norm_linear
+from plait.layers.quantization.gemv import GemvOperands, dense_gemv_operands, dense_linear
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -175,6 +176,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias, self.small_m_gemv)
 
+    def gemv_operands(self, x: torch.Tensor) -> GemvOperands | None:
+        return dense_gemv_operands(x, self.weight, self.bias, self.small_m_gemv)
+
 
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ a shared expert scaled by ``sigmoid(shared_expert_gate(x))``, as
@@ -203,7 +207,18 @@ class SparseMoeBlock(nn.Module):
         self.routing_counter: RoutedExpertCounter | None = None
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.router_config, self.experts.fused_kernels)
+        return self._routed_partial(x, self.gate(x))
+
+    def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x + residual))`` and the new residual, the norm inside the router's GEMV
+        (plait.layers.norm_linear), which also hands the experts the normed rows."""
+        logits, residual, normed = norm_linear(norm, self.gate, x, residual, want_normed=True)
+        assert normed is not None
+        return self.tp.all_reduce(self._routed_partial(normed, logits)), residual
+
+    def _routed_partial(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(logits, self.router_config, self.experts.fused_kernels)
         if self.routing_counter is not None:
             self.routing_counter.record(topk_ids)
         out = self.experts(x, topk_weights, topk_ids)

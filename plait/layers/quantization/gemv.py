@@ -53,7 +53,7 @@ import triton.language as tl
 from plait import envs
 from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
-from plait.layers.triton_ops import add_rounded, mul_rounded
+from plait.layers.triton_ops import add_rounded, mul_rounded, use_triton
 
 # Row tiles one split-K launch may count (int32 each): gate_up of a 70b model at BLOCK_N 4 needs 14k.
 MAX_COUNTERS = 1 << 16
@@ -538,11 +538,36 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: t
     return out
 
 
+@dataclass(frozen=True)
+class GemvOperands:
+    """A linear layer's weight as ``gemv`` / ``gemv_rmsnorm`` take it (``scale`` / ``block``: FP8 only)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    block: tuple[int, int] | None
+    bias: torch.Tensor | None
+
+
+def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool) -> bool:
+    """Whether ``dense_linear`` takes the GEMV for x's device and dtype (row count aside)."""
+    return use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def dense_gemv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: bool
+                        ) -> GemvOperands | None:
+    """An unquantized layer's operands for a GEMV with a prologue (plait.layers.norm_linear): where
+    ``dense_linear`` takes the GEMV, and off CUDA where tests run Triton ops in the interpreter
+    (``use_triton``) on weights in x's dtype; else None."""
+    if dense_gemv_applies(x, weight, use_gemv) or not x.is_cuda and use_triton(x) and x.dtype == weight.dtype:
+        return GemvOperands(weight, None, None, bias)
+    return None
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: bool) -> torch.Tensor:
     """``F.linear`` of an unquantized layer, or, with ``use_gemv`` (``PLAIT_BF16_GEMV=1``), the GEMV for
     decode-sized batches (1..16 tokens) of bf16 / fp16 weights on CUDA in the weights' dtype (the bias
     added in its epilogue)."""
-    if use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
+    if dense_gemv_applies(x, weight, use_gemv):
         x2 = x.reshape(-1, x.shape[-1])
         if 1 <= x2.shape[0] <= GEMV_MAX_TOKENS:
             return gemv(x2, weight, bias=bias).view(*x.shape[:-1], weight.shape[0])

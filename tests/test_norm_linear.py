@@ -1,0 +1,55 @@
+"""add + RMSNorm inside the GEMV after it (plait.layers.norm_linear) in whole models: greedy tokens of
+tiny models equal transformers' with the fused kernel running in the Triton interpreter (fp32, CPU),
+for every layer's qkv, a dense MLP's gate_up and the MoE router (whose experts read its normed rows)."""
+
+from __future__ import annotations
+
+import pytest
+
+import plait.layers.norm_linear as norm_linear_module
+from tests.helpers import assert_no_leaks, make_engine, prompt_ids
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The interpreter runs Triton layer ops on CPU tensors, the fused path on; counts its launches."""
+    monkeypatch.setenv("PLAIT_TRITON_OPS", "1")
+    monkeypatch.setenv("PLAIT_FUSED_NORM_GEMV", "1")
+    calls: list[tuple[int, bool, bool]] = []
+    real = norm_linear_module.gemv_rmsnorm
+
+    def counting(x, *args, residual=None, want_normed=False, **kwargs):
+        calls.append((x.shape[0], residual is not None, want_normed))
+        return real(x, *args, residual=residual, want_normed=want_normed, **kwargs)
+
+    monkeypatch.setattr(norm_linear_module, "gemv_rmsnorm", counting)
+    return calls
+
+
+# qwen3-moe's tiny preset has a dense layer beside a sparse one; gpt-oss has router biases.
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe", "gpt-oss"])
+def test_greedy_tokens_with_the_norm_fused_into_the_gemv_equal_transformers(arch, tiny_model_dir, hf_reference,
+                                                                           fused_calls):
+    path = tiny_model_dir(arch)
+    prompts = prompt_ids(2)
+    refs = [hf_reference(path, p, GREEDY["max_new_tokens"]) for p in prompts]
+    with make_engine(path, max_total_tokens=256) as engine:
+        layers = engine.runner.model.model.layers
+        outs = engine.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == [r.tokens for r in refs]
+        assert_no_leaks(engine)
+    # Every layer fuses both norms at decode: the first layer's input norm has no residual yet, the MoE
+    # router's call also writes the normed rows for the experts.
+    assert {(False, False), (True, False)} <= {(res, normed) for _, res, normed in fused_calls}
+    if arch in ("qwen3-moe", "gpt-oss"):
+        assert any(normed for _, _, normed in fused_calls)
+    assert len(fused_calls) >= 2 * len(layers) * (GREEDY["max_new_tokens"] - 1)
+
+
+def test_the_switch_off_keeps_the_norm_kernel_then_the_gemv(tiny_model_dir, fused_calls, monkeypatch):
+    monkeypatch.setenv("PLAIT_FUSED_NORM_GEMV", "0")
+    with make_engine(tiny_model_dir("llama"), max_total_tokens=256) as engine:
+        engine.generate(prompt_ids(1), GREEDY)
+    assert fused_calls == []
