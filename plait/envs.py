@@ -118,6 +118,12 @@ FUSED_NORM_GEMV = EnvVar(
     "1 (the default): a decode-sized step (<= 16 tokens) runs each add + RMSNorm that feeds a small-M GEMV "
     "(qkv, the MoE router, a dense MLP's gate_up) inside that GEMV's prologue (plait.layers.norm_linear); 0: "
     "the RMSNorm kernel, then the GEMV (the A/B baseline). Read at every call.")
+MOE_FUSED_TOPK = EnvVar(
+    "PLAIT_MOE_FUSED_TOPK", _flag, False,
+    "1: where a MoE layer's step takes the small-batch expert path, its gate/up kernel routes each token "
+    "from the router logits itself (the top-k kernel's arithmetic, bit-identical), one launch fewer per "
+    "layer; 0 (the default until a same-call A/B on the H200 shows it faster): the top-k kernel, then the "
+    "experts. Read at every call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
@@ -128,4 +134,4 @@ PDL = EnvVar(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_PREFETCH, FUSED_NORM_GEMV, PDL)
+                                    GEMV_PREFETCH, FUSED_NORM_GEMV, MOE_FUSED_TOPK, PDL)

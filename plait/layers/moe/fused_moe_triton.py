@@ -256,7 +256,8 @@ def check_expert_inputs(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torc
 
 
 @functools.cache
-def _device_name(device: torch.device) -> str:
+def device_name_of(device: torch.device) -> str:
+    """The name tuned config files key a device by (``cpu`` off CUDA)."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
@@ -314,7 +315,7 @@ def fused_experts_triton(
     device and batch bucket (``kernel_config.get_config``)."""
     num_tokens, hidden = hidden_states.shape[0], hidden_states.shape[-1]  # checked before either path runs
     num_experts, top_k, inter = w13.shape[0], topk_ids.shape[-1], w13.shape[1] // 2
-    device_name = _device_name(hidden_states.device)
+    device_name = device_name_of(hidden_states.device)
     if small_batch is None:
         small_cfg = small_batch_plan(num_tokens, num_experts, top_k, hidden, inter, device_name)
     elif small_batch:

@@ -152,6 +152,34 @@ class FusedMoE(nn.Module):
                              self.activation, self.w13_bias, b2, self.fused_kernels)
 
 
+    def forward_routed(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                       router: RouterConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``select_experts`` and ``forward`` in the small-batch path's two launches, its gate/up kernel
+        routing each token itself (no top-k launch): (partial sum [T, H], topk_weights, topk_ids), or
+        None where that path does not run (the reference path, expert parallelism, batches the
+        small-batch plan leaves to the aligned pipeline)."""
+        on_triton = hidden_states.is_cuda if self.fused_kernels is None else self.fused_kernels
+        if not on_triton or self.ep_size > 1:
+            return None
+        from plait.layers.moe.fused_moe_triton import check_expert_inputs, device_name_of
+        from plait.layers.moe.small_batch import Routing, route_and_run_small_batch, small_batch_plan
+
+        num_tokens, hidden = hidden_states.shape
+        inter = self.w13_weight.shape[1] // 2
+        cfg = small_batch_plan(num_tokens, self.num_local_experts, router.top_k, hidden, inter,
+                               device_name_of(hidden_states.device))
+        if cfg is None:
+            return None
+        b2 = self.w2_bias if self.moe_tp_rank == 0 else None
+        weights = torch.empty(num_tokens, router.top_k, dtype=torch.float32, device=hidden_states.device)
+        ids = torch.empty(num_tokens, router.top_k, dtype=torch.int32, device=hidden_states.device)
+        check_expert_inputs(hidden_states, self.w13_weight, self.w2_weight, weights, ids, self.activation,
+                            self.w13_bias, b2)
+        routing = Routing(router.top_k, router.scoring == "softmax_topk", router.renormalize)
+        out = route_and_run_small_batch(hidden_states, router_logits, routing, self.w13_weight, self.w2_weight,
+                                        self.activation, self.w13_bias, b2, weights, ids, cfg)
+        return out, weights, ids
+
     def forward_received(self, rows: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """The all-to-all dispatch's pairs: ``rows`` [N, H], each for one of this rank's experts
         (``local_ids`` [N, 1] int32) with its routing weight (``weights`` [N, 1] float32) -> the
@@ -218,10 +246,15 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(self._routed_partial(normed, logits)), residual
 
     def _routed_partial(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(logits, self.router_config, self.experts.fused_kernels)
+        # PLAIT_MOE_FUSED_TOPK: the small-batch gate/up kernel routes each token itself (no top-k launch).
+        routed = self.experts.forward_routed(x, logits, self.router_config) if envs.MOE_FUSED_TOPK.get() else None
+        if routed is not None:
+            out, _, topk_ids = routed
+        else:
+            topk_weights, topk_ids = select_experts(logits, self.router_config, self.experts.fused_kernels)
+            out = self.experts(x, topk_weights, topk_ids)
         if self.routing_counter is not None:
             self.routing_counter.record(topk_ids)
-        out = self.experts(x, topk_weights, topk_ids)
         # A replicated shared expert (all-to-all layout) joins one rank's partial sums only.
         if not self.all_to_all or self.tp.rank == 0:
             out = self._add_shared(x, out)
