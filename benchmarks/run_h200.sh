@@ -13,6 +13,8 @@
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
 # gemv-tests / gemv / gemv-bf16-ab: the small-M GEMV's GPU tests; its tuning, then gemm and FP8 decode-bs1 on
 # the fresh configs; bf16 decode-bs1 8b with cuBLAS and with the GEMV (docs/quantization.md#small-m-gemv).
+# moe-decode-ab: the decode-bs1 A/B of PLAIT_FUSED_NORM_GEMV and PLAIT_MOE_FUSED_TOPK (qwen3-30b-a3b, and
+# the fused norm on llama-3.2-1b) with their GPU tests.
 # fp8-mma: the FP8 GEMV's W8A8 form: GPU tests, tuning, weight-only vs W8A8 per shape, decode-bs1 A/B.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
@@ -105,6 +107,21 @@ for stage in "$@"; do
     pdl-test) python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
     moe-latency-nopeer) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-peer --out "$OUT" 2>&1 \
                           | grep -E '^\{"workload|Error' ;;
+    moe-decode-ab)  # decode-bs1 qwen3-30b-a3b per switch setting (all off, each on alone, both on), then the
+      # fused norm + GEMV on and off for llama-3.2-1b, then the GPU tests of both levers (docs/benchmarks.md)
+      python -m pytest -q -m gpu tests/gpu/test_gemv_rmsnorm_gpu.py tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider \
+        2>&1 | tee "$OUT/moe-decode-ab-tests.log" | tail -5
+      for v in "0 0 off" "1 0 fused-norm" "0 1 fused-topk" "1 1 both"; do
+        set -- $v
+        echo "--- qwen3-30b-a3b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2"
+        PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 python -m plait bench latency --shape qwen3-30b-a3b \
+          --no-peer --out "$OUT/moe-ab-$3" 2>&1 | grep -E '^\{"workload|Error'
+      done
+      for on in 0 1; do
+        echo "--- llama-3.2-1b PLAIT_FUSED_NORM_GEMV=$on"
+        PLAIT_FUSED_NORM_GEMV=$on python -m plait bench latency --shape llama-3.2-1b --no-compile-peer \
+          --out "$OUT/norm-gemv-1b-$on" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
