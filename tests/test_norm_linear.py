@@ -53,3 +53,16 @@ def test_the_switch_off_keeps_the_norm_kernel_then_the_gemv(tiny_model_dir, fuse
     with make_engine(tiny_model_dir("llama"), max_total_tokens=256) as engine:
         engine.generate(prompt_ids(1), GREEDY)
     assert fused_calls == []
+
+
+def test_under_tensor_parallelism_each_rank_fuses_its_shard_and_the_tokens_equal_transformers(
+        tiny_model_dir, hf_reference, fused_calls):
+    # Two gloo ranks inherit the switches: each rank's column-parallel qkv / gate_up and its replicated
+    # router run the fused kernel on the all-reduced rows.
+    path = tiny_model_dir("qwen3-moe")
+    prompts = prompt_ids(2)
+    refs = [hf_reference(path, p, GREEDY["max_new_tokens"]) for p in prompts]
+    with make_engine(path, tp_size=2, dist_timeout=60, max_total_tokens=256) as engine:
+        outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [r.tokens for r in refs]
+    assert fused_calls  # the rank in this process took the fused path
