@@ -124,6 +124,12 @@ MOE_FUSED_TOPK = EnvVar(
     "from the router logits itself (the top-k kernel's arithmetic, bit-identical), one launch fewer per "
     "layer; 0 (the default until a same-call A/B on the H200 shows it faster): the top-k kernel, then the "
     "experts. Read at every call.")
+MOE_ROUTER_TOPK = EnvVar(
+    "PLAIT_MOE_ROUTER_TOPK", _flag, False,
+    "1: where a MoE router's decode-size projection runs in the small-M GEMV, that GEMV's last program "
+    "also routes every row (the top-k kernel's arithmetic on the stored logits, bit-identical), one launch "
+    "fewer per layer; it takes precedence over PLAIT_MOE_FUSED_TOPK. 0 (the default until a same-call A/B "
+    "on the H200 shows it faster): the top-k kernel. Read at every call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
@@ -134,4 +140,5 @@ PDL = EnvVar(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_PREFETCH, FUSED_NORM_GEMV, MOE_FUSED_TOPK, PDL)
+                                    GEMV_PREFETCH, FUSED_NORM_GEMV, MOE_FUSED_TOPK, MOE_ROUTER_TOPK,
+                                    PDL)

@@ -27,15 +27,18 @@ ALIGNED = ("X", "W", "S", "Out", "Bias", "Partials", "Counters", "R", "NW", "Res
            "stride_wn", "stride_om", "k_per_split")
 
 
-def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool = False) -> dict[str, int]:
-    """``norm``: with the add + RMSNorm prologue (gemv_rmsnorm, residual and normed rows written)."""
+def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool = False,
+                 route: bool = False) -> dict[str, int]:
+    """``norm``: with the add + RMSNorm prologue (gemv_rmsnorm, residual and normed rows written);
+    ``route``: with the router epilogue (qwen3-moe's top 8, softmax then top-k, renormalised)."""
     block = (128, 128) if kind.startswith("fp8_block") else None
     w8a8 = kind.endswith("_mma")
     plan = plan_launch(m, n, k, block, cfg, w8a8)
     sig = {"X": "*bf16", "W": f"*{WEIGHT[kind]}", "S": "*fp32", "Out": "*bf16", "Bias": "*bf16", "Partials": "*fp32",
            "Counters": "*i32", **{a: "i32" for a in ("M", "N", "K", "stride_xm", "stride_wn", "stride_sn",
                                                         "stride_om", "k_per_split", "split_k")},
-           "R": "*bf16", "NW": "*bf16", "ResOut": "*bf16", "Normed": "*bf16", "eps": "fp32"}
+           "R": "*bf16", "NW": "*bf16", "ResOut": "*bf16", "Normed": "*bf16", "eps": "fp32",
+           "TopkW": "*fp32", "TopkIds": "*i32", "RouteCounter": "*i32"}
     consts = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                   SCALE=2 if block else (1 if kind.startswith("fp8") else 0), BN_SCALE=block[0] if block else 1,
                   BK_SCALE=block[1] if block else 1, EVEN_K=plan.even_k, SPLIT=plan.split_k > 1,
@@ -43,7 +46,9 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool 
                   W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
                   USE_PDL=True, PREFETCH_ROW_BYTES=prefetch_row_bytes(plan, 2 if kind in ("bf16", "fp16") else 1),
                   NORM=norm, HAS_RES=norm, WRITE_NORMED=norm,
-                  NORM_BLOCK=min(triton.next_power_of_2(k), NORM_TILE) if norm else 1)
+                  NORM_BLOCK=min(triton.next_power_of_2(k), NORM_TILE) if norm else 1,
+                  ROUTE=route, TOP_K=8 if route else 1, TOP_K_PAD=8 if route else 1, SOFTMAX_FIRST=True,
+                  RENORMALIZE=route, BLOCK_E=triton.next_power_of_2(n) if route else 1)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
     kernel = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -65,7 +70,8 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool 
 
 
 def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[int, int], ...],
-                                   ms: tuple[int, ...] = (1, 16), norm: bool = False) -> list[dict[str, int]]:
+                                   ms: tuple[int, ...] = (1, 16), norm: bool = False,
+                                   route: bool = False) -> list[dict[str, int]]:
     """Each kind's default config at each (N, K) and M compiled by this script in a process without
     TRITON_INTERPRET (tests run in the interpreter); its JSON lines. Skips without the wheel's ptxas."""
     import pathlib
@@ -76,7 +82,7 @@ def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[i
 
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
         pytest.skip("this triton wheel has no ptxas")
-    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json(), norm)
+    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json(), norm, route)
             for kind in kinds for m in ms for n, k in shapes]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).parent.parent
@@ -90,5 +96,5 @@ def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[i
 
 
 if __name__ == "__main__":
-    for kind, m, n, k, raw, norm in json.loads(sys.argv[1]):
-        print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, GemvConfig.from_json(raw), norm)}))
+    for kind, m, n, k, raw, norm, route in json.loads(sys.argv[1]):
+        print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, GemvConfig.from_json(raw), norm, route)}))

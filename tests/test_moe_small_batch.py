@@ -17,6 +17,7 @@ from plait.layers.moe.fused_router import fused_topk  # noqa: E402
 from plait.layers.moe.layer import FusedMoE, SparseMoeBlock  # noqa: E402
 from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
 from plait.layers.moe.router import RouterConfig, select_experts  # noqa: E402
+from plait.layers.quantization.gemv import gemv  # noqa: E402
 from tests.test_fused_moe_triton import assert_equals_reference  # noqa: E402
 from tests.test_fused_moe_triton import make_experts as experts  # noqa: E402
 
@@ -217,6 +218,29 @@ def test_moe_layer_at_one_token_launches_the_router_gemm_and_the_expert_kernels(
     torch.testing.assert_close(out, block(x), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_router_gemv_routing_its_rows_launches_no_top_k_kernel_and_routes_as_it(arch, num_tokens, monkeypatch):
+    # PLAIT_MOE_ROUTER_TOPK: the router's GEMV (the interpreter runs it with PLAIT_TRITON_OPS) routes in
+    # its last program; the experts (small path at one token, aligned at eight) read its ids.
+    monkeypatch.setenv("PLAIT_TRITON_OPS", "1")
+    monkeypatch.setenv("PLAIT_MOE_ROUTER_TOPK", "1")
+    monkeypatch.setenv("PLAIT_MOE_FUSED_TOPK", "1")  # the router's routing takes precedence
+    block = (moe_block(32, 8, 32, 16, "softmax_topk", bias=False) if arch == "qwen3-moe"
+             else moe_block(32, 4, 32, 16, "topk_softmax", bias=True))
+    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(num_tokens))
+    counter = LaunchCounter(monkeypatch)
+    with torch.inference_mode(), counter.ops:
+        out = block(x)
+    launches = {k.removeprefix("triton:"): v for k, v in counter.counts.items() if k.startswith("triton:")}
+    assert launches["_gemv_kernel"] == 1 and "_fused_topk_kernel" not in launches
+    assert "_small_gate_up_kernel" in launches if num_tokens == 1 else "fused_moe_kernel" in launches
+    with torch.inference_mode():
+        logits = gemv(x, block.gate.weight, bias=block.gate.bias)
+        weights, ids = select_experts(logits, block.router_config, True)
+        assert torch.equal(out, block.experts(x, weights, ids))
+
+
 @pytest.mark.parametrize("num_tokens", [1, 2, 8])
 def test_moe_layer_with_fused_kernels_equals_the_torch_path_across_the_switch(num_tokens):
     # 32 experts, top 4: 1 and 2 tokens take the small path, 8 tokens the aligned pipeline.
@@ -239,8 +263,10 @@ def test_public_entry_point_can_force_either_path():
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-# The routing in the gate/up kernel once in a whole model (its unit test covers every scoring).
-@pytest.mark.parametrize(("arch", "fused_topk"), [("qwen3-moe", False), ("gpt-oss", False), ("qwen3-moe", True)])
+# The routing in the gate/up kernel, and in the router GEMV (with the norm fused into it: every switch
+# on), once each in a whole model (their unit tests cover every scoring).
+@pytest.mark.parametrize(("arch", "fused_topk"), [("qwen3-moe", False), ("gpt-oss", False), ("qwen3-moe", True),
+                                                  ("gpt-oss", "router")])
 def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, fused_topk, tiny_model_dir,
                                                                      hf_reference, monkeypatch):
     # The engine's MoE layers switched to the Triton kernels (interpreter): the fused router and the
@@ -248,8 +274,10 @@ def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, fused
     # experts, top 2: one token is 2 pairs <= 8 / 4), with PLAIT_MOE_FUSED_TOPK routing its own token.
     from tests.helpers import make_engine, prompt_ids
 
-    monkeypatch.setenv("PLAIT_MOE_FUSED_TOPK", "1" if fused_topk else "0")
-
+    monkeypatch.setenv("PLAIT_MOE_FUSED_TOPK", "1" if fused_topk is True else "0")
+    if fused_topk == "router":
+        monkeypatch.setenv("PLAIT_TRITON_OPS", "1")
+        monkeypatch.setenv("PLAIT_MOE_ROUTER_TOPK", "1")
     path = tiny_model_dir(arch)
     prompt = prompt_ids(3)[1]
     ref = hf_reference(path, prompt, 6)
@@ -262,8 +290,9 @@ def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, fused
         (out,) = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": 6})
     assert out.token_ids == ref.tokens
     launches = {k.removeprefix("triton:"): v for k, v in counter.counts.items()}
-    # per sparse layer: the prefill, and without the switch each of the five decode steps
-    assert launches["_fused_topk_kernel"] == len(moes) * (1 if fused_topk else 6)
+    # per sparse layer: the prefill, and without the switch each of the five decode steps; none where
+    # the router GEMV routes (the 7-token prefill too)
+    assert launches.get("_fused_topk_kernel", 0) == len(moes) * {False: 6, True: 1, "router": 0}[fused_topk]
     assert launches["_small_gate_up_kernel"] == launches["_small_down_sum_kernel"] == len(moes) * 5
     assert launches["fused_moe_kernel"] == 2 * len(moes)  # the prefill: gate/up and down
 

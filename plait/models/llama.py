@@ -133,8 +133,8 @@ class LlamaMLP(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x + residual))`` and the new residual, the norm inside gate_up's GEMV
         (plait.layers.norm_linear)."""
-        gate_up, residual, _ = norm_linear(norm, self.gate_up_proj, x, residual)
-        return self.down_proj(self.act_fn(gate_up)), residual
+        gate_up = norm_linear(norm, self.gate_up_proj, x, residual)
+        return self.down_proj(self.act_fn(gate_up.out)), gate_up.residual
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's unreduced, bias-free down projection (the caller reduces, then adds
@@ -185,8 +185,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # Each norm runs inside the GEMV after it where that GEMV runs (plait.layers.norm_linear).
-        qkv, residual, _ = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn.forward_qkv(positions, qkv, fb)
+        qkv = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn.forward_qkv(positions, qkv.out, fb)
+        residual = qkv.residual
         return self.norm_and_mlp(hidden, residual, fb)
 
     def norm_and_mlp(self, hidden: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch

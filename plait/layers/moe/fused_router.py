@@ -14,11 +14,23 @@ written float32 [T, K], ids int32 [T, K], as ``router.select_experts`` returns t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from plait.layers.pdl import pdl_prologue, use_pdl
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a kernel routes from router logits: softmax then top-k (``softmax_first``, with
+    ``renormalize``) or top-k then softmax, ``top_k`` experts (module doc)."""
+
+    top_k: int
+    softmax_first: bool
+    renormalize: bool
 
 
 @triton.jit
@@ -28,8 +40,18 @@ def topk_of_row(row_ptr, E, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SOFTMA
     [TOP_K_PAD]), slots >= TOP_K zero (module doc). Shared by the top-k kernel and the small-batch MoE
     kernel that routes its own token (``small_batch``), so both choose bit-identically."""
     offs = tl.arange(0, BLOCK_E)
+    scores = tl.load(row_ptr + offs, mask=offs < E, other=-float("inf"))
+    return topk_of_logits(scores, E, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
+
+
+@triton.jit
+def topk_of_logits(logits, E, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``topk_of_row`` of logits already loaded (``[BLOCK_E]``, any float dtype; entries past E
+    ignored): the router GEMV's last program routes from the logits it reads back (gemv.py)."""
+    offs = tl.arange(0, BLOCK_E)
     in_e = offs < E
-    scores = tl.load(row_ptr + offs, mask=in_e, other=-float("inf")).to(tl.float32)
+    scores = tl.where(in_e, logits.to(tl.float32), -float("inf"))
     if SOFTMAX_FIRST:
         scores = tl.exp(scores - tl.max(scores, axis=0))
         scores = scores / tl.sum(scores, axis=0)

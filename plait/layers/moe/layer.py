@@ -30,11 +30,12 @@ from plait import envs
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ShardedMLP
 from plait.layers.moe.all_to_all import dispatch_combine, split_rows
+from plait.layers.moe.fused_router import Routing
 from plait.layers.moe.reference import ACTIVATIONS, fused_experts_reference
 from plait.layers.moe.router import RouterConfig, select_experts
 from plait.layers.moe.routing_stats import RoutedExpertCounter
-from plait.layers.norm_linear import norm_linear
-from plait.layers.quantization.gemv import GemvOperands, dense_gemv_operands, dense_linear
+from plait.layers.norm_linear import linear_routed, norm_linear
+from plait.layers.quantization.gemv import GemvOperands, RouteOutputs, dense_gemv_operands, dense_linear
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -162,7 +163,7 @@ class FusedMoE(nn.Module):
         if not on_triton or self.ep_size > 1:
             return None
         from plait.layers.moe.fused_moe_triton import check_expert_inputs, device_name_of
-        from plait.layers.moe.small_batch import Routing, route_and_run_small_batch, small_batch_plan
+        from plait.layers.moe.small_batch import route_and_run_small_batch, small_batch_plan
 
         num_tokens, hidden = hidden_states.shape
         inter = self.w13_weight.shape[1] // 2
@@ -235,20 +236,39 @@ class SparseMoeBlock(nn.Module):
         self.routing_counter: RoutedExpertCounter | None = None
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        return self._routed_partial(x, self.gate(x))
+        route = self._route_outputs(x)
+        logits, routed = linear_routed(self.gate, x, route)
+        return self._routed_partial(x, logits, route if routed else None)
 
     def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x + residual))`` and the new residual, the norm inside the router's GEMV
         (plait.layers.norm_linear), which also hands the experts the normed rows."""
-        logits, residual, normed = norm_linear(norm, self.gate, x, residual, want_normed=True)
-        assert normed is not None
-        return self.tp.all_reduce(self._routed_partial(normed, logits)), residual
+        route = self._route_outputs(x)
+        r = norm_linear(norm, self.gate, x, residual, want_normed=True, route=route)
+        assert r.normed is not None
+        return self.tp.all_reduce(self._routed_partial(r.normed, r.out, route if r.routed else None)), r.residual
 
-    def _routed_partial(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        # PLAIT_MOE_FUSED_TOPK: the small-batch gate/up kernel routes each token itself (no top-k launch).
-        routed = self.experts.forward_routed(x, logits, self.router_config) if envs.MOE_FUSED_TOPK.get() else None
-        if routed is not None:
+    def _route_outputs(self, x: torch.Tensor) -> RouteOutputs | None:
+        """With ``PLAIT_MOE_ROUTER_TOPK``, where ``select_experts`` would take the top-k kernel: the
+        buffers the router GEMV's epilogue routes into instead (used only if the GEMV runs)."""
+        fused = x.is_cuda if self.experts.fused_kernels is None else self.experts.fused_kernels
+        if not (fused and envs.MOE_ROUTER_TOPK.get()):
+            return None
+        cfg = self.router_config
+        return RouteOutputs.empty(x.numel() // x.shape[-1], Routing(cfg.top_k, cfg.scoring == "softmax_topk",
+                                                                   cfg.renormalize), x.device)
+
+    def _routed_partial(self, x: torch.Tensor, logits: torch.Tensor, route: RouteOutputs | None) -> torch.Tensor:
+        """The experts' partial sum for ``x``, routed by ``route`` where the router GEMV routed, else
+        from ``logits``: in the small-batch gate/up kernel (``PLAIT_MOE_FUSED_TOPK``) or by the top-k
+        kernel."""
+        routed = (self.experts.forward_routed(x, logits, self.router_config)
+                  if route is None and envs.MOE_FUSED_TOPK.get() else None)
+        if route is not None:
+            topk_ids = route.ids
+            out = self.experts(x, route.weights, topk_ids)
+        elif routed is not None:
             out, _, topk_ids = routed
         else:
             topk_weights, topk_ids = select_experts(logits, self.router_config, self.experts.fused_kernels)

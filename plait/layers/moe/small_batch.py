@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from plait.layers.moe.activation_triton import activate
-from plait.layers.moe.fused_router import topk_of_row
+from plait.layers.moe.fused_router import Routing, topk_of_row
 from plait.layers.moe.kernel_config import config_dirs
 from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from plait.layers.pdl import pdl_prologue, use_pdl
@@ -311,16 +311,6 @@ def fused_experts_small_batch(
     # The routers return float32 weights: then no cast (not even a no-op ``to``) is issued.
     weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
     return _launch(hidden_states, w13, w2, weights, ids, activation, b13, b2, config, None)
-
-
-@dataclass(frozen=True)
-class Routing:
-    """How ``route_and_run_small_batch`` routes: ``fused_router``'s scoring (softmax then top-k, or
-    top-k then softmax) and ``renormalize``."""
-
-    top_k: int
-    softmax_first: bool
-    renormalize: bool
 
 
 def route_and_run_small_batch(

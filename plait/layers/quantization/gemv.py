@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from plait import envs
+from plait.layers.moe.fused_router import Routing, topk_of_logits
 from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
 from plait.layers.triton_ops import add_rounded, mul_rounded, use_triton
@@ -61,6 +62,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Smallest scale a quantizer hands out: an all-zero row quantizes to zeros, not NaN.
 MIN_SCALE = 1e-12
+# Most experts the router epilogue routes over (one program holds a row's logits).
+MAX_ROUTED_EXPERTS = 1024
 # Widest tile of the norm prologue (gemv_rmsnorm): wider rows are summed tile by tile, so the whole-row
 # tile does not take the registers the GEMV's pipeline needs.
 NORM_TILE = 4096
@@ -129,6 +132,29 @@ def _normed(x, r_ptrs, nw_ptrs, mask, k_mask, rstd, HAS_RES: tl.constexpr, MASKE
     return mul_rounded(w, (x.to(tl.float32) * rstd).to(x.dtype))
 
 
+@triton.jit
+def _route_if_last(Out, TopkW, TopkIds, RouteCounter, M, N, stride_om, n_tiles, offs_m, GPU_FENCE: tl.constexpr,
+                   TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The router epilogue, run by each of the ``n_tiles`` programs that stored an output tile: the last
+    to finish (the split-K publication protocol on one grid-wide counter, left zero again) reads every
+    row's N logits back through L2 and writes its top-k routing, ``fused_router.topk_of_logits`` on the
+    stored values, so the same weights and ids as the top-k kernel reading them."""
+    if GPU_FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [offs_m],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+    if tl.atomic_add(RouteCounter, 1, sem="acq_rel", scope="gpu") == n_tiles - 1:
+        tl.atomic_xchg(RouteCounter, 0, sem="relaxed", scope="gpu")
+        offs_e = tl.arange(0, BLOCK_E)
+        slot = tl.arange(0, TOP_K_PAD)
+        for m in range(0, M):
+            logits = tl.load(Out + m * stride_om + offs_e, mask=offs_e < N, other=-float("inf"), cache_modifier=".cg")
+            weights, ids = topk_of_logits(logits, N, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
+            tl.store(TopkW + m * TOP_K + slot, weights, mask=slot < TOP_K)
+            tl.store(TopkIds + m * TOP_K + slot, ids, mask=slot < TOP_K)
+
+
 # M and split_k are not specialised (divisibility by 16, == 1): the token counts 2..16 and every split
 # share one compiled kernel per config.
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -154,6 +180,9 @@ def _gemv_kernel(
     ResOut,  # NORM with HAS_RES: [M, K] x + residual, written by program (0, 0); else unused
     Normed,  # WRITE_NORMED: [M, K] the normed activations, written by program (0, 0); else unused
     eps,
+    TopkW,  # ROUTE: [M, TOP_K] fp32, written by the last program; else unused
+    TopkIds,  # ROUTE: [M, TOP_K] int32; else unused
+    RouteCounter,  # ROUTE: int32 [1], zero on entry and on exit; else unused
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -177,6 +206,12 @@ def _gemv_kernel(
     HAS_RES: tl.constexpr = False,
     WRITE_NORMED: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 1,  # the prologue's tile: the next power of two >= K, at most NORM_TILE
+    ROUTE: tl.constexpr = False,  # Out holds router logits: the last program routes every row (_route_if_last)
+    TOP_K: tl.constexpr = 1,
+    TOP_K_PAD: tl.constexpr = 1,
+    SOFTMAX_FIRST: tl.constexpr = True,
+    RENORMALIZE: tl.constexpr = False,
+    BLOCK_E: tl.constexpr = 1,  # next power of two >= N
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -319,12 +354,18 @@ def _gemv_kernel(
             if HAS_BIAS:
                 total = total + tl.load(Bias + rows).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=out_mask)
+            if ROUTE:
+                _route_if_last(Out, TopkW, TopkIds, RouteCounter, M, N, stride_om, tl.num_programs(0), offs_m,
+                               GPU_FENCE, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
     else:
         if SCALE == 1:
             acc = acc * tl.load(S + rows)[None, :]
         if HAS_BIAS:
             acc = acc + tl.load(Bias + rows).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=out_mask)
+        if ROUTE:
+            _route_if_last(Out, TopkW, TopkIds, RouteCounter, M, N, stride_om, tl.num_programs(0), offs_m,
+                           GPU_FENCE, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
 
 
 @functools.lru_cache(maxsize=8)
@@ -398,6 +439,7 @@ def prefetch_row_bytes(plan: GemvLaunch, element_size: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
@@ -407,6 +449,22 @@ def split_counters(device: torch.device) -> torch.Tensor:
     if counters is None:
         counters = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
     return counters
+
+
+@dataclass(frozen=True)
+class RouteOutputs:
+    """Where a router GEMV's last program writes each row's top-k routing (``route=`` of ``gemv`` /
+    ``gemv_rmsnorm``): ``weights`` float32 ``[M, top_k]``, ``ids`` int32 ``[M, top_k]``, as
+    ``fused_router.fused_topk`` of the GEMV's output returns them."""
+
+    routing: Routing
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+    @staticmethod
+    def empty(rows: int, routing: Routing, device: torch.device) -> RouteOutputs:
+        return RouteOutputs(routing, torch.empty(rows, routing.top_k, dtype=torch.float32, device=device),
+                            torch.empty(rows, routing.top_k, dtype=torch.int32, device=device))
 
 
 @dataclass(frozen=True)
@@ -421,9 +479,18 @@ class _NormArgs:
     normed: torch.Tensor | None
 
 
+def route_counter(device: torch.device) -> torch.Tensor:
+    """The device's grid-wide counter of the router epilogue (``_route_if_last``): one int32, zero
+    between launches, apart from the split-K tile counters (a routed launch may also split K)."""
+    counter = _ROUTE_COUNTERS.get(device)
+    if counter is None:
+        counter = _ROUTE_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-         config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None
-         ) -> torch.Tensor:
+         config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None,
+         route: RouteOutputs | None = None) -> torch.Tensor:
     """``x [M, K] @ (W * scale).T (+ bias) -> [M, N]`` in x's dtype for ``1 <= M <= 16``.
 
     ``w`` fp8 e4m3 with ``scale`` ``[N]`` (channel, ``block`` None) or ``[ceil(N / bn), ceil(K / bk)]``
@@ -433,14 +500,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     ``fp8_w8a8_default()``, and where that is unset too, the weight-only table entry's ``prefer_w8a8``
     (the form measured faster for this case; an explicit ``config``'s own flag, launched as given).
     Block scales narrower than, or not a multiple of, 128 columns take the weight-only form. ``config``
-    overrides the tuned / default launch config (the tuner, tests)."""
-    return _gemv(x, w, scale, block, config, bias, w8a8, None)
+    overrides the tuned / default launch config (the tuner, tests). ``route``: the output is router
+    logits (N experts); the last program to finish also writes each row's top-k routing there."""
+    return _gemv(x, w, scale, block, config, bias, w8a8, None, route)
 
 
 def gemv_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
                  scale: torch.Tensor | None = None, block: tuple[int, int] | None = None, *,
                  residual: torch.Tensor | None = None, want_normed: bool = False, bias: torch.Tensor | None = None,
-                 config: GemvConfig | None = None, w8a8: bool | None = None
+                 config: GemvConfig | None = None, w8a8: bool | None = None, route: RouteOutputs | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``RMSNorm`` then ``gemv`` in one launch: ``(gemv(norm(h)), h, norm(h) if want_normed)`` with ``h =
     x + residual`` (``x`` where ``residual`` is None), each ``[M, K]`` row normalised as RMSNorm.forward
@@ -458,13 +526,13 @@ def gemv_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torc
     residual_out = torch.empty_like(x) if residual is not None else None
     normed = torch.empty_like(x) if want_normed else None
     out = _gemv(x, w, scale, block, config, bias, w8a8,
-                _NormArgs(norm_weight.contiguous(), eps, residual, residual_out, normed))
+                _NormArgs(norm_weight.contiguous(), eps, residual, residual_out, normed), route)
     return out, residual_out if residual_out is not None else x, normed
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
-          config: GemvConfig | None, bias: torch.Tensor | None, w8a8: bool | None, norm: _NormArgs | None
-          ) -> torch.Tensor:
+          config: GemvConfig | None, bias: torch.Tensor | None, w8a8: bool | None, norm: _NormArgs | None,
+          route: RouteOutputs | None) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     if not 1 <= m <= GEMV_MAX_TOKENS:
@@ -482,6 +550,15 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: t
         raise ValueError(f"gemv: {gemv_kind(w.dtype, block)} weights {'need' if fp8 else 'take no'} scale")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
+    if route is not None:
+        if not 1 <= route.routing.top_k <= n or n > MAX_ROUTED_EXPERTS:
+            raise ValueError(f"gemv: routing {route.routing.top_k} of N={n} experts needs 1 <= top_k <= N <= "
+                             f"{MAX_ROUTED_EXPERTS}")
+        want = (m, route.routing.top_k)
+        if (route.weights.shape != want or route.ids.shape != want or route.weights.dtype != torch.float32
+                or route.ids.dtype != torch.int32 or not route.weights.is_contiguous()
+                or not route.ids.is_contiguous()):
+            raise ValueError(f"gemv: the routing outputs must be contiguous float32 and int32 of shape {want}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
@@ -520,10 +597,11 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: t
                      norm.normed if norm.normed is not None else out)  # ``out`` stands in for the unused ones
     else:
         norm_ptrs = (out, out, out, out)
+    route_ptrs = ((route.weights, route.ids, route_counter(x.device)) if route is not None else (out, out, out))
     _gemv_kernel[(n_tiles, split_k)](
         x, w, scale_arg, out, bias_arg, partials, counters, m, n, k, x.stride(0), w.stride(0),
         scale.stride(0) if block is not None else 0, out.stride(0), k_per_split, split_k,
-        *norm_ptrs, norm.eps if norm is not None else 0.0,
+        *norm_ptrs, norm.eps if norm is not None else 0.0, *route_ptrs,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=0 if scale is None else (2 if block is not None else 1), BN_SCALE=bn_s, BK_SCALE=bk_s,
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
@@ -534,6 +612,11 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: t
         HAS_RES=norm is not None and norm.residual is not None,
         WRITE_NORMED=norm is not None and norm.normed is not None,
         NORM_BLOCK=min(triton.next_power_of_2(k), NORM_TILE) if norm is not None else 1,
+        ROUTE=route is not None, TOP_K=route.routing.top_k if route is not None else 1,
+        TOP_K_PAD=triton.next_power_of_2(route.routing.top_k) if route is not None else 1,
+        SOFTMAX_FIRST=route is None or route.routing.softmax_first,
+        RENORMALIZE=route is not None and route.routing.renormalize,
+        BLOCK_E=triton.next_power_of_2(n) if route is not None else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
