@@ -269,6 +269,7 @@ def write_result(out_dir: str | None, record: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default=None, help="write one JSON per workload/shape here")
     parser.add_argument("--iters", type=int, default=50)
@@ -281,7 +282,6 @@ def main() -> None:
                         help=f"attention heads and head dim (default {HQ},{HKV},{D}: llama-3.1-8b; 32,8,64: 3.2-1b)")
     args = parser.parse_args()
     if args.heads:
-        global HQ, HKV, D
         HQ, HKV, D = (int(v) for v in args.heads.split(","))
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")

@@ -63,7 +63,8 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
     gathered through ``kv_indices``; the [16, D] x [D, BLOCK_N] dots are tiny, what matters is bytes in
     flight. On Hopper (bf16, D = 128, 8 kv heads) 128-token tiles, 4 warps, 2 stages are best or close
     for small and medium batches over short and long contexts; once the (request, kv head) grid alone
-    is >= 4 programs per SM, 64-token tiles (more CTAs resident per SM) win
+    is >= 4 programs per SM, 64-token tiles (more CTAs resident per SM) win, and at head dim 64 two KV
+    heads per program
     (``kernels_bench.py --sweep-decode`` compares them; DP attention's per-rank decode batches sit in
     that range).
     Interpreter (CPU): 16-token tiles, so small test shapes cover multi-tile splits, tails and empty
@@ -75,7 +76,10 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
     if head_dim > 128:
         return LaunchConfig(block_n=32, num_warps=4, num_stages=2), 64
     if q.shape[0] >= large_batch_min_bs(device_num_sms(q), num_kv_heads):
-        return LaunchConfig(block_n=64, num_warps=4, num_stages=2, kv_pack=KV_PACK_OVERRIDE or 1), 64
+        # Large batches read K/V rows at random slots: a 128-byte row per head (head dim 64) is a poor
+        # DRAM access, so two heads per program read 256-byte rows.
+        pack = 2 if head_dim <= 64 and num_kv_heads % 2 == 0 else 1
+        return LaunchConfig(block_n=64, num_warps=4, num_stages=2, kv_pack=KV_PACK_OVERRIDE or pack), 64
     return LaunchConfig(block_n=128, num_warps=4, num_stages=2, kv_pack=KV_PACK_OVERRIDE or 1), 64
 
 
