@@ -162,7 +162,8 @@ for stage in "$@"; do
     # shapes, then offline-throughput 1b with each pack forced (PLAIT_DECODE_KV_PACK).
     attn-decode-pack)
       python benchmarks/kernels_bench.py --heads 32,8,64 --sweep-decode 256x640,64x1024,16x512 2>&1 | tail -4
-      python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-decode 256x640 2>&1 | tail -2 ;;
+      python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-decode 256x640 2>&1 | tail -2
+      python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-decode 256x640 2>&1 | tail -2 ;;
     kvpack-ab)
       for pack in ${KV_PACKS:-1 2 4}; do
         mkdir -p "$OUT/kvpack-$pack"
