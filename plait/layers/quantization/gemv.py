@@ -34,6 +34,16 @@ Channel scales multiply the result once; block scales multiply each step's produ
 one scale block: ``BLOCK_K`` divides the block width, the wrapper narrows it if needed). A bias ``[N]``
 is added before the store.
 
+Two fusions for a decoder layer's decode steps (plait.layers.norm_linear), each a constexpr path:
+
+  norm prologue  ``gemv_rmsnorm``: X is the input of an add + RMSNorm (with its residual R). Every
+                 program computes its rows' scale over the whole row (read from L2), then normalises each
+                 activation tile it loads with the RMSNorm kernel's cast points; program (0, 0) writes
+                 the new residual (and the normed rows, for the MoE experts)
+  route epilogue ``route=``: the output is router logits; the last program to store its tile (a
+                 grid-wide counter, the split-K protocol below) reads them back and writes every row's
+                 top-k routing with the top-k kernel's arithmetic (``fused_router.topk_of_logits``)
+
 Split-K (``split_k`` > 1, for shapes whose row tiles alone would leave SMs idle) stays one launch: each
 program stores its fp32 partial, and the last program of a row tile to finish (an atomic counter per
 tile) adds the partials in slice order (deterministic) and writes the output, then zeroes its counter
