@@ -14,7 +14,7 @@
 # gemv-tests / gemv / gemv-bf16-ab: the small-M GEMV's GPU tests; its tuning, then gemm and FP8 decode-bs1 on
 # the fresh configs; bf16 decode-bs1 8b with cuBLAS and with the GEMV (docs/quantization.md#small-m-gemv).
 # moe-decode-ab: the decode-bs1 A/B of PLAIT_FUSED_NORM_GEMV, PLAIT_MOE_FUSED_TOPK and PLAIT_MOE_ROUTER_TOPK
-# (qwen3-30b-a3b, and the fused norm on llama-3.2-1b) with their GPU tests.
+# on qwen3-30b-a3b with their GPU tests; norm-gemv-1b-ab: the fused norm on and off for llama-3.2-1b.
 # fp8-mma: the FP8 GEMV's W8A8 form: GPU tests, tuning, weight-only vs W8A8 per shape, decode-bs1 A/B.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
@@ -110,18 +110,20 @@ for stage in "$@"; do
     pdl-test) python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
     moe-latency-nopeer) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-peer --out "$OUT" 2>&1 \
                           | grep -E '^\{"workload|Error' ;;
-    moe-decode-ab)  # decode-bs1 qwen3-30b-a3b per switch setting (all off, each on alone, all on), then the
-      # fused norm + GEMV on and off for llama-3.2-1b, after the GPU tests of the levers (docs/benchmarks.md)
+    moe-decode-ab)  # the GPU tests of the levers, then decode-bs1 qwen3-30b-a3b per switch setting (all off,
+      # each on alone, all on; docs/benchmarks.md)
       python -m pytest -q -m gpu tests/gpu/test_gemv_rmsnorm_gpu.py tests/gpu/test_gemv_route_gpu.py \
         tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe-decode-ab-tests.log" | tail -5
       # PLAIT_FUSED_NORM_GEMV PLAIT_MOE_FUSED_TOPK PLAIT_MOE_ROUTER_TOPK name (the router's routing takes
       # precedence over the gate/up kernel's where both are on)
-      for v in "0 0 0 off" "1 0 0 fused-norm" "0 1 0 fused-topk" "0 0 1 router-topk" "1 1 1 all-on"; do
+      for v in "0 0 0 off" "1 0 0 fused-norm" "0 1 0 fused-topk" "0 0 1 router-topk" "1 1 0 norm-gateup-topk" \
+               "1 1 1 all-on"; do
         set -- $v
         echo "--- qwen3-30b-a3b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3"
         PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3 python -m plait bench latency \
           --shape qwen3-30b-a3b --no-peer --out "$OUT/moe-ab-$4" 2>&1 | grep -E '^\{"workload|Error'
-      done
+      done ;;
+    norm-gemv-1b-ab)  # decode-bs1 llama-3.2-1b with PLAIT_FUSED_NORM_GEMV off and on (the dense layers' norms)
       for on in 0 1; do
         echo "--- llama-3.2-1b PLAIT_FUSED_NORM_GEMV=$on"
         PLAIT_FUSED_NORM_GEMV=$on python -m plait bench latency --shape llama-3.2-1b --no-compile-peer \
