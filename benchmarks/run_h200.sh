@@ -14,7 +14,8 @@
 # gemv-tests / gemv / gemv-bf16-ab: the small-M GEMV's GPU tests; its tuning, then gemm and FP8 decode-bs1 on
 # the fresh configs; bf16 decode-bs1 8b with cuBLAS and with the GEMV (docs/quantization.md#small-m-gemv).
 # moe-decode-ab: the decode-bs1 A/B of PLAIT_FUSED_NORM_GEMV, PLAIT_MOE_FUSED_TOPK and PLAIT_MOE_ROUTER_TOPK
-# on qwen3-30b-a3b with their GPU tests; norm-gemv-1b-ab: the fused norm on and off for llama-3.2-1b.
+# on qwen3-30b-a3b with their GPU tests; norm-gemv-1b-ab: the fused norm and SiLU-and-mul (PLAIT_FUSED_ACT_GEMV)
+# on and off for llama-3.2-1b.
 # fp8-mma: the FP8 GEMV's W8A8 form: GPU tests, tuning, weight-only vs W8A8 per shape, decode-bs1 A/B.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
@@ -123,11 +124,12 @@ for stage in "$@"; do
         PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3 python -m plait bench latency \
           --shape qwen3-30b-a3b --no-peer --out "$OUT/moe-ab-$4" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
-    norm-gemv-1b-ab)  # decode-bs1 llama-3.2-1b with PLAIT_FUSED_NORM_GEMV off and on (the dense layers' norms)
-      for on in 0 1; do
-        echo "--- llama-3.2-1b PLAIT_FUSED_NORM_GEMV=$on"
-        PLAIT_FUSED_NORM_GEMV=$on python -m plait bench latency --shape llama-3.2-1b --no-compile-peer \
-          --out "$OUT/norm-gemv-1b-$on" 2>&1 | grep -E '^\{"workload|Error'
+    norm-gemv-1b-ab)  # decode-bs1 llama-3.2-1b with PLAIT_FUSED_NORM_GEMV / PLAIT_FUSED_ACT_GEMV off and on
+      for v in "0 0" "1 0" "0 1" "1 1"; do
+        set -- $v
+        echo "--- llama-3.2-1b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_FUSED_ACT_GEMV=$2"
+        PLAIT_FUSED_NORM_GEMV=$1 PLAIT_FUSED_ACT_GEMV=$2 python -m plait bench latency --shape llama-3.2-1b \
+          --no-compile-peer --out "$OUT/fused-1b-norm$1-act$2" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do

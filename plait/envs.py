@@ -118,6 +118,11 @@ FUSED_NORM_GEMV = EnvVar(
     "1 (the default): a decode-sized step (<= 16 tokens) runs each add + RMSNorm that feeds a small-M GEMV "
     "(qkv, the MoE router, a dense MLP's gate_up) inside that GEMV's prologue (plait.layers.norm_linear); 0: "
     "the RMSNorm kernel, then the GEMV (the A/B baseline). Read at every call.")
+FUSED_ACT_GEMV = EnvVar(
+    "PLAIT_FUSED_ACT_GEMV", _flag, True,
+    "1 (the default): a dense MLP's SiLU-and-mul runs inside its down projection's small-M GEMV at decode "
+    "sizes (<= 16 tokens; the GEMV loads gate and up and multiplies silu(gate) * up); 0: the SiLU-and-mul "
+    "kernel, then the GEMV (the A/B baseline). Read at every call.")
 MOE_FUSED_TOPK = EnvVar(
     "PLAIT_MOE_FUSED_TOPK", _flag, False,
     "1: where a MoE layer's step takes the small-batch expert path, its gate/up kernel routes each token "
@@ -145,5 +150,5 @@ DECODE_KV_PACK = _int_var(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_PREFETCH, FUSED_NORM_GEMV, MOE_FUSED_TOPK, MOE_ROUTER_TOPK,
+                                    GEMV_PREFETCH, FUSED_NORM_GEMV, FUSED_ACT_GEMV, MOE_FUSED_TOPK, MOE_ROUTER_TOPK,
                                     PDL, DECODE_KV_PACK)

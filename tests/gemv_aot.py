@@ -28,9 +28,10 @@ ALIGNED = ("X", "W", "S", "Out", "Bias", "Partials", "Counters", "R", "NW", "Res
 
 
 def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool = False,
-                 route: bool = False) -> dict[str, int]:
+                 route: bool = False, act: bool = False) -> dict[str, int]:
     """``norm``: with the add + RMSNorm prologue (gemv_rmsnorm, residual and normed rows written);
-    ``route``: with the router epilogue (qwen3-moe's top 8, softmax then top-k, renormalised)."""
+    ``route``: with the router epilogue (qwen3-moe's top 8, softmax then top-k, renormalised); ``act``:
+    with the SiLU-and-mul prologue (gemv_silu_mul)."""
     block = (128, 128) if kind.startswith("fp8_block") else None
     w8a8 = kind.endswith("_mma")
     plan = plan_launch(m, n, k, block, cfg, w8a8)
@@ -48,7 +49,7 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool 
                   NORM=norm, HAS_RES=norm, WRITE_NORMED=norm,
                   NORM_BLOCK=min(triton.next_power_of_2(k), NORM_TILE) if norm else 1,
                   ROUTE=route, TOP_K=8 if route else 1, TOP_K_PAD=8 if route else 1, SOFTMAX_FIRST=True,
-                  RENORMALIZE=route, BLOCK_E=triton.next_power_of_2(n) if route else 1)
+                  RENORMALIZE=route, BLOCK_E=triton.next_power_of_2(n) if route else 1, ACT_IN=act)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
     kernel = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -71,7 +72,7 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool 
 
 def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[int, int], ...],
                                    ms: tuple[int, ...] = (1, 16), norm: bool = False,
-                                   route: bool = False) -> list[dict[str, int]]:
+                                   route: bool = False, act: bool = False) -> list[dict[str, int]]:
     """Each kind's default config at each (N, K) and M compiled by this script in a process without
     TRITON_INTERPRET (tests run in the interpreter); its JSON lines. Skips without the wheel's ptxas."""
     import pathlib
@@ -82,7 +83,7 @@ def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[i
 
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
         pytest.skip("this triton wheel has no ptxas")
-    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json(), norm, route)
+    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json(), norm, route, act)
             for kind in kinds for m in ms for n, k in shapes]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).parent.parent
@@ -96,5 +97,6 @@ def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[i
 
 
 if __name__ == "__main__":
-    for kind, m, n, k, raw, norm, route in json.loads(sys.argv[1]):
-        print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, GemvConfig.from_json(raw), norm, route)}))
+    for kind, m, n, k, raw, norm, route, act in json.loads(sys.argv[1]):
+        cfg = GemvConfig.from_json(raw)
+        print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, cfg, norm, route, act)}))

@@ -18,7 +18,6 @@ from torch import nn
 from plait.distributed.dp_mlp import dp_gathered_mlp, dp_mlp_ops
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import ForwardBatch
-from plait.layers.activation import SiluAndMul
 from plait.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plait.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from plait.layers.logits import LogitsProcessor
@@ -124,22 +123,22 @@ class LlamaMLP(nn.Module):
         inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=bias, tp=tp)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, tp=tp)
-        self.act_fn = SiluAndMul()
 
+    # The SiLU-and-mul runs inside the down projection (in its GEMV at decode sizes, else just before it).
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), silu_mul_input=True)
 
     def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x + residual))`` and the new residual, the norm inside gate_up's GEMV
         (plait.layers.norm_linear)."""
         gate_up = norm_linear(norm, self.gate_up_proj, x, residual)
-        return self.down_proj(self.act_fn(gate_up.out)), gate_up.residual
+        return self.down_proj(gate_up.out, silu_mul_input=True), gate_up.residual
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's unreduced, bias-free down projection (the caller reduces, then adds
         ``add_bias``)."""
-        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.partial(self.gate_up_proj(x), silu_mul_input=True)
 
     def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
         return self.down_proj.add_bias(reduced)

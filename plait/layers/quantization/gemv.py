@@ -34,12 +34,15 @@ Channel scales multiply the result once; block scales multiply each step's produ
 one scale block: ``BLOCK_K`` divides the block width, the wrapper narrows it if needed). A bias ``[N]``
 is added before the store.
 
-Two fusions for a decoder layer's decode steps (plait.layers.norm_linear), each a constexpr path:
+Three fusions for a decoder layer's decode steps (plait.layers.norm_linear, linear.RowParallelLinear), each a
+constexpr path:
 
   norm prologue  ``gemv_rmsnorm``: X is the input of an add + RMSNorm (with its residual R). Every
                  program computes its rows' scale over the whole row (read from L2), then normalises each
                  activation tile it loads with the RMSNorm kernel's cast points; program (0, 0) writes
                  the new residual (and the normed rows, for the MoE experts)
+  act prologue   ``gemv_silu_mul``: X is a gate_up output ``[M, 2K]``; each activation tile is
+                 ``silu(gate) * up`` computed as it is loaded (``triton_ops.silu_mul``)
   route epilogue ``route=``: the output is router logits; the last program to store its tile (a
                  grid-wide counter, the split-K protocol below) reads them back and writes every row's
                  top-k routing with the top-k kernel's arithmetic (``fused_router.topk_of_logits``)
@@ -64,7 +67,7 @@ from plait import envs
 from plait.layers.moe.fused_router import Routing, topk_of_logits
 from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
-from plait.layers.triton_ops import add_rounded, mul_rounded, use_triton
+from plait.layers.triton_ops import add_rounded, mul_rounded, silu_mul, use_triton
 
 # Row tiles one split-K launch may count (int32 each): gate_up of a 70b model at BLOCK_N 4 needs 14k.
 MAX_COUNTERS = 1 << 16
@@ -222,6 +225,7 @@ def _gemv_kernel(
     SOFTMAX_FIRST: tl.constexpr = True,
     RENORMALIZE: tl.constexpr = False,
     BLOCK_E: tl.constexpr = 1,  # next power of two >= N
+    ACT_IN: tl.constexpr = False,  # X is [M, 2K] gate | up: the GEMV multiplies silu(gate) * up (silu_mul)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -259,6 +263,8 @@ def _gemv_kernel(
         if ONE_ROW:
             offs_k0 = k_lo + tl.arange(0, BLOCK_K)
             x_next = tl.load(X + offs_k0, mask=offs_k0 < k_hi, other=0.0)
+            if ACT_IN:
+                x_next = silu_mul(x_next, tl.load(X + K + offs_k0, mask=offs_k0 < k_hi, other=0.0))
             if NORM:
                 x_next = _normed(x_next, R + offs_k0, NW + offs_k0, offs_k0 < k_hi, offs_k0 < k_hi, rstd_1, HAS_RES)
     else:
@@ -276,14 +282,20 @@ def _gemv_kernel(
         if BLOCK_M > 1 and not ONE_ROW:
             x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
             x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+            if ACT_IN:
+                x = silu_mul(x, tl.load(X + offs_m[:, None] * stride_xm + K + offs_k[None, :], mask=x_mask, other=0.0))
             if NORM:
                 x = _normed(x, R + offs_m[:, None] * K + offs_k[None, :], NW + offs_k[None, :], x_mask,
                             (offs_k < k_hi)[None, :], rstd[:, None], HAS_RES, True, not EVEN_K)
         if BLOCK_M == 1:
             if EVEN_K:
                 x = tl.load(X + offs_k)
+                if ACT_IN:
+                    x = silu_mul(x, tl.load(X + K + offs_k))
             else:
                 x = tl.load(X + offs_k, mask=offs_k < k_hi, other=0.0)
+                if ACT_IN:
+                    x = silu_mul(x, tl.load(X + K + offs_k, mask=offs_k < k_hi, other=0.0))
             if NORM:
                 if EVEN_K:
                     x = _normed(x, R + offs_k, NW + offs_k, None, None, rstd_1, HAS_RES, False, False)
@@ -304,6 +316,9 @@ def _gemv_kernel(
                 x1 = x_next.to(tl.float32)
                 # The next step's row now (2 bytes a thread: too narrow for the pipelined async copies).
                 x_next = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0)
+                if ACT_IN:
+                    x_next = silu_mul(x_next, tl.load(X + K + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi,
+                                                      other=0.0))
                 if NORM:
                     x_next = _normed(x_next, R + offs_k + BLOCK_K, NW + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi,
                                      offs_k + BLOCK_K < k_hi, rstd_1, HAS_RES)
@@ -540,10 +555,25 @@ def gemv_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torc
     return out, residual_out if residual_out is not None else x, normed
 
 
+def gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                  block: tuple[int, int] | None = None, *, bias: torch.Tensor | None = None,
+                  config: GemvConfig | None = None, w8a8: bool | None = None) -> torch.Tensor:
+    """SiLU-and-mul then ``gemv`` in one launch: ``gate_up [M, 2K]`` (gate columns, then up) ->
+    ``gemv(silu(gate) * up)`` ``[M, N]``, each activation tile computed as it is loaded, with the
+    SiLU-and-mul kernel's arithmetic. The other arguments are ``gemv``'s (``w [N, K]``)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * w.shape[1]:
+        raise ValueError(f"gemv_silu_mul: gate_up must be [M, 2K] = [M, {2 * w.shape[1]}] for a weight of "
+                         f"K={w.shape[1]} columns, got {tuple(gate_up.shape)}")
+    return _gemv(gate_up, w, scale, block, config, bias, w8a8, None, None, act_in=True)
+
+
 def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
           config: GemvConfig | None, bias: torch.Tensor | None, w8a8: bool | None, norm: _NormArgs | None,
-          route: RouteOutputs | None) -> torch.Tensor:
+          route: RouteOutputs | None, act_in: bool = False) -> torch.Tensor:
+    """``act_in``: x is ``[M, 2K]`` gate | up (``gemv_silu_mul``)."""
     m, k = x.shape
+    if act_in:
+        k //= 2
     n = w.shape[0]
     if not 1 <= m <= GEMV_MAX_TOKENS:
         raise ValueError(f"gemv: M must be in 1..{GEMV_MAX_TOKENS}, got {m}")
@@ -626,7 +656,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: t
         TOP_K_PAD=triton.next_power_of_2(route.routing.top_k) if route is not None else 1,
         SOFTMAX_FIRST=route is None or route.routing.softmax_first,
         RENORMALIZE=route is not None and route.routing.renormalize,
-        BLOCK_E=triton.next_power_of_2(n) if route is not None else 1,
+        BLOCK_E=triton.next_power_of_2(n) if route is not None else 1, ACT_IN=act_in,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
