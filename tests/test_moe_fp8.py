@@ -1,0 +1,125 @@
+"""Block-FP8 experts in Qwen3-MoE models (CPU, fp32): a checkpoint in the published
+Qwen3-30B-A3B-FP8 layout and ``--quantization fp8`` on a bf16/fp32 one load into the fused expert
+tensors and decode greedily as transformers does on the dequantized weights; bad layouts fail at
+load naming the tensor."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from plait.testing import make_tiny_model
+from tests.helpers import assert_no_leaks, make_engine, prompt_ids
+from tests.quant_helpers import write_dequantized_checkpoint, write_fp8_checkpoint, write_online_fp8_simulation
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
+PROMPTS = prompt_ids(2)
+# The smallest Qwen3-MoE whose every projection is on the 128-row grid: experts of H 256 x I 128,
+# q 256 and k/v 128 rows, a dense layer (mlp_only_layers [1]) of intermediate 256.
+FP8_SHAPE = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, num_attention_heads=16,
+                 num_key_value_heads=8, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    """(the FP8 checkpoint, its dequantized fp32 twin)."""
+    root = tmp_path_factory.mktemp("moe-fp8")
+    src = make_tiny_model(root / "src", "qwen3-moe", seed=0, **FP8_SHAPE)
+    fp8 = write_fp8_checkpoint(src, root / "fp8", "fp8-block")
+    return fp8, write_dequantized_checkpoint(fp8, root / "deq")
+
+
+def test_published_fp8_layout_loads_into_the_fused_fp8_expert_tensors(fp8_pair):
+    fp8, _ = fp8_pair
+    raw = load_file(str(fp8 / "model.safetensors"))
+    assert raw["model.layers.0.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert raw["model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"].shape == (1, 2)
+    with make_engine(fp8, max_total_tokens=128) as engine:
+        layer = engine.runner.model.model.layers[0]
+        ex = layer.mlp.experts
+        assert ex.w13_weight.dtype == torch.float8_e4m3fn and ex.w13_weight.shape == (8, 256, 256)
+        assert ex.w13_weight_scale_inv.shape == (8, 2, 2) and ex.w2_weight_scale_inv.shape == (8, 2, 1)
+        # gate rows then up rows, each with its own scales
+        assert torch.equal(ex.w13_weight[3, 128:].float(), raw["model.layers.0.mlp.experts.3.up_proj.weight"].float())
+        assert torch.equal(ex.w13_weight_scale_inv[3, 1:], raw["model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"])
+        # dense layers through Fp8LinearMethod; the router stays as stored
+        assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert engine.runner.model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+        assert layer.mlp.gate.weight.dtype == torch.float32
+
+
+def test_fp8_checkpoint_decodes_as_transformers_on_its_dequantized_weights(fp8_pair, hf_reference):
+    fp8, deq = fp8_pair
+    refs = [hf_reference(deq, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    assert sum(len(set(r.tokens)) >= 4 for r in refs) >= 1, "reference output too repetitive to prove anything"
+    with make_engine(fp8, max_total_tokens=128) as engine:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [r.tokens for r in refs]
+        assert_no_leaks(engine)
+
+
+def test_online_fp8_quantizes_the_experts_into_the_same_block_layout(tiny_model_dir, tmp_path, hf_reference):
+    src = tiny_model_dir("qwen3-moe")  # experts of I 32: a 128-row block spans gate and up
+    sim = write_online_fp8_simulation(src, tmp_path / "sim")
+    refs = [hf_reference(sim, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    plain = [hf_reference(src, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    with make_engine(src, max_total_tokens=128, quantization="fp8") as engine:
+        ex = engine.runner.model.model.layers[0].mlp.experts
+        assert ex.w13_weight.dtype == torch.float8_e4m3fn and ex.w13_weight_scale_inv.shape == (8, 1, 1)
+        assert ex.w2_weight.dtype == torch.float8_e4m3fn and ex.w2_weight_scale_inv.shape == (8, 1, 1)
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [r.tokens for r in refs]
+    # FP8 changed the model (the comparison is not bf16 against itself).
+    assert any(not torch.allclose(r.logits, p.logits, atol=1e-3) for r, p in zip(refs, plain, strict=True))
+
+
+def _rewrite(path: pathlib.Path, edit) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_a_block_size_other_than_128_is_refused_naming_the_layer(fp8_pair, tmp_path):
+    import shutil
+
+    path = tmp_path / "b64"
+    shutil.copytree(fp8_pair[0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: FP8 experts need weight_block_size "
+                                         r"\[128, 128\], got \[64, 64\]"):
+        make_engine(path, max_total_tokens=64)
+
+
+def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor(fp8_pair, tmp_path):
+    import shutil
+
+    path = tmp_path / "bad-scale"
+    shutil.copytree(fp8_pair[0], path)
+    name = "model.layers.0.mlp.experts.5.down_proj.weight_scale_inv"
+    _rewrite(path, lambda t: t.__setitem__(name, torch.ones(4, 2)))
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' has shape \(4, 2\); 128 x 128 block scales"):
+        make_engine(path, max_total_tokens=64)
+
+
+def test_experts_off_the_128_row_grid_are_refused_naming_the_shard(tmp_path):
+    src = make_tiny_model(tmp_path / "src", "qwen3-moe", seed=0, **{**FP8_SHAPE, "moe_intermediate_size": 64})
+    fp8 = write_fp8_checkpoint(src, tmp_path / "fp8", "fp8-block")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: the gate_proj and up_proj shards of each "
+                                         r"expert hold 64 rows"):
+        make_engine(fp8, max_total_tokens=64)
+
+
+def test_a_bf16_expert_in_an_fp8_checkpoint_is_refused_naming_the_tensor(fp8_pair, tmp_path):
+    import shutil
+
+    path = tmp_path / "mixed"
+    shutil.copytree(fp8_pair[0], path)
+    name = "model.layers.0.mlp.experts.2.gate_proj.weight"
+    _rewrite(path, lambda t: t.__setitem__(name, t[name].float()))
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' is torch.float32, but the checkpoint declares "
+                                         "FP8 experts"):
+        make_engine(path, max_total_tokens=64)
