@@ -15,13 +15,13 @@ from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
 from plait.layers.moe.small_batch import SmallBatchConfig  # noqa: E402
 from tests.quant_helpers import block_dequantize, block_quantize  # noqa: E402
 
-E, H, I, K = 4, 256, 128, 2
+E, H, INTER, K = 4, 256, 128, 2
 ALIGNED = MoeKernelConfig(block_m=16, block_n=64, block_k=64, group_m=1)
 ALIGNED_FUSED = MoeKernelConfig(block_m=16, block_n=64, block_k=128, group_m=1, fuse_activation=True)
 SMALL = SmallBatchConfig(block_n=32, block_h=64, block_k=64)
 
 
-def fp8_experts(inter: int = I, seed: int = 0):
+def fp8_experts(inter: int = INTER, seed: int = 0):
     """Random experts in the published block layout: FP8 w13 [E, 2I, H], w2 [E, H, I] and their scales."""
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(E, 2 * inter, H, generator=g) / H**0.5

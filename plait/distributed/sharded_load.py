@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-
 # safetensors' dtype names -> torch (the ones checkpoints plait reads hold).
 _SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
                        "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}

@@ -334,8 +334,8 @@ def fused_experts_small_batch(
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0,
         TOP_K=top_k, HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation),
         ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=hidden % cfg.block_k == 0, USE_FP8=fp8, SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=pdl)
+        EVEN_K=hidden % cfg.block_k == 0, USE_FP8=fp8, SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
         act, w2, b2 if b2 is not None else w2, w2_scale if fp8 else act, ids, weights, out, hidden, inter,
         num_experts, act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0,
