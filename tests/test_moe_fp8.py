@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -75,15 +76,16 @@ def test_online_fp8_quantizes_the_experts_into_the_same_block_layout(tiny_model_
     assert any(not torch.allclose(r.logits, p.logits, atol=1e-3) for r, p in zip(refs, plain, strict=True))
 
 
-def _rewrite(path: pathlib.Path, edit) -> None:
-    tensors = load_file(str(path / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(path / "model.safetensors"))
+def _copy_with(src: pathlib.Path, dst: pathlib.Path, name: str, value) -> pathlib.Path:
+    """A copy of checkpoint ``src`` whose tensor ``name`` is ``value(old tensor)``."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors[name] = value(tensors[name])
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
 
 
 def test_a_block_size_other_than_128_is_refused_naming_the_layer(fp8_pair, tmp_path):
-    import shutil
-
     path = tmp_path / "b64"
     shutil.copytree(fp8_pair[0], path)
     cfg = json.loads((path / "config.json").read_text())
@@ -95,12 +97,8 @@ def test_a_block_size_other_than_128_is_refused_naming_the_layer(fp8_pair, tmp_p
 
 
 def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor(fp8_pair, tmp_path):
-    import shutil
-
-    path = tmp_path / "bad-scale"
-    shutil.copytree(fp8_pair[0], path)
     name = "model.layers.0.mlp.experts.5.down_proj.weight_scale_inv"
-    _rewrite(path, lambda t: t.__setitem__(name, torch.ones(4, 2)))
+    path = _copy_with(fp8_pair[0], tmp_path / "bad-scale", name, lambda t: torch.ones(4, 2))
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' has shape \(4, 2\); 128 x 128 block scales"):
         make_engine(path, max_total_tokens=64)
 
@@ -114,12 +112,8 @@ def test_experts_off_the_128_row_grid_are_refused_naming_the_shard(tmp_path):
 
 
 def test_a_bf16_expert_in_an_fp8_checkpoint_is_refused_naming_the_tensor(fp8_pair, tmp_path):
-    import shutil
-
-    path = tmp_path / "mixed"
-    shutil.copytree(fp8_pair[0], path)
     name = "model.layers.0.mlp.experts.2.gate_proj.weight"
-    _rewrite(path, lambda t: t.__setitem__(name, t[name].float()))
+    path = _copy_with(fp8_pair[0], tmp_path / "mixed", name, lambda t: t.float())
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' is torch.float32, but the checkpoint declares "
                                          "FP8 experts"):
         make_engine(path, max_total_tokens=64)

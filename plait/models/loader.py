@@ -16,7 +16,7 @@ from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.distributed.sharded_load import LazySlice
-from plait.layers.moe.fp8 import finish_moe_quantization, quantize_moe_layers
+from plait.layers.moe.fp8 import quantize_moe_layers
 from plait.layers.quantization.fp8 import Fp8Config, finish_quantization, quantize_linear_layers, resolve_fp8_config
 from plait.models.gguf_loader import find_gguf, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
 from plait.models.llama import head_dim_of
@@ -270,8 +270,7 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     missing = set(dict(model.named_parameters())) - loaded
     if missing:
         raise ValueError(f"checkpoint {mc.path!r} ({load_format}) lacks weights for {sorted(missing)[:8]}")
-    finish_quantization(quantized)
-    finish_moe_quantization(quantized_experts)
+    finish_quantization([*quantized, *quantized_experts])
     model.eval()
     return model
 

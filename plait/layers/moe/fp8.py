@@ -154,7 +154,7 @@ def _is_ignored(config: Fp8Config, name: str, layer: FusedMoE) -> bool:
 
 def quantize_moe_layers(model: nn.Module, config: Fp8Config) -> list[FusedMoE]:
     """Give every ``FusedMoE`` of ``model`` not in the checkpoint's ignored list an ``Fp8MoEMethod``
-    (and, serialized, its FP8 parameters); returns the layers, for ``finish_moe_quantization``."""
+    (and, serialized, its FP8 parameters); returns the layers, for ``fp8.finish_quantization``."""
     layers: list[FusedMoE] = []
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE) and not _is_ignored(config, name, module):
@@ -162,9 +162,3 @@ def quantize_moe_layers(model: nn.Module, config: Fp8Config) -> list[FusedMoE]:
             layers.append(module)
     return layers
 
-
-def finish_moe_quantization(layers: list[FusedMoE]) -> None:
-    for layer in layers:
-        method = layer.quant_method
-        assert isinstance(method, Fp8MoEMethod)
-        method.process_weights_after_loading(layer)
