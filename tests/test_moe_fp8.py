@@ -117,3 +117,31 @@ def test_a_bf16_expert_in_an_fp8_checkpoint_is_refused_naming_the_tensor(fp8_pai
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' is torch.float32, but the checkpoint declares "
                                          "FP8 experts"):
         make_engine(path, max_total_tokens=64)
+
+
+def test_fp8_decode_floor_counts_one_byte_per_expert_weight_plus_block_scales():
+    from plait.bench.quant import moe_fp8_weight_bytes
+    from plait.bench.shapes import moe_counts
+
+    m = moe_counts("qwen3-30b-a3b")
+    fewer, more = (moe_fp8_weight_bytes("qwen3-30b-a3b", d) for d in (8.0, 16.0))
+    blocks = 12 * 16 + 16 * 6  # w13 [1536, 2048] and w2 [2048, 768] in 128 x 128 blocks
+    assert more - fewer == 8 * m["sparse_layers"] * (m["per_expert"] + 4 * blocks)
+    assert fewer < 0.6 * 2 * (3.3e9)  # about half the bf16 step (3.3B active parameters)
+
+
+def test_bench_latency_runs_a_moe_shape_with_fp8_experts_and_an_fp8_floor(tmp_path):
+    from plait import cli
+    from plait.bench.quant import moe_fp8_weight_bytes
+    from plait.bench.workloads import decode_step_bytes
+
+    out = tmp_path / "results"
+    assert cli.main(["bench", "latency", "--shape", "tiny-qwen3-moe", "--quantization", "fp8", "--no-peer",
+                     "--output-len", "12", "--out", str(out)]) == 0
+    (file,) = out.glob("*-decode-bs1-tiny-qwen3-moe-*.json")
+    record = json.loads(file.read_text())
+    assert record["config"]["quantization"] == "fp8" and record["plait"] > 0
+    distinct = record["distinct_experts_per_layer_step"]
+    assert record["bytes_per_step"] == decode_step_bytes("tiny-qwen3-moe", [128 + 6], distinct,
+                                                         weight_bytes=moe_fp8_weight_bytes("tiny-qwen3-moe", distinct))
+    assert "FP8 weights as stored" in record["floor_definition"]

@@ -17,10 +17,11 @@ from plait.layers.quantization.fp8_kernels import dequantize_weight  # noqa: E40
 
 E, TOP_K, H, INTER = 128, 8, 2048, 768
 # Against the bf16 pipeline on the dequantized weights, relative (Frobenius): the weight-only small
-# path differs by bf16 rounding only; the aligned path also quantizes both GEMMs' activations to
-# e4m3 per token per 128 columns (about 2**-4 relative per value, averaging down over the sums).
+# path differs by bf16 rounding only; the aligned path also quantizes both GEMMs' inputs to e4m3 per
+# token per 128 columns (3 mantissa bits: about 3.6% RMS per value). The two references (weight-only
+# against quantized activations, fp32 on the CPU at this shape with 16 experts) differ by 4.3%.
 SMALL_TOL = 1e-2
-ALIGNED_TOL = 5e-2
+ALIGNED_TOL = 8e-2
 
 
 def _dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -94,8 +95,10 @@ def test_fp8_graph_replay_equals_eager_on_new_routings(experts, num_tokens, smal
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run_fp8(experts, x, weights, ids, small_batch)
-    for seed in (12, 13):
+    for seed in (12, 13, 14):  # new inputs into the captured buffers, the last all on experts 0..7
         nx, nw, ni = routing(num_tokens, seed=seed)
+        if seed == 14:
+            ni[:] = torch.arange(TOP_K, device="cuda", dtype=torch.int32)
         x.copy_(nx)
         weights.copy_(nw)
         ids.copy_(ni)
