@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from torch import nn
 from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 
 E4M3 = torch.float8_e4m3fn
+# Mixtral's expert projections (``...experts.{e}.w1.weight``), quantized like the ``*_proj`` ones.
+MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 E4M3_MAX = 448.0
 
 # A fixed English text (public-domain style prose written for these tests): a few hundred tokens.
@@ -233,7 +236,7 @@ def write_fp8_checkpoint(src: pathlib.Path, dst: pathlib.Path, layout: str,
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
-        if not (name.endswith("_proj.weight") and t.dim() == 2):
+        if not (name.endswith("_proj.weight") or MIXTRAL_EXPERT.search(name)) or t.dim() != 2:
             out[name] = t
             continue
         if layout in ("fp8-block", "ct-block"):

@@ -62,6 +62,25 @@ def test_fp8_checkpoint_decodes_as_transformers_on_its_dequantized_weights(fp8_p
         assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize(("arch", "shape"), [
+    ("qwen2-moe", {**FP8_SHAPE, "shared_expert_intermediate_size": 128}),  # a shared expert (Fp8LinearMethod)
+    # experts named w1 / w2 / w3 (their intermediate is the config's intermediate_size), sliding window
+    ("mixtral", {**{k: v for k, v in FP8_SHAPE.items() if k != "moe_intermediate_size"}, "intermediate_size": 128}),
+])
+def test_other_moe_architectures_load_fp8_experts_the_same_way(arch, shape, tmp_path, hf_reference):
+    src = make_tiny_model(tmp_path / "src", arch, seed=0, **shape)
+    fp8 = write_fp8_checkpoint(src, tmp_path / "fp8", "fp8-block")
+    deq = write_dequantized_checkpoint(fp8, tmp_path / "deq")
+    refs = [hf_reference(deq, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    with make_engine(fp8, max_total_tokens=128) as engine:
+        mlp = engine.runner.model.model.layers[0].mlp
+        assert mlp.experts.w13_weight.dtype == torch.float8_e4m3fn
+        if arch == "qwen2-moe":
+            assert mlp.shared_expert.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+            assert mlp.shared_expert_gate.weight.dtype == torch.float32
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [r.tokens for r in refs]
+
+
 def test_online_fp8_quantizes_the_experts_into_the_same_block_layout(tiny_model_dir, tmp_path, hf_reference):
     src = tiny_model_dir("qwen3-moe")  # experts of I 32: a 128-row block spans gate and up
     sim = write_online_fp8_simulation(src, tmp_path / "sim")
