@@ -318,16 +318,17 @@ def random_fp8_weight(layout: str, n: int, k: int, seed: int = 0
 
 
 def write_dequantized_checkpoint(fp8_dir: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
-    """``fp8_dir`` (a ``write_fp8_checkpoint(..., "fp8-block")`` checkpoint) with every FP8 weight
+    """``fp8_dir`` (a ``write_fp8_checkpoint`` checkpoint of a block layout) with every FP8 weight
     replaced by its fp32 dequantization ``q * s`` and no quantization_config: what transformers runs
     as the reference of a block-FP8 checkpoint."""
     shutil.copytree(fp8_dir, dst)
     tensors = load_file(str(fp8_dir / "model.safetensors"))
     out = {}
     for name, t in tensors.items():
-        if name.endswith(".weight_scale_inv"):
+        if name.endswith((".weight_scale_inv", ".weight_scale")):
             continue
-        scale = tensors.get(name.removesuffix(".weight") + ".weight_scale_inv")
+        module = name.removesuffix(".weight")
+        scale = tensors.get(module + ".weight_scale_inv", tensors.get(module + ".weight_scale"))
         out[name] = block_dequantize(t, scale) if scale is not None else t
     save_file(out, str(dst / "model.safetensors"))
     cfg = json.loads((dst / "config.json").read_text())

@@ -62,6 +62,23 @@ def test_fp8_checkpoint_decodes_as_transformers_on_its_dequantized_weights(fp8_p
         assert_no_leaks(engine)
 
 
+def test_compressed_tensors_fp8_block_experts_load_the_same_way(fp8_pair, tmp_path, hf_reference):
+    """compressed-tensors FP8_BLOCK names the block scales ``weight_scale``; the same values otherwise."""
+    src = fp8_pair[0].parent / "src"
+    ct = write_fp8_checkpoint(src, tmp_path / "ct", "ct-block")
+    refs = [hf_reference(fp8_pair[1], p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    with make_engine(ct, max_total_tokens=128) as engine:
+        assert engine.runner.model.model.layers[0].mlp.experts.w2_weight_scale_inv.shape == (8, 2, 1)
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [r.tokens for r in refs]
+
+
+def test_fp8_experts_with_per_channel_scales_are_refused_naming_the_layer(fp8_pair, tmp_path):
+    ct = write_fp8_checkpoint(fp8_pair[0].parent / "src", tmp_path / "ct", "ct-channel")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: FP8 experts are supported in the block "
+                                         "layout .* channel scales"):
+        make_engine(ct, max_total_tokens=64)
+
+
 @pytest.mark.parametrize(("arch", "shape"), [
     ("qwen2-moe", {**FP8_SHAPE, "shared_expert_intermediate_size": 128}),  # a shared expert (Fp8LinearMethod)
     # experts named w1 / w2 / w3 (their intermediate is the config's intermediate_size), sliding window

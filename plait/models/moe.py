@@ -34,7 +34,7 @@ from plait.models.qwen3 import Qwen3Attention
 
 # ``{prefix}.experts.{e}.{projection}.{weight|bias}`` -> FusedMoE.load_expert_*
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
-                         r"\.(?P<kind>weight|bias|weight_scale_inv)$")
+                         r"\.(?P<kind>weight|bias|weight_scale_inv|weight_scale)$")
 # ``{prefix}.experts.{gate_up_proj|down_proj}{suffix}``: the fused per-layer tensors
 _FUSED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)"
                     r"(?P<suffix>|_bias|_blocks|_scales)$")
@@ -194,11 +194,12 @@ class MoEForCausalLM(LlamaForCausalLM):
                     e, which = int(per_expert["e"]), _PROJ[per_expert["proj"]]
                     if per_expert["kind"] == "weight":
                         experts.load_expert_weight(e, which, expert_weight_as_stored(raw, tensor, experts))
-                    elif per_expert["kind"] == "weight_scale_inv":
-                        if not isinstance(experts.quant_method, Fp8MoEMethod):
-                            raise ValueError(f"checkpoint tensor {raw!r} is an FP8 block scale, but the "
-                                             "checkpoint's quantization_config does not declare FP8 experts")
-                        experts.quant_method.load_expert_scale(experts, e, which, tensor, raw)
+                    elif per_expert["kind"] in ("weight_scale_inv", "weight_scale"):
+                        method = experts.quant_method
+                        if not isinstance(method, Fp8MoEMethod) or method.config.scale_name != per_expert["kind"]:
+                            raise ValueError(f"checkpoint tensor {raw!r} is an FP8 scale, but the checkpoint's "
+                                             "quantization_config does not declare FP8 experts with such scales")
+                        method.load_expert_scale(experts, e, which, tensor, raw)
                     else:
                         bias_dtype = experts.w13_bias.dtype if experts.w13_bias is not None else torch.float32
                         experts.load_expert_bias(e, which, tensor.to(bias_dtype))
