@@ -118,3 +118,26 @@ def test_bad_fp8_arguments_are_refused_naming_the_field(field, change, match):
     with pytest.raises(ValueError, match=match):
         fused.fused_experts_triton(torch.randn(2, H), args["w13"], args["w2"], weights, ids,
                                    w13_scale=args["w13_scale"], w2_scale=args["w2_scale"])
+
+
+def test_fp8_experts_read_the_fp8_tables_and_bf16_experts_do_not(tmp_path, monkeypatch):
+    import json
+
+    fp8_cfg = MoeKernelConfig(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=2)
+    key = kernel_config.FP8_DTYPE_KEY
+    (tmp_path / kernel_config.config_file_name(E, INTER, "cpu", key)).write_text(json.dumps({"1": fp8_cfg.to_json()}))
+    tiles = SmallBatchConfig(block_n=16, block_h=32, block_k=32)
+    small_table = {str(m): {"path": path, "config": tiles.to_json()} for m, path in ((1, "aligned"), (2, "small"))}
+    (tmp_path / small_batch.small_config_file_name(E, INTER, "cpu", key)).write_text(json.dumps(small_table))
+    monkeypatch.setenv("PLAIT_MOE_CONFIG_DIR", str(tmp_path))
+    assert kernel_config.get_config(1, E, INTER, K, "cpu", key) == fp8_cfg
+    assert kernel_config.get_config(1, E, INTER, K, "cpu") == kernel_config.default_config(1, E, K)
+    assert small_batch.small_batch_plan(1, E, K, H, INTER, "cpu", key) is None  # the table says aligned at 1
+    assert small_batch.small_batch_plan(2, E, K, H, INTER, "cpu", key) == tiles
+    # ... and the dispatcher runs FP8 experts with them: at one token the aligned pipeline at fp8_cfg.
+    q13, s13, q2, s2 = fp8_experts()
+    weights, ids = skewed_routing(1)
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(8))
+    out = fused.fused_experts_triton(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(out, fused.fused_experts_with_config(x, q13, q2, weights, ids, "silu", None, None,
+                                                                    fp8_cfg, s13, s2), atol=0, rtol=0)
