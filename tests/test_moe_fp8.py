@@ -166,18 +166,13 @@ def test_fp8_decode_floor_counts_one_byte_per_expert_weight_plus_block_scales():
     assert fewer < 0.6 * 2 * (3.3e9)  # about half the bf16 step (3.3B active parameters)
 
 
-def test_bench_latency_runs_a_moe_shape_with_fp8_experts_and_an_fp8_floor(tmp_path):
-    from plait import cli
-    from plait.bench.quant import moe_fp8_weight_bytes
-    from plait.bench.workloads import decode_step_bytes
+def test_bench_latency_fp8_floor_counts_fp8_experts_for_moe_shapes_and_fp8_layers_for_dense_ones():
+    from plait.bench.cli import fp8_step_weight_bytes
+    from plait.bench.quant import fp8_weight_bytes, moe_fp8_weight_bytes
+    from plait.bench.shapes import expected_distinct_experts
 
-    out = tmp_path / "results"
-    assert cli.main(["bench", "latency", "--shape", "tiny-qwen3-moe", "--quantization", "fp8", "--no-peer",
-                     "--output-len", "12", "--out", str(out)]) == 0
-    (file,) = out.glob("*-decode-bs1-tiny-qwen3-moe-*.json")
-    record = json.loads(file.read_text())
-    assert record["config"]["quantization"] == "fp8" and record["plait"] > 0
-    distinct = record["distinct_experts_per_layer_step"]
-    assert record["bytes_per_step"] == decode_step_bytes("tiny-qwen3-moe", [128 + 6], distinct,
-                                                         weight_bytes=moe_fp8_weight_bytes("tiny-qwen3-moe", distinct))
-    assert "FP8 weights as stored" in record["floor_definition"]
+    assert fp8_step_weight_bytes("qwen3-30b-a3b", 8.0) == moe_fp8_weight_bytes("qwen3-30b-a3b", 8.0)
+    # without a count (no eager run): the expectation under uniform routing at one token, top 8
+    assert fp8_step_weight_bytes("qwen3-30b-a3b", None) == moe_fp8_weight_bytes(
+        "qwen3-30b-a3b", expected_distinct_experts("qwen3-30b-a3b", 1))
+    assert fp8_step_weight_bytes("llama-3.1-8b", None) == fp8_weight_bytes("llama-3.1-8b")
