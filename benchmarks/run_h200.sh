@@ -169,6 +169,18 @@ for stage in "$@"; do
           --out "$OUT" 2>&1 | tail -5
       done ;;
     # bs-1 decode attention at short contexts: split heuristics x stage-1 configs (graph us per layer).
+    # Decode attention with several KV heads per program (kv_pack) at the 1b (d 64) and qwen3-0.6b (16/8 heads, d 128)
+    # shapes, then offline-throughput 1b with each pack forced (PLAIT_DECODE_KV_PACK).
+    attn-decode-pack)
+      python benchmarks/kernels_bench.py --heads 32,8,64 --sweep-decode 256x640,64x1024,16x512 2>&1 | tail -4
+      python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-decode 256x640 2>&1 | tail -2
+      python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-decode 256x640 2>&1 | tail -2 ;;
+    kvpack-ab)
+      for pack in ${KV_PACKS:-1 2 4}; do
+        mkdir -p "$OUT/kvpack-$pack"
+        PLAIT_DECODE_KV_PACK=$pack python -m plait bench offline --workload offline-throughput --shape llama-3.2-1b \
+          --out "$OUT/kvpack-$pack" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
     # The n-gram pair alone, shortened as in `spec`.

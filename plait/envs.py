@@ -118,9 +118,14 @@ PDL = EnvVar(
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
     "(sm_90+; plait.layers.pdl): each may start while the one before it finishes. 0: plain launches (the "
     "A/B baseline).")
+DECODE_KV_PACK = _int_var(
+    "PLAIT_DECODE_KV_PACK",
+    "KV heads per program of the Triton decode attention kernel (a power of two dividing the KV heads; "
+    "1: one per program). Unset (the default): the kernel's own choice by head dim and batch size "
+    "(plait.attention.triton.decode.decode_config). Read at import.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_PREFETCH, PDL)
+                                    GEMV_PREFETCH, PDL, DECODE_KV_PACK)
