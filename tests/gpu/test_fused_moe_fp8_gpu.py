@@ -66,12 +66,19 @@ def test_fp8_experts_match_the_bf16_pipeline_on_the_dequantized_weights(experts,
     assert rel(out, ref) < (SMALL_TOL if path == "small" else ALIGNED_TOL)
 
 
+# The kernel quantizes the activation output after rounding it to bf16, the fp32 reference before: about
+# 3% of the values sit close enough to an e4m3 rounding boundary to land one e4m3 step (12.5%) apart,
+# about 2% relative in all (1.5% measured on an H200), against 8% for the weight-only comparison above.
+# The interpreter test (tests/test_fused_moe_fp8.py) holds the kernel to 2e-4 of this reference.
+QUANTIZED_REF_TOL = 3e-2
+
+
 def test_fp8_aligned_pipeline_equals_its_reference_with_quantized_activations(experts):
     x, weights, ids = routing(64, seed=3)
     out = run_fp8(experts, x, weights, ids, small_batch=False)
     ref = fused_experts_reference(x.float(), experts["q13"], experts["q2"], weights, ids, w13_scale=experts["s13"],
                                   w2_scale=experts["s2"], quantize_activations=True)
-    assert rel(out, ref) < 1e-2
+    assert rel(out, ref) < QUANTIZED_REF_TOL
 
 
 def test_fp8_skewed_routing_and_remote_experts(experts):
