@@ -5,6 +5,8 @@
 # moe: decode-bs1 and offline-throughput for qwen3-30b-a3b and gpt-oss-20b (random weights of the real
 # shapes) against transformers generate / generate_batch in the same run; generate_batch runs the first
 # 16 of the 256 offline requests (same lengths; the JSON's peer_requests / peer_note say so).
+# moe-fp8: block-FP8 experts: their GPU tests, the FP8 fused MoE layer (bs 1..256) and decode-bs1 with
+# --quantization fp8 for qwen3-30b-a3b.
 # profile-moe: the bs-1 MoE decode step's kernels per layer and the MoE layer alone at M = 1..8.
 # moe-tune-small: tune the small-batch MoE path and its per-bucket path choice into $OUT/moe-configs
 # (PLAIT_MOE_CONFIG_DIR for the stages after it), then moe-latency.
@@ -157,6 +159,15 @@ for stage in "$@"; do
       done ;;
     moe-tests) python -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py tests/gpu/test_qk_norm_gpu.py -p no:cacheprovider \
                  2>&1 | tee "$OUT/moe-tests.log" | tail -8 ;;
+    # Block-FP8 experts (qwen3-30b-a3b shape): the GPU tests, decode-bs1 with --quantization fp8 (experts
+    # quantized at load to 128x128 blocks; floor from the FP8 bytes + scales), the FP8 fused MoE layer
+    # at bs 1..256 (about 3 min in all).
+    moe-fp8) python -m pytest -q -m gpu tests/gpu/test_fused_moe_fp8_gpu.py -p no:cacheprovider 2>&1 \
+               | tee "$OUT/moe-fp8-tests.log" | tail -8
+      python benchmarks/moe_kernel_bench.py --fp8 --shape qwen3-30b-a3b --batch-sizes 1,8,32,256 --out-dir "$OUT" 2>&1 \
+        | tail -6
+      python -m plait bench latency --shape qwen3-30b-a3b --quantization fp8 --no-peer --output-len 128 \
+        --out "$OUT" 2>&1 | tail -6 ;;
     backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
                       | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;
     backends)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -313,9 +314,14 @@ def quantize_linear_layers(model: nn.Module, config: Fp8Config,
     return layers
 
 
-def finish_quantization(layers: list[Linear]) -> None:
+class QuantizedLayer(Protocol):
+    """A layer whose quantization method finishes it after loading (``Fp8LinearMethod`` for linear
+    layers, ``plait.layers.moe.fp8.Fp8MoEMethod`` for experts)."""
+
+    quant_method: Any
+
+
+def finish_quantization(layers: Sequence[QuantizedLayer]) -> None:
     for layer in layers:
-        method = layer.quant_method
-        assert isinstance(method, Fp8LinearMethod)
-        method.process_weights_after_loading(layer)
+        layer.quant_method.process_weights_after_loading(layer)
 
