@@ -101,7 +101,8 @@ def _norm_rows(X, R, NW, RES_OUT, NORMED, M, K, eps, writer, BLOCK_M: tl.constex
     ``x + r`` and, with WRITE_NORMED, the normed row. Rows are contiguous: row m starts at m * K."""
     offs_m = tl.arange(0, BLOCK_M)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for m in range(0, M):
+    # One row (BLOCK_M 1 means M 1): a loop of one trip, so no row count lives across the GEMV's loop.
+    for m in range(0, 1 if BLOCK_M == 1 else M):
         ss = 0.0
         for c0 in range(0, K, NORM_BLOCK):
             cols = c0 + tl.arange(0, NORM_BLOCK)
