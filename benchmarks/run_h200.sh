@@ -119,15 +119,16 @@ for stage in "$@"; do
         tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe-decode-ab-tests.log" | tail -5
       # PLAIT_FUSED_NORM_GEMV PLAIT_MOE_FUSED_TOPK PLAIT_MOE_ROUTER_TOPK name (the router's routing takes
       # precedence over the gate/up kernel's where both are on)
-      for v in "0 0 0 off" "1 0 0 fused-norm" "0 1 0 fused-topk" "0 0 1 router-topk" "1 1 0 norm-gateup-topk" \
-               "1 1 1 all-on"; do
+      IFS=, read -ra variants <<< "${MOE_AB_VARIANTS:-0 0 0 off,1 0 0 fused-norm,0 1 0 fused-topk,0 0 1 router-topk,1 1 0 norm-gateup-topk,1 1 1 all-on}"
+      for v in "${variants[@]}"; do
         set -- $v
         echo "--- qwen3-30b-a3b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3"
         PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3 python -m plait bench latency \
           --shape qwen3-30b-a3b --no-peer --out "$OUT/moe-ab-$4" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
     norm-gemv-1b-ab)  # decode-bs1 llama-3.2-1b with PLAIT_FUSED_NORM_GEMV / PLAIT_FUSED_ACT_GEMV off and on
-      for v in "0 0" "1 0" "0 1" "1 1"; do
+      IFS=, read -ra variants <<< "${NORM_AB_VARIANTS:-0 0,1 0,0 1,1 1}"
+      for v in "${variants[@]}"; do
         set -- $v
         echo "--- llama-3.2-1b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_FUSED_ACT_GEMV=$2"
         PLAIT_FUSED_NORM_GEMV=$1 PLAIT_FUSED_ACT_GEMV=$2 python -m plait bench latency --shape llama-3.2-1b \
