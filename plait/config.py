@@ -197,6 +197,10 @@ class EngineConfig:
     # GPU fast path; accepted on the CPU and ignored there.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # EXTEND and MIXED steps of at most piecewise_cuda_graph_max_tokens tokens as breakable graphs,
+    # one per token bucket, cut at every attention call (plait.executor.piecewise_graph_runner).
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 2048
     disable_overlap_schedule: bool = False
     # The bounded warm-up at start (plait.engine.warmup): one request of every launch-shape class, so
     # Triton's compiles happen before the first request. "auto": on a GPU only; "off": --skip-warmup.
@@ -268,6 +272,16 @@ class EngineConfig:
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
             f"cuda_graph_max_bs must be >= 1 (or unset for the default), got {self.cuda_graph_max_bs}",
         )
+        _check(self.piecewise_cuda_graph_max_tokens >= 1,
+               f"piecewise_cuda_graph_max_tokens must be >= 1 token, got {self.piecewise_cuda_graph_max_tokens}")
+        _check(not self.enable_piecewise_cuda_graph or self.chunked_prefill_size == -1
+               or self.piecewise_cuda_graph_max_tokens <= self.chunked_prefill_size,
+               f"piecewise_cuda_graph_max_tokens ({self.piecewise_cuda_graph_max_tokens}) must be <= "
+               f"chunked_prefill_size ({self.chunked_prefill_size}): an extend step carries at most that many prompt tokens, so larger "
+               "buckets are never replayed; lower --piecewise-cuda-graph-max-tokens")
+        _check(not self.enable_piecewise_cuda_graph or self.moe_a2a_backend != "all_to_all",
+               "--enable-piecewise-cuda-graph does not run with --moe-a2a-backend all_to_all (its prefill dispatch reads "
+               "the per-rank row counts on the host, which a graph cannot): drop one of the two")
         _check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         _check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
                f"ep_size ({self.ep_size}) must be >= 1 and divide tp_size ({self.tp_size}): expert parallelism "

@@ -37,7 +37,7 @@ GraphFactory = Callable[[], Graph]
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _capture_stream() -> torch.cuda.Stream:
+def capture_stream() -> torch.cuda.Stream:
     """One side stream per device for graph captures (a capture must not run on the default stream)."""
     index = torch.cuda.current_device()
     if index not in _CAPTURE_STREAMS:
@@ -55,7 +55,7 @@ class CudaGraph:
         # The capture stream is the current device's: torch.cuda.graph's default is one stream for the
         # process, made on whichever device captured first, so a second replica's capture on another
         # GPU recorded nothing (and Triton launched onto a foreign stream).
-        with torch.cuda.graph(self.graph, pool=pool, stream=_capture_stream()):
+        with torch.cuda.graph(self.graph, pool=pool, stream=capture_stream()):
             return fn()
 
     def replay(self) -> None:

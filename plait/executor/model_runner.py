@@ -28,6 +28,11 @@ from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner
 from plait.executor.forward_output import ForwardOutput, HostCopy, InputLogprobs, score_prompt_rows
 from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
+from plait.executor.piecewise_graph_runner import (
+    PiecewiseCudaGraphRunner,
+    PiecewiseModel,
+    breakable_graph_factory_for,
+)
 from plait.executor.sizing import eagle_hidden_capture, kv_capacity_tokens, use_rank_device, verify_graph_widths
 from plait.executor.verify_graph_runner import VerifyGraphRunner
 from plait.forward_batch import ForwardBatch, apply_deprecated_skip_attn_backend_init
@@ -53,7 +58,7 @@ class ModelRunner:
     runs one ForwardBatch per call (``forward``; ``forward_batch`` adds the sampler and host copy)."""
 
     # What ``close`` drops (the members holding device memory).
-    DEVICE_STATE = ("graph_runner", "verify_graph_runner", "attn_backend", "model", "kv_pool",
+    DEVICE_STATE = ("graph_runner", "verify_graph_runner", "piecewise_runner", "attn_backend", "model", "kv_pool",
                     "req_to_token_pool", "allocator", "hidden_capture")
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, tp: TPGroup = SINGLE) -> None:
@@ -127,6 +132,7 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(target, max_bs, graph_factory)
             if widths:
                 self.verify_graph_runner = VerifyGraphRunner(target, max_bs, widths, graph_factory)
+        self.piecewise_runner = self.build_piecewise_runner()
         log_device_memory("graph capture", self.device)
         logger.info(
             "KV cache: %d tokens (%.2f GiB, %s), attention backend %s, context %d",
@@ -134,6 +140,21 @@ class ModelRunner:
             self.max_total_tokens * MHATokenToKVPool.bytes_per_token(
                 kv_dtype, mc.num_layers, mc.num_kv_heads_per_rank(attn_tp.size), mc.head_dim) / 2**30,
             kv_dtype, self.attn_backend.name, self.max_context_len)
+
+    def build_piecewise_runner(self) -> PiecewiseCudaGraphRunner | None:
+        """The EXTEND/MIXED breakable graphs under --enable-piecewise-cuda-graph, where this device
+        has graphs (a GPU; the CPU under PLAIT_CPU_GRAPHS=1) and the model splits at its LM head."""
+        if not self.config.enable_piecewise_cuda_graph:
+            return None
+        factory = breakable_graph_factory_for(self.device)
+        if factory is None:
+            logger.info("--enable-piecewise-cuda-graph: no graphs on %s; extend steps run eagerly", self.device)
+            return None
+        if not isinstance(self.model, PiecewiseModel):
+            logger.info("--enable-piecewise-cuda-graph: %s has no forward_hidden/compute_logits; extend steps run "
+                        "eagerly", type(self.model).__name__)
+            return None
+        return PiecewiseCudaGraphRunner(self.capture_target(), self.config.piecewise_cuda_graph_max_tokens, factory)
 
     def capture_target(self) -> CaptureTarget:
         """What the graph runners record: this runner's model, backend and hidden capture."""
@@ -171,6 +192,8 @@ class ModelRunner:
         if self.verify_graph_runner is not None and self.verify_graph_runner.can_run(fb):
             fb.attn_backend = self.attn_backend
             return self.verify_graph_runner.replay(fb)
+        if self.piecewise_runner is not None and self.piecewise_runner.can_run(fb):
+            return self.piecewise_runner.replay(fb)
         return self._run_model(fb)
 
     def init_capture_sync(self, fb: ForwardBatch) -> None:

@@ -314,9 +314,19 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
-        hidden = self.model(input_ids, positions, fb) if fb.tbo_children is None else self.model.forward_two_batches(fb)
-        logits = self.logits_processor(hidden, self.lm_head_weight, fb)
-        return LogitsOutput(next_token_logits=logits)
+        hidden = self.forward_hidden(input_ids, positions, fb) if fb.tbo_children is None \
+            else self.model.forward_two_batches(fb)
+        return self.compute_logits(hidden, fb)
+
+    # The two halves of ``forward`` (a piecewise graph captures the first per token bucket and runs
+    # the LM head eagerly over the live batch's rows).
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The final normed hidden states [T, H] of every token."""
+        return self.model(input_ids, positions, fb)
+
+    def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
+        """The LM head over ``hidden``'s rows that ``fb`` samples or scores (``fb.logits_indices``)."""
+        return LogitsOutput(next_token_logits=self.logits_processor(hidden, self.lm_head_weight, fb))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the names of parameters loaded."""
