@@ -277,11 +277,11 @@ class EngineConfig:
         _check(not self.enable_piecewise_cuda_graph or self.chunked_prefill_size == -1
                or self.piecewise_cuda_graph_max_tokens <= self.chunked_prefill_size,
                f"piecewise_cuda_graph_max_tokens ({self.piecewise_cuda_graph_max_tokens}) must be <= "
-               f"chunked_prefill_size ({self.chunked_prefill_size}): an extend step carries at most that many prompt tokens, so larger "
-               "buckets are never replayed; lower --piecewise-cuda-graph-max-tokens")
+               f"chunked_prefill_size ({self.chunked_prefill_size}): an extend step carries at most that many "
+               "prompt tokens, so larger buckets are never replayed; lower --piecewise-cuda-graph-max-tokens")
         _check(not self.enable_piecewise_cuda_graph or self.moe_a2a_backend != "all_to_all",
-               "--enable-piecewise-cuda-graph does not run with --moe-a2a-backend all_to_all (its prefill dispatch reads "
-               "the per-rank row counts on the host, which a graph cannot): drop one of the two")
+               "--enable-piecewise-cuda-graph does not run with --moe-a2a-backend all_to_all (its prefill "
+               "dispatch reads the per-rank row counts on the host, which a graph cannot): drop one of the two")
         _check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         _check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
                f"ep_size ({self.ep_size}) must be >= 1 and divide tp_size ({self.tp_size}): expert parallelism "
