@@ -8,8 +8,6 @@ staging, step bookkeeping, eager LM head and fallbacks run here; only the CUDA g
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 
@@ -17,11 +15,11 @@ from plait.config import EngineConfig
 from plait.executor.graph_utils import bucket_for
 from plait.executor.piecewise_graph_runner import (
     EagerBreakableGraph,
-    PiecewiseCudaGraphRunner,
     piecewise_token_buckets,
 )
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT
+from tests.conftest import hf_model
 from tests.helpers import assert_no_leaks, make_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
@@ -50,19 +48,6 @@ def piecewise_engine(path, **options):
     options.setdefault("max_total_tokens", 2048)
     options.setdefault("piecewise_cuda_graph_max_tokens", MAX_TOKENS)
     return make_engine(path, enable_piecewise_cuda_graph=True, **options)
-
-
-def modes_replayed(runner: PiecewiseCudaGraphRunner) -> collections.Counter:
-    """Wraps ``runner.replay`` to count the forward modes it serves."""
-    seen: collections.Counter = collections.Counter()
-    inner = runner.replay
-
-    def replay(fb):
-        seen[fb.forward_mode] += 1
-        return inner(fb)
-
-    runner.replay = replay
-    return seen
 
 
 # --- buckets, padding, config ---------------------------------------------------------------------
@@ -219,9 +204,9 @@ def test_chunked_prefill_and_mixed_steps_equal_transformers(tiny_model_dir, cpu_
     path = tiny_model_dir("llama")
     prompts = [_prompt(4, 20), _prompt(70, 21)]
     with piecewise_engine(path, chunked_prefill_size=32, piecewise_cuda_graph_max_tokens=32) as engine:
-        seen = modes_replayed(engine.runner.piecewise_runner)
         outs = [o.token_ids for o in engine.generate(prompts, GREEDY)]
-        assert seen[ForwardMode.MIXED] >= 1, seen
+        modes = engine.runner.piecewise_runner.replayed_modes
+        assert modes[ForwardMode.MIXED] >= 1, modes
         # A full 32-token chunk beside a decode row is 33 tokens: over the largest bucket, eager.
         assert set(engine.runner.piecewise_runner.fallbacks) <= {"33 tokens > --piecewise-cuda-graph-max-tokens 32"}
         assert_no_leaks(engine)
@@ -266,3 +251,18 @@ def test_triton_backend_with_decode_graphs_equals_transformers(one_layer, cpu_gr
         assert engine.runner.graph_runner is not None
         assert_no_leaks(engine)
     assert out == hf_reference(one_layer, prompt, GREEDY["max_new_tokens"]).tokens
+
+
+def test_prompt_logprobs_run_under_the_graphs_and_match_transformers(tiny_model_dir, cpu_graphs):
+    """The LM head runs eagerly over the live batch's rows, the scored prompt rows included."""
+    path = tiny_model_dir("llama")
+    ids = PER_BUCKET[1]
+    with piecewise_engine(path) as engine:
+        out = engine.generate(ids, {**GREEDY, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
+        assert engine.runner.piecewise_runner.replays == {32: 1}
+        assert_no_leaks(engine)
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([ids])).logits[0].float()
+    want = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

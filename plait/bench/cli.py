@@ -58,19 +58,28 @@ def _peer(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 BACKEND_FLAGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+PIECEWISE_FLAGS = ("enable_piecewise_cuda_graph", "piecewise_cuda_graph_max_tokens")
 
 
 def add_backend_flags(parser: argparse.ArgumentParser) -> None:
-    """The engine's three attention-backend flags, passed through to every plait engine of the run."""
+    """The engine's three attention-backend flags and the piecewise-graph flags, passed through to
+    every plait engine of the run."""
     for name in BACKEND_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), choices=ATTENTION_BACKENDS, default=None,
                             help=f"EngineConfig.{name} for the plait engines of this run")
+    parser.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                        help="EngineConfig.enable_piecewise_cuda_graph for the plait engines of this run")
+    parser.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                        help="EngineConfig.piecewise_cuda_graph_max_tokens (with --enable-piecewise-cuda-graph)")
 
 
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     """The backend flags that were set, plus ``disable_cuda_graph`` when the decode half is torch_flash
     (its decode is not graph-safe: plait.attention.torch_flash)."""
     options = {name: getattr(args, name) for name in BACKEND_FLAGS if getattr(args, name, None)}
+    for name in PIECEWISE_FLAGS:
+        if getattr(args, name, None):
+            options[name] = getattr(args, name)
     decode = options.get("decode_attention_backend") or options.get("attention_backend")
     if decode == "torch_flash":
         options["disable_cuda_graph"] = True
@@ -79,12 +88,14 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def backend_tag(options: dict[str, Any]) -> str | None:
     """File-name tag of a run with explicit backends: ``attn-<prefill>-<decode>`` (one name when equal)."""
+    piecewise = "piecewise" if options.get("enable_piecewise_cuda_graph") else None
     if not any(name in options for name in BACKEND_FLAGS):
-        return None
+        return piecewise
     base = options.get("attention_backend") or "auto"
     prefill = options.get("prefill_attention_backend") or base
     decode = options.get("decode_attention_backend") or base
-    return "attn-" + (prefill if prefill == decode else f"{prefill}-{decode}")
+    attn = "attn-" + (prefill if prefill == decode else f"{prefill}-{decode}")
+    return f"{attn}-{piecewise}" if piecewise else attn
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
@@ -271,3 +282,6 @@ def add_bench_parsers(bench_sub: Any) -> None:
     from plait.bench.warm_start import add_warm_start_parser
 
     add_warm_start_parser(bench_sub)  # warm-start: the first requests after an engine start
+    from plait.bench.piecewise import add_prefill_ttft_parser
+
+    add_prefill_ttft_parser(bench_sub)  # prefill-ttft: short prompts' TTFT, piecewise graphs off and on

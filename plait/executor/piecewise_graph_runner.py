@@ -298,6 +298,7 @@ class PiecewiseCudaGraphRunner:
         self.graphs: dict[int, BreakableGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # each bucket's static final hidden states [bucket, H]
         self.replays: collections.Counter[int] = collections.Counter()  # bucket -> replays
+        self.replayed_modes: collections.Counter[ForwardMode] = collections.Counter()  # mode -> replays
         self.fallbacks: collections.Counter[str] = collections.Counter()  # reason -> eager forwards
         self._graph_factory = graph_factory
         self.capture()
@@ -401,4 +402,5 @@ class PiecewiseCudaGraphRunner:
             finally:
                 self.breaks.on_break = _ignore_step
             self.replays[tokens] += 1
+            self.replayed_modes[fb.forward_mode] += 1
             return self.model.compute_logits(self.outputs[tokens][:n], fb)
