@@ -279,6 +279,9 @@ class EngineConfig:
                f"piecewise_cuda_graph_max_tokens ({self.piecewise_cuda_graph_max_tokens}) must be <= "
                f"chunked_prefill_size ({self.chunked_prefill_size}): an extend step carries at most that many "
                "prompt tokens, so larger buckets are never replayed; lower --piecewise-cuda-graph-max-tokens")
+        _check(not (self.enable_piecewise_cuda_graph and self.enable_dp_attention),
+               "--enable-piecewise-cuda-graph does not run with --enable-dp-attention (the MLP of an extend step "
+               "gathers every rank's tokens, a count the graphs cannot fix): drop one of the two")
         _check(not self.enable_piecewise_cuda_graph or self.moe_a2a_backend != "all_to_all",
                "--enable-piecewise-cuda-graph does not run with --moe-a2a-backend all_to_all (its prefill "
                "dispatch reads the per-rank row counts on the host, which a graph cannot): drop one of the two")
