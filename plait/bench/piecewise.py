@@ -18,13 +18,15 @@ from typing import Any
 
 from plait.bench.results import write_result
 from plait.bench.shapes import SHAPES, write_shape_dir
-from plait.bench.workloads import make_engine, random_prompts, release, timed
+from plait.bench.workloads import make_engine, piecewise_stats, random_prompts, release, timed
 
 DEFAULT_LENGTHS = (16, 64, 256, 1024, 2048)
 
 
-def median_ttft_ms(shape_dir: str, lengths: list[int], reps: int, vocab: int, **options: Any) -> dict[int, float]:
-    """Median time (ms) of ``engine.generate`` of one prompt and one new token, per prompt length."""
+def median_ttft_ms(shape_dir: str, lengths: list[int], reps: int, vocab: int, **options: Any
+                   ) -> tuple[dict[int, float], dict[int, int]]:
+    """Median time (ms) of ``engine.generate`` of one prompt and one new token, per prompt length; and
+    the piecewise replays per bucket over the whole run (empty: no piecewise graphs ran)."""
     engine = make_engine(shape_dir, disable_radix_cache=True, max_running_requests=4, **options)
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 1}
     out: dict[int, float] = {}
@@ -35,9 +37,10 @@ def median_ttft_ms(shape_dir: str, lengths: list[int], reps: int, vocab: int, **
             times = [timed(lambda p=p: engine.generate([p], params))[1]
                      for p in random_prompts(reps, length, vocab, seed=10_000 + length)]
             out[length] = 1e3 * statistics.median(times)
+        replays = piecewise_stats(engine).get("piecewise_replays", {})
     finally:
         release(engine)
-    return out
+    return out, replays
 
 
 def _geomean(values: list[float]) -> float:
@@ -57,8 +60,8 @@ def cmd_prefill_ttft(args: argparse.Namespace) -> int:
     vocab = SHAPES[shape]["vocab_size"]
     # Both engines take the same chunk size, so a prompt is one extend step in either.
     common = {"chunked_prefill_size": max(max(lengths), max_tokens)}
-    off = median_ttft_ms(shape_dir, lengths, args.reps, vocab, **common)
-    on = median_ttft_ms(shape_dir, lengths, args.reps, vocab, enable_piecewise_cuda_graph=True,
+    off, _ = median_ttft_ms(shape_dir, lengths, args.reps, vocab, **common)
+    on, replays = median_ttft_ms(shape_dir, lengths, args.reps, vocab, enable_piecewise_cuda_graph=True,
                         piecewise_cuda_graph_max_tokens=max_tokens, **common)
     on_rate = 1e3 / _geomean(list(on.values()))
     off_rate = 1e3 / _geomean(list(off.values()))
@@ -66,7 +69,7 @@ def cmd_prefill_ttft(args: argparse.Namespace) -> int:
         args.out, "prefill-ttft", shape, "prompts_per_s_at_geomean_ttft", on_rate, "plait, piecewise graphs off",
         off_rate, None, {"load_format": "dummy", "lengths": lengths, "reps": args.reps,
                          "piecewise_cuda_graph_max_tokens": max_tokens, **common},
-        ttft_ms_piecewise=on, ttft_ms_eager=off,
+        ttft_ms_piecewise=on, ttft_ms_eager=off, piecewise_replays_by_bucket=replays,
         speedup_by_length={n: off[n] / on[n] for n in lengths})
     return 0
 

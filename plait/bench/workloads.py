@@ -211,10 +211,19 @@ def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict
     info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "retractions": stats.num_retractions,
             "attention_backend": engine.runner.attn_backend.name, "cuda_graph": engine.runner.graph_runner is not None,
             "forward_steps": stats.forward_steps, "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use(),
-            **symmetric_paths(engine), **routing}
+            **symmetric_paths(engine), **routing, **piecewise_stats(engine)}
     release(engine)
     return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info,
             "steps": steps.summary(seconds)}
+
+
+def piecewise_stats(engine: Any) -> dict[str, Any]:
+    """Under --enable-piecewise-cuda-graph: the piecewise replays per bucket and the eager forwards
+    per fallback reason over the engine's life (warm-up and timed runs together)."""
+    runner = getattr(engine.runner, "piecewise_runner", None)
+    if runner is None:
+        return {}
+    return {"piecewise_replays": dict(runner.replays), "piecewise_fallbacks": dict(runner.fallbacks)}
 
 
 def symmetric_paths(engine: Any) -> dict[str, bool]:
