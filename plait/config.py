@@ -282,6 +282,10 @@ class EngineConfig:
         _check(not (self.enable_piecewise_cuda_graph and self.enable_dp_attention),
                "--enable-piecewise-cuda-graph does not run with --enable-dp-attention (the MLP of an extend step "
                "gathers every rank's tokens, a count the graphs cannot fix): drop one of the two")
+        _check(not (self.enable_piecewise_cuda_graph and self.enable_two_batch_overlap),
+               "--enable-piecewise-cuda-graph does not run with --enable-two-batch-overlap (the attention backend "
+               "splits an extend batch into micro-batches while planning it, after the graph was chosen): drop one "
+               "of the two")
         _check(not self.enable_piecewise_cuda_graph or self.moe_a2a_backend != "all_to_all",
                "--enable-piecewise-cuda-graph does not run with --moe-a2a-backend all_to_all (its prefill "
                "dispatch reads the per-rank row counts on the host, which a graph cannot): drop one of the two")

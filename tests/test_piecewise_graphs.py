@@ -87,6 +87,12 @@ def test_config_rejects_piecewise_graphs_with_dp_attention(tiny_model_dir):
                      enable_dp_attention=True)
 
 
+def test_config_rejects_piecewise_graphs_with_two_batch_overlap(tiny_model_dir):
+    with pytest.raises(ValueError, match="--enable-piecewise-cuda-graph does not run with --enable-two-batch-overlap"):
+        EngineConfig(model=str(tiny_model_dir("llama")), enable_piecewise_cuda_graph=True,
+                     enable_two_batch_overlap=True)
+
+
 def test_piecewise_graphs_are_off_by_default(tiny_model_dir, cpu_graphs):
     assert EngineConfig(model="x").enable_piecewise_cuda_graph is False
     with make_engine(tiny_model_dir("llama"), disable_cuda_graph=True, max_total_tokens=256) as engine:
