@@ -196,10 +196,10 @@ class _OnlySome:
     def __init__(self, inner, prompts: list[list[int]]) -> None:
         self.inner, self.prompts = inner, prompts
 
-    def propose(self, rid, context, max_depth, max_nodes, topk):
+    def propose(self, rid, context, max_depth, max_nodes, topk, pending=()):
         if not any(context[: len(p)] == p for p in self.prompts):
             return None
-        return self.inner.propose(rid, context, max_depth, max_nodes, topk)
+        return self.inner.propose(rid, context, max_depth, max_nodes, topk, pending)
 
     def __getattr__(self, name):  # everything else (cache, indices, forget, index) is the inner drafter's
         return getattr(self.inner, name)
@@ -318,10 +318,10 @@ class _FixedGuess:
     def __init__(self, inner, prompt: list[int]) -> None:
         self.inner, self.prompt = inner, prompt
 
-    def propose(self, rid, context, max_depth, max_nodes, topk):
+    def propose(self, rid, context, max_depth, max_nodes, topk, pending=()):
         if context[: len(self.prompt)] != self.prompt:
             return None
-        return DraftTree.chain(context[-1], [5, 6, 7][:max_depth])
+        return DraftTree.chain([*context, *pending][-1], [5, 6, 7][:max_depth])
 
     def __getattr__(self, name):  # everything else (cache, indices, forget, index) is the inner drafter's
         return getattr(self.inner, name)
