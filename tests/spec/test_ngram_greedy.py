@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from plait.speculative.tree import DraftTree
-from tests.helpers import GREEDY, assert_no_leaks, make_engine, prompt_ids
+from tests.helpers import GREEDY, assert_no_leaks, count_calls, make_engine, prompt_ids
 
 PROMPTS = prompt_ids(8)
 CHAIN = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1}
@@ -361,26 +361,13 @@ def test_steps_drafted_during_the_verify_keep_greedy_output_unchanged(model_path
 
 # --- chained verifies (BaseSpecWorker.verify): the next verify launches before the tokens' commit ---
 
-def _count_decode_steps(worker) -> list[int]:
-    """A counter of the worker's decode_step calls (one per speculative scheduler step)."""
-    calls = [0]
-    inner = worker.decode_step
-
-    def counted(sched):
-        calls[0] += 1
-        return inner(sched)
-
-    worker.decode_step = counted
-    return calls
-
-
 @pytest.mark.parametrize("bs", [1, 3])
 @pytest.mark.parametrize("flags", [CHAIN, TREE], ids=["chain", "tree"])
 def test_chained_verifies_keep_greedy_output_unchanged(model_path, reference, flags, bs):
     engine = make_engine(model_path, max_running_requests=bs, **flags)
     engine.generate(PROMPTS[:3], GREEDY)  # fills the n-gram cache with the answers
     worker = engine.scheduler.spec_worker
-    steps = _count_decode_steps(worker)
+    steps = count_calls(worker, "decode_step")  # one call per speculative scheduler step
     v0 = worker.stats.verify_steps
     outs = engine.generate(PROMPTS[:3], GREEDY)
     assert [o.token_ids for o in outs] == reference[:3]
@@ -396,7 +383,7 @@ def test_chains_with_requests_finishing_at_different_steps_and_admissions_mid_ru
     worker = engine.scheduler.spec_worker
     for p, ref in zip(PROMPTS, reference, strict=True):
         worker.drafter.cache.insert(p + ref)
-    steps = _count_decode_steps(worker)
+    steps = count_calls(worker, "decode_step")
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(reference, lengths, strict=True)]
     assert worker.stats.verify_steps > steps[0]  # chains ran between the admissions
