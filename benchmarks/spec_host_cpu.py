@@ -131,6 +131,10 @@ def main() -> None:
         print(f"  {name:28s} {t * 1e3:9.2f} {t / steps * 1e6:8.1f} {med:9.1f}  {kind}")
     print(f"  critical path: {crit / steps * 1e6:.1f} us/step; hidden behind a queued verify: "
           f"{hidden / steps * 1e6:.1f} us/step")
+    # Everything of the pass but the forwards and the hidden stages (the scheduler's and the engine's
+    # loops included): the host time a GPU would wait for, per verify step.
+    rest = wall - total.get("forward", 0.0) - hidden
+    print(f"  all host time outside forwards, less the hidden stages: {rest / steps * 1e6:.1f} us/step")
     if stats is not None:
         print(f"  proposals pre-drafted during the verify (hit), drafted anew (miss, unprepared): {dict(stats)}")
     engine.shutdown()

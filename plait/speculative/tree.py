@@ -63,6 +63,8 @@ class DraftTree:
     def truncated(self, max_depth: int) -> DraftTree:
         """The nodes at most ``max_depth`` below the root. Node order is breadth first (n-gram and
         level trees are grown so), which makes them a prefix of the nodes."""
+        if max_depth >= self.width - 1:  # no node is deeper than the node count below the root
+            return self
         depths = depths_of(tuple(self.parents))
         keep = sum(1 for d in depths if d <= max_depth)
         if keep == self.width:
@@ -116,6 +118,18 @@ def fill_verify_mask(flat: np.ndarray, shapes: list[tuple[int, ...]], prefix_len
     """Write the flattened custom mask of trees with parents ``shapes`` into ``flat`` (bool,
     ``verify_mask_size`` entries): every prefix column True, the node columns the ancestor mask."""
     flat[:] = True
+    if len(shapes) > 2 and len(set(shapes)) == 1:
+        # One shape (a batch of chains at one depth): every block's node part written in one
+        # scatter, entry (b, i, j) at start_b + i * (prefix_b + w) + prefix_b + j.
+        w = len(shapes[0])
+        if w > 1:
+            pre = np.asarray(prefix_lens, dtype=np.int64)
+            starts = np.cumsum(w * (pre + w)) - w * (pre + w)
+            i = np.arange(w)[None, :, None]
+            j = np.arange(w)[None, None, :]
+            where = (starts + pre)[:, None, None] + i * (pre + w)[:, None, None] + j
+            flat[where] = _ancestor_mask(shapes[0])[None]
+        return
     start = 0
     for parents, pre in zip(shapes, prefix_lens, strict=True):
         w = len(parents)

@@ -428,9 +428,10 @@ class BaseSpecWorker(ABC):
         fill = req.fill_len + len(tokens)
         if n >= sp.max_new_tokens or fill >= self.runner.max_context_len or n < sp.min_new_tokens:
             return None
-        first = max(0, sp.min_new_tokens - n0 - 1)  # stop tokens count from min_new_tokens on
-        if any(t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_token_ids) for t in tokens[first:]):
-            return None
+        if sp.stop_token_ids or not sp.ignore_eos:
+            first = max(0, sp.min_new_tokens - n0 - 1)  # stop tokens count from min_new_tokens on
+            if any(t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_token_ids) for t in tokens[first:]):
+                return None
         if req.kv_len != fill - 1 or req.to_abort:
             return None
         left = sp.max_new_tokens - n
