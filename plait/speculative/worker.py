@@ -81,6 +81,7 @@ class VerifyStep:
     row_widths: list[int]  # logits rows per request (its padded width)
     logits: torch.Tensor  # float32 [rows, V]
     greedy: torch.Tensor | None  # the logits' argmax when the forward computed it (verify graphs)
+    premapped: bool = False  # every node's slot mapped at its position before the forward (chains)
 
 
 class BaseSpecWorker(ABC):
@@ -279,11 +280,34 @@ class BaseSpecWorker(ABC):
     def launch_verify(self, sched: SchedulerAPI, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor
                       ) -> VerifyStep:
         """Queue the verify forward of ``trees`` (no host sync)."""
-        fb = self.build_verify_batch(reqs, trees, slots, pad_width=self.verify_pad_width(trees))
+        pad_width = self.verify_pad_width(trees)
+        fb = self.build_verify_batch(reqs, trees, slots, pad_width=pad_width)
+        premapped = self.premap_chains(sched, fb, trees, pad_width)
         out = self.runner.forward(fb)  # logits [sum(num_tokens_per_req), V] float32
         self.after_verify_forward(fb)
         sched.stats.forward_steps += 1
-        return VerifyStep(reqs, trees, slots, fb.spec_info.num_tokens_per_req, out.next_token_logits, out.greedy_ids)
+        return VerifyStep(reqs, trees, slots, fb.spec_info.num_tokens_per_req, out.next_token_logits, out.greedy_ids,
+                          premapped)
+
+    def premap_chains(self, sched: SchedulerAPI, fb: ForwardBatch, trees: list[DraftTree], pad_width: int | None
+                      ) -> bool:
+        """Map every node of a batch of chains to its position before the forward, from the batch's own
+        device tensors (no copy). Node i of a chain sits at ``kv_len + i``, so whatever a verify
+        accepts (nodes 0..n-1) is mapped already; the rest lies past the new ``kv_len``, where nothing
+        reads (the next verify maps its own nodes there). Acceptance then only frees the rejected
+        slots (``commit_kv``). Only where every row's nodes have distinct positions: requests at the
+        padded width, or root-only rows (their dummy nodes land past the new ``kv_len`` too). Off for
+        workers that do not chain (a draft model reads the target's map its own way)."""
+        if not self.chains_verify or fb.extend is None:
+            return False
+        width = pad_width or trees[0].width
+        if not all(t.is_chain and (t.width == width or t.width == 1) for t in trees):
+            return False
+        if pad_width is None and any(t.width != width for t in trees):
+            return False
+        rows = fb.req_pool_indices[:, None].expand(len(trees), width).reshape(-1)
+        sched.map_kv_slots(rows, fb.positions, fb.out_cache_loc)
+        return True
 
     def accept_step(self, step: VerifyStep) -> list[AcceptResult | None]:
         """``(path, bonus)`` per request of a launched verify (waits for its result); None for a request
@@ -307,6 +331,9 @@ class BaseSpecWorker(ABC):
         """The accepted nodes' KV in place (``req_to_token``, ``kv_len``), every other node's slot freed,
         the acceptance averages updated: what the next verify launch needs. Tokens are not appended."""
         reqs, trees, slots = step.reqs, step.trees, step.slots
+        if step.premapped:
+            self._commit_premapped(sched, step, results)
+            return
         old_kv_lens = [r.kv_len for r in reqs]
         # Accepted nodes go to consecutive positions after the prefix, in path order: one scatter
         # into req_to_token for the whole batch (pool row, position), and every other node's slot
@@ -335,9 +362,7 @@ class BaseSpecWorker(ABC):
             rows.extend([req.row] * n)
             cols.extend(range(kv, kv + n))
             req.kv_len = kv + n
-            if w > 1:  # a root-only tree is a plain decode row: no guess to count
-                prev = self.accept_ema.get(req.rid, float(self.num_steps))
-                self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (n - 1)
+            self._note_acceptance(req, w, n)
             start += w
         num_accepted = len(nodes)
         nodes.extend(rejected)
@@ -349,6 +374,33 @@ class BaseSpecWorker(ABC):
         live = [i for i, res in enumerate(results) if res is not None]
         self.after_accept([reqs[i] for i in live], [trees[i] for i in live],
                           [results[i] for i in live], [old_kv_lens[i] for i in live])  # type: ignore[misc]
+
+    def _commit_premapped(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
+        """``commit_kv`` of a premapped batch of chains: the accepted nodes 0..n-1 are in place, so only
+        ``kv_len`` moves and the rejected slots (views of ``step.slots``, no gather) are freed."""
+        rejected: list[torch.Tensor] = []
+        old_kv_lens = [r.kv_len for r in step.reqs]
+        start = 0
+        for req, tree, res in zip(step.reqs, step.trees, results, strict=True):
+            w = tree.width
+            n = 0 if res is None else len(res[0])  # finished since the launch: nothing is kept
+            if n < w:
+                rejected.append(step.slots[start + n : start + w])
+            if res is not None:
+                req.kv_len += n
+                self._note_acceptance(req, w, n)
+            start += w
+        if rejected:
+            sched.free_kv_slots(rejected[0] if len(rejected) == 1 else torch.cat(rejected))
+        live = [i for i, res in enumerate(results) if res is not None]
+        self.after_accept([step.reqs[i] for i in live], [step.trees[i] for i in live],
+                          [results[i] for i in live], [old_kv_lens[i] for i in live])  # type: ignore[misc]
+
+    def _note_acceptance(self, req: Req, width: int, accepted: int) -> None:
+        """Fold a verify's accepted nodes (root included) into ``req``'s acceptance average."""
+        if width > 1:  # a root-only tree is a plain decode row: no guess to count
+            prev = self.accept_ema.get(req.rid, float(self.num_steps))
+            self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (accepted - 1)
 
     def commit_tokens(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
         """Append each request's accepted tokens and its bonus through the scheduler (stop checks,

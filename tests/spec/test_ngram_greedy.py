@@ -445,3 +445,26 @@ def test_the_proposal_chosen_from_an_outcome_equals_the_one_drafted_after_its_co
     worker.predraft_stats.clear()
     assert [o.token_ids for o in engine.generate(PROMPTS[:3], GREEDY)] == reference[:3]
     assert compared[0] > 10 and worker.predraft_stats["hit"] > 10, (compared, worker.predraft_stats)
+
+
+def test_chains_mapped_before_the_forward_keep_greedy_output_and_free_the_rejected_slots(model_path, reference):
+    # Misleading cache entries make verifies reject part of their chains; requests of different
+    # lengths and riders give padded batches too.
+    engine = make_engine(model_path, max_running_requests=4, **CHAIN)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(_corrupt(p + ref, 4))
+    premapped = [0]
+    inner = worker.premap_chains
+
+    def premap_chains(sched, fb, trees, pad_width):
+        done = inner(sched, fb, trees, pad_width)
+        premapped[0] += done
+        return done
+
+    worker.premap_chains = premap_chains
+    lengths = [32, 7, 19, 32, 11, 25, 3, 32]
+    outs = engine.generate(PROMPTS, [{**GREEDY, "max_new_tokens": n} for n in lengths])
+    assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(reference, lengths, strict=True)]
+    assert premapped[0] > 0 and worker.stats.accept_histogram[0] > 0  # premapped, and rejections
+    assert_no_leaks(engine)
