@@ -269,6 +269,7 @@ def write_result(out_dir: str | None, record: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default=None, help="write one JSON per workload/shape here")
     parser.add_argument("--iters", type=int, default=50)
@@ -277,7 +278,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs and split heuristics")
     parser.add_argument("--sweep-decode", default=None, metavar="BSxCTX,...",
                         help="only sweep decode launch configs x split heuristics at these shapes (e.g. 128x576)")
+    parser.add_argument("--heads", default=None, metavar="HQ,HKV,D",
+                        help=f"attention heads and head dim (default {HQ},{HKV},{D}: llama-3.1-8b; 32,8,64: 3.2-1b)")
     args = parser.parse_args()
+    if args.heads:
+        HQ, HKV, D = (int(v) for v in args.heads.split(","))
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")
 
@@ -358,17 +363,21 @@ def sweep_decode(timer: Timer, shapes: list[tuple[int, ...]], max_kv_splits: int
     (bs, ctx): graph us per layer and the bandwidth it reaches, fastest first."""
     configs = [None] + [K.LaunchConfig(block_n=bn, num_warps=w, num_stages=st)
                         for bn, w, st in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2))]
+    configs += [K.LaunchConfig(block_n=bn, num_warps=w, num_stages=st, kv_pack=pack)
+                for pack in (2, 4) if HKV % pack == 0 and pack * D <= 256
+                for bn, w, st in ((32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (16, 4, 3))]
     for bs, ctx in shapes:
         rows = []
         for cfg in configs:
-            for pps in (4, 8, 16):
-                for msl in (64, 128, 256):
+            # Large batches do not split: one heuristic is enough there.
+            for pps in (4, 8, 16) if bs < 64 else (4,):
+                for msl in (64, 128, 256) if bs < 64 else (128,):
                     try:
                         r = bench_decode(timer, bs, ctx, max_kv_splits, num_sms, cfg, pps, msl, with_peer=False)
                     except Exception as e:  # out of resources etc.
                         print(f"  bs{bs} ctx{ctx} {cfg}: {type(e).__name__}")
                         continue
-                    name = "default" if cfg is None else f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
+                    name = "default" if cfg is None else f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}p{cfg.kv_pack}"
                     rows.append((r["graph_us"], f"{name} pps{pps} msl{msl}->{r['num_kv_splits']}", r["graph_GBps"]))
         rows.sort()
         default = next(row for row in rows if row[1].startswith("default pps4 msl128"))

@@ -16,7 +16,13 @@ weights, random top-k routings:
 Also reported per shape: the same config with the activation fused / separate, and the alignment
 step alone.
 
-  python benchmarks/moe_kernel_bench.py [--out-dir benchmarks/results] [--batch-sizes 1,32,256,4096]
+``--fp8``: block-FP8 experts (float8_e4m3fn, 128 x 128 block scales; their own tuned tables). The
+byte floor counts one byte per weight plus the fp32 block scales; the FLOP floor uses the FP8
+``torch._scaled_mm`` 8192^3 rate measured in the same run (the aligned pipeline multiplies e4m3 x
+e4m3); the relative error is against the reference loop on the dequantized weights with the
+activations quantized as the pipeline quantizes them; the per-launch stage times are not taken.
+
+  python benchmarks/moe_kernel_bench.py [--out-dir benchmarks/results] [--batch-sizes 1,32,256,4096] [--fp8]
 """
 
 from __future__ import annotations
@@ -94,15 +100,21 @@ def matmul_rate() -> float:
 
 
 def expert_bytes(shape: MoeShape) -> int:
+    """One expert's bytes as stored: bf16 weights and biases, or FP8 weights, their fp32 block
+    scales and bf16 biases."""
     h, i = shape.hidden, shape.inter
-    params = 2 * i * h + h * i + ((2 * i + h) if shape.bias else 0)
-    return params * 2
+    weights = 2 * i * h + h * i
+    biases = ((2 * i + h) if shape.bias else 0) * 2
+    if not shape.fp8:
+        return weights * 2 + biases
+    blocks = -(-2 * i // 128) * -(-h // 128) + -(-h // 128) * -(-i // 128)
+    return weights + 4 * blocks + biases
 
 
 def stage_times_us(shape: MoeShape, experts: tuple, inputs: list, cfg: MoeKernelConfig) -> dict[str, float]:
     """Each launch of the pipeline timed alone (graph replays over the rotating routings), on
     alignments and buffers prepared outside the timed region."""
-    w13, w2, b13, b2 = experts
+    w13, w2, b13, b2, _ = experts  # bf16 experts only
     prepared = []
     for x, w, ids in inputs:
         align = moe_align_block_size(ids, cfg.block_m, shape.num_experts)
@@ -128,16 +140,18 @@ def stage_times_us(shape: MoeShape, experts: tuple, inputs: list, cfg: MoeKernel
 
 def bench_shape(name: str, batch_sizes: list[int], bandwidth: float, peak: float, out_dir: str) -> list[dict]:
     shape = MOE_KERNEL_SHAPES[name]
-    w13, w2, b13, b2 = make_weights(shape)
-    tuned = load_configs(shape.num_experts, shape.inter, torch.cuda.get_device_name()) is not None
+    experts = make_weights(shape)
+    w13, w2, b13, b2, scales = experts
+    device = torch.cuda.get_device_name()
+    tuned = load_configs(shape.num_experts, shape.inter, device, shape.dtype_key) is not None
     x, weights, ids = make_inputs(shape, HEADLINE_BATCH, seed=99)
-    rel_err = rel_error_vs_reference(shape, (w13, w2, b13, b2), x, weights, ids,
+    rel_err = rel_error_vs_reference(shape, experts, x, weights, ids,
                                      get_config(HEADLINE_BATCH, shape.num_experts, shape.inter, shape.top_k,
-                                                torch.cuda.get_device_name()))
+                                                device, shape.dtype_key))
     rows = []
     for m in batch_sizes:
         inputs = [make_inputs(shape, m, seed=s) for s in range(ROTATIONS)]
-        fns = [lambda x=x, w=w, i=i: fused_experts_triton(x, w13, w2, w, i, shape.activation, b13, b2)
+        fns = [lambda x=x, w=w, i=i: fused_experts_triton(x, w13, w2, w, i, shape.activation, b13, b2, **scales)
                for x, w, i in inputs]
         us = graph_time_us(fns, replays=10)
         distinct = statistics.mean(int(torch.unique(i).numel()) for _, _, i in inputs)
@@ -145,23 +159,24 @@ def bench_shape(name: str, batch_sizes: list[int], bandwidth: float, peak: float
         flops = 2 * m * shape.top_k * (shape.hidden * 2 * shape.inter + shape.inter * shape.hidden)
         byte_us, flop_us = nbytes / bandwidth * 1e6, flops / peak * 1e6
         ceiling_us = max(byte_us, flop_us)
-        cfg = get_config(m, shape.num_experts, shape.inter, shape.top_k, torch.cuda.get_device_name())
+        cfg = get_config(m, shape.num_experts, shape.inter, shape.top_k, device, shape.dtype_key)
         flipped = dataclasses.replace(cfg, fuse_activation=not cfg.fuse_activation)
         try:
             flipped_us: float | None = graph_time_us([lambda x=x, w=w, i=i, c=flipped: fused_experts_with_config(
-                x, w13, w2, w, i, shape.activation, b13, b2, c) for x, w, i in inputs], replays=10)
+                x, w13, w2, w, i, shape.activation, b13, b2, c, **scales) for x, w, i in inputs], replays=10)
         except OutOfResources:  # the tile does not fit with the activation flipped (two accumulators)
             flipped_us = None
         align_us = graph_time_us([lambda i=i, bm=cfg.block_m: moe_align_block_size(i, bm, shape.num_experts)
                                   for _, _, i in inputs], replays=10)
-        stages = stage_times_us(shape, (w13, w2, b13, b2), inputs, cfg)
+        stages = {} if shape.fp8 else stage_times_us(shape, experts, inputs, cfg)
+        ref_scales = (scales.get("w13_scale"), scales.get("w2_scale"))
         x, w, i = inputs[0]
-        fused_experts_reference(x, w13, w2, w, i, shape.activation, b13, b2)  # warm up
+        fused_experts_reference(x, w13, w2, w, i, shape.activation, b13, b2, *ref_scales)  # warm up
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for x, w, i in inputs:
-            fused_experts_reference(x, w13, w2, w, i, shape.activation, b13, b2)
+            fused_experts_reference(x, w13, w2, w, i, shape.activation, b13, b2, *ref_scales)
         end.record()
         end.synchronize()
         ref_us = start.elapsed_time(end) * 1000 / len(inputs)
@@ -183,8 +198,10 @@ def bench_shape(name: str, batch_sizes: list[int], bandwidth: float, peak: float
     head = next((r for r in rows if r["batch_size"] == HEADLINE_BATCH), rows[-1])
     write_result(out_dir, "moe-kernel", name, "calls_per_s", 1e6 / head["us"], "fused_experts_reference",
                  1e6 / head["reference_loop_us"], 1e6 / head["ceiling_us"], dataclasses.asdict(shape),
+                 tag="fp8" if shape.fp8 else None,
                  headline_batch_size=head["batch_size"], tuned_config_file=tuned,
-                 rel_error_vs_fp32_reference=rel_err, hbm_bytes_per_s=bandwidth, bf16_flops_per_s=peak, rows=rows)
+                 rel_error_vs_fp32_reference=rel_err, hbm_bytes_per_s=bandwidth,
+                 **{"fp8_flops_per_s" if shape.fp8 else "bf16_flops_per_s": peak}, rows=rows)
     return rows
 
 
@@ -193,11 +210,18 @@ def main() -> None:
     ap.add_argument("--shape", action="append", choices=sorted(MOE_KERNEL_SHAPES))
     ap.add_argument("--batch-sizes", default="1,32,256,4096")
     ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 experts (module doc)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernel_bench.py needs a CUDA GPU")
-    bandwidth, peak = copy_bandwidth(), matmul_rate()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
+    if args.fp8:
+        from plait.bench.hardware import fp8_matmul_rate
+
+        for n, s in list(MOE_KERNEL_SHAPES.items()):
+            MOE_KERNEL_SHAPES[n] = dataclasses.replace(s, fp8=True)
+    bandwidth, peak = copy_bandwidth(), (fp8_matmul_rate() if args.fp8 else matmul_rate())
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, {'fp8 _scaled_mm' if args.fp8 else 'bf16 matmul'} "
+          f"{peak / 1e12:.0f} TFLOP/s", flush=True)
     summary = {"hbm_bytes_per_s": bandwidth, "bf16_flops_per_s": peak, "shapes": {}}
     for name in args.shape or sorted(MOE_KERNEL_SHAPES):
         summary["shapes"][name] = bench_shape(name, [int(b) for b in args.batch_sizes.split(",")], bandwidth, peak,

@@ -103,7 +103,7 @@ def expert_bytes(shape: MoeShape) -> int:
 
 def layer_path_us(shape: MoeShape, experts: tuple, num_tokens: int, small_batch: bool,
                   config: SmallBatchConfig | None = None) -> dict[str, Any]:
-    w13, w2, b13, b2 = experts
+    w13, w2, b13, b2, _ = experts  # bf16 experts (no scales)
     inputs = [make_inputs(shape, num_tokens, seed=s) for s in range(ROTATIONS)]
     if config is not None:
         fns = [lambda i=i: fused_experts_small_batch(i[0], w13, w2, i[1], i[2], shape.activation, b13, b2, config)

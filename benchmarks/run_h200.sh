@@ -5,6 +5,8 @@
 # moe: decode-bs1 and offline-throughput for qwen3-30b-a3b and gpt-oss-20b (random weights of the real
 # shapes) against transformers generate / generate_batch in the same run; generate_batch runs the first
 # 16 of the 256 offline requests (same lengths; the JSON's peer_requests / peer_note say so).
+# moe-fp8: block-FP8 experts: their GPU tests, the FP8 fused MoE layer (bs 1..256) and decode-bs1 with
+# --quantization fp8 for qwen3-30b-a3b.
 # profile-moe: the bs-1 MoE decode step's kernels per layer and the MoE layer alone at M = 1..8.
 # moe-tune-small: tune the small-batch MoE path and its per-bucket path choice into $OUT/moe-configs
 # (PLAIT_MOE_CONFIG_DIR for the stages after it), then moe-latency.
@@ -13,6 +15,9 @@
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
 # gemv-tests / gemv / gemv-bf16-ab: the small-M GEMV's GPU tests; its tuning, then gemm and FP8 decode-bs1 on
 # the fresh configs; bf16 decode-bs1 8b with cuBLAS and with the GEMV (docs/quantization.md#small-m-gemv).
+# moe-decode-ab: the decode-bs1 A/B of PLAIT_FUSED_NORM_GEMV, PLAIT_MOE_FUSED_TOPK and PLAIT_MOE_ROUTER_TOPK
+# on qwen3-30b-a3b with their GPU tests; norm-gemv-1b-ab: the fused norm and SiLU-and-mul (PLAIT_FUSED_ACT_GEMV)
+# on and off for llama-3.2-1b.
 # fp8-mma: the FP8 GEMV's W8A8 form: GPU tests, tuning, weight-only vs W8A8 per shape, decode-bs1 A/B.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
@@ -51,6 +56,9 @@ for stage in "$@"; do
     profile-moe) python benchmarks/profile_moe_step.py --out "$OUT" 2>&1 | grep -v "^   " | tail -40 ;;
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
+    # offline-throughput's decode steps: bs 256 at about its context (512-token prompts).
+    profile-graph-256) python benchmarks/profile_graph_step.py "$OUT" llama-3.2-1b:256:512 llama-3.1-8b:256:512 2>&1 \
+      | grep -v "^   " | tail -4 ;;
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
     profile-spec) python benchmarks/profile_spec.py "$OUT" 2>&1 | grep -v " INFO " | tail -6 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
@@ -105,6 +113,27 @@ for stage in "$@"; do
     pdl-test) python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
     moe-latency-nopeer) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-peer --out "$OUT" 2>&1 \
                           | grep -E '^\{"workload|Error' ;;
+    moe-decode-ab)  # the GPU tests of the levers, then decode-bs1 qwen3-30b-a3b per switch setting (all off,
+      # each on alone, all on; docs/benchmarks.md)
+      python -m pytest -q -m gpu tests/gpu/test_gemv_rmsnorm_gpu.py tests/gpu/test_gemv_route_gpu.py \
+        tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe-decode-ab-tests.log" | tail -5
+      # PLAIT_FUSED_NORM_GEMV PLAIT_MOE_FUSED_TOPK PLAIT_MOE_ROUTER_TOPK name (the router's routing takes
+      # precedence over the gate/up kernel's where both are on)
+      IFS=, read -ra variants <<< "${MOE_AB_VARIANTS:-0 0 0 off,1 0 0 fused-norm,0 1 0 fused-topk,0 0 1 router-topk,1 1 0 norm-gateup-topk,1 1 1 all-on}"
+      for v in "${variants[@]}"; do
+        set -- $v
+        echo "--- qwen3-30b-a3b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3"
+        PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3 python -m plait bench latency \
+          --shape qwen3-30b-a3b --no-peer --out "$OUT/moe-ab-$4" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
+    norm-gemv-1b-ab)  # decode-bs1 llama-3.2-1b with PLAIT_FUSED_NORM_GEMV / PLAIT_FUSED_ACT_GEMV off and on
+      IFS=, read -ra variants <<< "${NORM_AB_VARIANTS:-0 0,1 0,0 1,1 1}"
+      for v in "${variants[@]}"; do
+        set -- $v
+        echo "--- llama-3.2-1b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_FUSED_ACT_GEMV=$2"
+        PLAIT_FUSED_NORM_GEMV=$1 PLAIT_FUSED_ACT_GEMV=$2 python -m plait bench latency --shape llama-3.2-1b \
+          --no-compile-peer --out "$OUT/fused-1b-norm$1-act$2" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
@@ -131,6 +160,15 @@ for stage in "$@"; do
       done ;;
     moe-tests) python -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py tests/gpu/test_qk_norm_gpu.py -p no:cacheprovider \
                  2>&1 | tee "$OUT/moe-tests.log" | tail -8 ;;
+    # Block-FP8 experts (qwen3-30b-a3b shape): the GPU tests, decode-bs1 with --quantization fp8 (experts
+    # quantized at load to 128x128 blocks; floor from the FP8 bytes + scales), the FP8 fused MoE layer
+    # at bs 1..256 (about 3 min in all).
+    moe-fp8) python -m pytest -q -m gpu tests/gpu/test_fused_moe_fp8_gpu.py -p no:cacheprovider 2>&1 \
+               | tee "$OUT/moe-fp8-tests.log" | tail -8
+      python benchmarks/moe_kernel_bench.py --fp8 --shape qwen3-30b-a3b --batch-sizes 1,8,32,256 --out-dir "$OUT" 2>&1 \
+        | tail -6
+      python -m plait bench latency --shape qwen3-30b-a3b --quantization fp8 --no-peer --output-len 128 \
+        --out "$OUT" 2>&1 | tail -6 ;;
     backends-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 \
                       | tee "$OUT/gpu-tests-torch-flash.log" | tail -25 ;;
     backends)
@@ -155,6 +193,18 @@ for stage in "$@"; do
           --out "$OUT" 2>&1 | tail -5
       done ;;
     # bs-1 decode attention at short contexts: split heuristics x stage-1 configs (graph us per layer).
+    # Decode attention with several KV heads per program (kv_pack) at the 1b (d 64) and qwen3-0.6b (16/8 heads, d 128)
+    # shapes, then offline-throughput 1b with each pack forced (PLAIT_DECODE_KV_PACK).
+    attn-decode-pack)
+      python benchmarks/kernels_bench.py --heads 32,8,64 --sweep-decode 256x640,64x1024,16x512 2>&1 | tail -4
+      python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-decode 256x640 2>&1 | tail -2
+      python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-decode 256x640 2>&1 | tail -2 ;;
+    kvpack-ab)
+      for pack in ${KV_PACKS:-1 2 4}; do
+        mkdir -p "$OUT/kvpack-$pack"
+        PLAIT_DECODE_KV_PACK=$pack python -m plait bench offline --workload offline-throughput --shape llama-3.2-1b \
+          --out "$OUT/kvpack-$pack" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
     # The n-gram pair alone, shortened as in `spec`.

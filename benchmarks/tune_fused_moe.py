@@ -21,6 +21,11 @@ config and shape serves every M).
   python benchmarks/tune_fused_moe.py --shape qwen3-30b-a3b --shape gpt-oss-20b \\
       [--batch-sizes 1,2,4,...] [--out-dir plait/layers/moe/configs] [--budget-s 300] [--jobs 12] [--tp 2] [--ep 2]
   python benchmarks/tune_fused_moe.py --small-batch [--shape ...] [--budget-s 120] [--out-dir DIR]
+
+``--fp8`` tunes block-FP8 experts (float8_e4m3fn weights with 128 x 128 block scales: the aligned
+pipeline W8A8, the small path weight-only) into their own tables, ``..._dtype=fp8_w8a8.json``
+(``kernel_config.FP8_DTYPE_KEY``); candidates whose K tile crosses a 128-column scale group are left
+out, and winners are checked against the reference loop on the dequantized weights.
 """
 
 from __future__ import annotations
@@ -40,9 +45,19 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from plait.layers.moe.fused_moe_triton import fused_experts_with_config  # noqa: E402
-from plait.layers.moe.kernel_config import CONFIG_DIR, MoeKernelConfig, config_file_name, get_config  # noqa: E402
-from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
+from plait.layers.moe.fp8 import quantize_expert_blocks  # noqa: E402
+from plait.layers.moe.fused_moe_triton import fp8_block_k_ok, fused_experts_with_config  # noqa: E402
+from plait.layers.moe.kernel_config import (  # noqa: E402
+    CONFIG_DIR,
+    FP8_DTYPE_KEY,
+    MoeKernelConfig,
+    config_file_name,
+    get_config,
+)
+from plait.layers.moe.reference import (
+    EXPERT_FP8_BLOCK,  # noqa: E402
+    fused_experts_reference,  # noqa: E402
+)
 from plait.layers.moe.small_batch import (  # noqa: E402
     SmallBatchConfig,
     fused_experts_small_batch,
@@ -62,10 +77,16 @@ class MoeShape:
     activation: str
     bias: bool
     ep: int = 1
+    fp8: bool = False  # block-FP8 experts (``--fp8``)
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.ep
+
+    @property
+    def dtype_key(self) -> str | None:
+        """The tables' dtype key (``kernel_config.config_file_name``)."""
+        return FP8_DTYPE_KEY if self.fp8 else None
 
 
 MOE_KERNEL_SHAPES: dict[str, MoeShape] = {
@@ -86,12 +107,14 @@ _TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
 }
 
 
-def candidate_configs(block_ms: tuple[int, ...] = (16, 32, 64, 128)) -> list[MoeKernelConfig]:
+def candidate_configs(block_ms: tuple[int, ...] = (16, 32, 64, 128), fp8: bool = False) -> list[MoeKernelConfig]:
     """Every tile of ``_TILES`` with the activation separate, and fused where the two fp32
-    accumulators (gate and up) still fit the registers."""
+    accumulators (gate and up) still fit the registers; ``fp8``: only K tiles inside one scale group."""
     out = []
     for bm in block_ms:
         for bn, bk, warps, stages in _TILES[bm]:
+            if fp8 and not fp8_block_k_ok(bk):
+                continue
             for fuse in (False, True):
                 if fuse and bm * bn > 64 * 128:
                     continue
@@ -107,6 +130,8 @@ def block_ms_for(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
 
 
 def make_weights(shape: MoeShape, num_experts: int | None = None, seed: int = 0):
+    """(w13, w2, b13, b2, scales): bf16 experts, or block-FP8 ones with ``scales`` the kernels'
+    ``w13_scale`` / ``w2_scale`` keyword arguments (empty for bf16)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     e = num_experts or shape.local_experts
     h, i = shape.hidden, shape.inter
@@ -114,7 +139,21 @@ def make_weights(shape: MoeShape, num_experts: int | None = None, seed: int = 0)
     w2 = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).to(DTYPE)
     b13 = (0.1 * torch.randn(e, 2 * i, device="cuda", generator=g)).to(DTYPE) if shape.bias else None
     b2 = (0.1 * torch.randn(e, h, device="cuda", generator=g)).to(DTYPE) if shape.bias else None
-    return w13, w2, b13, b2
+    if not shape.fp8:
+        return w13, w2, b13, b2, {}
+    (w13, s13), (w2, s2) = quantize_expert_blocks(w13), quantize_expert_blocks(w2)
+    return w13, w2, b13, b2, {"w13_scale": s13, "w2_scale": s2}
+
+
+def reference_of(shape: MoeShape, experts: tuple, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 quantize_activations: bool) -> torch.Tensor:
+    """The reference loop on fp32 copies of the same values (FP8 experts dequantized; the aligned FP8
+    pipeline's activations quantized as it quantizes them)."""
+    w13, w2, b13, b2, scales = experts
+    f32 = [t.float() if t is not None and t.dtype == DTYPE else t for t in (w13, w2, b13, b2)]
+    return fused_experts_reference(x.float(), f32[0], f32[1], weights, ids, shape.activation, f32[2], f32[3],
+                                   scales.get("w13_scale"), scales.get("w2_scale"),
+                                   quantize_activations=quantize_activations and shape.fp8)
 
 
 def make_inputs(shape: MoeShape, num_tokens: int, seed: int, num_experts: int | None = None):
@@ -132,9 +171,9 @@ def make_inputs(shape: MoeShape, num_tokens: int, seed: int, num_experts: int | 
 def rel_error_vs_reference(shape: MoeShape, experts: tuple, x: torch.Tensor, weights: torch.Tensor,
                            ids: torch.Tensor, config: MoeKernelConfig) -> float:
     """||fused - reference|| / ||reference||, the reference loop on fp32 copies of the same bf16 values."""
-    out = fused_experts_with_config(x, *experts[:2], weights, ids, shape.activation, *experts[2:], config).float()
-    f32 = [t.float() if t is not None else None for t in experts]
-    ref = fused_experts_reference(x.float(), f32[0], f32[1], weights, ids, shape.activation, f32[2], f32[3])
+    w13, w2, b13, b2, scales = experts
+    out = fused_experts_with_config(x, w13, w2, weights, ids, shape.activation, b13, b2, config, **scales).float()
+    ref = reference_of(shape, experts, x, weights, ids, quantize_activations=True)
     return float((out - ref).norm() / ref.norm())
 
 
@@ -167,16 +206,17 @@ def _precompile(args: tuple[MoeShape, bool, list[dict]]) -> int:
     (E = 16 keeps the same integer specialisation as the real E, a multiple of 16); ``small``: the
     configs are the small-batch path's."""
     shape, small, configs = args
-    w13, w2, b13, b2 = make_weights(shape, num_experts=16)
+    w13, w2, b13, b2, scales = make_weights(shape, num_experts=16)
     x, weights, ids = make_inputs(shape, 1 if small else 4, seed=0, num_experts=16)
     done = 0
     for raw in configs:
         try:
             if small:
-                fused_experts_small_batch(x, w13, w2, weights, ids, shape.activation, b13, b2, SmallBatchConfig(**raw))
+                fused_experts_small_batch(x, w13, w2, weights, ids, shape.activation, b13, b2, SmallBatchConfig(**raw),
+                                          **scales)
             else:
                 fused_experts_with_config(x, w13, w2, weights, ids, shape.activation, b13, b2,
-                                          MoeKernelConfig.from_json(raw))
+                                          MoeKernelConfig.from_json(raw), **scales)
             done += 1
         except Exception:  # out of shared memory / registers: the main process skips it
             pass
@@ -187,8 +227,9 @@ def _precompile(args: tuple[MoeShape, bool, list[dict]]) -> int:
 def precompile(names: list[str], jobs: int, small: bool = False) -> None:
     """Compile every candidate of ``names`` (the aligned pipeline's, or with ``small`` the small-batch
     path's) in ``jobs`` worker processes."""
-    work = {name: [cfg.to_json() for cfg in (small_batch_candidates(MOE_KERNEL_SHAPES[name].top_k) if small
-                                             else candidate_configs())] for name in names}
+    work = {name: [cfg.to_json() for cfg in (
+        small_batch_candidates(MOE_KERNEL_SHAPES[name].top_k, MOE_KERNEL_SHAPES[name].fp8) if small
+        else candidate_configs(fp8=MOE_KERNEL_SHAPES[name].fp8))] for name in names}
     total = sum(len(cfgs) for cfgs in work.values())
     if jobs <= 1 or not total:
         return
@@ -208,9 +249,10 @@ def precompile(names: list[str], jobs: int, small: bool = False) -> None:
 
 def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float, rotations: int) -> dict:
     shape = MOE_KERNEL_SHAPES[name]
-    w13, w2, b13, b2 = make_weights(shape)
+    experts = make_weights(shape)
+    w13, w2, b13, b2, scales = experts
     device = torch.cuda.get_device_name()
-    path = os.path.join(out_dir, config_file_name(shape.local_experts, shape.inter, device))
+    path = os.path.join(out_dir, config_file_name(shape.local_experts, shape.inter, device, shape.dtype_key))
     best: dict[str, dict] = {}
     report: dict[str, dict] = {}
     for m in batch_sizes:
@@ -219,11 +261,11 @@ def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float,
             break
         inputs = [make_inputs(shape, m, seed=s) for s in range(rotations)]
         timings: list[tuple[float, MoeKernelConfig]] = []
-        for cfg in candidate_configs(block_ms_for(m, shape)):
+        for cfg in candidate_configs(block_ms_for(m, shape), shape.fp8):
             if time.monotonic() > deadline:
                 break
             fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_with_config(
-                x, w13, w2, w, i, shape.activation, b13, b2, cfg) for x, w, i in inputs]
+                x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs]
             try:
                 timings.append((graph_time_us(fns), cfg))
             except Exception as exc:  # a tile that does not fit this GPU's shared memory / registers
@@ -233,7 +275,7 @@ def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float,
         timings.sort(key=lambda t: t[0])
         us, cfg = timings[0]
         x, w, i = inputs[0]
-        err = rel_error_vs_reference(shape, (w13, w2, b13, b2), x, w, i, cfg)
+        err = rel_error_vs_reference(shape, experts, x, w, i, cfg)
         if not err < 2e-2:
             raise SystemExit(f"{name} M={m}: {cfg} is off the fp32 reference by {err:.3g} (relative)")
         best[str(m)] = cfg.to_json()
@@ -264,12 +306,14 @@ _SMALL_TILES = (
 _ACC_PER_THREAD = 64
 
 
-def small_batch_candidates(top_k: int = 8) -> list[SmallBatchConfig]:
+def small_batch_candidates(top_k: int = 8, fp8: bool = False) -> list[SmallBatchConfig]:
     """The small path's tiles worth timing for ``top_k`` experts per token: ``_SMALL_TILES`` whose
-    accumulators fit the registers."""
+    accumulators fit the registers (``fp8``: and whose K step stays in one 128-column scale group)."""
     top_k_pad = 1 << (top_k - 1).bit_length()
     out = []
     for bn, bh, bk, warps, stages in _SMALL_TILES:
+        if fp8 and EXPERT_FP8_BLOCK % bk:
+            continue
         limit = _ACC_PER_THREAD * 32 * warps
         if 2 * bn * bk <= limit and top_k_pad * bh * bk <= limit:
             out.append(SmallBatchConfig(bn, bh, bk, warps, stages))
@@ -288,9 +332,10 @@ def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: 
     time would give it (``kernel_config.get_config``), timed the same way; the table records the
     faster path per bucket (``small_batch.SmallBatchBucket``), which the dispatcher follows."""
     shape = MOE_KERNEL_SHAPES[name]
-    w13, w2, b13, b2 = make_weights(shape)
+    experts = make_weights(shape)
+    w13, w2, b13, b2, scales = experts
     device = torch.cuda.get_device_name()
-    path = os.path.join(out_dir, small_config_file_name(shape.local_experts, shape.inter, device))
+    path = os.path.join(out_dir, small_config_file_name(shape.local_experts, shape.inter, device, shape.dtype_key))
     best: dict[str, dict] = {}
     report: dict[str, dict] = {}
     for m in small_batch_buckets(shape, batch_sizes):
@@ -298,15 +343,15 @@ def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: 
             print(f"{name}: budget spent before small-batch M={m}", flush=True)
             break
         inputs = [make_inputs(shape, m, seed=s) for s in range(rotations)]
-        aligned_cfg = get_config(m, shape.local_experts, shape.inter, shape.top_k, device)
+        aligned_cfg = get_config(m, shape.local_experts, shape.inter, shape.top_k, device, shape.dtype_key)
         aligned_us = graph_time_us([lambda x=x, w=w, i=i, cfg=aligned_cfg: fused_experts_with_config(
-            x, w13, w2, w, i, shape.activation, b13, b2, cfg) for x, w, i in inputs])
+            x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs])
         timings: list[tuple[float, SmallBatchConfig]] = []
-        for cfg in small_batch_candidates(shape.top_k):
+        for cfg in small_batch_candidates(shape.top_k, shape.fp8):
             if time.monotonic() > deadline:
                 break
             fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_small_batch(
-                x, w13, w2, w, i, shape.activation, b13, b2, cfg) for x, w, i in inputs]
+                x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs]
             try:
                 timings.append((graph_time_us(fns), cfg))
             except Exception as exc:  # registers / shared memory
@@ -316,9 +361,8 @@ def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: 
         timings.sort(key=lambda t: t[0])
         us, cfg = timings[0]
         x, w, i = inputs[0]
-        out = fused_experts_small_batch(x, w13, w2, w, i, shape.activation, b13, b2, cfg).float()
-        f32 = [t.float() if t is not None else None for t in (w13, w2, b13, b2)]
-        ref = fused_experts_reference(x.float(), f32[0], f32[1], w, i, shape.activation, f32[2], f32[3])
+        out = fused_experts_small_batch(x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales).float()
+        ref = reference_of(shape, experts, x, w, i, quantize_activations=False)  # the small path is weight-only
         err = float((out - ref).norm() / ref.norm())
         if not err < 2e-2:
             raise SystemExit(f"{name} M={m}: {cfg} is off the fp32 reference by {err:.3g} (relative)")
@@ -351,6 +395,8 @@ def main() -> None:
                     help="tensor-parallel size: tune each rank's shard (intermediate / tp), the shape it runs")
     ap.add_argument("--ep", type=int, default=1,
                     help="expert-parallel size: tune one rank's E / ep experts, the other pairs routed away")
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-FP8 experts (128 x 128 scales) into the ..._dtype=fp8_w8a8.json tables")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_fused_moe.py needs a CUDA GPU")
@@ -360,7 +406,7 @@ def main() -> None:
         if shape.inter % args.tp or shape.num_experts % args.ep:
             raise SystemExit(f"--tp {args.tp} must divide {name}'s intermediate size {shape.inter} and --ep "
                              f"{args.ep} its {shape.num_experts} experts")
-        MOE_KERNEL_SHAPES[name] = dataclasses.replace(shape, inter=shape.inter // args.tp, ep=args.ep)
+        MOE_KERNEL_SHAPES[name] = dataclasses.replace(shape, inter=shape.inter // args.tp, ep=args.ep, fp8=args.fp8)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     deadline = time.monotonic() + args.budget_s

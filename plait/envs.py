@@ -113,14 +113,42 @@ GEMV_PREFETCH = EnvVar(
     "1: a GEMV launched with PDL prefetches its first weight lines into L2 before it waits for the "
     "previous kernel; 0 (the default until an A/B on the H200 shows it faster): it does not. Read at "
     "every call.")
+FUSED_NORM_GEMV = EnvVar(
+    "PLAIT_FUSED_NORM_GEMV", _flag, True,
+    "1 (the default): a decode-sized step (<= 16 tokens) runs each add + RMSNorm that feeds a small-M GEMV "
+    "(qkv, the MoE router, a dense MLP's gate_up) inside that GEMV's prologue (plait.layers.norm_linear); 0: "
+    "the RMSNorm kernel, then the GEMV (the A/B baseline). Read at every call.")
+FUSED_ACT_GEMV = EnvVar(
+    "PLAIT_FUSED_ACT_GEMV", _flag, True,
+    "1 (the default): a dense MLP's SiLU-and-mul runs inside its down projection's small-M GEMV at decode "
+    "sizes (<= 16 tokens; the GEMV loads gate and up and multiplies silu(gate) * up); 0: the SiLU-and-mul "
+    "kernel, then the GEMV (the A/B baseline). Read at every call.")
+MOE_FUSED_TOPK = EnvVar(
+    "PLAIT_MOE_FUSED_TOPK", _flag, False,
+    "1: where a MoE layer's step takes the small-batch expert path, its gate/up kernel routes each token "
+    "from the router logits itself (the top-k kernel's arithmetic, bit-identical), one launch fewer per "
+    "layer; 0 (the default until a same-call A/B on the H200 shows it faster): the top-k kernel, then the "
+    "experts. Read at every call.")
+MOE_ROUTER_TOPK = EnvVar(
+    "PLAIT_MOE_ROUTER_TOPK", _flag, False,
+    "1: where a MoE router's decode-size projection runs in the small-M GEMV, that GEMV's last program "
+    "also routes every row (the top-k kernel's arithmetic on the stored logits, bit-identical), one launch "
+    "fewer per layer; it takes precedence over PLAIT_MOE_FUSED_TOPK. 0 (the default until a same-call A/B "
+    "on the H200 shows it faster): the top-k kernel. Read at every call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
     "(sm_90+; plait.layers.pdl): each may start while the one before it finishes. 0: plain launches (the "
     "A/B baseline).")
+DECODE_KV_PACK = _int_var(
+    "PLAIT_DECODE_KV_PACK",
+    "KV heads per program of the Triton decode attention kernel (a power of two dividing the KV heads; "
+    "1: one per program). Unset (the default): the kernel's own choice by head dim and batch size "
+    "(plait.attention.triton.decode.decode_config). Read at import.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_PREFETCH, PDL)
+                                    GEMV_PREFETCH, FUSED_NORM_GEMV, FUSED_ACT_GEMV, MOE_FUSED_TOPK, MOE_ROUTER_TOPK,
+                                    PDL, DECODE_KV_PACK)

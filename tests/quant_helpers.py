@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from torch import nn
 from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 
 E4M3 = torch.float8_e4m3fn
+# Mixtral's expert projections (``...experts.{e}.w1.weight``), quantized like the ``*_proj`` ones.
+MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 E4M3_MAX = 448.0
 
 # A fixed English text (public-domain style prose written for these tests): a few hundred tokens.
@@ -233,7 +236,7 @@ def write_fp8_checkpoint(src: pathlib.Path, dst: pathlib.Path, layout: str,
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
-        if not (name.endswith("_proj.weight") and t.dim() == 2):
+        if not (name.endswith("_proj.weight") or MIXTRAL_EXPERT.search(name)) or t.dim() != 2:
             out[name] = t
             continue
         if layout in ("fp8-block", "ct-block"):
@@ -312,3 +315,44 @@ def random_fp8_weight(layout: str, n: int, k: int, seed: int = 0
         return q, s, None
     q, s = block_quantize(w)
     return q, s, (128, 128)
+
+
+def write_dequantized_checkpoint(fp8_dir: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """``fp8_dir`` (a ``write_fp8_checkpoint`` checkpoint of a block layout) with every FP8 weight
+    replaced by its fp32 dequantization ``q * s`` and no quantization_config: what transformers runs
+    as the reference of a block-FP8 checkpoint."""
+    shutil.copytree(fp8_dir, dst)
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith((".weight_scale_inv", ".weight_scale")):
+            continue
+        module = name.removesuffix(".weight")
+        scale = tensors.get(module + ".weight_scale_inv", tensors.get(module + ".weight_scale"))
+        out[name] = block_dequantize(t, scale) if scale is not None else t
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+def write_online_fp8_simulation(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """``src`` with its weights as ``--quantization fp8`` stores them, dequantized to fp32: the dense
+    projections per output row, each layer's experts per 128 x 128 block of the stacked gate|up
+    [2I, H] and of down [H, I] (the blocks of the fused expert tensors, which may span gate and up)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = dict(tensors)
+    for name, t in tensors.items():
+        if not name.endswith("_proj.weight") or ".experts." in name:
+            continue
+        out[name] = qdq_rows(t)
+    for name in [n for n in tensors if ".experts." in n and n.endswith(".gate_proj.weight")]:
+        up_name = name.replace(".gate_proj.", ".up_proj.")
+        stacked = block_dequantize(*block_quantize(torch.cat([tensors[name], tensors[up_name]])))
+        out[name], out[up_name] = stacked.split(tensors[name].shape[0])
+        down = name.replace(".gate_proj.", ".down_proj.")
+        out[down] = block_dequantize(*block_quantize(tensors[down]))
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"))
+    return dst

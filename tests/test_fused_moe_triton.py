@@ -118,7 +118,7 @@ def test_public_entry_point_uses_the_default_config_without_a_tuned_file():
                                fused_experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_fp8_experts_fail_naming_the_layout():
+def test_fp8_experts_without_their_block_scales_are_refused_naming_the_layout():
     w13, w2, _, _ = make_experts(2, 32, 32, bias=False)
     weights, ids = random_routing(2, 2, 1)
     with pytest.raises(ValueError, match="block-FP8"):

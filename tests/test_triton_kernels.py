@@ -182,6 +182,7 @@ def _run_decode(
     dtype: torch.dtype = torch.float32,
     logit_cap: float = 0.0,
     split_counters: torch.Tensor | None = None,
+    config: K.LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = _gen(seed)
     num_slots = sum(lens) + 37
@@ -198,7 +199,7 @@ def _run_decode(
     scale = d**-0.5
     K.decode_attention_fwd(
         q, k_buf, v_buf, o, indptr, indices, attn_logits, attn_lse, num_kv_splits, max_splits, scale, logit_cap,
-        split_counters=split_counters,
+        split_counters=split_counters, config=config,
     )
     R.decode_attention_fwd(
         q, k_buf, v_buf, o_ref, indptr, indices, attn_logits, attn_lse, num_kv_splits, max_splits, scale, logit_cap
@@ -246,6 +247,25 @@ def test_decode_fused_split_merge_matches_reference_and_rezeroes_counters(heads:
         o, o_ref = _run_decode(lens, hq, hkv, 64, splits=splits, max_splits=4, seed=seed, split_counters=counters)
         torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
         assert not counters.any()
+
+
+@pytest.mark.parametrize("pack", [2, 4])
+def test_decode_kv_heads_packed_per_program_match_reference(pack: int) -> None:
+    # Four KV heads in packs of 2 or 4 (block-diagonal q tiles), GQA 2, the fused merge over several
+    # splits, an empty request: each head's output as with one KV head per program.
+    lens, splits = [0, 5, 50, 93], [2, 3, 4, 1]
+    counters = torch.zeros(len(lens) * 4, dtype=torch.int32, device=DEVICE)
+    config = K.LaunchConfig(block_n=16, num_warps=4, num_stages=1, kv_pack=pack)
+    o, o_ref = _run_decode(lens, 8, 4, 64, splits=splits, max_splits=4, seed=19, split_counters=counters,
+                           config=config)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+    assert not counters.any()
+
+
+def test_decode_kv_pack_that_does_not_divide_the_kv_heads_runs_unpacked() -> None:
+    config = K.LaunchConfig(block_n=16, num_warps=4, num_stages=1, kv_pack=4)
+    o, o_ref = _run_decode([7, 40], 6, 2, 64, splits=[1, 2], max_splits=2, seed=20, config=config)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
 
 
 def test_decode_fused_split_merge_rejects_short_counters() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from plait.bench import peer_hf
 from plait.bench.hardware import bench_dtype, bf16_matmul_rate, hbm_bandwidth
 from plait.bench.results import write_result
-from plait.bench.shapes import SHAPES, is_moe, param_counts, write_shape_dir
+from plait.bench.shapes import SHAPES, expected_distinct_experts, is_moe, param_counts, write_shape_dir
 from plait.bench.workloads import (
     Limits,
     decode_step_bytes,
@@ -24,6 +24,16 @@ from plait.bench.workloads import (
     throughput_floor_seconds,
 )
 from plait.config import ATTENTION_BACKENDS
+
+
+def fp8_step_weight_bytes(shape: str, distinct_experts: float | None) -> float:
+    """The weights a ``--quantization fp8`` decode step reads (plait.bench.quant)."""
+    from plait.bench.quant import fp8_weight_bytes, moe_fp8_weight_bytes
+
+    if not is_moe(shape):
+        return fp8_weight_bytes(shape)
+    return moe_fp8_weight_bytes(shape, distinct_experts if distinct_experts is not None
+                                else expected_distinct_experts(shape, 1))
 
 
 def measure_limits() -> Limits:
@@ -97,12 +107,14 @@ def cmd_latency(args: argparse.Namespace) -> int:
             if not args.no_compile_peer:
                 peers["static_compile"] = _peer(peer_hf.decode_bs1, shape, prompt, new, compiled=True)
         # The headline (graph) run without the expert counter; the eager run of the same prompt counts.
-        graph = plait_decode_bs1(shape, shape_dir, prompt, new, count_experts=False, **backends)
-        eager = plait_decode_bs1(shape, shape_dir, prompt, new, **{**backends, "disable_cuda_graph": True})
+        options = {**backends, **({"quantization": args.quantization} if args.quantization else {})}
+        graph = plait_decode_bs1(shape, shape_dir, prompt, new, count_experts=False, **options)
+        eager = plait_decode_bs1(shape, shape_dir, prompt, new, **{**options, "disable_cuda_graph": True})
         contexts = [128 + new // 2]  # mean context over the decode
         # MoE: the distinct experts the decode steps routed to, counted in the run (the eager engine's).
         distinct = eager.get("distinct_experts_per_layer_step")
-        bytes_step = decode_step_bytes(shape, contexts, distinct)
+        bytes_step = decode_step_bytes(shape, contexts, distinct, weight_bytes=fp8_step_weight_bytes(
+            shape, distinct) if args.quantization else None)
         moe_detail = {"distinct_experts_per_layer_step": distinct} if is_moe(shape) else {}
         floor = lim.copy_bw / bytes_step
         fastest = max((p.get("tok_s", 0.0) for p in peers.values()), default=0.0) or None
@@ -111,12 +123,15 @@ def cmd_latency(args: argparse.Namespace) -> int:
         write_result(
             args.out, "decode-bs1", shape, "decode_tok_s", graph["tok_s"], peer_name if fastest else None, fastest,
             floor, {"dtype": bench_dtype(), "load_format": "dummy", "input_len": 128, "output_len": new,
-                    "cuda_graph": graph["cuda_graph"], "overlap_schedule": True, **backends}, tag=tag,
+                    "cuda_graph": graph["cuda_graph"], "overlap_schedule": True, **options},
+            tag="-".join(t for t in (tag, args.quantization) if t) or None,
             ms_per_step=graph["ms_per_step"], eager=eager, graph=graph,
             graph_speedup_over_eager=graph["tok_s"] / eager["tok_s"], peers=peers,
-            floor_definition="copy HBM bandwidth / (bf16 matmul weights + KV cache read at the mean context) "
-                             "per step" + ("; MoE: dense weights + the distinct experts each step routed to "
-                                           "(counted in the run, per layer)" if moe_detail else ""), **moe_detail,
+            floor_definition="copy HBM bandwidth / (" + ("FP8 weights as stored (1 byte per parameter + fp32 "
+                             "scales: per row for dense layers, per 128x128 block for experts; router and LM "
+                             "head bf16)" if args.quantization else "bf16 matmul weights") + " + KV cache read at "
+                             "the mean context) per step" + ("; MoE: dense weights + the distinct experts each "
+                             "step routed to (counted in the run, per layer)" if moe_detail else ""), **moe_detail,
             floor_read_bandwidth_tok_s=lim.read_bw / bytes_step, bytes_per_step=bytes_step,
             kv_capacity_tokens=graph["kv_capacity_tokens"], **_limits_detail(lim))
         if args.prefill and shape == "llama-3.1-8b":
@@ -224,6 +239,8 @@ def add_bench_parsers(bench_sub: Any) -> None:
     lat.add_argument("--prefill", action="store_true", help="also 8 x 2048 prefill MFU on llama-3.1-8b")
     lat.add_argument("--prefill-only", action="store_true", help="with --prefill: only the prefill MFU run")
     lat.add_argument("--out", default="benchmarks/results")
+    lat.add_argument("--quantization", choices=["fp8"], default=None,
+                     help="FP8 weights at load (MoE experts in 128x128 blocks); the floor counts FP8 bytes")
     add_backend_flags(lat)
     lat.set_defaults(func=cmd_latency)
     off = bench_sub.add_parser("offline", help="offline-throughput / nano-vllm against transformers")

@@ -22,7 +22,7 @@ import torch
 from plait import envs
 from plait.bench.hardware import graph_time
 from plait.bench.results import write_result
-from plait.bench.shapes import SHAPES, linear_shapes, param_counts, write_shape_dir
+from plait.bench.shapes import SHAPES, linear_shapes, moe_counts, param_counts, write_shape_dir
 from plait.bench.workloads import (
     Limits,
     decode_step_bytes,
@@ -45,6 +45,25 @@ def fp8_weight_bytes(shape: str, block: bool = False) -> float:
     for n, k in linear_shapes(shape).values():
         scales += 4 * (-(-n // 128) * -(-k // 128) if block else n)
     return p["layers"] + scales * c["num_hidden_layers"] + 2 * (p["lm_head"] + c["hidden_size"])
+
+
+def moe_fp8_weight_bytes(shape: str, distinct_experts: float) -> float:
+    """Bytes of a MoE decode step's weights as ``--quantization fp8`` stores them: the dense layers
+    (attention, dense MLP layers) one byte per parameter plus an fp32 scale per output row; per
+    sparse layer the ``distinct_experts`` the step routes to, one byte per parameter plus their fp32
+    128 x 128 block scales; the router and the LM head bf16."""
+    c = SHAPES[shape]
+    p = param_counts(shape)
+    m = moe_counts(shape)
+    h, inter = c["hidden_size"], c.get("moe_intermediate_size") or c["intermediate_size"]
+    dense_linear = p["dense_matmul"] - m["sparse_layers"] * m["router"] - p["lm_head"] - h
+    rows = sum(n for name, (n, _) in linear_shapes(shape).items() if name in ("qkv_proj", "o_proj"))
+    dense_rows = rows * c["num_hidden_layers"] + (2 * c["intermediate_size"] + h) * (
+        c["num_hidden_layers"] - m["sparse_layers"])
+    blocks = -(-2 * inter // 128) * -(-h // 128) + -(-h // 128) * -(-inter // 128)
+    expert = m["per_expert"] + 4 * blocks
+    return (dense_linear + 4 * dense_rows + m["sparse_layers"] * (distinct_experts * expert + 2 * m["router"])
+            + 2 * (p["lm_head"] + h))
 
 
 def _limits() -> tuple[Limits, float]:

@@ -265,13 +265,13 @@ def step_timing(scheduler: Any) -> Iterator[StepTimes]:
 
 
 def steady_decode_timing(engine: Any, bs: int, vocab: int, steps: int = 50, seed: int = 5,
-                         on_steady: Any = None, after_timed: Any = None) -> dict[str, float]:
-    """Fill the engine with ``bs`` decoding requests, then time ``steps`` scheduler steps and as many
-    replays of the bucket's CUDA graph alone. ``on_steady()`` runs once the batch is steady, just
-    before the timed steps, and ``after_timed()`` right after them (to bracket counters). The requests
-    are aborted afterwards."""
+                         on_steady: Any = None, after_timed: Any = None, prompt_len: int = 128) -> dict[str, float]:
+    """Fill the engine with ``bs`` decoding requests of ``prompt_len`` prompt tokens, then time
+    ``steps`` scheduler steps and as many replays of the bucket's CUDA graph alone. ``on_steady()``
+    runs once the batch is steady, just before the timed steps, and ``after_timed()`` right after
+    them (to bracket counters). The requests are aborted afterwards."""
     sched = engine.scheduler
-    for p in random_prompts(bs, 128, vocab, seed=seed):
+    for p in random_prompts(bs, prompt_len, vocab, seed=seed):
         sched.add_request(engine.make_request(p, {"temperature": 0.0, "ignore_eos": True,
                                                   "max_new_tokens": steps + 150}))
     while len(sched.running) < bs or sched.prefilling or sched.waiting:

@@ -14,6 +14,10 @@ from typing import Any
 
 import torch
 
+# safetensors' dtype names -> torch (the ones checkpoints plait reads hold).
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+
 
 class LazySlice:
     def __init__(self, source: Any, dtype: torch.dtype | None = None) -> None:
@@ -26,6 +30,11 @@ class LazySlice:
 
     def dim(self) -> int:
         return len(self.shape)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype a read returns (None: one safetensors holds that torch has no name for here)."""
+        return self._dtype or _SAFETENSORS_DTYPES.get(self._source.get_dtype())
 
     def to(self, dtype: torch.dtype) -> LazySlice:
         """Conversion happens on the slice when it is read, not on the whole tensor."""

@@ -29,6 +29,20 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 @triton.jit
+def add_rounded(a, b):
+    """``a + b`` in a's dtype, computed in fp32 and rounded once: the same bits as a bf16 / fp16 add on the
+    GPU (fp32 holds 24 bits, enough that rounding twice equals rounding once), and what the interpreter,
+    whose bf16 arithmetic is wrong, computes right."""
+    return (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype)
+
+
+@triton.jit
+def mul_rounded(a, b):
+    """``a * b`` in b's dtype, computed in fp32 and rounded once (as ``add_rounded``)."""
+    return (a.to(tl.float32) * b.to(tl.float32)).to(b.dtype)
+
+
+@triton.jit
 def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, n_cols, eps,
                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_prologue(USE_PDL)
@@ -37,14 +51,14 @@ def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, n_cols, e
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        # Sum in the activation dtype (as the unfused x + residual does), then normalise in fp32.
-        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        # Sum rounded to the activation dtype (as the unfused x + residual does), then normalise in fp32.
+        x = add_rounded(x, tl.load(R + row * stride_r + cols, mask=mask, other=0.0))
         tl.store(RES_OUT + row * stride_r + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Y + row * stride_y + cols, w * normed, mask=mask)
+    tl.store(Y + row * stride_y + cols, mul_rounded(w, normed), mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -67,15 +81,22 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """``silu(gate) * up`` in up's dtype: the SiLU in fp32, rounded to up's dtype before the product
+    (``mul_rounded``). The small-M GEMV's activation prologue computes the same (gemv.py)."""
+    g = gate.to(tl.float32)
+    return mul_rounded((g / (1.0 + tl.exp(-g))).to(up.dtype), up)
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(Y + row * stride_y + cols, silu * up, mask=mask)
+    tl.store(Y + row * stride_y + cols, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.distributed.sharded_load import LazySlice
+from plait.layers.moe.fp8 import quantize_moe_layers
 from plait.layers.quantization.fp8 import Fp8Config, finish_quantization, quantize_linear_layers, resolve_fp8_config
 from plait.models.gguf_loader import find_gguf, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
 from plait.models.llama import head_dim_of
@@ -258,6 +259,8 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
             model = cls(mc.hf_config, tp, attn_tp=attn_tp, **moe_kwargs)
         quantized = (quantize_linear_layers(model, mc.quantization, getattr(cls, "packed_modules_mapping", {}))
                      if mc.quantization is not None else [])
+        # Mixture-of-experts layers: their experts in the 128 x 128 block-FP8 layout (serialized or online).
+        quantized_experts = quantize_moe_layers(model, mc.quantization) if mc.quantization is not None else []
     finally:
         torch.set_default_dtype(previous)
     if weights is None:
@@ -267,7 +270,7 @@ def load_model(mc: ModelConfig, device: str, load_format: str = "auto", tp: TPGr
     missing = set(dict(model.named_parameters())) - loaded
     if missing:
         raise ValueError(f"checkpoint {mc.path!r} ({load_format}) lacks weights for {sorted(missing)[:8]}")
-    finish_quantization(quantized)
+    finish_quantization([*quantized, *quantized_experts])
     model.eval()
     return model
 

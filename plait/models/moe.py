@@ -19,8 +19,10 @@ import torch
 
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import ForwardBatch
+from plait.layers.moe.fp8 import Fp8MoEMethod
 from plait.layers.moe.layer import FusedMoE, SparseMoeBlock
 from plait.layers.moe.router import RouterConfig
+from plait.layers.quantization.fp8_kernels import FP8_DTYPE
 from plait.models.llama import (
     DecoderConfig,
     LlamaDecoderLayer,
@@ -32,11 +34,22 @@ from plait.models.qwen3 import Qwen3Attention
 
 # ``{prefix}.experts.{e}.{projection}.{weight|bias}`` -> FusedMoE.load_expert_*
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
-                         r"\.(?P<kind>weight|bias)$")
+                         r"\.(?P<kind>weight|bias|weight_scale_inv|weight_scale)$")
 # ``{prefix}.experts.{gate_up_proj|down_proj}{suffix}``: the fused per-layer tensors
 _FUSED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)"
                     r"(?P<suffix>|_bias|_blocks|_scales)$")
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def expert_weight_as_stored(name: str, tensor: Any, experts: FusedMoE) -> Any:
+    """A checkpoint expert weight in the dtype ``experts`` stores: FP8 as it is for block-FP8
+    experts (which refuse weights that are not FP8: they would need scales), else cast."""
+    want = experts.w13_weight.dtype
+    if want == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # LazySlice.dtype too
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but the checkpoint declares FP8 experts "
+                         "(quantization_config weight_block_size [128, 128]): want float8_e4m3fn with its "
+                         "weight_scale_inv")
+    return tensor if tensor.dtype == want else tensor.to(want)
 
 
 def num_experts_of(cfg: Any) -> int:
@@ -109,6 +122,15 @@ class MoEDecoderLayer(LlamaDecoderLayer):
                   if shared_size else None)
         return SparseMoeBlock(router, experts, cfg.hidden_size, tp, self.router_bias, shared, all_to_all)
 
+    def norm_and_mlp(self, hidden: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The all-to-all steps norm first and dispatch (``run_mlp``); the others as the dense layer."""
+        mlp = self.mlp
+        if isinstance(mlp, SparseMoeBlock) and mlp.dispatches_all_to_all(hidden, fb):
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.run_mlp(hidden, fb), residual
+        return super().norm_and_mlp(hidden, residual, fb)
+
     def run_mlp(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """An all-to-all MoE layer's dispatching steps: under DP attention it routes this rank's own
         rows (no gather), under plain TP its slice of the replicated rows. Other steps and dense
@@ -180,9 +202,16 @@ class MoEForCausalLM(LlamaForCausalLM):
                 if per_expert:
                     e, which = int(per_expert["e"]), _PROJ[per_expert["proj"]]
                     if per_expert["kind"] == "weight":
-                        experts.load_expert_weight(e, which, tensor.to(experts.w13_weight.dtype))
+                        experts.load_expert_weight(e, which, expert_weight_as_stored(raw, tensor, experts))
+                    elif per_expert["kind"] in ("weight_scale_inv", "weight_scale"):
+                        method = experts.quant_method
+                        if not isinstance(method, Fp8MoEMethod) or method.config.scale_name != per_expert["kind"]:
+                            raise ValueError(f"checkpoint tensor {raw!r} is an FP8 scale, but the checkpoint's "
+                                             "quantization_config does not declare FP8 experts with such scales")
+                        method.load_expert_scale(experts, e, which, tensor, raw)
                     else:
-                        experts.load_expert_bias(e, which, tensor.to(experts.w13_weight.dtype))
+                        bias_dtype = experts.w13_bias.dtype if experts.w13_bias is not None else torch.float32
+                        experts.load_expert_bias(e, which, tensor.to(bias_dtype))
                 else:
                     assert fused is not None
                     self.load_fused_experts(experts, fused["proj"], fused["suffix"], tensor)

@@ -26,6 +26,7 @@ import asyncio
 import datetime
 import json
 import math
+import os
 import pathlib
 import random
 import re
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -410,9 +412,12 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         vocab = min(info["scheduler"]["vocab_size"], info.get("tokenizer_vocab_size") or 1 << 62)
         requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
                                  args.seed)
+        cached_before = triton_cache_kernels()
         results, duration = run_load_procs(base_url, served_name, requests, args.request_rate, args.max_concurrency,
                                            args.seed, args.request_timeout, args.client_procs)
         summary = summarize(results, duration)
+        compiled = triton_cache_kernels() - cached_before
+        summary["triton_compiled_during_run"] = dict(Counter(name for _, name in compiled))
         after = settled_metrics(base_url)
         summary["kv_slots_in_use_after"] = int(after.get("plait:kv_slots_in_use", -1))
         summary["num_requests_running_after"] = int(after.get("plait:num_requests_running", -1))
@@ -441,6 +446,16 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         if proc is not None:
             stop_server(proc)
         shutil.rmtree(shape_root, ignore_errors=True)
+
+
+def triton_cache_kernels() -> set[tuple[str, str]]:
+    """(cache entry, kernel name) of every kernel variant in Triton's on-disk cache (TRITON_CACHE_DIR, else
+    ~/.triton/cache). A server compiles into it, so the entries that appear while the load runs are the
+    variants that compiled on the request path (what the start-up warm-up missed)."""
+    root = pathlib.Path(os.environ.get("TRITON_CACHE_DIR") or pathlib.Path.home() / ".triton" / "cache")
+    if not root.is_dir():
+        return set()
+    return {(path.parent.name, path.stem) for path in root.glob("*/*.json") if not path.name.startswith("__grp__")}
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:

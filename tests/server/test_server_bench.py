@@ -129,3 +129,14 @@ def test_load_generator_refuses_a_url_that_is_not_plain_http():
     with pytest.raises(ValueError, match="not an http:// URL"):
         split_url("https://example.com/v1/completions")
     assert split_url("http://127.0.0.1:8000/v1/completions?x=1") == ("127.0.0.1", 8000, "/v1/completions?x=1")
+
+
+def test_triton_cache_kernels_names_each_cached_variant_and_skips_group_files(tmp_path, monkeypatch):
+    from plait.server.bench import triton_cache_kernels
+
+    for entry, name in (("a1", "_gemv_kernel"), ("b2", "_gemv_kernel"), ("c3", "_rmsnorm_kernel")):
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / f"{name}.json").write_text("{}")
+        (tmp_path / entry / f"__grp__{name}.json").write_text("{}")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_cache_kernels() == {("a1", "_gemv_kernel"), ("b2", "_gemv_kernel"), ("c3", "_rmsnorm_kernel")}

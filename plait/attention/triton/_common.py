@@ -77,13 +77,16 @@ class LaunchConfig:
     """Tile sizes and launch options of one kernel.
 
     ``block_m`` (extend only): query rows per tile. ``pack_gqa`` (extend only): a tile's rows are the
-    G query heads of one KV group x block_m // G tokens, so each K/V tile is loaded once per group."""
+    G query heads of one KV group x block_m // G tokens, so each K/V tile is loaded once per group.
+    ``kv_pack`` (decode only): KV heads per program; their K/V rows are read side by side (one
+    contiguous row per slot instead of one per head) and their G query heads each are one q tile."""
 
     block_n: int
     num_warps: int
     num_stages: int
     block_m: int = 0
     pack_gqa: bool = False
+    kv_pack: int = 1
 
 
 @triton.jit

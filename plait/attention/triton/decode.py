@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plait import envs
 from plait.layers.pdl import pdl_prologue, use_pdl
 
 from ._common import (
@@ -52,6 +53,9 @@ def large_batch_min_bs(num_sms: int, num_kv_heads: int) -> int:
     return -(-LARGE_BATCH_PROGRAMS_PER_SM * num_sms // max(1, num_kv_heads))
 
 
+KV_PACK_OVERRIDE = envs.DECODE_KV_PACK.get()
+
+
 def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[LaunchConfig, int]:
     """(stage-1 launch config, MIN_BLOCK_KV split granularity) for this device and batch size.
 
@@ -59,7 +63,8 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
     gathered through ``kv_indices``; the [16, D] x [D, BLOCK_N] dots are tiny, what matters is bytes in
     flight. On Hopper (bf16, D = 128, 8 kv heads) 128-token tiles, 4 warps, 2 stages are best or close
     for small and medium batches over short and long contexts; once the (request, kv head) grid alone
-    is >= 4 programs per SM, 64-token tiles (more CTAs resident per SM) win
+    is >= 4 programs per SM, 64-token tiles (more CTAs resident per SM) win, and at head dim 64 two KV
+    heads per program
     (``kernels_bench.py --sweep-decode`` compares them; DP attention's per-rank decode batches sit in
     that range).
     Interpreter (CPU): 16-token tiles, so small test shapes cover multi-tile splits, tails and empty
@@ -71,8 +76,11 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
     if head_dim > 128:
         return LaunchConfig(block_n=32, num_warps=4, num_stages=2), 64
     if q.shape[0] >= large_batch_min_bs(device_num_sms(q), num_kv_heads):
-        return LaunchConfig(block_n=64, num_warps=4, num_stages=2), 64
-    return LaunchConfig(block_n=128, num_warps=4, num_stages=2), 64
+        # Large batches read K/V rows at random slots: a 128-byte row per head (head dim 64) is a poor
+        # DRAM access, so two heads per program read 256-byte rows.
+        pack = 2 if head_dim <= 64 and num_kv_heads % 2 == 0 else 1
+        return LaunchConfig(block_n=64, num_warps=4, num_stages=2, kv_pack=KV_PACK_OVERRIDE or pack), 64
+    return LaunchConfig(block_n=128, num_warps=4, num_stages=2, kv_pack=KV_PACK_OVERRIDE or 1), 64
 
 
 @triton.jit
@@ -118,10 +126,11 @@ def _decode_stage1_kernel(
     GPU_FENCE: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    KV_PACK: tl.constexpr = 1,
 ):
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_pack = tl.program_id(1)  # KV heads kv_pack * KV_PACK .. + KV_PACK
     split_id = tl.program_id(2)
 
     kv_start, seq_len, split_len, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV, MAX_KV_SPLITS)
@@ -130,24 +139,28 @@ def _decode_stage1_kernel(
 
     if split_id < n_active:  # a non-empty split
         offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < GROUP
-        heads = kv_head * GROUP + offs_h
-        offs_d = tl.arange(0, D)
-        offs_dv = tl.arange(0, DV)
+        mask_h = offs_h < GROUP * KV_PACK
+        heads = kv_pack * KV_PACK * GROUP + offs_h
+        # With KV_PACK > 1 a K (V) tile row is the pack's KV_PACK heads side by side (the heads of a slot
+        # are contiguous), and the q tile is block-diagonal: row r holds its head's q in the columns of
+        # its own KV head, zeros elsewhere, so one dot gives every row its own head's logits exactly.
+        offs_d = tl.arange(0, KV_PACK * D)
+        offs_dv = tl.arange(0, KV_PACK * DV)
+        own = (offs_d[None, :] // D) == (offs_h[:, None] // GROUP)
 
         q = tl.load(
-            Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_h[:, None],
+            Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + (offs_d % D)[None, :],
+            mask=mask_h[:, None] & own,
             other=0.0,
         )
-        k_head = K_Buffer + kv_head * stride_kh
-        v_head = V_Buffer + kv_head * stride_vh
+        k_head = K_Buffer + kv_pack * KV_PACK * stride_kh
+        v_head = V_Buffer + kv_pack * KV_PACK * stride_vh
 
         # Every tile holds >= 1 valid token (the loop stays inside [split_start, split_end)), so the
         # running max is finite after the first tile and -inf is a safe start.
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, KV_PACK * DV], dtype=tl.float32)
         for start_n in range(split_start, split_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < split_end
@@ -169,7 +182,15 @@ def _decode_stage1_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
             m_i = m_new
 
-        out = acc / l_i[:, None] * v_scale
+        if KV_PACK > 1:
+            # Row r's output is its own KV head's DV columns of acc (the others mixed in other heads' V).
+            acc3 = tl.reshape(acc, [BLOCK_H, KV_PACK, DV])
+            mine = tl.arange(0, KV_PACK)[None, :] == (offs_h // GROUP)[:, None]
+            acc_own = tl.sum(tl.where(mine[:, :, None], acc3, 0.0), axis=1)
+        else:
+            acc_own = acc
+        offs_dv = tl.arange(0, DV)
+        out = acc_own / l_i[:, None] * v_scale
         lse = m_i * 0.6931471805599453 + tl.log(l_i)  # base-2 max -> natural-log LSE
         if (n_active == 1) & FUSED_REDUCE:
             # The only split is the whole answer: write it at once, without the workspace round trip,
@@ -195,7 +216,7 @@ def _decode_stage1_kernel(
                     tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [offs_h],
                                               dtype=tl.int32, is_pure=False, pack=1)
                 tl.debug_barrier()
-                counter = Split_Counters + b * num_kv_heads + kv_head
+                counter = Split_Counters + b * (num_kv_heads // KV_PACK) + kv_pack
                 if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
                     _merge_splits(Att_Out, Att_Lse, Out, Sinks, b, heads, mask_h, n_active, stride_ob, stride_oh,
@@ -204,7 +225,8 @@ def _decode_stage1_kernel(
         if (n_active == 0) & (split_id == 0):
             # No split at all (a padded CUDA-graph row with fill value 0): zeros, as stage 2 writes.
             offs_h0 = tl.arange(0, BLOCK_H)
-            _store_zeros(Out, b, kv_head * GROUP + offs_h0, offs_h0 < GROUP, stride_o_b, stride_o_h, BLOCK_H, DV)
+            _store_zeros(Out, b, kv_pack * KV_PACK * GROUP + offs_h0, offs_h0 < GROUP * KV_PACK, stride_o_b,
+                         stride_o_h, BLOCK_H, DV)
 
 
 @triton.jit
@@ -362,8 +384,12 @@ def decode_attention_fwd(
         raise ValueError(f"sinks must be float32 [num_q_heads={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
     sinks_arg = sinks if sinks is not None else num_kv_splits  # unused without sinks
     pdl = use_pdl(q)
+    pack = cfg.kv_pack
+    if pack > 1 and (num_kv_heads % pack or pack & (pack - 1) or k_buffer.stride(1) != head_dim
+                     or v_buffer.stride(1) != head_dim_v):
+        pack = 1  # a pack reads its heads as one contiguous row: needs whole packs of dense heads
 
-    _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
+    _decode_stage1_kernel[(bs, num_kv_heads // pack, max_kv_splits)](
         q,
         k_buffer,
         v_buffer,
@@ -393,7 +419,7 @@ def decode_attention_fwd(
         o.stride(1),
         num_kv_heads,
         GROUP=group,
-        BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_H=max(16, next_pow2(group * pack)),
         D=head_dim,
         DV=head_dim_v,
         BLOCK_N=cfg.block_n,
@@ -405,6 +431,7 @@ def decode_attention_fwd(
         GPU_FENCE=fused and q.is_cuda,
         HAS_SINKS=sinks is not None,
         USE_PDL=pdl,
+        KV_PACK=pack,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,

@@ -6,7 +6,10 @@ so a fresh tune serves the same GPU session, then ``configs/``), named ``E{E}_N{
 (N is the intermediate size per rank, ``w2.shape[2]``; in the device name every character other
 than a letter, digit or ``-`` becomes ``_``). Each maps a
 batch bucket M (tokens, as a string) to a config; a call takes the bucket nearest its token count.
-Without a file, a default that depends on how many tokens each expert receives on average.
+Block-FP8 experts have their own tables, the dtype named as SGLang names it:
+``E{E}_N{N}_{device}_dtype=fp8_w8a8.json`` (``FP8_DTYPE_KEY``; their block_k is at most 128).
+Without a file, a default that depends on how many tokens each expert receives on average (valid
+for both dtypes).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from plait import envs
 from plait.layers.tuned_configs import device_file_tag, first_existing, nearest_bucket
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+# The dtype key of the tables for block-FP8 experts (W8A8 with 128 x 128 weight blocks).
+FP8_DTYPE_KEY = "fp8_w8a8"
 
 
 def config_dirs() -> tuple[pathlib.Path, ...]:
@@ -62,20 +67,26 @@ class MoeKernelConfig:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})  # type: ignore[arg-type]
 
 
-def config_file_name(num_experts: int, intermediate: int, device_name: str) -> str:
-    return f"E{num_experts}_N{intermediate}_{device_file_tag(device_name)}.json"
+def dtype_suffix(dtype: str | None) -> str:
+    """The file-name part naming a table's expert dtype: none for the model dtype, ``_dtype=KEY``."""
+    return f"_dtype={dtype}" if dtype else ""
 
 
-def load_configs(num_experts: int, intermediate: int, device_name: str) -> dict[int, MoeKernelConfig] | None:
+def config_file_name(num_experts: int, intermediate: int, device_name: str, dtype: str | None = None) -> str:
+    return f"E{num_experts}_N{intermediate}_{device_file_tag(device_name)}{dtype_suffix(dtype)}.json"
+
+
+def load_configs(num_experts: int, intermediate: int, device_name: str,
+                 dtype: str | None = None) -> dict[int, MoeKernelConfig] | None:
     """Bucket M -> config from the tuned file, or None when no file exists for this shape/device
-    (parsed once per shape, device and ``config_dirs``)."""
-    return _load_configs(num_experts, intermediate, device_name, config_dirs())
+    (parsed once per shape, device, dtype and ``config_dirs``)."""
+    return _load_configs(num_experts, intermediate, device_name, config_dirs(), dtype)
 
 
 @functools.cache
 def _load_configs(num_experts: int, intermediate: int, device_name: str,
-                  dirs: tuple[pathlib.Path, ...]) -> dict[int, MoeKernelConfig] | None:
-    raw = first_existing(config_file_name(num_experts, intermediate, device_name), dirs)
+                  dirs: tuple[pathlib.Path, ...], dtype: str | None = None) -> dict[int, MoeKernelConfig] | None:
+    raw = first_existing(config_file_name(num_experts, intermediate, device_name, dtype), dirs)
     if raw is None:
         return None
     return {int(m): MoeKernelConfig.from_json(cfg) for m, cfg in raw.items()}
@@ -92,16 +103,16 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeKernelCo
 
 
 def get_config(num_tokens: int, num_experts: int, intermediate: int, top_k: int,
-               device_name: str) -> MoeKernelConfig:
+               device_name: str, dtype: str | None = None) -> MoeKernelConfig:
     """The tuned config of the bucket nearest ``num_tokens`` (ties: the smaller bucket), else the default
-    (resolved once per call shape and table source)."""
-    return _resolve(num_tokens, num_experts, intermediate, top_k, device_name, config_dirs())
+    (resolved once per call shape, dtype key and table source)."""
+    return _resolve(num_tokens, num_experts, intermediate, top_k, device_name, config_dirs(), dtype)
 
 
 @functools.lru_cache(maxsize=4096)
 def _resolve(num_tokens: int, num_experts: int, intermediate: int, top_k: int, device_name: str,
-             dirs: tuple[pathlib.Path, ...]) -> MoeKernelConfig:
-    table = _load_configs(num_experts, intermediate, device_name, dirs)
+             dirs: tuple[pathlib.Path, ...], dtype: str | None = None) -> MoeKernelConfig:
+    table = _load_configs(num_experts, intermediate, device_name, dirs, dtype)
     if not table:
         return default_config(num_tokens, num_experts, top_k)
     return table[nearest_bucket(table, num_tokens)]

@@ -30,17 +30,21 @@ from plait import envs
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ShardedMLP
 from plait.layers.moe.all_to_all import dispatch_combine, split_rows
+from plait.layers.moe.fused_router import Routing
 from plait.layers.moe.reference import ACTIVATIONS, fused_experts_reference
 from plait.layers.moe.router import RouterConfig, select_experts
 from plait.layers.moe.routing_stats import RoutedExpertCounter
-from plait.layers.quantization.gemv import dense_linear
+from plait.layers.norm_linear import linear_routed, norm_linear
+from plait.layers.quantization.gemv import GemvOperands, RouteOutputs, dense_gemv_operands, dense_linear
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str = "silu", b13: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+                  b2: torch.Tensor | None = None, fused: bool | None = None,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' weighted sum (plait.layers.moe.reference for the semantics): the fused
-    Triton kernels (``fused``, by default on CUDA), else the reference loop."""
+    Triton kernels (``fused``, by default on CUDA), else the reference loop. ``w13_scale`` /
+    ``w2_scale``: block-FP8 experts (plait.layers.moe.fp8)."""
     if hidden_states.device.type == "cuda" if fused is None else fused:
         try:
             from plait.layers.moe.fused_moe_triton import fused_experts_triton
@@ -48,8 +52,10 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
             if e.name != "plait.layers.moe.fused_moe_triton":
                 raise
         else:
-            return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
-    return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+            return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2,
+                                        w13_scale=w13_scale, w2_scale=w2_scale)
+    return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2,
+                                   w13_scale, w2_scale)
 
 
 def all_to_all_step(fb: ForwardBatch, on_cuda: bool, capturing: bool) -> bool:
@@ -72,7 +78,8 @@ def _divide(n: int, d: int, what: str, fix: str) -> int:
 class FusedMoE(nn.Module):
     """This rank's experts: ``w13_weight`` [E_local, 2*I_shard, H] (gate rows, then up rows),
     ``w2_weight`` [E_local, H, I_shard], with ``bias``: ``w13_bias`` [E_local, 2*I_shard] and
-    ``w2_bias`` [E_local, H]."""
+    ``w2_bias`` [E_local, H]. Block-FP8 experts (plait.layers.moe.fp8, set up by its
+    ``Fp8MoEMethod``) hold float8_e4m3fn weights and ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE,
                  ep_size: int = 1, activation: str = "silu", bias: bool = False,
@@ -99,6 +106,12 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False) if bias else None
+        # Block scales of FP8 experts (None: the weights are in the model dtype) and their owner.
+        self.w13_weight_scale_inv: nn.Parameter | None
+        self.w2_weight_scale_inv: nn.Parameter | None
+        self.register_parameter("w13_weight_scale_inv", None)
+        self.register_parameter("w2_weight_scale_inv", None)
+        self.quant_method: object | None = None
         # Global expert id -> local id; experts of other ranks map to num_local_experts (contribute nothing).
         local = torch.full((num_experts,), e, dtype=torch.int32)
         local[self.first_expert : self.first_expert + e] = torch.arange(e, dtype=torch.int32)
@@ -148,15 +161,46 @@ class FusedMoE(nn.Module):
         local_ids = self.expert_map[topk_ids.long()] if self.ep_size > 1 else topk_ids
         b2 = self.w2_bias if self.moe_tp_rank == 0 else None
         return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, local_ids,
-                             self.activation, self.w13_bias, b2, self.fused_kernels)
+                             self.activation, self.w13_bias, b2, self.fused_kernels,
+                             self.w13_weight_scale_inv, self.w2_weight_scale_inv)
 
+
+    def forward_routed(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                       router: RouterConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``select_experts`` and ``forward`` in the small-batch path's two launches, its gate/up kernel
+        routing each token itself (no top-k launch): (partial sum [T, H], topk_weights, topk_ids), or
+        None where that path does not run (the reference path, expert parallelism, batches the
+        small-batch plan leaves to the aligned pipeline)."""
+        on_triton = hidden_states.is_cuda if self.fused_kernels is None else self.fused_kernels
+        if not on_triton or self.ep_size > 1:
+            return None
+        from plait.layers.moe.fused_moe_triton import FP8_DTYPE_KEY, check_expert_inputs, device_name_of
+        from plait.layers.moe.small_batch import route_and_run_small_batch, small_batch_plan
+
+        num_tokens, hidden = hidden_states.shape
+        inter = self.w13_weight.shape[1] // 2
+        s13, s2 = self.w13_weight_scale_inv, self.w2_weight_scale_inv
+        cfg = small_batch_plan(num_tokens, self.num_local_experts, router.top_k, hidden, inter,
+                               device_name_of(hidden_states.device), FP8_DTYPE_KEY if s13 is not None else None)
+        if cfg is None:
+            return None
+        b2 = self.w2_bias if self.moe_tp_rank == 0 else None
+        weights = torch.empty(num_tokens, router.top_k, dtype=torch.float32, device=hidden_states.device)
+        ids = torch.empty(num_tokens, router.top_k, dtype=torch.int32, device=hidden_states.device)
+        check_expert_inputs(hidden_states, self.w13_weight, self.w2_weight, weights, ids, self.activation,
+                            self.w13_bias, b2, s13, s2)
+        routing = Routing(router.top_k, router.scoring == "softmax_topk", router.renormalize)
+        out = route_and_run_small_batch(hidden_states, router_logits, routing, self.w13_weight, self.w2_weight,
+                                        self.activation, self.w13_bias, b2, weights, ids, cfg, s13, s2)
+        return out, weights, ids
 
     def forward_received(self, rows: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """The all-to-all dispatch's pairs: ``rows`` [N, H], each for one of this rank's experts
         (``local_ids`` [N, 1] int32) with its routing weight (``weights`` [N, 1] float32) -> the
         weighted outputs [N, H]. Whole experts only (moe_tp_size 1), so the down bias is added here."""
         return fused_experts(rows, self.w13_weight, self.w2_weight, weights, local_ids, self.activation,
-                             self.w13_bias, self.w2_bias, self.fused_kernels)
+                             self.w13_bias, self.w2_bias, self.fused_kernels,
+                             self.w13_weight_scale_inv, self.w2_weight_scale_inv)
 
 
 class Router(nn.Module):
@@ -174,6 +218,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias, self.small_m_gemv)
+
+    def gemv_operands(self, x: torch.Tensor) -> GemvOperands | None:
+        return dense_gemv_operands(x, self.weight, self.bias, self.small_m_gemv)
 
 
 class SparseMoeBlock(nn.Module):
@@ -203,10 +250,45 @@ class SparseMoeBlock(nn.Module):
         self.routing_counter: RoutedExpertCounter | None = None
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.router_config, self.experts.fused_kernels)
+        route = self._route_outputs(x)
+        logits, routed = linear_routed(self.gate, x, route)
+        return self._routed_partial(x, logits, route if routed else None)
+
+    def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x + residual))`` and the new residual, the norm inside the router's GEMV
+        (plait.layers.norm_linear), which also hands the experts the normed rows."""
+        route = self._route_outputs(x)
+        r = norm_linear(norm, self.gate, x, residual, want_normed=True, route=route)
+        assert r.normed is not None
+        return self.tp.all_reduce(self._routed_partial(r.normed, r.out, route if r.routed else None)), r.residual
+
+    def _route_outputs(self, x: torch.Tensor) -> RouteOutputs | None:
+        """With ``PLAIT_MOE_ROUTER_TOPK``, where ``select_experts`` would take the top-k kernel: the
+        buffers the router GEMV's epilogue routes into instead (used only if the GEMV runs)."""
+        fused = x.is_cuda if self.experts.fused_kernels is None else self.experts.fused_kernels
+        if not (fused and envs.MOE_ROUTER_TOPK.get()):
+            return None
+        cfg = self.router_config
+        return RouteOutputs.empty(x.numel() // x.shape[-1], Routing(cfg.top_k, cfg.scoring == "softmax_topk",
+                                                                   cfg.renormalize), x.device)
+
+    def _routed_partial(self, x: torch.Tensor, logits: torch.Tensor, route: RouteOutputs | None) -> torch.Tensor:
+        """The experts' partial sum for ``x``, routed by ``route`` where the router GEMV routed, else
+        from ``logits``: in the small-batch gate/up kernel (``PLAIT_MOE_FUSED_TOPK``) or by the top-k
+        kernel."""
+        routed = (self.experts.forward_routed(x, logits, self.router_config)
+                  if route is None and envs.MOE_FUSED_TOPK.get() else None)
+        if route is not None:
+            topk_ids = route.ids
+            out = self.experts(x, route.weights, topk_ids)
+        elif routed is not None:
+            out, _, topk_ids = routed
+        else:
+            topk_weights, topk_ids = select_experts(logits, self.router_config, self.experts.fused_kernels)
+            out = self.experts(x, topk_weights, topk_ids)
         if self.routing_counter is not None:
             self.routing_counter.record(topk_ids)
-        out = self.experts(x, topk_weights, topk_ids)
         # A replicated shared expert (all-to-all layout) joins one rank's partial sums only.
         if not self.all_to_all or self.tp.rank == 0:
             out = self._add_shared(x, out)

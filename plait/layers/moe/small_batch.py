@@ -33,8 +33,9 @@ import triton
 import triton.language as tl
 
 from plait.layers.moe.activation_triton import activate
-from plait.layers.moe.kernel_config import config_dirs
-from plait.layers.moe.reference import ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from plait.layers.moe.fused_router import Routing, topk_of_row
+from plait.layers.moe.kernel_config import config_dirs, dtype_suffix
+from plait.layers.moe.reference import ACTIVATIONS, EXPERT_FP8_BLOCK, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.tuned_configs import device_file_tag, first_existing, nearest_bucket
 
@@ -108,54 +109,55 @@ class SmallBatchBucket:
         return cls(path=data["path"], config=SmallBatchConfig(**data["config"]))
 
 
-def small_config_file_name(num_experts: int, intermediate: int, device_name: str) -> str:
+def small_config_file_name(num_experts: int, intermediate: int, device_name: str, dtype: str | None = None) -> str:
     """The tuned table of this path, beside the aligned pipeline's (``kernel_config.config_dirs``):
     ``small_E{E}_N{I}_{device}.json``, token bucket M -> {"path": "small" | "aligned", "config":
     ``SmallBatchConfig`` fields, "us": {path: measured microseconds}} (``benchmarks/tune_fused_moe.py
-    --small-batch`` writes it; "us" is for reading, not read here)."""
-    return f"small_E{num_experts}_N{intermediate}_{device_file_tag(device_name)}.json"
+    --small-batch`` writes it; "us" is for reading, not read here). ``dtype``: the block-FP8
+    experts' key (``kernel_config.FP8_DTYPE_KEY``), their own table."""
+    return f"small_E{num_experts}_N{intermediate}_{device_file_tag(device_name)}{dtype_suffix(dtype)}.json"
 
 
-def load_small_batch_table(num_experts: int, intermediate: int,
-                           device_name: str) -> dict[int, SmallBatchBucket] | None:
+def load_small_batch_table(num_experts: int, intermediate: int, device_name: str,
+                           dtype: str | None = None) -> dict[int, SmallBatchBucket] | None:
     """Bucket M -> ``SmallBatchBucket`` from the first of ``config_dirs`` holding the shape's table,
-    or None (parsed once per shape, device and directory list)."""
-    return _load_table(num_experts, intermediate, device_name, config_dirs())
+    or None (parsed once per shape, device, dtype and directory list)."""
+    return _load_table(num_experts, intermediate, device_name, config_dirs(), dtype)
 
 
 @functools.cache
 def _load_table(num_experts: int, intermediate: int, device_name: str,
-                dirs: tuple[pathlib.Path, ...]) -> dict[int, SmallBatchBucket] | None:
-    raw = first_existing(small_config_file_name(num_experts, intermediate, device_name), dirs)
+                dirs: tuple[pathlib.Path, ...], dtype: str | None = None) -> dict[int, SmallBatchBucket] | None:
+    raw = first_existing(small_config_file_name(num_experts, intermediate, device_name, dtype), dirs)
     if raw is None:
         return None
     return {int(m): SmallBatchBucket.from_json(bucket) for m, bucket in raw.items()}
 
 
 def get_small_batch_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
-                           device_name: str) -> SmallBatchConfig:
-    """The small path's tiles for ``num_tokens``: the tuned ones of the nearest bucket for this shape
-    and device, else ``small_batch_config``'s choice."""
-    table = load_small_batch_table(num_experts, inter, device_name)
+                           device_name: str, dtype: str | None = None) -> SmallBatchConfig:
+    """The small path's tiles for ``num_tokens``: the tuned ones of the nearest bucket for this shape,
+    device and dtype key, else ``small_batch_config``'s choice."""
+    table = load_small_batch_table(num_experts, inter, device_name, dtype)
     if not table:
         return small_batch_config(num_tokens, top_k, hidden, inter)
     return table[nearest_bucket(table, num_tokens)].config
 
 
 def small_batch_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
-                     device_name: str) -> SmallBatchConfig | None:
+                     device_name: str, dtype: str | None = None) -> SmallBatchConfig | None:
     """The dispatcher's choice for ``num_tokens`` tokens: the small path's tiles where it should run,
     None where the aligned pipeline should. With a table for the shape and device: the path measured
     fastest at the nearest bucket, and the aligned pipeline above the largest bucket (the tuner
     measures every bucket where the small path could win). Without one: ``use_small_batch``.
-    Resolved once per call shape and table source (every MoE layer call asks)."""
-    return _plan(num_tokens, num_experts, top_k, hidden, inter, device_name, config_dirs())
+    Resolved once per call shape, dtype key and table source (every MoE layer call asks)."""
+    return _plan(num_tokens, num_experts, top_k, hidden, inter, device_name, config_dirs(), dtype)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, device_name: str,
-          dirs: tuple[pathlib.Path, ...]) -> SmallBatchConfig | None:
-    table = _load_table(num_experts, inter, device_name, dirs)
+          dirs: tuple[pathlib.Path, ...], dtype: str | None = None) -> SmallBatchConfig | None:
+    table = _load_table(num_experts, inter, device_name, dirs, dtype)
     if not table:
         if not use_small_batch(num_tokens * top_k, num_experts, hidden, inter):
             return None
@@ -187,17 +189,36 @@ def small_batch_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> 
 
 
 @triton.jit
-def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
-                          stride_xm, stride_we, stride_wn, stride_be, stride_am,
+def _small_gate_up_kernel(X, W13, B13, S13, topk_ids, Act, H, INTER, num_experts,
+                          stride_xm, stride_we, stride_wn, stride_be, stride_am, stride_se, stride_sn,
                           TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, Logits, topk_weights, stride_l,
+                          TOP_K_PAD: tl.constexpr, ROUTE: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                          RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, USE_FP8: tl.constexpr = False,
+                          SCALE_BLOCK: tl.constexpr = 128, USE_PDL: tl.constexpr = False):
     """Act[p, n] = act(gate, up) with gate = x[p // TOP_K] . W13[e, n] (+ B13[e, n]) and up the same
     at row INTER + n, for the block of columns n of program 1, e = topk_ids[p]; rows of skipped pairs
-    stay unwritten. W13 [E, 2 * INTER, H] with H contiguous."""
+    stay unwritten. W13 [E, 2 * INTER, H] with H contiguous. USE_FP8: W13 float8_e4m3fn, each weight
+    times its block's multiplier S13[e, row // SCALE_BLOCK, k // SCALE_BLOCK] in registers (BLOCK_K
+    divides SCALE_BLOCK: one scale column per step); x as it is (weight-only).
+
+    ROUTE: the program routes its token itself from its router logits (``Logits`` [T, E], the top-k
+    kernel's arithmetic, ``fused_router.topk_of_row``) and takes slot p % TOP_K; the programs of column
+    block 0 write each pair's expert and weight into ``topk_ids`` / ``topk_weights`` (for the down
+    kernel and the caller), so the step needs no top-k launch."""
     pdl_prologue(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(topk_ids + pair).to(tl.int64)
+    if ROUTE:
+        weights, ids = topk_of_row(Logits + (pair // TOP_K) * stride_l, num_experts, TOP_K, TOP_K_PAD,
+                                   SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
+        in_slot = tl.arange(0, TOP_K_PAD) == pair % TOP_K
+        expert = tl.sum(tl.where(in_slot, ids, 0), axis=0).to(tl.int64)
+        if tl.program_id(1) == 0:
+            tl.store(topk_ids + pair, expert.to(tl.int32))
+            tl.store(topk_weights + pair, tl.sum(tl.where(in_slot, weights, 0.0), axis=0))
+    else:
+        expert = tl.load(topk_ids + pair).to(tl.int64)
     if (expert < 0) | (expert >= num_experts):
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,6 +228,8 @@ def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
     x_ptrs = X + (pair // TOP_K) * stride_xm + offs_k
     gate_ptrs = W13 + expert * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + INTER * stride_wn
+    gs_ptrs = S13 + expert * stride_se + (rows // SCALE_BLOCK) * stride_sn
+    us_ptrs = S13 + expert * stride_se + ((rows + INTER) // SCALE_BLOCK) * stride_sn
     # Elementwise partial products, reduced over K once after the loop (no shuffles per step).
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -220,8 +243,13 @@ def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
             x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
             gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
             up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
-        acc_gate += gate.to(tl.float32) * x[None, :]
-        acc_up += up.to(tl.float32) * x[None, :]
+        if USE_FP8:
+            group = (k * BLOCK_K) // SCALE_BLOCK
+            acc_gate += gate.to(tl.float32) * tl.load(gs_ptrs + group)[:, None] * x[None, :]
+            acc_up += up.to(tl.float32) * tl.load(us_ptrs + group)[:, None] * x[None, :]
+        else:
+            acc_gate += gate.to(tl.float32) * x[None, :]
+            acc_up += up.to(tl.float32) * x[None, :]
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -236,13 +264,15 @@ def _small_gate_up_kernel(X, W13, B13, topk_ids, Act, H, INTER, num_experts,
 
 
 @triton.jit
-def _small_down_sum_kernel(Act, W2, B2, topk_ids, topk_weights, Out, H, INTER, num_experts,
-                           stride_am, stride_we, stride_wh, stride_be, stride_om,
+def _small_down_sum_kernel(Act, W2, B2, S2, topk_ids, topk_weights, Out, H, INTER, num_experts,
+                           stride_am, stride_we, stride_wh, stride_be, stride_om, stride_se, stride_sh,
                            TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           USE_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
                            USE_PDL: tl.constexpr = False):
     """Out[t, h] = sum over t's valid pairs p of weight[p] * (Act[p] . W2[e_p, h] (+ B2[e_p, h])), in
-    fp32, for the block of rows h of program 1. W2 [E, H, INTER] with INTER contiguous."""
+    fp32, for the block of rows h of program 1. W2 [E, H, INTER] with INTER contiguous. USE_FP8: W2
+    float8_e4m3fn times S2[e, h // SCALE_BLOCK, k // SCALE_BLOCK] in registers, as the gate/up kernel."""
     pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -258,6 +288,7 @@ def _small_down_sum_kernel(Act, W2, B2, topk_ids, topk_weights, Out, H, INTER, n
     a_ptrs = Act + pairs[:, None] * stride_am + offs_k[None, :]
     w_ptrs = (W2 + experts[:, None, None] * stride_we + rows[None, :, None] * stride_wh
               + offs_k[None, None, :])
+    s_ptrs = S2 + experts[:, None] * stride_se + (rows // SCALE_BLOCK)[None, :] * stride_sh  # [TOP_K_PAD, BLOCK_H]
     acc = tl.zeros((TOP_K_PAD, BLOCK_H, BLOCK_K), dtype=tl.float32)  # reduced over K after the loop
     for k in range(0, tl.cdiv(INTER, BLOCK_K)):
         if EVEN_K:
@@ -265,8 +296,11 @@ def _small_down_sum_kernel(Act, W2, B2, topk_ids, topk_weights, Out, H, INTER, n
         else:
             a_mask = valid[:, None] & (offs_k < INTER - k * BLOCK_K)[None, :]
         a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=a_mask[:, None, :], other=0.0)
-        acc += w.to(tl.float32) * a[:, None, :]
+        w = tl.load(w_ptrs, mask=a_mask[:, None, :], other=0.0).to(tl.float32)
+        if USE_FP8:
+            group = (k * BLOCK_K) // SCALE_BLOCK
+            w = w * tl.load(s_ptrs + group, mask=valid[:, None], other=0.0)[:, :, None]
+        acc += w * a[:, None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     pair_out = tl.sum(acc, axis=2)  # [TOP_K_PAD, BLOCK_H]
@@ -286,36 +320,78 @@ def _contiguous_last(t: torch.Tensor, name: str) -> torch.Tensor:
 def fused_experts_small_batch(
     hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, activation: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
-    config: SmallBatchConfig | None = None,
+    config: SmallBatchConfig | None = None, w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, H] -> [T, H], ``fused_experts_reference``'s semantics, in two launches (module doc).
-    The caller has checked the inputs (``fused_moe_triton.check_expert_inputs``)."""
+    The caller has checked the inputs (``fused_moe_triton.check_expert_inputs``). ``w13_scale`` /
+    ``w2_scale``: block-FP8 experts, weight-only (the block_k must divide the 128-column block)."""
+    ids = topk_ids.contiguous()
+    # The routers return float32 weights: then no cast (not even a no-op ``to``) is issued.
+    weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
+    return _launch(hidden_states, w13, w2, weights, ids, activation, b13, b2, config, None, w13_scale, w2_scale)
+
+
+def route_and_run_small_batch(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, routing: Routing, w13: torch.Tensor,
+    w2: torch.Tensor, activation: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: SmallBatchConfig | None = None,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fused_topk`` then ``fused_experts_small_batch`` in the latter's two launches: the gate/up
+    kernel routes each token from ``router_logits`` [T, E] itself and fills ``topk_weights`` (float32
+    [T, K]) and ``topk_ids`` (int32 [T, K]), the routing bit-identical to ``fused_topk``'s. The caller
+    has checked the inputs (``fused_moe_triton.check_expert_inputs`` on the two buffers)."""
+    if router_logits.shape != (hidden_states.shape[0], w13.shape[0]):
+        raise ValueError(f"router_logits {tuple(router_logits.shape)}: want [T={hidden_states.shape[0]}, "
+                         f"E={w13.shape[0]}], the local experts (no expert parallelism on this path)")
+    if topk_weights.dtype != torch.float32 or topk_ids.dtype != torch.int32 or topk_ids.shape[1] != routing.top_k:
+        raise ValueError(f"topk_weights float32 and topk_ids int32 [T, {routing.top_k}] are the outputs here")
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    return _launch(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2, config,
+                   (router_logits, routing), w13_scale, w2_scale)
+
+
+def _launch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+            ids: torch.Tensor, activation: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
+            config: SmallBatchConfig | None, route: tuple[torch.Tensor, Routing] | None,
+            w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> torch.Tensor:
+    """The two launches; with ``route``, the gate/up kernel fills ``weights`` / ``ids`` first."""
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
-    top_k = topk_ids.shape[1]
+    top_k = ids.shape[1]
     cfg = config or small_batch_config(num_tokens, top_k, hidden, inter)
+    fp8 = w13_scale is not None and w2_scale is not None
+    if fp8 and EXPERT_FP8_BLOCK % cfg.block_k:
+        raise ValueError(f"FP8 experts on the small-batch path need a block_k dividing {EXPERT_FP8_BLOCK}, "
+                         f"got {cfg.block_k}")
     out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if num_tokens == 0:
         return out
     x = _contiguous_last(hidden_states, "hidden_states")
     w13, w2 = _contiguous_last(w13, "w13"), _contiguous_last(w2, "w2")
-    ids = topk_ids.contiguous()
-    # The routers return float32 weights: then no cast (not even a no-op ``to``) is issued.
-    weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    logits, routing = route if route is not None else (ids, Routing(top_k, True, False))  # ids: unused
     pdl = use_pdl(x)
     _small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.block_n))](
-        x, w13, b13 if b13 is not None else w13, ids, act, hidden, inter, num_experts,
+        x, w13, b13 if b13 is not None else w13, w13_scale if fp8 else act, ids, act, hidden, inter, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if b13 is not None else 0, act.stride(0),
+        w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0,
         TOP_K=top_k, HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation),
         ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=hidden % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=hidden % cfg.block_k == 0, Logits=logits, topk_weights=weights, stride_l=logits.stride(0),
+        TOP_K_PAD=triton.next_power_of_2(top_k), ROUTE=route is not None, SOFTMAX_FIRST=routing.softmax_first,
+        RENORMALIZE=routing.renormalize, BLOCK_E=triton.next_power_of_2(num_experts), USE_FP8=fp8,
+        SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl)
     _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
-        act, w2, b2 if b2 is not None else w2, ids, weights, out, hidden, inter, num_experts,
-        act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0, out.stride(0),
+        act, w2, b2 if b2 is not None else w2, w2_scale if fp8 else act, ids, weights, out, hidden, inter,
+        num_experts, act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0,
+        out.stride(0), w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0,
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
-        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, USE_PDL=pdl,
+        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, USE_FP8=fp8,
+        SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out

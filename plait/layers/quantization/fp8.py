@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from plait.layers.quantization.fp8_kernels import (
     quantize_static,
     quantize_weight_per_channel,
 )
+from plait.layers.quantization.gemv import GemvOperands
 
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 
@@ -269,6 +271,10 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, self.block, layer.input_scale, bias)
 
+    def gemv_operands(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> GemvOperands | None:
+        """``fp8_linear`` runs decode-sized batches through the GEMV on CUDA (the CPU dequantizes)."""
+        return GemvOperands(layer.weight, layer.weight_scale, self.block, bias) if x.is_cuda else None
+
 
 def _shard_ids(layer: Linear) -> list[str | int | None]:
     return layer.shard_ids() if isinstance(layer, ColumnParallelLinear) else [None]
@@ -308,9 +314,14 @@ def quantize_linear_layers(model: nn.Module, config: Fp8Config,
     return layers
 
 
-def finish_quantization(layers: list[Linear]) -> None:
+class QuantizedLayer(Protocol):
+    """A layer whose quantization method finishes it after loading (``Fp8LinearMethod`` for linear
+    layers, ``plait.layers.moe.fp8.Fp8MoEMethod`` for experts)."""
+
+    quant_method: Any
+
+
+def finish_quantization(layers: Sequence[QuantizedLayer]) -> None:
     for layer in layers:
-        method = layer.quant_method
-        assert isinstance(method, Fp8LinearMethod)
-        method.process_weights_after_loading(layer)
+        layer.quant_method.process_weights_after_loading(layer)
 
