@@ -5,7 +5,9 @@ are host work, split by where it runs on a GPU:
 
 - critical: between a verify's result and the next launch (or the scheduler's return), the time the GPU
   waits for: ``propose`` (a chain's first step), ``next_verify`` (a chained step: the outcome's prepared
-  proposals, slots), ``build_verify_batch``, ``accept`` (its result read, acceptance), ``commit_kv``,
+  proposals, slots), ``build_verify_batch``, ``premap_chains`` (a chain batch's KV map, before its
+  forward), ``accept`` (its result read, acceptance; on the CPU with the argmax over the vocabulary,
+  which a verify graph computes on the GPU), ``commit_kv``,
   ``commit_tokens`` when no verify is queued behind it (a chain's last step), and ``other`` (the rest of
   ``decode_step``: candidates, admission, slot allocation);
 - hidden: while a verify forward is queued (launched, its result not read): ``deferred_work``,
@@ -34,7 +36,7 @@ from plait import Engine
 from plait.bench.spec import NGRAM, random_prompts
 from plait.testing import make_tiny_model
 
-CRITICAL = ("propose", "next_verify", "build_verify_batch", "accept", "commit", "commit_kv")
+CRITICAL = ("propose", "next_verify", "build_verify_batch", "premap_chains", "accept", "commit", "commit_kv")
 HIDDEN = ("deferred_work", "predraft")
 EITHER = ("commit_tokens",)  # hidden when a verify is queued behind it, else critical
 
