@@ -5,13 +5,12 @@ are host work, split by where it runs on a GPU:
 
 - critical: between a verify's result and the next launch (or the scheduler's return), the time the GPU
   waits for: ``propose`` (a chain's first step), ``next_verify`` (a chained step: the outcome's prepared
-  proposals, slots), ``build_verify_batch``, ``premap_chains`` (a chain batch's KV map, before its
-  forward), ``accept`` (its result read, acceptance; on the CPU with the argmax over the vocabulary,
-  which a verify graph computes on the GPU), ``commit_kv``,
+  proposals, slots), ``build_verify_batch``, ``accept`` (its result read, acceptance; on the CPU with
+  the argmax over the vocabulary, which a verify graph computes on the GPU), ``commit_kv``,
   ``commit_tokens`` when no verify is queued behind it (a chain's last step), and ``other`` (the rest of
   ``decode_step``: candidates, admission, slot allocation);
-- hidden: while a verify forward is queued (launched, its result not read): ``deferred_work``,
-  ``predraft`` and ``commit_tokens`` of the step before it.
+- hidden: while a verify forward is queued (launched, its result not read): ``premap_chains`` (a
+  chain batch's KV map), ``deferred_work``, ``predraft`` and ``commit_tokens`` of the step before it.
 
     PYTHONPATH=$PWD python benchmarks/spec_host_cpu.py [BS] [--rounds R] [--profile]
 
@@ -36,8 +35,8 @@ from plait import Engine
 from plait.bench.spec import NGRAM, random_prompts
 from plait.testing import make_tiny_model
 
-CRITICAL = ("propose", "next_verify", "build_verify_batch", "premap_chains", "accept", "commit", "commit_kv")
-HIDDEN = ("deferred_work", "predraft")
+CRITICAL = ("propose", "next_verify", "build_verify_batch", "accept", "commit", "commit_kv")
+HIDDEN = ("deferred_work", "predraft", "premap_chains")
 EITHER = ("commit_tokens",)  # hidden when a verify is queued behind it, else critical
 
 

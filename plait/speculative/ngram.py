@@ -318,10 +318,7 @@ class NgramWorker(BaseSpecWorker):
         # verify: prepare at least one (beyond the free places).
         budget = max(1, self.config.max_running_requests - sched.num_running())
         version = self.drafter.cache.version
-        for req in sched.waiting:
-            if budget == 0:
-                break
+        for req in itertools.islice(sched.waiting, budget):  # the next admissions only
             if req.rid not in self.drafter.indices:
                 tree = self.drafter.propose(req.rid, req.fill_ids, self.num_steps, self.num_draft_tokens, self.topk)
                 self.prepared[req.rid] = PreparedDrafts(req.fill_len, version, {(): tree})
-                budget -= 1

@@ -81,7 +81,7 @@ class VerifyStep:
     row_widths: list[int]  # logits rows per request (its padded width)
     logits: torch.Tensor  # float32 [rows, V]
     greedy: torch.Tensor | None  # the logits' argmax when the forward computed it (verify graphs)
-    premapped: bool = False  # every node's slot mapped at its position before the forward (chains)
+    premapped: bool = False  # every node's slot mapped at its position at the launch (chains)
 
 
 class BaseSpecWorker(ABC):
@@ -282,8 +282,10 @@ class BaseSpecWorker(ABC):
         """Queue the verify forward of ``trees`` (no host sync)."""
         pad_width = self.verify_pad_width(trees)
         fb = self.build_verify_batch(reqs, trees, slots, pad_width=pad_width)
-        premapped = self.premap_chains(sched, fb, trees, pad_width)
         out = self.runner.forward(fb)  # logits [sum(num_tokens_per_req), V] float32
+        # Queued behind the forward, which reads only the prefix's map (the nodes' KV it takes from
+        # out_cache_loc): off the path to the launch.
+        premapped = self.premap_chains(sched, fb, trees, pad_width)
         self.after_verify_forward(fb)
         sched.stats.forward_steps += 1
         return VerifyStep(reqs, trees, slots, fb.spec_info.num_tokens_per_req, out.next_token_logits, out.greedy_ids,
@@ -291,11 +293,11 @@ class BaseSpecWorker(ABC):
 
     def premap_chains(self, sched: SchedulerAPI, fb: ForwardBatch, trees: list[DraftTree], pad_width: int | None
                       ) -> bool:
-        """Map every node of a batch of chains to its position before the forward, from the batch's own
-        device tensors (no copy). Node i of a chain sits at ``kv_len + i``, so whatever a verify
-        accepts (nodes 0..n-1) is mapped already; the rest lies past the new ``kv_len``, where nothing
-        reads (the next verify maps its own nodes there). Acceptance then only frees the rejected
-        slots (``commit_kv``). Only where every row's nodes have distinct positions: requests at the
+        """Map every node of a batch of chains to its position once its forward is queued, from the
+        batch's own device tensors (no copy). Node i of a chain sits at ``kv_len + i``, so whatever the
+        verify accepts (nodes 0..n-1) is mapped already; the rest lies past the new ``kv_len``, where
+        nothing reads (the next verify maps its own nodes there). Acceptance then only frees the
+        rejected slots (``commit_kv``). Only where every row's nodes have distinct positions: requests at the
         padded width, or root-only rows (their dummy nodes land past the new ``kv_len`` too). Off for
         workers that do not chain (a draft model reads the target's map its own way)."""
         if not self.chains_verify or fb.extend is None:
