@@ -118,19 +118,6 @@ def fill_verify_mask(flat: np.ndarray, shapes: list[tuple[int, ...]], prefix_len
     """Write the flattened custom mask of trees with parents ``shapes`` into ``flat`` (bool,
     ``verify_mask_size`` entries): every prefix column True, the node columns the ancestor mask."""
     flat[:] = True
-    if len(shapes) >= 16 and len(set(shapes)) == 1:
-        # One shape (a batch of chains at one depth): every block's node part written in one
-        # scatter, entry (b, i, j) at start_b + i * (prefix_b + w) + prefix_b + j (its index
-        # arithmetic costs more than a short loop: from 16 requests on it is the cheaper).
-        w = len(shapes[0])
-        if w > 1:
-            pre = np.asarray(prefix_lens, dtype=np.int64)
-            starts = np.cumsum(w * (pre + w)) - w * (pre + w)
-            i = np.arange(w)[None, :, None]
-            j = np.arange(w)[None, None, :]
-            where = (starts + pre)[:, None, None] + i * (pre + w)[:, None, None] + j
-            flat[where] = _ancestor_mask(shapes[0])[None]
-        return
     start = 0
     for parents, pre in zip(shapes, prefix_lens, strict=True):
         w = len(parents)

@@ -64,9 +64,9 @@ def test_mask_from_device_ancestors_equals_the_host_mask():
 
 @pytest.mark.parametrize("parents", [(-1, 0, 1, 2), (-1, 0, 0, 1, 2, 3)], ids=["chain", "tree"])
 def test_a_batch_of_one_tree_shape_gets_the_mask_each_block_gets_alone(parents):
-    # One shape for every request takes the single-scatter fill; each block must still be the
-    # request's own mask: prefix columns all True, the node part its ancestor mask.
-    prefix = [0, 7, 3, 12, 1] * 4  # 20 requests: enough for the single-scatter fill
+    # Each block is the request's own mask whatever its neighbours: prefix columns all True, the
+    # node part its ancestor mask.
+    prefix = [0, 7, 3, 12, 1] * 4
     tree = DraftTree(list(range(10, 10 + len(parents))), list(parents))
     batched = build_verify_mask([tree] * len(prefix), prefix, "cpu")
     alone = torch.cat([build_verify_mask([tree], [p], "cpu") for p in prefix])
