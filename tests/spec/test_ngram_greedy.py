@@ -447,7 +447,7 @@ def test_the_proposal_chosen_from_an_outcome_equals_the_one_drafted_after_its_co
     assert compared[0] > 10 and worker.predraft_stats["hit"] > 10, (compared, worker.predraft_stats)
 
 
-def test_chains_mapped_before_the_forward_keep_greedy_output_and_free_the_rejected_slots(model_path, reference):
+def test_chains_mapped_at_their_launch_keep_greedy_output_and_free_the_rejected_slots(model_path, reference):
     # Misleading cache entries make verifies reject part of their chains; requests of different
     # lengths and riders give padded batches too.
     engine = make_engine(model_path, max_running_requests=4, **CHAIN)
