@@ -114,15 +114,16 @@ GEMV_PREFETCH = EnvVar(
     "previous kernel; 0 (the default until an A/B on the H200 shows it faster): it does not. Read at "
     "every call.")
 FUSED_NORM_GEMV = EnvVar(
-    "PLAIT_FUSED_NORM_GEMV", _flag, True,
-    "1 (the default): a decode-sized step (<= 16 tokens) runs each add + RMSNorm that feeds a small-M GEMV "
-    "(qkv, the MoE router, a dense MLP's gate_up) inside that GEMV's prologue (plait.layers.norm_linear); 0: "
-    "the RMSNorm kernel, then the GEMV (the A/B baseline). Read at every call.")
+    "PLAIT_FUSED_NORM_GEMV", _flag, False,
+    "1: a decode-sized step (<= 16 tokens) runs each add + RMSNorm that feeds a small-M GEMV (qkv, the MoE "
+    "router, a dense MLP's gate_up) inside that GEMV's prologue (plait.layers.norm_linear); 0 (the default: "
+    "on the H200, llama-3.2-1b decode-bs1 ran slower with this and PLAIT_FUSED_ACT_GEMV on): the RMSNorm "
+    "kernel, then the GEMV. Read at every call.")
 FUSED_ACT_GEMV = EnvVar(
-    "PLAIT_FUSED_ACT_GEMV", _flag, True,
-    "1 (the default): a dense MLP's SiLU-and-mul runs inside its down projection's small-M GEMV at decode "
-    "sizes (<= 16 tokens; the GEMV loads gate and up and multiplies silu(gate) * up); 0: the SiLU-and-mul "
-    "kernel, then the GEMV (the A/B baseline). Read at every call.")
+    "PLAIT_FUSED_ACT_GEMV", _flag, False,
+    "1: a dense MLP's SiLU-and-mul runs inside its down projection's small-M GEMV at decode sizes (<= 16 "
+    "tokens; the GEMV loads gate and up and multiplies silu(gate) * up); 0 (the default, as for "
+    "PLAIT_FUSED_NORM_GEMV): the SiLU-and-mul kernel, then the GEMV. Read at every call.")
 MOE_FUSED_TOPK = EnvVar(
     "PLAIT_MOE_FUSED_TOPK", _flag, False,
     "1: where a MoE layer's step takes the small-batch expert path, its gate/up kernel routes each token "
@@ -132,9 +133,10 @@ MOE_FUSED_TOPK = EnvVar(
 MOE_ROUTER_TOPK = EnvVar(
     "PLAIT_MOE_ROUTER_TOPK", _flag, False,
     "1: where a MoE router's decode-size projection runs in the small-M GEMV, that GEMV's last program "
-    "also routes every row (the top-k kernel's arithmetic on the stored logits, bit-identical), one launch "
-    "fewer per layer; it takes precedence over PLAIT_MOE_FUSED_TOPK. 0 (the default until a same-call A/B "
-    "on the H200 shows it faster): the top-k kernel. Read at every call.")
+    "also routes every row (the top-k kernel's arithmetic on the stored logits; on the H200 the same ids, "
+    "but weights not bit-identical at 4 and 16 rows), one launch fewer per layer; it takes precedence over "
+    "PLAIT_MOE_FUSED_TOPK. 0 (the default until a same-call A/B on the H200 shows it faster): the top-k "
+    "kernel. Read at every call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "

@@ -32,7 +32,8 @@ def fused_calls(monkeypatch):
 
 @pytest.fixture
 def act_calls(monkeypatch):
-    """Counts the launches of the SiLU-and-mul prologue (rows of each)."""
+    """The SiLU-and-mul fused into the down projection on; counts its launches (rows of each)."""
+    monkeypatch.setenv("PLAIT_FUSED_ACT_GEMV", "1")
     calls: list[int] = []
     real = linear_module.gemv_silu_mul
 

@@ -1,5 +1,5 @@
 """The router GEMV's top-k epilogue (``route=``) on the GPU at the real router shapes: the same logits as
-the plain GEMV and, from them, the top-k kernel's weights and ids bit for bit, eagerly and under CUDA
+the plain GEMV and, from them, the top-k kernel's ids and (within a few ulps) weights, eagerly and under CUDA
 graph replay with PDL (its grid counter left zero every launch)."""
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ def _router(name: str, m: int, seed: int):
 
 
 def _assert_routes_as_the_top_k_kernel(logits, route):
+    # The same experts; the weights within a few fp32 ulps: on the H200 qwen3's softmax-then-renormalise
+    # weights came out not bit-equal at 4 and 16 rows (the sums reduce in another order).
     weights, ids = fused_topk(logits, route.routing.top_k, route.routing.softmax_first, route.routing.renormalize)
-    assert torch.equal(route.ids, ids) and torch.equal(route.weights, weights)
+    assert torch.equal(route.ids, ids)
+    torch.testing.assert_close(route.weights, weights, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
