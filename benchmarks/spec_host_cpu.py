@@ -1,15 +1,22 @@
 """Host time of NGRAM speculative steps, without a GPU: the tiny llama (one layer) on the CPU, 16 prompts
-x 64 tokens repeated (the spec-ngram-repeat pattern at bs 16), with the worker's stages timed around
-their calls. The forward is the CPU model's compute and says nothing about a GPU; the other stages are
-the host work a GPU would wait for, except the hidden ones: on a GPU ``deferred_work`` and ``predraft``
-run while the verify forward is queued (here they show, since the CPU forward is synchronous).
-``other`` is the rest of ``decode_step`` (candidate selection, admission, slot allocation).
+x 64 tokens repeated (the spec-ngram-repeat pattern; BS requests at once), with the worker's stages timed
+around their calls. The forward is the CPU model's compute and says nothing about a GPU; the other stages
+are host work, split by where it runs on a GPU:
+
+- critical: between a verify's result and the next launch (or the scheduler's return), the time the GPU
+  waits for: ``propose`` (a chain's first step), ``next_verify`` (a chained step: the outcome's prepared
+  proposals, slots), ``build_verify_batch``, ``accept`` (its result read, acceptance; on the CPU with
+  the argmax over the vocabulary, which a verify graph computes on the GPU), ``commit_kv``,
+  ``commit_tokens`` when no verify is queued behind it (a chain's last step), and ``other`` (the rest of
+  ``decode_step``: candidates, admission, slot allocation);
+- hidden: while a verify forward is queued (launched, its result not read): ``premap_chains`` (a
+  chain batch's KV map), ``deferred_work``, ``predraft`` and ``commit_tokens`` of the step before it.
 
     PYTHONPATH=$PWD python benchmarks/spec_host_cpu.py [BS] [--rounds R] [--profile]
 
 Per stage: total, mean per verify step, and the median call (robust to a shared machine's pauses).
-``--rounds``: timed repeat passes (more verify steps, steadier means); ``--profile``: a cProfile of
-the timed stages (the forward excluded).
+``--rounds``: timed repeat passes (more verify steps, steadier means); ``--profile``: a cProfile of the
+timed stages (the forward excluded).
 """
 
 from __future__ import annotations
@@ -28,37 +35,55 @@ from plait import Engine
 from plait.bench.spec import NGRAM, random_prompts
 from plait.testing import make_tiny_model
 
-CRITICAL = ("propose", "build_verify_batch", "accept", "commit")
-HIDDEN = ("deferred_work", "predraft")
+CRITICAL = ("propose", "next_verify", "build_verify_batch", "accept", "commit", "commit_kv")
+HIDDEN = ("deferred_work", "predraft", "premap_chains")
+EITHER = ("commit_tokens",)  # hidden when a verify is queued behind it, else critical
 
 
-def _timed(calls: dict[str, list[float]], obj: Any, name: str, prof: cProfile.Profile | None,
-           inside: list[bool]) -> None:
-    """Record every call's seconds under ``name``, and under ``name + "/step"`` the calls made inside
-    ``decode_step`` (``inside[0]``), which ``other`` is computed from."""
-    inner = getattr(obj, name)
+class Timer:
+    """Wraps methods and records each call's seconds under its stage name."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        outer = name == "decode_step"
-        nested = inside[0]
-        if outer:
-            inside[0] = True
-        if prof is not None and not outer and name != "forward":
-            prof.enable()
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            dt = time.perf_counter() - t0
-            calls[name].append(dt)
-            if nested:
-                calls[name + "/step"].append(dt)
-            if outer:
-                inside[0] = False
-            elif prof is not None and name != "forward":
-                prof.disable()
+    def __init__(self, prof: cProfile.Profile | None) -> None:
+        self.calls: dict[str, list[float]] = defaultdict(list)
+        self.prof = prof
+        self.in_step = False  # inside decode_step
+        self.queued = False  # a verify forward is launched and its result not read yet
+        self.nested = 0.0  # seconds of timed stages (and forwards) inside decode_step
 
-    setattr(obj, name, wrapper)
+    def wrap(self, obj: Any, name: str) -> None:
+        inner = getattr(obj, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if name == "decode_step":
+                self.in_step, self.nested = True, 0.0
+                t0 = time.perf_counter()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self.calls["other"].append(time.perf_counter() - t0 - self.nested)
+                    self.in_step = False
+            stage = name
+            if name in EITHER:
+                stage = f"{name} ({'hidden' if self.queued else 'critical'})"
+            profiled = self.prof is not None and name != "forward"
+            if profiled:
+                self.prof.enable()
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                if profiled:
+                    self.prof.disable()
+                self.calls[stage].append(dt)
+                if self.in_step:
+                    self.nested += dt
+                if name == "forward" and args and args[0].forward_mode.is_target_verify():
+                    self.queued = True
+                elif name == "accept":
+                    self.queued = False
+
+        setattr(obj, name, wrapper)
 
 
 def main() -> None:
@@ -74,14 +99,12 @@ def main() -> None:
     for _ in range(2):
         engine.generate(prompts, params)  # fills the n-gram and prefix caches
     worker = engine.scheduler.spec_worker
-    calls: dict[str, list[float]] = defaultdict(list)
-    prof = cProfile.Profile() if args.profile else None
-    stages = [name for name in (*CRITICAL, *HIDDEN) if hasattr(worker, name)]  # older commits lack some
-    inside = [False]
+    timer = Timer(cProfile.Profile() if args.profile else None)
+    stages = [n for n in (*CRITICAL, *HIDDEN, *EITHER) if hasattr(worker, n)]  # older commits lack some
     for name in stages:
-        _timed(calls, worker, name, prof, inside)
-    _timed(calls, engine.runner, "forward", prof, inside)
-    _timed(calls, worker, "decode_step", prof, inside)
+        timer.wrap(worker, name)
+    timer.wrap(engine.runner, "forward")
+    timer.wrap(worker, "decode_step")
     steps0 = worker.stats.verify_steps
     stats = getattr(worker, "predraft_stats", None)  # older commits do not pre-draft
     if stats is not None:
@@ -91,24 +114,34 @@ def main() -> None:
         engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     steps = max(1, worker.stats.verify_steps - steps0)
+    calls = timer.calls
     total = {name: sum(v) for name, v in calls.items()}
-    fwd = total.get("forward", 0.0)
-    print(f"bs {args.bs}: {steps} verify steps, wall {wall * 1e3:.1f} ms, forward {fwd * 1e3:.1f} ms")
-    nested = sum(total.get(n + "/step", 0.0) for n in (*stages, "forward"))
-    other = total.get("decode_step", 0.0) - nested
-    print(f"  {'stage':20s} {'total ms':>9s} {'us/step':>8s} {'median us':>9s}")
-    for name in (*stages, "other"):
-        t = other if name == "other" else total.get(name, 0.0)
-        med = statistics.median(calls[name]) * 1e6 if calls.get(name) else float("nan")
-        print(f"  {name:20s} {t * 1e3:9.2f} {t / steps * 1e6:8.1f} {med:9.1f}")
-    crit = sum(total.get(n, 0.0) for n in CRITICAL)
-    print(f"  critical path (propose + build + accept + commit): {crit / steps * 1e6:.1f} us/step")
+    print(f"bs {args.bs}: {steps} verify steps in {len(calls['other'])} speculative scheduler steps, "
+          f"wall {wall * 1e3:.1f} ms, forward {total.get('forward', 0.0) * 1e3:.1f} ms")
+    print(f"  {'stage':28s} {'total ms':>9s} {'us/step':>8s} {'median us':>9s}")
+    names = sorted(n for n in calls if n not in ("forward",))
+    crit = hidden = 0.0
+    for name in names:
+        t = total[name]
+        med = statistics.median(calls[name]) * 1e6
+        kind = "hidden" if name in HIDDEN or name.endswith("(hidden)") else "critical"
+        if kind == "hidden":
+            hidden += t
+        else:
+            crit += t
+        print(f"  {name:28s} {t * 1e3:9.2f} {t / steps * 1e6:8.1f} {med:9.1f}  {kind}")
+    print(f"  critical path: {crit / steps * 1e6:.1f} us/step; hidden behind a queued verify: "
+          f"{hidden / steps * 1e6:.1f} us/step")
+    # Everything of the pass but the forwards and the hidden stages (the scheduler's and the engine's
+    # loops included): the host time a GPU would wait for, per verify step.
+    rest = wall - total.get("forward", 0.0) - hidden
+    print(f"  all host time outside forwards, less the hidden stages: {rest / steps * 1e6:.1f} us/step")
     if stats is not None:
         print(f"  proposals pre-drafted during the verify (hit), drafted anew (miss, unprepared): {dict(stats)}")
     engine.shutdown()
-    if prof is not None:
+    if timer.prof is not None:
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        pstats.Stats(timer.prof, stream=out).sort_stats("tottime").print_stats(30)
         print(out.getvalue())
 
 

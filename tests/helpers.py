@@ -37,6 +37,19 @@ def single_rank_outputs(path: pathlib.Path, prompts: list[list[int]], params: di
         return {tuple(p): o.token_ids for p, o in zip(prompts, single.generate(prompts, params), strict=True)}
 
 
+def count_calls(obj: Any, name: str) -> list[int]:
+    """Wrap ``obj.name`` to count its calls: the returned one-item list holds the count."""
+    calls = [0]
+    inner = getattr(obj, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return calls
+
+
 def assert_no_leaks(engine: plait.Engine) -> None:
     """After every request finished: no KV slot held outside the prefix cache, no pool row in use."""
     sched = engine.scheduler

@@ -92,6 +92,7 @@ class VerifyGraphRunner:
         self.capture_batches: dict[tuple[int, int], ForwardBatch] = {}
         self.outputs: dict[tuple[int, int], LogitsOutput] = {}
         self._start_locs: dict[tuple[int, int], torch.Tensor] = {}
+        self._extend_lens_width: tuple[int, int] | None = None  # what extend_lens holds now (width, rows)
         self.last_view: ForwardBatch | None = None  # the padded view of the latest replay (tests read it)
         self._graph_factory = graph_factory
         self.capture()
@@ -138,6 +139,7 @@ class VerifyGraphRunner:
                 self.outputs[(width, bs)] = warm_and_capture(graph, run, pool, self.input_ids.is_cuda)
                 pool = graph.pool()
                 self.graphs[(width, bs)] = graph
+        self._extend_lens_width = None  # the captures filled it for each width and bucket
         logger.info("captured TARGET_VERIFY graphs for widths %s x batch sizes %s", self.widths, self.batch_sizes)
 
     # --- replay -----------------------------------------------------------------------------------
@@ -180,15 +182,21 @@ class VerifyGraphRunner:
         n, n_pad = bs * width, padded * width
         mask = fb.spec_info.custom_mask
         m = mask.numel()
-        stage(self.input_ids, fb.input_ids, n_pad, 0)
-        stage(self.positions, fb.positions, n_pad, 0)
-        stage(self.out_cache_loc, fb.out_cache_loc, n_pad, DUMMY_KV_SLOT)
-        stage(self.req_pool_indices, fb.req_pool_indices, padded, DUMMY_REQ_ROW)
-        stage(self.seq_lens, fb.seq_lens, padded, width)
         prefix_lens = fb.extend.prefix_lens if fb.extend is not None else self.prefix_lens[:0]
         prefix_cpu = fb.extend.prefix_lens_cpu if fb.extend is not None else []
-        stage(self.prefix_lens, prefix_lens, padded, 0)
-        self.extend_lens[:padded].fill_(width)
+        # The integer inputs in one multi-tensor copy (one launch on the critical path between two
+        # verify steps, not one per buffer), then the padding rows, when the bucket has any.
+        staged = [(self.input_ids, fb.input_ids, n_pad, 0), (self.positions, fb.positions, n_pad, 0),
+                  (self.out_cache_loc, fb.out_cache_loc, n_pad, DUMMY_KV_SLOT),
+                  (self.req_pool_indices, fb.req_pool_indices, padded, DUMMY_REQ_ROW),
+                  (self.seq_lens, fb.seq_lens, padded, width), (self.prefix_lens, prefix_lens, padded, 0)]
+        torch._foreach_copy_([buf[: live.shape[0]] for buf, live, _, _ in staged], [live for _, live, _, _ in staged])
+        for buf, live, rows, pad_value in staged:
+            if rows > live.shape[0]:
+                buf[live.shape[0] : rows].fill_(pad_value)
+        if self._extend_lens_width != (width, padded):  # every graph reads extend_lens[:padded] == width
+            self.extend_lens[:padded].fill_(width)
+            self._extend_lens_width = (width, padded)
         # A padded request's mask block is W x (0 + W), all ones.
         stage(self.custom_mask, mask, m + (padded - bs) * width * width, True)
         pad = padded - bs

@@ -215,6 +215,7 @@ class PreparedDrafts:
 
 class NgramWorker(BaseSpecWorker):
     joins_admissions = True
+    chains_verify = True
 
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
@@ -235,23 +236,35 @@ class NgramWorker(BaseSpecWorker):
                             self.config.speculative_ngram_capacity)
 
     def propose(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int]) -> list[DraftTree | None]:
-        out: list[DraftTree | None] = []
-        for req, depth in zip(reqs, max_depths, strict=True):
-            prepared = self.prepared.pop(req.rid, None)
-            if self._cooling(req):
-                out.append(None)
-                continue
-            gained = req.fill_len - prepared.base_len if prepared is not None else 0
-            key = tuple(req.output_ids[-gained:]) if gained > 0 else ()
-            if (prepared is not None and prepared.cache_version == self.drafter.cache.version
-                    and key in prepared.proposals):
+        return [self._proposal(req, depth, ()) for req, depth in zip(reqs, max_depths, strict=True)]
+
+    def propose_after(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int],
+                      gained: list[list[int]]) -> list[DraftTree | None]:
+        """The proposals once each request has gained ``gained`` (a verify's outcome, not committed):
+        the prepared ones keyed by the outcome, else drafted over the gained tokens as pending."""
+        return [self._proposal(req, depth, g) for req, depth, g in zip(reqs, max_depths, gained, strict=True)]
+
+    def _proposal(self, req: Req, depth: int, gained: Sequence[int]) -> DraftTree | None:
+        """``req``'s proposal once its tokens are ``fill_ids + gained``, at most ``depth`` deep. A
+        prepared entry stays until the next pre-draft replaces it: it is valid for as long as its
+        base and key describe the request's tokens (they only grow) and the cache is unchanged."""
+        if self._cooling(req):
+            return None
+        prepared = self.prepared.get(req.rid)
+        if prepared is not None and prepared.cache_version == self.drafter.cache.version:
+            n = req.fill_len + len(gained) - prepared.base_len  # tokens gained since the pre-draft
+            if 0 < n <= len(gained):
+                key = tuple(gained[len(gained) - n:])
+            elif n > len(gained):
+                key = tuple(req.output_ids[len(gained) - n:]) + tuple(gained)
+            else:
+                key = ()
+            if key in prepared.proposals:
                 self.predraft_stats["hit"] += 1
                 tree = prepared.proposals[key]
-                out.append(tree if tree is None else tree.truncated(depth))
-                continue
-            self.predraft_stats["miss" if prepared is not None else "unprepared"] += 1
-            out.append(self.drafter.propose(req.rid, req.fill_ids, depth, self.num_draft_tokens, self.topk))
-        return out
+                return tree if tree is None else tree.truncated(depth)
+        self.predraft_stats["miss" if prepared is not None else "unprepared"] += 1
+        return self.drafter.propose(req.rid, req.fill_ids, depth, self.num_draft_tokens, self.topk, pending=gained)
 
     def predraft(self, reqs: Sequence[Req], trees: list[DraftTree]) -> None:
         """Draft every request's next proposal for each way its verify can end, while the verify
@@ -305,10 +318,7 @@ class NgramWorker(BaseSpecWorker):
         # verify: prepare at least one (beyond the free places).
         budget = max(1, self.config.max_running_requests - sched.num_running())
         version = self.drafter.cache.version
-        for req in sched.waiting:
-            if budget == 0:
-                break
+        for req in itertools.islice(sched.waiting, budget):  # the next admissions only
             if req.rid not in self.drafter.indices:
                 tree = self.drafter.propose(req.rid, req.fill_ids, self.num_steps, self.num_draft_tokens, self.topk)
                 self.prepared[req.rid] = PreparedDrafts(req.fill_len, version, {(): tree})
-                budget -= 1

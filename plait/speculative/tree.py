@@ -63,6 +63,8 @@ class DraftTree:
     def truncated(self, max_depth: int) -> DraftTree:
         """The nodes at most ``max_depth`` below the root. Node order is breadth first (n-gram and
         level trees are grown so), which makes them a prefix of the nodes."""
+        if max_depth >= self.width - 1:  # no node is deeper than the node count below the root
+            return self
         depths = depths_of(tuple(self.parents))
         keep = sum(1 for d in depths if d <= max_depth)
         if keep == self.width:

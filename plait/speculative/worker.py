@@ -52,6 +52,11 @@ MISS_BACKOFF_MAX = 8  # longest run of plain decode steps after repeated misses 
 # A step verifies only when at least this fraction of the candidate requests has a draft (the rest
 # ride along as root-only rows); below it the step is a miss (plain, overlapped decoding).
 MIN_DRAFTING_FRACTION = 0.25
+# Most verify forwards one scheduler step chains (see BaseSpecWorker.verify): the scheduler streams
+# outputs, admits and aborts between its steps, so a longer chain delays those.
+MAX_CHAINED_VERIFIES = 8
+
+AcceptResult = tuple[list[int], int]  # (accepted path from the root, bonus token)
 
 
 @dataclass
@@ -66,6 +71,19 @@ class SpecStats:
         return sum((k + 1) * c for k, c in self.accept_histogram.items()) / n if n else 0.0
 
 
+@dataclass
+class VerifyStep:
+    """A launched verify forward whose result the host has not read yet."""
+
+    reqs: list[Req]
+    trees: list[DraftTree]
+    slots: torch.Tensor  # int64 [sum(widths)]: the nodes' KV slots, tree order
+    row_widths: list[int]  # logits rows per request (its padded width)
+    logits: torch.Tensor  # float32 [rows, V]
+    greedy: torch.Tensor | None  # the logits' argmax when the forward computed it (verify graphs)
+    premapped: bool = False  # every node's slot mapped at its position at the launch (chains)
+
+
 class BaseSpecWorker(ABC):
     """Drafting is the subclass's ``propose``; verification and bookkeeping live here. Satisfies
     ``plait.scheduler.interface.SpecWorker``."""
@@ -73,6 +91,10 @@ class BaseSpecWorker(ABC):
     # Whether admitted requests with a cached prompt join verify steps (see decode_step). Not for
     # draft models: they must see the prompt themselves (after_target_forward) before drafting.
     joins_admissions = False
+    # Whether the next verify can launch from a verify's outcome before its tokens are committed
+    # (``propose_after``): a drafter that needs the committed state or a draft model's forward first
+    # leaves it off. Chains run on one rank only (TP and DP attention ranks follow a step's forwards).
+    chains_verify = False
 
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         assert config.speculative_num_steps and config.speculative_eagle_topk and config.speculative_num_draft_tokens
@@ -83,6 +105,8 @@ class BaseSpecWorker(ABC):
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.stats = SpecStats()
         self.sampler = Sampler()
+        self.eos_token_ids = runner.model_config.eos_token_ids
+        self.chains_verify = self.chains_verify and config.tp_size == 1 and not config.enable_dp_attention
         # Adaptive draft depth: per request, a moving average of accepted drafts per step. Depth is
         # that average + 1 (at most num_steps), so a request whose guesses keep failing verifies
         # short drafts, and one whose guesses land goes back to full depth.
@@ -195,8 +219,7 @@ class BaseSpecWorker(ABC):
         slots = sched.alloc_kv_slots(need)
         if slots is None:
             return set()
-        self.verify(sched, cands, trees, slots)  # joiners now have their first token: they decode
-        return {id(r) for r in cands}
+        return self.verify(sched, cands, trees, slots)  # joiners now have their first token: they decode
 
     def build_verify_batch(self, rows: Sequence[TreeRow], trees: list[DraftTree], slots: torch.Tensor,
                            pad_width: int | None = None) -> ForwardBatch:
@@ -223,31 +246,96 @@ class BaseSpecWorker(ABC):
             return self.num_draft_tokens
         return self.graph_pad_width(trees)
 
-    def verify(self, sched: SchedulerAPI, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> None:
-        fb = self.build_verify_batch(reqs, trees, slots, pad_width=self.verify_pad_width(trees))
+    def verify(self, sched: SchedulerAPI, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor) -> set[int]:
+        """Verify ``trees`` and, while nothing else needs the scheduler, the steps after it (a chain,
+        see ``next_verify``); returns ``id()`` of every request that advanced.
+
+        Per verify, the host work splits at its result. Before the next launch: acceptance, the
+        accepted nodes' KV mapping (``commit_kv``) and the next step's batch from the proposals
+        prepared for the outcome that arrived. After it, hidden behind the queued forward: the tokens'
+        commit (stop checks, detokenization, retiring; ``commit_tokens``), the deferred work and the
+        pre-drafting of the step just launched."""
+        step = self.launch_verify(sched, reqs, trees, slots)
+        advanced: set[int] = set()
+        done: tuple[VerifyStep, list[AcceptResult | None]] | None = None  # accepted, tokens not committed
+        chained = 0
+        while True:
+            # The forward of ``step`` is queued: host work done now is hidden behind it.
+            if done is not None:
+                self.commit_tokens(sched, *done)
+            self.deferred_work(sched)
+            live = [i for i, r in enumerate(step.reqs) if not r.finished]  # a commit may have finished some
+            self.predraft([step.reqs[i] for i in live], [step.trees[i] for i in live])
+            results = self.accept_step(step)
+            self.commit_kv(sched, step, results)
+            advanced.update(id(r) for r in step.reqs)
+            nxt = self.next_verify(sched, step, results) if chained < MAX_CHAINED_VERIFIES else None
+            if nxt is None:
+                self.commit_tokens(sched, step, results)
+                return advanced
+            done = (step, results)
+            step = self.launch_verify(sched, *nxt)
+            chained += 1
+
+    def launch_verify(self, sched: SchedulerAPI, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor
+                      ) -> VerifyStep:
+        """Queue the verify forward of ``trees`` (no host sync)."""
+        pad_width = self.verify_pad_width(trees)
+        fb = self.build_verify_batch(reqs, trees, slots, pad_width=pad_width)
         out = self.runner.forward(fb)  # logits [sum(num_tokens_per_req), V] float32
+        # Queued behind the forward, which reads only the prefix's map (the nodes' KV it takes from
+        # out_cache_loc): off the path to the launch.
+        premapped = self.premap_chains(sched, fb, trees, pad_width)
         self.after_verify_forward(fb)
         sched.stats.forward_steps += 1
-        # The forward is queued: host work done now is hidden behind it.
-        self.deferred_work(sched)
-        self.predraft(reqs, trees)
-        row_widths = fb.spec_info.num_tokens_per_req
-        logits, greedy = out.next_token_logits, out.greedy_ids
+        return VerifyStep(reqs, trees, slots, fb.spec_info.num_tokens_per_req, out.next_token_logits, out.greedy_ids,
+                          premapped)
+
+    def premap_chains(self, sched: SchedulerAPI, fb: ForwardBatch, trees: list[DraftTree], pad_width: int | None
+                      ) -> bool:
+        """Map every node of a batch of chains to its position once its forward is queued, from the
+        batch's own device tensors (no copy). Node i of a chain sits at ``kv_len + i``, so whatever the
+        verify accepts (nodes 0..n-1) is mapped already; the rest lies past the new ``kv_len``, where
+        nothing reads (the next verify maps its own nodes there). Acceptance then only frees the
+        rejected slots (``commit_kv``). Only where every row's nodes have distinct positions: requests at the
+        padded width, or root-only rows (their dummy nodes land past the new ``kv_len`` too). Off for
+        workers that do not chain (a draft model reads the target's map its own way)."""
+        if not self.chains_verify or fb.extend is None:
+            return False
+        width = pad_width or trees[0].width
+        if not all(t.is_chain and (t.width == width or t.width == 1) for t in trees):
+            return False
+        if pad_width is None and any(t.width != width for t in trees):
+            return False
+        rows = fb.req_pool_indices[:, None].expand(len(trees), width).reshape(-1)
+        sched.map_kv_slots(rows, fb.positions, fb.out_cache_loc)
+        return True
+
+    def accept_step(self, step: VerifyStep) -> list[AcceptResult | None]:
+        """``(path, bonus)`` per request of a launched verify (waits for its result); None for a request
+        that finished since the launch (a stop the previous step's commit found): its nodes are dropped."""
+        reqs, trees = step.reqs, step.trees
+        logits, greedy = step.logits, step.greedy
         if any(r.grammar is not None for r in reqs):
             # Constrained requests: every node's row is masked by the grammar state after the path
             # to it, so acceptance picks what non-speculative constrained decoding would.
-            logits, greedy = mask_tree_logits(reqs, trees, logits, row_widths), None
-        results = self.accept(reqs, trees, logits, row_widths=row_widths, greedy=greedy)
-        self.commit(sched, reqs, trees, slots, results)
+            logits, greedy = mask_tree_logits(reqs, trees, logits, step.row_widths), None
+        results = self.accept(reqs, trees, logits, row_widths=step.row_widths, greedy=greedy)
+        return [None if r.finished else res for r, res in zip(reqs, results, strict=True)]
 
     def accept(self, reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tensor,
                row_widths: list[int] | None = None, greedy: torch.Tensor | None = None
-               ) -> list[tuple[list[int], int]]:
+               ) -> list[AcceptResult]:
         """``(path, bonus)`` per request (``plait.speculative.accept.accept_trees``)."""
         return accept_trees(reqs, trees, logits, self.sampler.use_triton, self.topk + 2, row_widths, greedy)
 
-    def commit(self, sched: SchedulerAPI, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
-               results: list[tuple[list[int], int]]) -> None:
+    def commit_kv(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
+        """The accepted nodes' KV in place (``req_to_token``, ``kv_len``), every other node's slot freed,
+        the acceptance averages updated: what the next verify launch needs. Tokens are not appended."""
+        reqs, trees, slots = step.reqs, step.trees, step.slots
+        if step.premapped:
+            self._commit_premapped(sched, step, results)
+            return
         old_kv_lens = [r.kv_len for r in reqs]
         # Accepted nodes go to consecutive positions after the prefix, in path order: one scatter
         # into req_to_token for the whole batch (pool row, position), and every other node's slot
@@ -258,8 +346,14 @@ class BaseSpecWorker(ABC):
         rows: list[int] = []
         cols: list[int] = []
         start = 0
-        for req, tree, (path, _) in zip(reqs, trees, results, strict=True):
-            n, w, kv = len(path), tree.width, req.kv_len
+        for req, tree, res in zip(reqs, trees, results, strict=True):
+            w = tree.width
+            if res is None:  # finished since the launch: nothing of this verify is kept
+                rejected.extend(range(start, start + w))
+                start += w
+                continue
+            path = res[0]
+            n, kv = len(path), req.kv_len
             if path[-1] == n - 1:  # a path is increasing from 0: this one is 0..n-1 (chains always)
                 nodes.extend(range(start, start + n))
                 rejected.extend(range(start + n, start + w))
@@ -270,26 +364,140 @@ class BaseSpecWorker(ABC):
             rows.extend([req.row] * n)
             cols.extend(range(kv, kv + n))
             req.kv_len = kv + n
+            self._note_acceptance(req, w, n)
             start += w
         num_accepted = len(nodes)
         nodes.extend(rejected)
         nodes_t, rows_t, cols_t = ints_to_device([nodes, rows, cols], slots.device)
         chosen = slots[nodes_t]
-        sched.map_kv_slots(rows_t, cols_t, chosen[:num_accepted])
+        if num_accepted:
+            sched.map_kv_slots(rows_t, cols_t, chosen[:num_accepted])
         sched.free_kv_slots(chosen[num_accepted:])  # rejected nodes: freed at once
-        self.after_accept(reqs, trees, results, old_kv_lens)
-        for req, tree, (path, bonus) in zip(reqs, trees, results, strict=True):
+        live = [i for i, res in enumerate(results) if res is not None]
+        self.after_accept([reqs[i] for i in live], [trees[i] for i in live],
+                          [results[i] for i in live], [old_kv_lens[i] for i in live])  # type: ignore[misc]
+
+    def _commit_premapped(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
+        """``commit_kv`` of a premapped batch of chains: the accepted nodes 0..n-1 are in place, so only
+        ``kv_len`` moves and the rejected slots (views of ``step.slots``, no gather) are freed."""
+        rejected: list[torch.Tensor] = []
+        old_kv_lens = [r.kv_len for r in step.reqs]
+        start = 0
+        for req, tree, res in zip(step.reqs, step.trees, results, strict=True):
+            w = tree.width
+            n = 0 if res is None else len(res[0])  # finished since the launch: nothing is kept
+            if n < w:
+                rejected.append(step.slots[start + n : start + w])
+            if res is not None:
+                req.kv_len += n
+                self._note_acceptance(req, w, n)
+            start += w
+        if rejected:
+            sched.free_kv_slots(rejected[0] if len(rejected) == 1 else torch.cat(rejected))
+        live = [i for i, res in enumerate(results) if res is not None]
+        self.after_accept([step.reqs[i] for i in live], [step.trees[i] for i in live],
+                          [results[i] for i in live], [old_kv_lens[i] for i in live])  # type: ignore[misc]
+
+    def _note_acceptance(self, req: Req, width: int, accepted: int) -> None:
+        """Fold a verify's accepted nodes (root included) into ``req``'s acceptance average."""
+        if width > 1:  # a root-only tree is a plain decode row: no guess to count
+            prev = self.accept_ema.get(req.rid, float(self.num_steps))
+            self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (accepted - 1)
+
+    def commit_tokens(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
+        """Append each request's accepted tokens and its bonus through the scheduler (stop checks,
+        retiring), and count the step."""
+        for req, tree, res in zip(step.reqs, step.trees, results, strict=True):
+            if res is None:
+                continue
+            path, bonus = res
             if tree.width > 1:  # a root-only tree is a plain decode row: no guess to count
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += len(path)  # accepted drafts + the bonus token
                 self.stats.accept_histogram[len(path) - 1] += 1
-                prev = self.accept_ema.get(req.rid, float(self.num_steps))
-                self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (len(path) - 1)
             sched.commit_tokens(req, tree.path_tokens(path[1:]) + [bonus])
         self.stats.verify_steps += 1
-        self.stats.verified_requests += len(reqs)
+        self.stats.verified_requests += len(step.reqs)
         if self.stats.verify_steps % LOG_HISTOGRAM_EVERY == 0:
             self.log_stats()
+
+    def next_verify(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]
+                    ) -> tuple[list[Req], list[DraftTree], torch.Tensor] | None:
+        """The verify to launch right after ``step``'s acceptance, before its tokens are committed, or
+        None (the chain ends: the scheduler takes over). A chain goes on only while the step's requests
+        are all the scheduler has (nothing else to decode, prefill or admit), each stays eligible, and
+        the drafter has their next proposals from the outcome alone (``chains_verify``). A request
+        the outcome finishes (its length, a stop token) leaves the chain; one that a stop string
+        finishes is found by the commit, after the launch, and its rows are dropped then."""
+        if not self.chains_verify or any(r is None for r in results):
+            return None
+        reqs = step.reqs
+        ids = {id(r) for r in reqs}
+        if (len(sched.running) + len(sched.prefilling) != len(reqs)
+                or any(id(r) not in ids or r.to_abort for r in (*sched.running, *sched.prefilling))):
+            return None
+        cands: list[Req] = []
+        depths: list[int] = []
+        gained: list[list[int]] = []
+        for req, tree, res in zip(reqs, step.trees, results, strict=True):
+            assert res is not None
+            path, bonus = res
+            tokens = tree.path_tokens(path[1:]) + [bonus]
+            depth = self.depth_after(req, tokens)
+            if depth is None:
+                if sched.waiting:
+                    return None  # a finished request leaves room: the scheduler admits
+                continue
+            cands.append(req)
+            depths.append(depth)
+            gained.append(tokens)
+        drafters = [i for i, d in enumerate(depths) if d > 0]
+        if not drafters:
+            return None
+        proposed: list[DraftTree | None] = [None] * len(cands)
+        drafted = self.propose_after(sched, [cands[i] for i in drafters], [depths[i] for i in drafters],
+                                     [gained[i] for i in drafters])
+        if drafted is None:
+            return None
+        for i, tree in zip(drafters, drafted, strict=True):
+            proposed[i] = tree
+        drafting = sum(t is not None for t in proposed)
+        if drafting == 0 or drafting < MIN_DRAFTING_FRACTION * len(drafters):
+            return None  # a miss: decode_step's back-off decides what follows
+        trees = [t if t is not None else DraftTree([g[-1]], [-1]) for g, t in zip(gained, proposed, strict=True)]
+        need = sum(t.width for t in trees)
+        if sched.available_kv_tokens() < need:
+            return None
+        slots = sched.alloc_kv_slots(need)
+        if slots is None:
+            return None
+        return cands, trees, slots
+
+    def depth_after(self, req: Req, tokens: Sequence[int]) -> int | None:
+        """``_max_depth`` of ``req`` once ``tokens`` are committed (its KV mapped already), or None when
+        they finish it (the length limits, a stop token) or it may not verify then."""
+        sp = req.sampling_params
+        n0 = len(req.output_ids)
+        n = n0 + len(tokens)
+        fill = req.fill_len + len(tokens)
+        if n >= sp.max_new_tokens or fill >= self.runner.max_context_len or n < sp.min_new_tokens:
+            return None
+        if sp.stop_token_ids or not sp.ignore_eos:
+            first = max(0, sp.min_new_tokens - n0 - 1)  # stop tokens count from min_new_tokens on
+            if any(t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_token_ids) for t in tokens[first:]):
+                return None
+        if req.kv_len != fill - 1 or req.to_abort:
+            return None
+        left = sp.max_new_tokens - n
+        room = self.runner.max_context_len - 1 - fill
+        adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
+        return max(0, min(self.num_steps, adaptive, left - 1, room))
+
+    def propose_after(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int],
+                      gained: list[list[int]]) -> list[DraftTree | None] | None:
+        """``propose`` for requests whose last verify gained ``gained`` (not committed yet); None when
+        the drafter needs the committed state (then no chain: see ``chains_verify``)."""
+        return None
 
     def after_verify_forward(self, fb: ForwardBatch) -> None:  # noqa: B027 (optional hook)
         """The verify forward is queued (nothing read back yet)."""
@@ -299,7 +507,7 @@ class BaseSpecWorker(ABC):
         it may have, so that ``propose`` after it only picks the one that arrived (a drafter whose
         next draft needs the verify's result, such as a draft model's KV, leaves this empty)."""
 
-    def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[tuple[list[int], int]],  # noqa: B027
+    def after_accept(self, reqs: list[Req], trees: list[DraftTree], results: list[AcceptResult],  # noqa: B027
                      old_kv_lens: list[int]) -> None:
         """The accepted nodes are in place (req_to_token, kv_len); tokens not appended yet. A draft
         model extends its KV over the accepted tokens here."""

@@ -16,6 +16,7 @@ from plait.bench.shapes import SHAPES  # noqa: E402
 from plait.bench.workloads import make_engine, random_prompts  # noqa: E402
 from plait.speculative.tree import DraftTree  # noqa: E402
 from tests.gpu.test_engine_gpu import release  # noqa: E402
+from tests.helpers import count_calls  # noqa: E402
 
 SHAPE = "llama-3.2-1b"
 VOCAB = SHAPES[SHAPE]["vocab_size"]
@@ -76,6 +77,30 @@ def test_ngram_and_standalone_engines_replay_both_graph_kinds_and_free_every_slo
         assert engine.scheduler.kv_tokens_in_use() == 0
         assert engine.runner.req_to_token_pool.available_size() == engine.runner.req_to_token_pool.size
         release(engine)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_chained_ngram_verify_replays_give_the_tokens_unchained_ones_give(shape_dir, bs):
+    """A chained verify (launched from the previous one's outcome, before its tokens were committed,
+    with the commit running behind the queued replay) runs the batch an unchained step runs: the
+    same tokens in bf16, and every slot free afterwards."""
+    prompts = random_prompts(6, 64, VOCAB, seed=9)
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40}
+    runs = []
+    for chains in (False, True):
+        engine = make_engine(shape_dir, max_running_requests=bs, **NGRAM)
+        worker = engine.scheduler.spec_worker
+        worker.chains_verify = chains
+        engine.generate(prompts, params)
+        steps = count_calls(worker, "decode_step")
+        v0 = worker.stats.verify_steps
+        runs.append([o.token_ids for o in engine.generate(prompts, params)])
+        if chains:
+            assert worker.stats.verify_steps - v0 > 2 * steps[0]
+        assert engine.runner.verify_graph_runner is not None
+        assert engine.scheduler.kv_tokens_in_use() == 0
+        release(engine)
+    assert runs[0] == runs[1]
 
 
 def test_eagle3_decode_graph_writes_the_hidden_states_an_eager_forward_writes(shape_dir, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from plait.speculative.draft_tree import expand_trees, level_tree
@@ -59,3 +60,14 @@ def test_mask_from_device_ancestors_equals_the_host_mask():
     trees = [DraftTree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2]), DraftTree([0, 5, 6, 7, 8], [-1, 0, 0, 2, 2])]
     ancestors = torch.stack([torch.from_numpy(t.ancestor_mask().numpy()) for t in trees])
     assert torch.equal(build_verify_mask_from_ancestors(ancestors, [3, 6]), build_verify_mask(trees, [3, 6], "cpu"))
+
+
+@pytest.mark.parametrize("parents", [(-1, 0, 1, 2), (-1, 0, 0, 1, 2, 3)], ids=["chain", "tree"])
+def test_a_batch_of_one_tree_shape_gets_the_mask_each_block_gets_alone(parents):
+    # Each block is the request's own mask whatever its neighbours: prefix columns all True, the
+    # node part its ancestor mask.
+    prefix = [0, 7, 3, 12, 1] * 4
+    tree = DraftTree(list(range(10, 10 + len(parents))), list(parents))
+    batched = build_verify_mask([tree] * len(prefix), prefix, "cpu")
+    alone = torch.cat([build_verify_mask([tree], [p], "cpu") for p in prefix])
+    assert torch.equal(batched, alone)

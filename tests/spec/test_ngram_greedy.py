@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from plait.speculative.tree import DraftTree
-from tests.helpers import GREEDY, assert_no_leaks, make_engine, prompt_ids
+from tests.helpers import GREEDY, assert_no_leaks, count_calls, make_engine, prompt_ids
 
 PROMPTS = prompt_ids(8)
 CHAIN = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1}
@@ -196,10 +196,10 @@ class _OnlySome:
     def __init__(self, inner, prompts: list[list[int]]) -> None:
         self.inner, self.prompts = inner, prompts
 
-    def propose(self, rid, context, max_depth, max_nodes, topk):
+    def propose(self, rid, context, max_depth, max_nodes, topk, pending=()):
         if not any(context[: len(p)] == p for p in self.prompts):
             return None
-        return self.inner.propose(rid, context, max_depth, max_nodes, topk)
+        return self.inner.propose(rid, context, max_depth, max_nodes, topk, pending)
 
     def __getattr__(self, name):  # everything else (cache, indices, forget, index) is the inner drafter's
         return getattr(self.inner, name)
@@ -318,10 +318,10 @@ class _FixedGuess:
     def __init__(self, inner, prompt: list[int]) -> None:
         self.inner, self.prompt = inner, prompt
 
-    def propose(self, rid, context, max_depth, max_nodes, topk):
+    def propose(self, rid, context, max_depth, max_nodes, topk, pending=()):
         if context[: len(self.prompt)] != self.prompt:
             return None
-        return DraftTree.chain(context[-1], [5, 6, 7][:max_depth])
+        return DraftTree.chain([*context, *pending][-1], [5, 6, 7][:max_depth])
 
     def __getattr__(self, name):  # everything else (cache, indices, forget, index) is the inner drafter's
         return getattr(self.inner, name)
@@ -357,3 +357,114 @@ def test_steps_drafted_during_the_verify_keep_greedy_output_unchanged(model_path
     assert not worker.prepared and not worker.drafter.indices  # nothing outlives its request
     assert_no_leaks(engine)
 
+
+
+# --- chained verifies (BaseSpecWorker.verify): the next verify launches before the tokens' commit ---
+
+@pytest.mark.parametrize("bs", [1, 3])
+@pytest.mark.parametrize("flags", [CHAIN, TREE], ids=["chain", "tree"])
+def test_chained_verifies_keep_greedy_output_unchanged(model_path, reference, flags, bs):
+    engine = make_engine(model_path, max_running_requests=bs, **flags)
+    engine.generate(PROMPTS[:3], GREEDY)  # fills the n-gram cache with the answers
+    worker = engine.scheduler.spec_worker
+    steps = count_calls(worker, "decode_step")  # one call per speculative scheduler step
+    v0 = worker.stats.verify_steps
+    outs = engine.generate(PROMPTS[:3], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:3]
+    # Most verifies launched from the previous one's outcome, inside one scheduler step.
+    assert worker.stats.verify_steps - v0 > 2 * steps[0], (worker.stats.verify_steps - v0, steps[0])
+    assert_no_leaks(engine)
+
+
+def test_chains_with_requests_finishing_at_different_steps_and_admissions_mid_run(model_path, reference):
+    lengths = [32, 9, 20, 32, 13, 27, 5, 32]  # finishes at different steps, inside accepted drafts too
+    params = [{**GREEDY, "max_new_tokens": n} for n in lengths]
+    engine = make_engine(model_path, max_running_requests=3, **CHAIN)  # 8 requests, 3 at a time
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(p + ref)
+    steps = count_calls(worker, "decode_step")
+    outs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(reference, lengths, strict=True)]
+    assert worker.stats.verify_steps > steps[0]  # chains ran between the admissions
+    assert not worker.prepared and not worker.drafter.indices
+    assert_no_leaks(engine)
+
+
+def test_a_stop_string_found_while_the_next_verify_runs_drops_its_rows(model_path):
+    plain = make_engine(model_path)
+    full = plain.generate(PROMPTS[1], GREEDY)
+    engine = make_engine(model_path, **CHAIN)
+    engine.generate(PROMPTS[1], GREEDY)  # the n-gram cache knows the answer: every step chains
+    worker = engine.scheduler.spec_worker
+    dropped = [0]
+    inner = worker.commit_kv
+
+    def commit_kv(sched, step, results):
+        dropped[0] += sum(r is None for r in results)  # finished after this verify launched
+        return inner(sched, step, results)
+
+    worker.commit_kv = commit_kv
+    text = full.text
+    for k in range(1, 5):
+        stop = text[k * len(text) // 5 :][:2]
+        assert stop.strip(), "need a visible stop string"
+        expected = plain.generate(PROMPTS[1], {**GREEDY, "stop": [stop]})
+        out = engine.generate(PROMPTS[1], {**GREEDY, "stop": [stop]})
+        assert (out.token_ids, out.text, out.finish_reason) == (expected.token_ids, expected.text, "stop")
+        assert_no_leaks(engine)
+    assert dropped[0] > 0  # some stops were found by a commit behind the next verify
+
+
+def test_the_proposal_chosen_from_an_outcome_equals_the_one_drafted_after_its_commit(model_path, reference):
+    import copy
+
+    from plait.speculative.ngram import COLD_ACCEPT
+
+    engine = make_engine(model_path, max_running_requests=3, **TREE)
+    engine.generate(PROMPTS[:3], GREEDY)
+    worker = engine.scheduler.spec_worker
+    inner = worker.propose_after
+    compared = [0]
+
+    def propose_after(sched, reqs, depths, gained):
+        # The drafter as the next step's propose finds it (the request indices it extends copied).
+        after = copy.copy(worker.drafter)
+        after.indices = {r.rid: copy.deepcopy(worker.drafter.indices[r.rid]) for r in reqs}
+        cold = [worker.accept_ema.get(r.rid, 4.0) < COLD_ACCEPT for r in reqs]
+        got = inner(sched, reqs, depths, gained)
+        for req, depth, g, tree, skip in zip(reqs, depths, gained, got, cold, strict=True):
+            if skip:
+                continue
+            want = after.propose(req.rid, req.fill_ids + g, depth, worker.num_draft_tokens, worker.topk)
+            assert (tree and (tree.tokens, tree.parents)) == (want and (want.tokens, want.parents))
+            compared[0] += 1
+        return got
+
+    worker.propose_after = propose_after
+    worker.predraft_stats.clear()
+    assert [o.token_ids for o in engine.generate(PROMPTS[:3], GREEDY)] == reference[:3]
+    assert compared[0] > 10 and worker.predraft_stats["hit"] > 10, (compared, worker.predraft_stats)
+
+
+def test_chains_mapped_at_their_launch_keep_greedy_output_and_free_the_rejected_slots(model_path, reference):
+    # Misleading cache entries make verifies reject part of their chains; requests of different
+    # lengths and riders give padded batches too.
+    engine = make_engine(model_path, max_running_requests=4, **CHAIN)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(_corrupt(p + ref, 4))
+    premapped = [0]
+    inner = worker.premap_chains
+
+    def premap_chains(sched, fb, trees, pad_width):
+        done = inner(sched, fb, trees, pad_width)
+        premapped[0] += done
+        return done
+
+    worker.premap_chains = premap_chains
+    lengths = [32, 7, 19, 32, 11, 25, 3, 32]
+    outs = engine.generate(PROMPTS, [{**GREEDY, "max_new_tokens": n} for n in lengths])
+    assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(reference, lengths, strict=True)]
+    assert premapped[0] > 0 and worker.stats.accept_histogram[0] > 0  # premapped, and rejections
+    assert_no_leaks(engine)
