@@ -278,3 +278,53 @@ def test_prompt_logprobs_run_under_the_graphs_and_match_transformers(tiny_model_
         logits = hf_model(path)(torch.tensor([ids])).logits[0].float()
     want = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+class _FakeCudaGraph:
+    """Records the calls CudaBreakableGraph makes on torch.cuda.CUDAGraph (no CUDA here)."""
+
+    log: list[str] = []
+
+    def __init__(self) -> None:
+        self.index = sum(1 for e in self.log if e.startswith("begin"))
+
+    def capture_begin(self, pool=None) -> None:
+        self.log.append(f"begin {self.index} pool={pool}")
+
+    def capture_end(self) -> None:
+        self.log.append(f"end {self.index}")
+
+    def replay(self) -> None:
+        self.log.append(f"replay {self.index}")
+
+
+def test_cuda_breakable_graph_cuts_a_segment_at_each_step_and_replays_them_interleaved(monkeypatch):
+    import contextlib
+
+    from plait.executor import piecewise_graph_runner as pw
+
+    _FakeCudaGraph.log = []
+    log = _FakeCudaGraph.log
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(pw, "capture_stream", lambda: None)
+    graph = pw.CudaBreakableGraph()
+    steps = [object(), object()]
+
+    def forward():
+        log.append("segment 0 work")
+        graph.split(steps[0])
+        log.append("segment 1 work")
+        graph.split(steps[1])
+        log.append("segment 2 work")
+        return torch.zeros(1)
+
+    graph.capture(forward, pool="P")
+    assert graph.steps == steps and len(graph.segments) == 3
+    assert log == ["begin 0 pool=P", "segment 0 work", "end 0", "begin 1 pool=P", "segment 1 work", "end 1",
+                   "begin 2 pool=P", "segment 2 work", "end 2"]
+    assert graph.pool() == "P"
+    log.clear()
+    graph.replay(lambda i: log.append(f"step {i}"))
+    assert log == ["replay 0", "step 0", "replay 1", "step 1", "replay 2"]
