@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -320,6 +321,7 @@ class PiecewiseCudaGraphRunner:
                               seq_lens_cpu=[tokens], prefix_lens_cpu=[0]))
 
     def capture(self) -> None:
+        start = time.perf_counter()
         pool = None
         sync = self.input_ids.is_cuda
         with torch.inference_mode():
@@ -344,8 +346,9 @@ class PiecewiseCudaGraphRunner:
                     self.breaks.on_break = _ignore_step
                 pool = graph.pool()
                 self.graphs[tokens] = graph
-        logger.info("captured piecewise graphs for %s tokens (%d attention breaks each)", self.buckets,
-                    len(self.graphs[self.buckets[-1]].steps))
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured piecewise graphs for %s tokens (%d attention breaks each) in %.2f s", self.buckets,
+                    len(self.graphs[self.buckets[-1]].steps), self.capture_seconds)
 
     # --- replay -----------------------------------------------------------------------------------
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
