@@ -114,10 +114,11 @@ for stage in "$@"; do
     pdl-test) python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
     moe-latency-nopeer) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-peer --out "$OUT" 2>&1 \
                           | grep -E '^\{"workload|Error' ;;
-    moe-decode-ab)  # the GPU tests of the levers, then decode-bs1 qwen3-30b-a3b per switch setting (all off,
-      # each on alone, all on; docs/benchmarks.md)
+    moe-decode-ab-tests)  # the GPU tests of the MoE decode levers (about 90 s)
       python -m pytest -q -m gpu tests/gpu/test_gemv_rmsnorm_gpu.py tests/gpu/test_gemv_route_gpu.py \
-        tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe-decode-ab-tests.log" | tail -5
+        tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe-decode-ab-tests.log" | tail -5 ;;
+    moe-decode-ab)  # decode-bs1 qwen3-30b-a3b per switch setting (all off, each on alone, all on; about 35 s
+      # each; docs/benchmarks.md); its GPU tests are the moe-decode-ab-tests stage
       # PLAIT_FUSED_NORM_GEMV PLAIT_MOE_FUSED_TOPK PLAIT_MOE_ROUTER_TOPK name (the router's routing takes
       # precedence over the gate/up kernel's where both are on)
       IFS=, read -ra variants <<< "${MOE_AB_VARIANTS:-0 0 0 off,1 0 0 fused-norm,0 1 0 fused-topk,0 0 1 router-topk,1 1 0 norm-gateup-topk,1 1 1 all-on}"

@@ -137,6 +137,12 @@ MOE_ROUTER_TOPK = EnvVar(
     "but weights not bit-identical at 4 and 16 rows), one launch fewer per layer; it takes precedence over "
     "PLAIT_MOE_FUSED_TOPK. 0 (the default until a same-call A/B on the H200 shows it faster): the top-k "
     "kernel. Read at every call.")
+SPEC_CHAIN_VERIFIES = _flag_var(
+    "PLAIT_SPEC_CHAIN_VERIFIES",
+    "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "
+    "committed (chained verifies, with each chain's KV mapped at its launch; docs/speculative-decoding.md); "
+    "unset (the default until a GPU run checks and measures it): each verify's tokens are committed "
+    "before the next verify is built. Read when the worker is built.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
@@ -153,4 +159,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     GEMV_PREFETCH, FUSED_NORM_GEMV, FUSED_ACT_GEMV, MOE_FUSED_TOPK, MOE_ROUTER_TOPK,
-                                    PDL, DECODE_KV_PACK)
+                                    PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES)

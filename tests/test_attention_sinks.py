@@ -66,8 +66,9 @@ def _paged(lens: list[int], hkv: int, d: int, gen: torch.Generator):
     return indptr, slots[: sum(lens)], k_buf, v_buf
 
 
+@pytest.mark.parametrize("pack", [1, 2], ids=["head-per-program", "two-heads-per-program"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-merge", "two-stage"])
-def test_decode_kernel_with_sinks_matches_reference(fused):
+def test_decode_kernel_with_sinks_matches_reference(fused, pack):
     gen = torch.Generator().manual_seed(0)
     hq, hkv, d, lens = 4, 2, 16, [3, 40, 17]
     indptr, indices, k_buf, v_buf = _paged(lens, hkv, d, gen)
@@ -77,7 +78,8 @@ def test_decode_kernel_with_sinks_matches_reference(fused):
     splits = torch.tensor([1, 3, 2], dtype=torch.int32)
     counters = torch.zeros(3 * hkv, dtype=torch.int32) if fused else None
     K.decode_attention_fwd(q, k_buf, v_buf, o, indptr, indices, logits, lse, splits, 4, d**-0.5,
-                           split_counters=counters, sinks=sinks)
+                           split_counters=counters, sinks=sinks,
+                           config=K.LaunchConfig(block_n=16, num_warps=4, num_stages=1, kv_pack=pack))
     R.decode_attention_fwd(q, k_buf, v_buf, o_ref, indptr, indices, logits, lse, splits, 4, d**-0.5, sinks=sinks)
     torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
     plain = torch.empty_like(o)

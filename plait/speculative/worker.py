@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plait import envs
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch
 from plait.sampling import Sampler
@@ -106,7 +107,8 @@ class BaseSpecWorker(ABC):
         self.stats = SpecStats()
         self.sampler = Sampler()
         self.eos_token_ids = runner.model_config.eos_token_ids
-        self.chains_verify = self.chains_verify and config.tp_size == 1 and not config.enable_dp_attention
+        self.chains_verify = (self.chains_verify and envs.SPEC_CHAIN_VERIFIES.get() and config.tp_size == 1
+                              and not config.enable_dp_attention)
         # Adaptive draft depth: per request, a moving average of accepted drafts per step. Depth is
         # that average + 1 (at most num_steps), so a request whose guesses keep failing verifies
         # short drafts, and one whose guesses land goes back to full depth.

@@ -361,9 +361,26 @@ def test_steps_drafted_during_the_verify_keep_greedy_output_unchanged(model_path
 
 # --- chained verifies (BaseSpecWorker.verify): the next verify launches before the tokens' commit ---
 
+
+@pytest.fixture
+def chained(monkeypatch):
+    """Chained verifies on (PLAIT_SPEC_CHAIN_VERIFIES) for the engines a test builds."""
+    monkeypatch.setenv("PLAIT_SPEC_CHAIN_VERIFIES", "1")
+
+
+def test_without_the_switch_every_verify_commits_before_the_next_is_built(model_path, reference):
+    engine = make_engine(model_path, max_running_requests=3, **CHAIN)
+    engine.generate(PROMPTS[:3], GREEDY)
+    worker = engine.scheduler.spec_worker
+    assert not worker.chains_verify
+    steps = count_calls(worker, "decode_step")
+    v0 = worker.stats.verify_steps
+    assert [o.token_ids for o in engine.generate(PROMPTS[:3], GREEDY)] == reference[:3]
+    assert worker.stats.verify_steps - v0 <= steps[0]  # at most one verify per scheduler step
+
 @pytest.mark.parametrize("bs", [1, 3])
 @pytest.mark.parametrize("flags", [CHAIN, TREE], ids=["chain", "tree"])
-def test_chained_verifies_keep_greedy_output_unchanged(model_path, reference, flags, bs):
+def test_chained_verifies_keep_greedy_output_unchanged(model_path, reference, flags, bs, chained):
     engine = make_engine(model_path, max_running_requests=bs, **flags)
     engine.generate(PROMPTS[:3], GREEDY)  # fills the n-gram cache with the answers
     worker = engine.scheduler.spec_worker
@@ -376,7 +393,7 @@ def test_chained_verifies_keep_greedy_output_unchanged(model_path, reference, fl
     assert_no_leaks(engine)
 
 
-def test_chains_with_requests_finishing_at_different_steps_and_admissions_mid_run(model_path, reference):
+def test_chains_with_requests_finishing_at_different_steps_and_admissions_mid_run(model_path, reference, chained):
     lengths = [32, 9, 20, 32, 13, 27, 5, 32]  # finishes at different steps, inside accepted drafts too
     params = [{**GREEDY, "max_new_tokens": n} for n in lengths]
     engine = make_engine(model_path, max_running_requests=3, **CHAIN)  # 8 requests, 3 at a time
@@ -391,7 +408,7 @@ def test_chains_with_requests_finishing_at_different_steps_and_admissions_mid_ru
     assert_no_leaks(engine)
 
 
-def test_a_stop_string_found_while_the_next_verify_runs_drops_its_rows(model_path):
+def test_a_stop_string_found_while_the_next_verify_runs_drops_its_rows(model_path, chained):
     plain = make_engine(model_path)
     full = plain.generate(PROMPTS[1], GREEDY)
     engine = make_engine(model_path, **CHAIN)
@@ -416,7 +433,7 @@ def test_a_stop_string_found_while_the_next_verify_runs_drops_its_rows(model_pat
     assert dropped[0] > 0  # some stops were found by a commit behind the next verify
 
 
-def test_the_proposal_chosen_from_an_outcome_equals_the_one_drafted_after_its_commit(model_path, reference):
+def test_the_proposal_chosen_from_an_outcome_equals_the_one_drafted_after_its_commit(model_path, reference, chained):
     import copy
 
     from plait.speculative.ngram import COLD_ACCEPT
@@ -447,7 +464,7 @@ def test_the_proposal_chosen_from_an_outcome_equals_the_one_drafted_after_its_co
     assert compared[0] > 10 and worker.predraft_stats["hit"] > 10, (compared, worker.predraft_stats)
 
 
-def test_chains_mapped_at_their_launch_keep_greedy_output_and_free_the_rejected_slots(model_path, reference):
+def test_chains_mapped_at_their_launch_keep_greedy_output_and_free_the_rejected_slots(model_path, reference, chained):
     # Misleading cache entries make verifies reject part of their chains; requests of different
     # lengths and riders give padded batches too.
     engine = make_engine(model_path, max_running_requests=4, **CHAIN)
