@@ -18,7 +18,8 @@
 # moe-decode-ab: the decode-bs1 A/B of PLAIT_FUSED_NORM_GEMV, PLAIT_MOE_FUSED_TOPK and PLAIT_MOE_ROUTER_TOPK
 # on qwen3-30b-a3b with their GPU tests; norm-gemv-1b-ab: the fused norm and SiLU-and-mul (PLAIT_FUSED_ACT_GEMV)
 # on and off for llama-3.2-1b.
-# piecewise-ab: --enable-piecewise-cuda-graph off and on (GPU test, nano-vllm, offline-throughput 1b, prefill-ttft).
+# piecewise-ab: --enable-piecewise-cuda-graph off and on: piecewise-tests (GPU test), piecewise-offline (nano-vllm,
+# offline-throughput 1b), piecewise-ttft (prefill-ttft 1b and 8b).
 # fp8-mma: the FP8 GEMV's W8A8 form: GPU tests, tuning, weight-only vs W8A8 per shape, decode-bs1 A/B.
 # Logs and JSON land in $OUT (copied back and committed under benchmarks/results/).
 set -uo pipefail
@@ -141,17 +142,20 @@ for stage in "$@"; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \
           --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/bf16-gemv-$on" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
-    piecewise-ab)  # piecewise graphs for EXTEND/MIXED steps (--enable-piecewise-cuda-graph): the GPU test, then
-      # nano-vllm (qwen3-0.6b) and offline-throughput (1b) off (0) and on (1), then short prompts' TTFT (both in one run)
-      python -m pytest -q -m gpu tests/gpu/test_piecewise_gpu.py -p no:cacheprovider 2>&1 | tail -5
+    piecewise-ab) OUT=$OUT bash "$0" piecewise-tests piecewise-offline piecewise-ttft ;;
+    piecewise-tests) python -m pytest -q -m gpu tests/gpu/test_piecewise_gpu.py -p no:cacheprovider 2>&1 \
+        | tee "$OUT/piecewise-tests.log" | tail -5 ;;
+    piecewise-offline)  # nano-vllm (qwen3-0.6b) and offline-throughput (1b) with piecewise graphs off (0) and on (1)
       for on in 0 1; do
         flag=$([ $on = 1 ] && echo --enable-piecewise-cuda-graph)
-        python -m plait bench offline --workload nano-vllm $flag --out "$OUT/piecewise-$on" 2>&1 | grep -E '^\{"workload|Error'
-        python -m plait bench offline --workload offline-throughput $flag --out "$OUT/piecewise-$on" 2>&1 \
-          | grep -E '^\{"workload|Error'
-      done
-      python -m plait bench prefill-ttft --shape llama-3.2-1b --out "$OUT/piecewise-ttft" 2>&1 | grep -E '^\{"workload|Error'
-      python -m plait bench prefill-ttft --shape llama-3.1-8b --out "$OUT/piecewise-ttft" 2>&1 | grep -E '^\{"workload|Error' ;;
+        for workload in nano-vllm offline-throughput; do
+          python -m plait bench offline --workload $workload $flag --out "$OUT/piecewise-$on" 2>&1 \
+            | grep -E '^\{"workload|Error'
+        done
+      done ;;
+    piecewise-ttft)  # short prompts' TTFT (16-2048 tokens), piecewise graphs off and on in one run per shape
+      python -m plait bench prefill-ttft --shape llama-3.2-1b llama-3.1-8b --out "$OUT/piecewise-ttft" 2>&1 \
+        | grep -E '^\{"workload|Error' ;;
     moe) OUT=$OUT bash "$0" moe-latency moe-offline ;;
     # About 2-3 minutes: the small-batch MoE tables of both shapes (the small path's tiles and, per
     # bucket, whether it beats the aligned pipeline) into $OUT/moe-configs, then moe-latency on them.

@@ -55,28 +55,28 @@ def cmd_prefill_ttft(args: argparse.Namespace) -> int:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
     max_tokens = args.piecewise_cuda_graph_max_tokens or max(lengths)
     root = tempfile.mkdtemp(prefix="plait-shapes-")
-    shape = args.shape
-    shape_dir = str(write_shape_dir(root, shape))
-    vocab = SHAPES[shape]["vocab_size"]
     # Both engines take the same chunk size, so a prompt is one extend step in either.
     common = {"chunked_prefill_size": max(max(lengths), max_tokens)}
-    off, _ = median_ttft_ms(shape_dir, lengths, args.reps, vocab, **common)
-    on, replays = median_ttft_ms(shape_dir, lengths, args.reps, vocab, enable_piecewise_cuda_graph=True,
-                        piecewise_cuda_graph_max_tokens=max_tokens, **common)
-    on_rate = 1e3 / _geomean(list(on.values()))
-    off_rate = 1e3 / _geomean(list(off.values()))
-    write_result(
-        args.out, "prefill-ttft", shape, "prompts_per_s_at_geomean_ttft", on_rate, "plait, piecewise graphs off",
-        off_rate, None, {"load_format": "dummy", "lengths": lengths, "reps": args.reps,
-                         "piecewise_cuda_graph_max_tokens": max_tokens, **common},
-        ttft_ms_piecewise=on, ttft_ms_eager=off, piecewise_replays_by_bucket=replays,
-        speedup_by_length={n: off[n] / on[n] for n in lengths})
+    for shape in args.shape:
+        shape_dir = str(write_shape_dir(root, shape))
+        vocab = SHAPES[shape]["vocab_size"]
+        off, _ = median_ttft_ms(shape_dir, lengths, args.reps, vocab, **common)
+        on, replays = median_ttft_ms(shape_dir, lengths, args.reps, vocab, enable_piecewise_cuda_graph=True,
+                                     piecewise_cuda_graph_max_tokens=max_tokens, **common)
+        on_rate = 1e3 / _geomean(list(on.values()))
+        off_rate = 1e3 / _geomean(list(off.values()))
+        write_result(
+            args.out, "prefill-ttft", shape, "prompts_per_s_at_geomean_ttft", on_rate, "plait, piecewise graphs off",
+            off_rate, None, {"load_format": "dummy", "lengths": lengths, "reps": args.reps,
+                             "piecewise_cuda_graph_max_tokens": max_tokens, **common},
+            ttft_ms_piecewise=on, ttft_ms_eager=off, piecewise_replays_by_bucket=replays,
+            speedup_by_length={n: off[n] / on[n] for n in lengths})
     return 0
 
 
 def add_prefill_ttft_parser(bench_sub: Any) -> None:
     p = bench_sub.add_parser("prefill-ttft", help="short prompts' TTFT with piecewise graphs off and on")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["llama-3.2-1b"])
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
