@@ -328,3 +328,16 @@ def test_cuda_breakable_graph_cuts_a_segment_at_each_step_and_replays_them_inter
     log.clear()
     graph.replay(lambda i: log.append(f"step {i}"))
     assert log == ["replay 0", "step 0", "replay 1", "step 1", "replay 2"]
+
+
+def test_bench_offline_and_latency_pass_the_piecewise_flags_through():
+    from plait.bench.cli import backend_options, backend_tag
+    from plait.cli import build_parser
+
+    for cmd in ("offline", "latency"):
+        args = build_parser().parse_args(["bench", cmd, "--enable-piecewise-cuda-graph",
+                                          "--piecewise-cuda-graph-max-tokens", "1024"])
+        options = backend_options(args)
+        assert options == {"enable_piecewise_cuda_graph": True, "piecewise_cuda_graph_max_tokens": 1024}
+        assert backend_tag(options) == "piecewise"
+    assert backend_options(build_parser().parse_args(["bench", "offline"])) == {}
