@@ -300,7 +300,8 @@ class PiecewiseCudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}  # each bucket's static final hidden states [bucket, H]
         self.replays: collections.Counter[int] = collections.Counter()  # bucket -> replays
         self.replayed_modes: collections.Counter[ForwardMode] = collections.Counter()  # mode -> replays
-        self.fallbacks: collections.Counter[str] = collections.Counter()  # reason -> eager forwards
+        # reason -> EXTEND/MIXED forwards that ran eagerly (other modes are not counted)
+        self.fallbacks: collections.Counter[str] = collections.Counter()
         self._graph_factory = graph_factory
         self.capture()
 
