@@ -8,6 +8,8 @@ staging, step bookkeeping, eager LM head and fallbacks run here; only the CUDA g
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from plait.config import EngineConfig
 from plait.executor.graph_utils import bucket_for
 from plait.executor.piecewise_graph_runner import (
     EagerBreakableGraph,
+    PiecewiseCudaGraphRunner,
     piecewise_token_buckets,
 )
 from plait.forward_batch import ForwardBatch, ForwardMode
@@ -157,6 +160,10 @@ def test_fallback_reasons_name_what_the_graphs_do_not_cover(tiny_model_dir, cpu_
         dp.mlp_sync.global_num_tokens_cpu = [8, 8]
         assert "DP attention" in runner.fallback_reason(dp)
         assert runner.fallback_reason(_batch(ForwardMode.EXTEND, 0)) == "no tokens"
+        # An EAGLE target writes hidden states for its draft: the static batches have no capture.
+        eagle = PiecewiseCudaGraphRunner(dataclasses.replace(engine.runner.capture_target(), hidden_capture=object()),
+                                         16, EagerBreakableGraph)
+        assert "hidden-state capture" in eagle.fallback_reason(_batch(ForwardMode.EXTEND, 8))
 
 
 # --- correctness ----------------------------------------------------------------------------------
