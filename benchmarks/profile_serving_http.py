@@ -280,6 +280,58 @@ def scheduler_side(model: str, batch: int) -> dict[str, float]:
     return out
 
 
+def collect_step(model: str, batch: int, steps: int = 40) -> dict[str, float]:
+    """One scheduler-loop iteration's output work at ``batch`` live streaming requests that each got
+    one token: ``_collect`` (take_update: detokenization and the update), ``_snapshot``, and pickling
+    + sending the UpdateBatch over ZMQ, on a real SchedulerProcess (its engine core built on the tiny
+    model, the requests not scheduled: their tokens are appended as a step would)."""
+    import zmq
+
+    from plait.config import EngineConfig
+    from plait.engine.core import LiveRequest
+    from plait.engine.messages import UpdateBatch
+    from plait.engine.scheduler_process import SchedulerProcess
+    from plait.sampling.params import SamplingParams
+
+    addr = f"ipc://{tempfile.mkdtemp(prefix='plait-collect-')}/out"
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    sink.bind(addr)
+    proc = SchedulerProcess(EngineConfig(model=model, device="cpu"), addr + "-unused", addr, None)
+    proc.load()
+    sink.recv()  # Ready
+    reqs = []
+    for i in range(batch):
+        req = proc.core.new_request(f"{i:032x}-0", [5, 6, 7, 8], SamplingParams(max_new_tokens=1 << 20), 0)
+        proc.live[req.rid] = LiveRequest(req, True, 1)
+        reqs.append(req)
+    proc._collect()
+    times: dict[str, float] = {"collect": 0.0, "snapshot": 0.0, "send": 0.0}
+    for s in range(steps):
+        for i, req in enumerate(reqs):
+            token = 20 + (s * 7 + i) % 400
+            req.output_ids.append(token)  # what the scheduler's step does with a sampled token
+            req.detokenizer.add_token(token)
+        t0 = time.perf_counter()
+        updates = proc._collect()
+        t1 = time.perf_counter()
+        stats = proc._snapshot()
+        t2 = time.perf_counter()
+        proc.push.send_pyobj(UpdateBatch(updates, stats))
+        t3 = time.perf_counter()
+        times["collect"] += t1 - t0
+        times["snapshot"] += t2 - t1
+        times["send"] += t3 - t2
+        assert len(updates) == batch
+        sink.recv()
+    proc.core.close()
+    proc.close()
+    sink.close(0)
+    out = {f"{k}_us_per_step": 1e6 * v / steps for k, v in times.items()}
+    out["step_us"] = sum(out.values())
+    out["step_us_per_update"] = out["step_us"] / batch
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=64)
@@ -293,6 +345,8 @@ def main() -> int:
                     help="replace the scheduler process by one that gives every running request a token each "
                     "this many ms (the HTTP side at a GPU's token rate; 8.6 ~ 256 streams at 30k tok/s)")
     ap.add_argument("--no-profile", action="store_true", help="only the unprofiled run")
+    ap.add_argument("--scheduler-only", action="store_true",
+                    help="only the scheduler-side measurements (no server run)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args()
     global SERVER_TREE, CLIENT_PROCS
@@ -308,6 +362,10 @@ def main() -> int:
                               "client_procs": args.client_procs, "replay_step_ms": args.replay_step_ms}
     result["scheduler_side"] = scheduler_side(model, 256)
     print(json.dumps(result["scheduler_side"]), flush=True)
+    result["collect_step"] = collect_step(model, 256)
+    print(json.dumps({"collect_step_256": result["collect_step"]}), flush=True)
+    if args.scheduler_only:
+        return 0
     plain = run_server_load(model, requests, tmp, None, args.serve_flag, args.replay_step_ms)
     result["plain"] = plain
     print(json.dumps(plain), flush=True)

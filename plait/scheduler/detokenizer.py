@@ -27,6 +27,27 @@ def decode_function(tokenizer: Any) -> Callable[..., str]:
     return getattr(tokenizer, "_decode", None) or tokenizer.decode
 
 
+def _decode_stream(tokenizer: Any, decode_fn: Callable[..., str], context: list[int],
+                   skip_special_tokens: bool) -> Any:
+    """A Rust ``DecodeStream`` in the state ``IncrementalDetokenizer`` starts in (window from the first
+    context id, prefix text the context's text, read offset after it), or None where it cannot be:
+    the text is not the Rust backend's ``decode`` (``decode_function``), tokenizers has no
+    ``DecodeStream``, or the context ends inside a character (the stream would not take it as its
+    prefix). Its ``step`` is ``_advance`` for one token in one call (the same two decodes, the same
+    rule: fold what grew unless it ends in U+FFFD)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or decode_fn != getattr(backend, "decode", None):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    if context and stream.step(backend, context) is None:
+        return None
+    return stream
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...],
                  skip_special_tokens: bool = True) -> None:
@@ -41,6 +62,13 @@ class IncrementalDetokenizer:
         self._text = ""  # decoded output text so far (complete characters only)
         self.sent = 0  # characters of ``text`` already streamed
         self.stopped_at: int | None = None  # index in ``text`` where a stop string begins
+        # The one-token fast path (``_step``): a DecodeStream mirroring the offsets above, or None.
+        # ``_stream_at``: how many ids it has seen; it follows the general path lazily when that
+        # path ran (several tokens at once), being rebuilt from the offsets.
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = _decode_stream(tokenizer, self._decode_fn, self._ids, skip_special_tokens)
+        self._stream_ok = self._stream is not None
+        self._stream_at = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
@@ -56,6 +84,8 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
+        if len(self._ids) - self._decoded == 1 and self._stream_ok and self._step():
+            return self._text
         if len(self._ids) - self._decoded > 1 and self._advance(len(self._ids)):
             # Deferred tokens caught up in one window (two tokenizer calls, not two per token),
             # unless the window ends inside a character: then token by token, below.
@@ -64,6 +94,35 @@ class IncrementalDetokenizer:
             self._decoded += 1
             self._advance(self._decoded)
         return self._text
+
+    def _step(self) -> bool:
+        """Fold the one new id through the DecodeStream (one Rust call, not two decodes and the
+        Python around them); False (nothing folded) where the stream cannot take it, and the general
+        path does."""
+        end = len(self._ids)
+        if self._stream_at != end - 1:
+            # The general path moved the offsets: the stream restarts from them, as its window
+            # start, prefix, read offset, and the ids after the read offset (which did not fold).
+            stream = _decode_stream(self.tokenizer, self._decode_fn,
+                                    self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+            # The pending ids did not fold on the general path, so they fold on the stream neither.
+            if stream is None or any(stream.step(self._backend, tid) is not None
+                                     for tid in self._ids[self._read_offset : end - 1]):
+                self._stream_ok = False
+                return False
+            self._stream = stream
+        try:
+            chunk = self._stream.step(self._backend, self._ids[-1])
+        except Exception:  # the new text does not extend the prefix: the general path decides
+            self._stream_ok = False
+            return False
+        self._stream_at = end
+        self._decoded = end
+        if chunk is not None:
+            self._text += chunk
+            self._prefix_offset = self._read_offset
+            self._read_offset = end
+        return True
 
     def _advance(self, end: int) -> bool:
         """Fold ids up to ``end`` into the text if they end on a complete character; the window
