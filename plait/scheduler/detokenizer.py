@@ -50,7 +50,9 @@ def _decode_stream(tokenizer: Any, decode_fn: Callable[..., str], context: list[
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, fast_path: bool = True) -> None:
+        """``fast_path`` False: every token through the general path (``_advance``), whose deltas the
+        fast path reproduces exactly."""
         self.tokenizer = tokenizer
         self._decode_fn = decode_function(tokenizer)
         self.skip_special_tokens = skip_special_tokens
@@ -66,9 +68,15 @@ class IncrementalDetokenizer:
         # ``_stream_at``: how many ids it has seen; it follows the general path lazily when that
         # path ran (several tokens at once), being rebuilt from the offsets.
         self._backend = getattr(tokenizer, "_tokenizer", None)
-        self._stream = _decode_stream(tokenizer, self._decode_fn, self._ids, skip_special_tokens)
+        self._stream = (_decode_stream(tokenizer, self._decode_fn, self._ids, skip_special_tokens)
+                        if fast_path else None)
         self._stream_ok = self._stream is not None
         self._stream_at = len(self._ids)
+
+    @property
+    def uses_fast_path(self) -> bool:
+        """Whether single new tokens fold through the DecodeStream (False: the general path only)."""
+        return self._stream_ok
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
