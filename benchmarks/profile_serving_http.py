@@ -280,6 +280,14 @@ def scheduler_side(model: str, batch: int) -> dict[str, float]:
     return out
 
 
+def _collect_takes_rows(proc: Any) -> bool:
+    """Whether the tree's ``_collect`` appends plain updates to a rows list (--server-tree may name
+    a tree from before it did)."""
+    import inspect
+
+    return "rows" in inspect.signature(proc._collect).parameters
+
+
 def collect_step(model: str, batch: int, steps: int = 40) -> dict[str, float]:
     """One scheduler-loop iteration's output work at ``batch`` live streaming requests that each got
     one token: ``_collect`` (take_update: detokenization and the update), ``_snapshot``, and pickling
@@ -304,7 +312,8 @@ def collect_step(model: str, batch: int, steps: int = 40) -> dict[str, float]:
         req = proc.core.new_request(f"{i:032x}-0", [5, 6, 7, 8], SamplingParams(max_new_tokens=1 << 20), 0)
         proc.live[req.rid] = LiveRequest(req, True, 1)
         reqs.append(req)
-    proc._collect()
+    collect = (lambda rows: proc._collect(rows)) if _collect_takes_rows(proc) else (lambda rows: proc._collect())
+    collect([])
     times: dict[str, float] = {"collect": 0.0, "snapshot": 0.0, "send": 0.0}
     for s in range(steps):
         for i, req in enumerate(reqs):
@@ -312,16 +321,17 @@ def collect_step(model: str, batch: int, steps: int = 40) -> dict[str, float]:
             req.output_ids.append(token)  # what the scheduler's step does with a sampled token
             req.detokenizer.add_token(token)
         t0 = time.perf_counter()
-        updates = proc._collect()
+        rows: list[Any] = []
+        updates = collect(rows)
         t1 = time.perf_counter()
         stats = proc._snapshot()
         t2 = time.perf_counter()
-        proc.push.send_pyobj(UpdateBatch(updates, stats))
+        proc.push.send_pyobj(UpdateBatch(updates, stats, rows) if rows else UpdateBatch(updates, stats))
         t3 = time.perf_counter()
         times["collect"] += t1 - t0
         times["snapshot"] += t2 - t1
         times["send"] += t3 - t2
-        assert len(updates) == batch
+        assert len(updates) + len(rows) == batch
         sink.recv()
     proc.core.close()
     proc.close()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from plait.config import EngineConfig
 from plait.engine.frontend import RequestLimits
-from plait.engine.messages import RequestUpdate
+from plait.engine.messages import PlainRow, RequestUpdate
 from plait.engine.warmup import WarmupReport, run_warmup, should_warm_up
 from plait.executor.model_runner import ModelRunner
 from plait.models.loader import ModelConfig, load_model_config, load_tokenizer
@@ -154,24 +154,50 @@ class LiveRequest:
         """What the request produced since the previous call (the finishing update carries the finish
         reason), or None when it produced nothing and is not finished, or while fewer than
         ``stream_interval`` tokens wait after its first."""
+        taken = self._take()
+        return None if taken is None else self._update(*taken)
+
+    def take_update_into(self, rows: list[PlainRow]) -> RequestUpdate | None:
+        """``take_update``, but a plain update (new tokens and text of a running request, nothing
+        else) is appended to ``rows`` (``UpdateBatch.rows``) instead of returned: what the
+        scheduler process does for every running request every step."""
+        taken = self._take()
+        if taken is None:
+            return None
+        start, n, in_start, n_in, finished, text = taken
+        req = self.req
+        if finished or n_in > in_start or req.sampling_params.logprobs:
+            return self._update(*taken)
+        rows.append((req.rid, req.output_ids[start:n], text, len(req.origin_input_ids), n, req.cached_tokens))
+        return None
+
+    def _take(self) -> tuple[int, int, int, int, bool, str] | None:
+        """Mark what the request produced since the previous call as reported: (first and end output
+        token, first and end prompt logprob, finished, the text delta), or None (nothing to report)."""
         req = self.req
         n = len(req.output_ids)
         start = self.sent_tokens
         n_in, in_start = len(req.input_token_logprobs), self.sent_input_logprobs
-        if not req.finished and (n == start and n_in == in_start or 0 < start and n - start < self.stream_interval):
+        finished = req.finished  # read once: this runs for every live request every step
+        if not finished and (n == start and n_in == in_start or 0 < start and n - start < self.stream_interval):
             return None
+        text = req.detokenizer.take_delta(finished) if self.stream or finished else ""
+        self.sent_tokens, self.sent_input_logprobs = n, n_in
+        return start, n, in_start, n_in, finished, text
+
+    def _update(self, start: int, n: int, in_start: int, n_in: int, finished: bool, text: str) -> RequestUpdate:
+        req = self.req
+        update = RequestUpdate(req.rid, req.output_ids[start:n], text, prompt_tokens=len(req.origin_input_ids),
+                               completion_tokens=n, cached_tokens=req.cached_tokens)
         sp = req.sampling_params
-        text = req.detokenizer.take_delta(req.finished) if self.stream or req.finished else ""
-        update = RequestUpdate(
-            rid=req.rid, token_ids=req.output_ids[start:n], text=text,
-            logprobs=req.output_logprobs[start:n] if sp.logprobs else None,
-            top_logprobs=req.output_top_logprobs[start:n] if sp.logprobs and sp.top_logprobs else None,
-            prompt_tokens=len(req.origin_input_ids), completion_tokens=n, cached_tokens=req.cached_tokens)
+        if sp.logprobs:
+            update.logprobs = req.output_logprobs[start:n]
+            if sp.top_logprobs:
+                update.top_logprobs = req.output_top_logprobs[start:n]
         if n_in > in_start:
             update.input_logprobs = req.input_token_logprobs[in_start:n_in]
             update.input_top_logprobs = req.input_top_logprobs[in_start:n_in]
-        self.sent_tokens, self.sent_input_logprobs = n, n_in
-        if req.finished:
+        if finished:
             assert req.finish_reason is not None
             update.finish_reason = req.finish_reason.value
             update.finish_message = req.finish_message

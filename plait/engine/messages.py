@@ -158,41 +158,46 @@ _other_values = operator.attrgetter(*_OTHER_FIELDS)
 _OTHER_DEFAULTS = tuple(f.default for f in fields(RequestUpdate) if f.name not in _PLAIN_FIELDS)
 
 
+# A plain update as the scheduler appends it without building the object (``UpdateBatch.rows``):
+# rid, token_ids, text, prompt_tokens, completion_tokens, cached_tokens (``_PLAIN_FIELDS``' order).
+PlainRow = tuple[str, list[int], str, int, int, int]
+
+
 @dataclass
 class UpdateBatch:
     """What changed in one scheduler loop iteration: per-request updates in order (one request may
     have several, its acknowledgement then its first tokens) plus the scheduler's snapshot.
 
-    Pickled compactly (``__reduce__``): the plain updates as one list per field, the others (logprobs,
-    a finish, an error) as objects with their positions; unpickling rebuilds the same list. Several
-    times cheaper than pickling every update as an object, on both sides of the hop."""
+    ``rows``: plain updates the sender appended as ``PlainRow`` tuples rather than objects (one per
+    running request per step: the scheduler's hot path); they follow ``updates`` (so no row may
+    precede an update of its request there). A received batch has every update in ``updates``, in
+    that order, and no rows.
+
+    Pickled compactly (``__reduce__``): the plain updates as rows, the others (logprobs, a finish, an
+    error) as objects with their positions; unpickling rebuilds the same list. Several times cheaper
+    than pickling every update as an object, on both sides of the hop."""
 
     updates: list[RequestUpdate]
     stats: SchedulerSnapshot
+    rows: list[PlainRow] = field(default_factory=list)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
-        rid, token_ids, text, prompt, completion, cached = columns
+        rows: list[PlainRow] = []
         rich: list[tuple[int, RequestUpdate]] = []
         for i, u in enumerate(self.updates):
             if _other_values(u) != _OTHER_DEFAULTS:
                 rich.append((i, u))
                 continue
-            rid.append(u.rid)
-            token_ids.append(u.token_ids)
-            text.append(u.text)
-            prompt.append(u.prompt_tokens)
-            completion.append(u.completion_tokens)
-            cached.append(u.cached_tokens)
-        return _unpack_update_batch, (columns, rich, self.stats)
+            rows.append((u.rid, u.token_ids, u.text, u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+        return _unpack_update_batch, (rows + self.rows if rows else self.rows, rich, self.stats)
 
 
-def _unpack_update_batch(columns: tuple[list[Any], ...], rich: list[tuple[int, RequestUpdate]],
+def _unpack_update_batch(rows: list[PlainRow], rich: list[tuple[int, RequestUpdate]],
                          stats: SchedulerSnapshot) -> UpdateBatch:
     updates = [RequestUpdate(rid, token_ids, text, prompt_tokens=prompt, completion_tokens=completion,
                              cached_tokens=cached)
-               for rid, token_ids, text, prompt, completion, cached in zip(*columns, strict=True)]
-    for i, u in rich:  # ascending positions: each lands where it was
+               for rid, token_ids, text, prompt, completion, cached in rows]
+    for i, u in rich:  # ascending positions, all within the objects that preceded the rows
         updates.insert(i, u)
     return UpdateBatch(updates, stats)
 

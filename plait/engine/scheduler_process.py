@@ -42,6 +42,7 @@ from plait.engine.messages import (
     FlushCacheReply,
     FlushCacheRequest,
     GenerateRequest,
+    PlainRow,
     Ready,
     RequestUpdate,
     SchedulerSnapshot,
@@ -109,10 +110,12 @@ class SchedulerProcess:
                 return
             if self.scheduler.has_work():
                 self.scheduler.step()
-            updates += self._collect()
+            rows: list[PlainRow] = []
+            updates += self._collect(rows)
             stats = self._snapshot()
-            if updates or stats != self.last_stats:
-                self.push.send_pyobj(UpdateBatch(updates, stats))
+            if updates or rows or stats != self.last_stats:
+                # rows after updates: a request's acknowledgement (in updates) precedes its tokens.
+                self.push.send_pyobj(UpdateBatch(updates, stats, rows))
                 self.last_stats = stats
 
     def _handle(self, msg: object, updates: list[RequestUpdate]) -> None:
@@ -155,14 +158,16 @@ class SchedulerProcess:
         # (streaming headers) before the first token, knowing the request was not refused.
         return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids))]
 
-    def _collect(self) -> list[RequestUpdate]:
+    def _collect(self, rows: list[PlainRow]) -> list[RequestUpdate]:
+        """Every live request's update since the previous step: the plain ones appended to ``rows``
+        (UpdateBatch.rows), the others returned."""
         # Scan every live request rather than only step()'s return value: a request aborted while
         # waiting finishes inside abort(), and with overlap scheduling a step may deliver tokens
         # one step later; take_update is exact in either case. O(live) per step.
         out: list[RequestUpdate] = []
         done: list[str] = []
         for rid, live in self.live.items():
-            update = live.take_update()
+            update = live.take_update_into(rows)
             if update is None:
                 continue
             if update.finished:
