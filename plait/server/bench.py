@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import math
 import os
@@ -218,6 +219,21 @@ def run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], in
     cannot parse the events of a server at tens of thousands of chunks/s). Request i goes to process
     i % procs, each with rate / procs (Poisson arrivals that add up to ``request_rate``) and its share
     of ``max_concurrency``; the duration spans the first start to the last finish."""
+    # The heap as it is now (plait, transformers, the prompts) out of the collector's reach while
+    # the load runs, as the server does with its own (gc.freeze): otherwise every collection in a
+    # client scans it, and in a forked worker also touches (copies) its pages, which would count
+    # against the server's measured speed. Unfrozen after, so the offline peer runs in the process
+    # as it was.
+    gc.freeze()
+    try:
+        return _run_load_procs(base_url, model, requests, request_rate, max_concurrency, seed, timeout, procs)
+    finally:
+        gc.unfreeze()
+
+
+def _run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,
+                    max_concurrency: int | None, seed: int, timeout: float, procs: int,
+                    ) -> tuple[list[RequestResult], float]:
     if procs <= 1:
         return run_client(run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout))
     import multiprocessing
