@@ -100,17 +100,19 @@ def test_generate_stop_finish_reasons_name_what_matched(server):
 
 
 def test_generate_stream_sends_cumulative_text_then_done(server):
-    params = {"max_new_tokens": 8, "ignore_eos": True, **GREEDY}
+    params = {"max_new_tokens": 32, "ignore_eos": True, **GREEDY}
     whole = generate(server, text="Hello there", sampling_params=params).json()
     events = stream_events(server, text="Hello there", sampling_params=params)
     assert events[-1] == "[DONE]"
+    # How many events carry the 32 tokens is the server's choice (a stream that lags gets its waiting
+    # tokens merged into one event); each extends the one before.
     chunks = events[:-1]
-    assert len(chunks) >= 2
+    assert chunks
     for a, b in zip(chunks, chunks[1:], strict=False):
         assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
         assert a["meta_info"]["finish_reason"] is None
     assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 32}
 
 
 def test_generate_batch_stream_events_carry_their_index(server):
