@@ -66,16 +66,18 @@ def _layout(
     return req_to_token.cuda(), rows.cuda(), indptr.cuda(), torch.cat(chunks).cuda(), num_slots
 
 
-def _decode_inputs(lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+def _decode_inputs(lens: list[int], seed: int, heads: tuple[int, int, int] = (HQ, HKV, D)
+                   ) -> tuple[torch.Tensor, ...]:
     """q, k_buf, v_buf, seq_lens, kv_indptr and kv_indices (built by the kernel, checked) of a paged
-    decode batch with contexts ``lens``."""
+    decode batch with contexts ``lens``; ``heads`` = (q heads, KV heads, head dim)."""
+    hq, hkv, d = heads
     gen = torch.Generator().manual_seed(seed)
     req_to_token, rows, _, indices_ref, num_slots = _layout(lens, gen)
     bs = len(lens)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    k_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
-    v_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
-    q = torch.randn(bs, HQ, D, device="cuda", dtype=DTYPE)
+    k_buf = torch.randn(num_slots, hkv, d, device="cuda", dtype=DTYPE)
+    v_buf = torch.randn(num_slots, hkv, d, device="cuda", dtype=DTYPE)
+    q = torch.randn(bs, hq, d, device="cuda", dtype=DTYPE)
     kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     kv_indptr[1:] = torch.cumsum(seq_lens, 0)
     kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device="cuda")
@@ -84,22 +86,24 @@ def _decode_inputs(lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
     return q, k_buf, v_buf, seq_lens, kv_indptr, kv_indices
 
 
-def _decode_case(lens: list[int], seed: int, fused: bool = False) -> None:
-    q, k_buf, v_buf, seq_lens, kv_indptr, kv_indices = _decode_inputs(lens, seed)
+def _decode_case(lens: list[int], seed: int, fused: bool = False, heads: tuple[int, int, int] = (HQ, HKV, D),
+                 config: K.LaunchConfig | None = None) -> None:
+    hq, hkv, d = heads
+    q, k_buf, v_buf, seq_lens, kv_indptr, kv_indices = _decode_inputs(lens, seed, heads)
     bs = len(lens)
 
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-    K.get_num_kv_splits(seq_lens, splits, MAX_KV_SPLITS, _num_sms(), num_kv_heads=HKV)
-    logits = torch.empty(bs, HQ, MAX_KV_SPLITS, D, dtype=torch.float32, device="cuda")
-    lse = torch.empty(bs, HQ, MAX_KV_SPLITS, dtype=torch.float32, device="cuda")
-    o = torch.empty(bs, HQ, D, dtype=DTYPE, device="cuda")
-    counters = torch.zeros(bs * HKV, dtype=torch.int32, device="cuda") if fused else None
-    K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS, D**-0.5,
-                           split_counters=counters)
+    K.get_num_kv_splits(seq_lens, splits, MAX_KV_SPLITS, _num_sms(), num_kv_heads=hkv)
+    logits = torch.empty(bs, hq, MAX_KV_SPLITS, d, dtype=torch.float32, device="cuda")
+    lse = torch.empty(bs, hq, MAX_KV_SPLITS, dtype=torch.float32, device="cuda")
+    o = torch.empty(bs, hq, d, dtype=DTYPE, device="cuda")
+    counters = torch.zeros(bs * hkv, dtype=torch.int32, device="cuda") if fused else None
+    K.decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, MAX_KV_SPLITS, d**-0.5,
+                           split_counters=counters, config=config)
     if fused:
         assert counters is not None and not counters.any()
-    o_ref = torch.empty(bs, HQ, D, dtype=torch.float32, device="cuda")
-    R.decode_attention_fwd(q, k_buf, v_buf, o_ref, kv_indptr, kv_indices, None, None, None, 0, D**-0.5)
+    o_ref = torch.empty(bs, hq, d, dtype=torch.float32, device="cuda")
+    R.decode_attention_fwd(q, k_buf, v_buf, o_ref, kv_indptr, kv_indices, None, None, None, 0, d**-0.5)
     torch.testing.assert_close(o.float(), o_ref, atol=ATOL, rtol=RTOL)
 
 
@@ -108,6 +112,22 @@ def test_decode_bs256_mixed_lengths(fused: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(1, 2048, (256,), generator=gen).tolist()
     _decode_case(lens, seed=1, fused=fused)
+
+
+def test_decode_config_packs_two_kv_heads_per_program_at_head_dim_64_in_large_batches() -> None:
+    assert K.decode_config(torch.empty(256, device="cuda"), 64, 8)[0].kv_pack == 2
+    assert K.decode_config(torch.empty(256, device="cuda"), 128, 8)[0].kv_pack == 1
+    assert K.decode_config(torch.empty(1, device="cuda"), 64, 8)[0].kv_pack == 1
+
+
+@pytest.mark.parametrize("pack", [1, 2, 4])
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
+def test_decode_head_dim_64_with_kv_heads_packed_per_program(fused: bool, pack: int) -> None:
+    # llama-3.2-1b's attention (32 q / 8 KV heads, head dim 64) at bs 256 and at a split long context.
+    gen = torch.Generator().manual_seed(4)
+    lens = torch.randint(1, 1024, (256,), generator=gen).tolist() + [20000]
+    config = K.LaunchConfig(block_n=64, num_warps=4, num_stages=2, kv_pack=pack)
+    _decode_case(lens, seed=5, fused=fused, heads=(32, 8, 64), config=config)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
