@@ -150,6 +150,10 @@ class ModelRunner:
         if factory is None:
             logger.info("--enable-piecewise-cuda-graph: no graphs on %s; extend steps run eagerly", self.device)
             return None
+        if self.hidden_capture is not None:
+            logger.info("--enable-piecewise-cuda-graph: an EAGLE target captures hidden states, which the "
+                        "piecewise graphs do not; extend steps run eagerly")
+            return None
         if not isinstance(self.model, PiecewiseModel):
             logger.info("--enable-piecewise-cuda-graph: %s has no forward_hidden/compute_logits; extend steps run "
                         "eagerly", type(self.model).__name__)
