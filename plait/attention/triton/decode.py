@@ -1,9 +1,10 @@
 """Split-KV (flash-decoding) attention for decode: one new query token per request.
 
-Stage 1, grid ``(bs, num_kv_heads, max_kv_splits)``: a program owns one request, one KV head and one
-contiguous split of that request's KV. All ``G = Hq / Hkv`` query heads of the KV group are one
-``[BLOCK_H, D]`` tile (BLOCK_H = max(16, next_pow2(G)), rows >= G masked), so each K/V tile is read
-from HBM once per group and the products are ``tl.dot``s. It runs an online softmax over the split and
+Stage 1, grid ``(bs, num_kv_heads / kv_pack, max_kv_splits)``: a program owns one request, one KV head
+(or ``kv_pack`` adjacent ones, read as one row per slot) and one contiguous split of that request's KV.
+All ``G = Hq / Hkv`` query heads of the KV group are one ``[BLOCK_H, D]`` tile (BLOCK_H =
+max(16, next_pow2(G)), rows >= G masked), so each K/V tile is read from HBM once per group and the
+products are ``tl.dot``s. It runs an online softmax over the split and
 writes the split's normalised partial output and natural-log LSE into the fp32 workspaces.
 
 Stage 2, grid ``(bs, Hkv)``: merges a request's splits with their LSEs into ``o`` (``_merge_splits``, which the
