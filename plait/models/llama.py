@@ -174,6 +174,9 @@ class LlamaDecoderLayer(nn.Module):
         self.tp = tp  # the group of both sums of forward_ops under tensor parallelism
         self.self_attn = self.attention_cls(cfg, layer_id, attn_tp, qkv_bias, o_bias)
         self.mlp = self.build_mlp(cfg, layer_id, tp)
+        # Decided once: a runtime Protocol check costs microseconds, and every layer call would pay it.
+        self.mlp_forward_normed = (self.mlp.forward_normed if self.dp_group is None and isinstance(self.mlp, NormedMLP)
+                                   else None)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -193,8 +196,8 @@ class LlamaDecoderLayer(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``post_attention_layernorm`` then the MLP: inside the MLP's first GEMV where the MLP runs whole
         (``forward_normed``), else the norm and ``run_mlp``."""
-        if self.dp_group is None and isinstance(self.mlp, NormedMLP):
-            return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
+        if self.mlp_forward_normed is not None:
+            return self.mlp_forward_normed(self.post_attention_layernorm, hidden, residual)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.run_mlp(hidden, fb), residual
 
