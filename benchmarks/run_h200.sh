@@ -222,6 +222,16 @@ for stage in "$@"; do
         PLAIT_DECODE_KV_PACK=$pack python -m plait bench offline --workload offline-throughput --shape llama-3.2-1b \
           --out "$OUT/kvpack-$pack" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    kvpack-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "pack" -p no:cacheprovider 2>&1 \
+        | tee "$OUT/kvpack-tests.log" | tail -4 ;;
+    # The n-gram pair (shortened as in `spec`) with chained verifies off (0) and on (1).
+    spec-chain-ab)
+      for on in 0 1; do
+        for w in spec-ngram-repeat spec-ngram-miss; do
+          PLAIT_SPEC_CHAIN_VERIFIES=$on python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 \
+            --output-len 64 --out "$OUT/spec-chain-$on" 2>&1 | grep -E '^\{"workload|Error'
+        done
+      done ;;
     attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
     # The n-gram pair alone, shortened as in `spec`.
