@@ -127,7 +127,7 @@ for stage in "$@"; do
         set -- $v
         echo "--- qwen3-30b-a3b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3"
         PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3 python -m plait bench latency \
-          --shape qwen3-30b-a3b --no-peer --out "$OUT/moe-ab-$4" 2>&1 | grep -E '^\{"workload|Error'
+          --shape qwen3-30b-a3b --no-peer --eager-output-len 32 --out "$OUT/moe-ab-$4" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
     norm-gemv-1b-ab)  # decode-bs1 llama-3.2-1b with PLAIT_FUSED_NORM_GEMV / PLAIT_FUSED_ACT_GEMV off and on
       IFS=, read -ra variants <<< "${NORM_AB_VARIANTS:-0 0,1 0,0 1,1 1}"
@@ -230,6 +230,16 @@ for stage in "$@"; do
         for w in spec-ngram-repeat spec-ngram-miss; do
           PLAIT_SPEC_CHAIN_VERIFIES=$on python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 \
             --output-len 64 --out "$OUT/spec-chain-$on" 2>&1 | grep -E '^\{"workload|Error'
+        done
+      done ;;
+    # offline-throughput 8b, nano-vllm (qwen3-0.6b) and offline-throughput 1b with decode attention's kv_pack
+    # forced to 1 (the tiles before packing) and at its default, each pair back to back.
+    kvpack-offline-ab)
+      for w in "offline-throughput --shape llama-3.1-8b" "nano-vllm" "offline-throughput --shape llama-3.2-1b"; do
+        for pack in 1 0; do
+          # shellcheck disable=SC2086  # $w is a workload and its flags
+          PLAIT_DECODE_KV_PACK=$pack python -m plait bench offline --workload $w --out "$OUT/kvpack-off-$pack" 2>&1 \
+            | grep -E '^\{"workload|Error'
         done
       done ;;
     attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;

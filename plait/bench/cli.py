@@ -120,7 +120,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
         # The headline (graph) run without the expert counter; the eager run of the same prompt counts.
         options = {**backends, **({"quantization": args.quantization} if args.quantization else {})}
         graph = plait_decode_bs1(shape, shape_dir, prompt, new, count_experts=False, **options)
-        eager = plait_decode_bs1(shape, shape_dir, prompt, new, **{**options, "disable_cuda_graph": True})
+        eager = plait_decode_bs1(shape, shape_dir, prompt, args.eager_output_len or new,
+                                 **{**options, "disable_cuda_graph": True})
         contexts = [128 + new // 2]  # mean context over the decode
         # MoE: the distinct experts the decode steps routed to, counted in the run (the eager engine's).
         distinct = eager.get("distinct_experts_per_layer_step")
@@ -247,6 +248,9 @@ def add_bench_parsers(bench_sub: Any) -> None:
     lat.add_argument("--output-len", type=int, default=256)
     lat.add_argument("--no-peer", action="store_true")
     lat.add_argument("--no-compile-peer", action="store_true")
+    lat.add_argument("--eager-output-len", type=int, default=None,
+                     help="tokens of the eager run (it counts the routed experts and gives graph_speedup_over_eager); "
+                          "default --output-len")
     lat.add_argument("--prefill", action="store_true", help="also 8 x 2048 prefill MFU on llama-3.1-8b")
     lat.add_argument("--prefill-only", action="store_true", help="with --prefill: only the prefill MFU run")
     lat.add_argument("--out", default="benchmarks/results")

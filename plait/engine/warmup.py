@@ -281,7 +281,7 @@ def runner_shape(runner: ModelRunner) -> WarmupShape:
     large: int | None = None
     if runner.device == "cuda":
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        large = large_batch_min_bs(sms, runner.kv_pool.num_kv_heads)
+        large = large_batch_min_bs(sms, runner.kv_pool.num_kv_heads, runner.kv_pool.head_dim)
     return WarmupShape(runner.max_context_len, runner.max_total_tokens,
                        graphs.max_bs if graphs is not None else None, large,
                        gemv_token_classes() if runner.device == "cuda" else ())

@@ -114,10 +114,22 @@ def test_decode_bs256_mixed_lengths(fused: bool) -> None:
     _decode_case(lens, seed=1, fused=fused)
 
 
-def test_decode_config_packs_two_kv_heads_per_program_at_head_dim_64_in_large_batches() -> None:
+def test_decode_config_packs_two_kv_heads_per_program_in_large_batches() -> None:
     assert K.decode_config(torch.empty(256, device="cuda"), 64, 8)[0].kv_pack == 2
-    assert K.decode_config(torch.empty(256, device="cuda"), 128, 8)[0].kv_pack == 1
+    assert K.decode_config(torch.empty(64, device="cuda"), 64, 8)[0].kv_pack == 2
+    large_d128 = K.decode_config(torch.empty(256, device="cuda"), 128, 8)[0]
+    assert (large_d128.kv_pack, large_d128.block_n) == (2, 32)
+    assert K.decode_config(torch.empty(64, device="cuda"), 128, 8)[0].kv_pack == 1
     assert K.decode_config(torch.empty(1, device="cuda"), 64, 8)[0].kv_pack == 1
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
+def test_decode_head_dim_128_with_two_kv_heads_per_program(fused: bool) -> None:
+    # llama-3.1-8b's attention (32 q / 8 KV heads, head dim 128) with its large-batch tile, 32 tokens x 2 heads.
+    gen = torch.Generator().manual_seed(6)
+    lens = torch.randint(1, 1024, (256,), generator=gen).tolist() + [20000]
+    config = K.LaunchConfig(block_n=32, num_warps=4, num_stages=2, kv_pack=2)
+    _decode_case(lens, seed=7, fused=fused, heads=(32, 8, 128), config=config)
 
 
 @pytest.mark.parametrize("pack", [1, 2, 4])

@@ -48,10 +48,12 @@ DEFAULT_MIN_SPLIT_LEN = 128
 LARGE_BATCH_PROGRAMS_PER_SM = 4
 
 
-def large_batch_min_bs(num_sms: int, num_kv_heads: int) -> int:
-    """The smallest decode batch (requests) whose (request, kv head) grid reaches
-    LARGE_BATCH_PROGRAMS_PER_SM programs per SM: from there ``decode_config`` picks the large-batch tiles."""
-    return -(-LARGE_BATCH_PROGRAMS_PER_SM * num_sms // max(1, num_kv_heads))
+def large_batch_min_bs(num_sms: int, num_kv_heads: int, head_dim: int) -> int:
+    """The smallest decode batch (requests) from which ``decode_config`` picks the large-batch tiles: where
+    the (request, kv head) grid reaches LARGE_BATCH_PROGRAMS_PER_SM programs per SM, or half that at head
+    dim <= 64, where the packed tiles already win there (bs 64 with 8 kv heads)."""
+    min_bs = -(-LARGE_BATCH_PROGRAMS_PER_SM * num_sms // max(1, num_kv_heads))
+    return (min_bs + 1) // 2 if head_dim <= 64 else min_bs
 
 
 KV_PACK_OVERRIDE = envs.DECODE_KV_PACK.get()
@@ -64,8 +66,8 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
     gathered through ``kv_indices``; the [16, D] x [D, BLOCK_N] dots are tiny, what matters is bytes in
     flight. On Hopper (bf16, D = 128, 8 kv heads) 128-token tiles, 4 warps, 2 stages are best or close
     for small and medium batches over short and long contexts; once the (request, kv head) grid alone
-    is >= 4 programs per SM, 64-token tiles (more CTAs resident per SM) win, and at head dim 64 two KV
-    heads per program
+    is >= 4 programs per SM (2 at head dim 64), 64-token tiles (more CTAs resident per SM) win, and two KV
+    heads per program (32-token tiles at head dim 128)
     (``kernels_bench.py --sweep-decode`` compares them; DP attention's per-rank decode batches sit in
     that range).
     Interpreter (CPU): 16-token tiles, so small test shapes cover multi-tile splits, tails and empty
@@ -76,11 +78,13 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
         return LaunchConfig(block_n=16, num_warps=4, num_stages=1), 16
     if head_dim > 128:
         return LaunchConfig(block_n=32, num_warps=4, num_stages=2), 64
-    if q.shape[0] >= large_batch_min_bs(device_num_sms(q), num_kv_heads):
-        # Large batches read K/V rows at random slots: a 128-byte row per head (head dim 64) is a poor
-        # DRAM access, so two heads per program read 256-byte rows.
-        pack = 2 if head_dim <= 64 and num_kv_heads % 2 == 0 else 1
-        return LaunchConfig(block_n=64, num_warps=4, num_stages=2, kv_pack=KV_PACK_OVERRIDE or pack), 64
+    if q.shape[0] >= large_batch_min_bs(device_num_sms(q), num_kv_heads, head_dim):
+        # Large batches read K/V rows at random slots: two KV heads per program read one row of twice the
+        # bytes per slot (256 bytes at head dim 64, 512 at 128). At head dim 128 the tile keeps 64 x 128
+        # elements per operand (32 tokens x 2 heads), so as many CTAs stay resident per SM as unpacked.
+        pack = KV_PACK_OVERRIDE or (2 if num_kv_heads % 2 == 0 else 1)
+        block_n = 64 if head_dim <= 64 else max(16, 64 // pack)
+        return LaunchConfig(block_n=block_n, num_warps=4, num_stages=2, kv_pack=pack), 64
     return LaunchConfig(block_n=128, num_warps=4, num_stages=2, kv_pack=KV_PACK_OVERRIDE or 1), 64
 
 
