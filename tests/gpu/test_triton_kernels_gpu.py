@@ -115,12 +115,13 @@ def test_decode_bs256_mixed_lengths(fused: bool) -> None:
 
 
 def test_decode_config_packs_two_kv_heads_per_program_in_large_batches() -> None:
-    assert K.decode_config(torch.empty(256, device="cuda"), 64, 8)[0].kv_pack == 2
-    assert K.decode_config(torch.empty(64, device="cuda"), 64, 8)[0].kv_pack == 2
-    large_d128 = K.decode_config(torch.empty(256, device="cuda"), 128, 8)[0]
+    assert K.decode_config(torch.empty(256, 32, 64, device="cuda"), 64, 8)[0].kv_pack == 2
+    assert K.decode_config(torch.empty(64, 32, 64, device="cuda"), 64, 8)[0].kv_pack == 2
+    large_d128 = K.decode_config(torch.empty(256, 32, 128, device="cuda"), 128, 8)[0]
     assert (large_d128.kv_pack, large_d128.block_n) == (2, 32)
-    assert K.decode_config(torch.empty(64, device="cuda"), 128, 8)[0].kv_pack == 1
-    assert K.decode_config(torch.empty(1, device="cuda"), 64, 8)[0].kv_pack == 1
+    assert K.decode_config(torch.empty(256, 16, 128, device="cuda"), 128, 8)[0].kv_pack == 1  # groups of 2
+    assert K.decode_config(torch.empty(64, 32, 128, device="cuda"), 128, 8)[0].kv_pack == 1
+    assert K.decode_config(torch.empty(1, 32, 64, device="cuda"), 64, 8)[0].kv_pack == 1
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
