@@ -169,6 +169,18 @@ for stage in "$@"; do
       # The router and projection GEMV tables too, where a gemv-moe stage of this run tuned them.
       if [ -d "$OUT/gemv-configs" ]; then export PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs; fi
       python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b ${MOE_PEER:---no-peer} --out "$OUT" 2>&1 | tail -6 ;;
+    # The small-batch path's down kernel given its own tiles over the shipped joint ones (M 1, 2, 4 of
+    # qwen3-30b-a3b, about 1-2 min), then decode-bs1 on the shipped table and on the new one, back to back.
+    moe-tune-down)
+      mkdir -p "$OUT/moe-configs"
+      python benchmarks/tune_fused_moe.py --small-batch --from-table --down-sweep --shape qwen3-30b-a3b \
+        --batch-sizes 1,2,4 --out-dir "$OUT/moe-configs" --budget-s "${MOE_TUNE_S:-90}" \
+        --report "$OUT/moe-tune-down.json" 2>&1 | tee "$OUT/moe-tune-down.log" | grep -E 'M=|budget|Error'
+      for table in shipped tuned; do
+        dir=$([ $table = tuned ] && echo "$OUT/moe-configs")
+        PLAIT_MOE_CONFIG_DIR=$dir python -m plait bench latency --shape qwen3-30b-a3b --no-peer --eager-output-len 32 \
+          --out "$OUT/moe-down-$table" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     moe-latency) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-compile-peer --out "$OUT" 2>&1 | tail -6 ;;
     moe-offline)
       for shape in ${MOE_SHAPES:-qwen3-30b-a3b gpt-oss-20b}; do

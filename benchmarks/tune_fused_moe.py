@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -61,6 +62,8 @@ from plait.layers.moe.reference import (
 from plait.layers.moe.small_batch import (  # noqa: E402
     SmallBatchConfig,
     fused_experts_small_batch,
+    get_small_batch_config,
+    load_small_batch_table,
     small_config_file_name,
 )
 
@@ -320,6 +323,27 @@ def small_batch_candidates(top_k: int = 8, fp8: bool = False) -> list[SmallBatch
     return out
 
 
+# (block_h, down_block_k, down_num_warps, down_num_stages) of the down kernel alone, swept over a bucket's
+# best joint tiles (``--down-sweep``): its [K, block_h, block_k] tile reads the K experts' rows at once, so
+# its best step and warps need not be the gate/up kernel's; from one row per program (H programs per
+# token) to 16.
+_DOWN_TILES = (
+    (1, 1024, 4, 3), (1, 512, 2, 3), (1, 256, 2, 4), (2, 1024, 8, 2), (2, 512, 4, 3), (2, 512, 8, 3),
+    (2, 256, 2, 3), (2, 256, 4, 4), (4, 512, 8, 3), (4, 256, 4, 3), (4, 256, 4, 4), (4, 256, 8, 2),
+    (4, 128, 2, 4), (4, 128, 4, 4), (8, 256, 8, 3), (8, 256, 8, 4), (8, 128, 4, 4), (8, 128, 8, 4),
+    (8, 64, 4, 4), (16, 128, 8, 3), (16, 64, 4, 3), (16, 64, 8, 4),
+)
+
+
+def down_candidates(base: SmallBatchConfig, top_k: int = 8, fp8: bool = False) -> list[SmallBatchConfig]:
+    """``base`` with each ``_DOWN_TILES`` entry as its down kernel's tiles (gate/up unchanged) whose
+    accumulator fits the registers (``fp8``: and whose K step stays in one 128-column scale group)."""
+    top_k_pad = 1 << (top_k - 1).bit_length()
+    return [dataclasses.replace(base, block_h=bh, down_block_k=bk, down_num_warps=warps, down_num_stages=stages)
+            for bh, bk, warps, stages in _DOWN_TILES
+            if top_k_pad * bh * bk <= _ACC_PER_THREAD * 32 * warps and not (fp8 and EXPERT_FP8_BLOCK % bk)]
+
+
 def small_batch_buckets(shape: MoeShape, batch_sizes: list[int]) -> list[int]:
     """The buckets where the small path could win: at most as many pairs as experts (beyond that
     the pairs share experts and the aligned pipeline reads each once; the run time takes the aligned
@@ -327,16 +351,39 @@ def small_batch_buckets(shape: MoeShape, batch_sizes: list[int]) -> list[int]:
     return [m for m in batch_sizes if 0 < m * shape.top_k <= shape.num_experts]
 
 
-def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: float, rotations: int) -> dict:
+def _time_small_configs(shape: MoeShape, experts: tuple, inputs: list, deadline: float,
+                        timings: list[tuple[float, SmallBatchConfig]], configs: list[SmallBatchConfig]) -> None:
+    """Time each of ``configs`` (until ``deadline``) into ``timings``, kept sorted fastest first."""
+    w13, w2, b13, b2, scales = experts
+    for cfg in configs:
+        if time.monotonic() > deadline:
+            break
+        fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_small_batch(
+            x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs]
+        try:
+            timings.append((graph_time_us(fns), cfg))
+        except Exception as exc:  # registers / shared memory
+            print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+    timings.sort(key=lambda t: t[0])
+
+
+def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: float, rotations: int,
+                     down_sweep: bool = False, from_table: bool = False) -> dict:
     """Per bucket: the fastest ``SmallBatchConfig``, and the aligned pipeline at the config the run
     time would give it (``kernel_config.get_config``), timed the same way; the table records the
-    faster path per bucket (``small_batch.SmallBatchBucket``), which the dispatcher follows."""
+    faster path per bucket (``small_batch.SmallBatchBucket``), which the dispatcher follows.
+    ``down_sweep``: then the down kernel's own tiles over the winner (``down_candidates``).
+    ``from_table``: the joint tiles are the table's the run time reads now (the shipped one, or the
+    one in ``out_dir``), not swept again; the buckets not tuned keep their entries."""
     shape = MOE_KERNEL_SHAPES[name]
     experts = make_weights(shape)
     w13, w2, b13, b2, scales = experts
     device = torch.cuda.get_device_name()
     path = os.path.join(out_dir, small_config_file_name(shape.local_experts, shape.inter, device, shape.dtype_key))
     best: dict[str, dict] = {}
+    if from_table:
+        table = load_small_batch_table(shape.local_experts, shape.inter, device, shape.dtype_key) or {}
+        best = {str(m): {"path": b.path, "config": b.config.to_json()} for m, b in table.items()}
     report: dict[str, dict] = {}
     for m in small_batch_buckets(shape, batch_sizes):
         if time.monotonic() > deadline:
@@ -347,18 +394,17 @@ def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: 
         aligned_us = graph_time_us([lambda x=x, w=w, i=i, cfg=aligned_cfg: fused_experts_with_config(
             x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs])
         timings: list[tuple[float, SmallBatchConfig]] = []
-        for cfg in small_batch_candidates(shape.top_k, shape.fp8):
-            if time.monotonic() > deadline:
-                break
-            fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_small_batch(
-                x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs]
-            try:
-                timings.append((graph_time_us(fns), cfg))
-            except Exception as exc:  # registers / shared memory
-                print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+        time_all = functools.partial(_time_small_configs, shape, experts, inputs, deadline, timings)
+        if from_table:
+            time_all([get_small_batch_config(m, shape.local_experts, shape.top_k, shape.hidden, shape.inter,
+                                             device, shape.dtype_key)])
+        else:
+            time_all(small_batch_candidates(shape.top_k, shape.fp8))
         if not timings:
             break
-        timings.sort(key=lambda t: t[0])
+        joint_us = timings[0][0]
+        if down_sweep:
+            time_all(down_candidates(timings[0][1], shape.top_k, shape.fp8))
         us, cfg = timings[0]
         x, w, i = inputs[0]
         out = fused_experts_small_batch(x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales).float()
@@ -368,10 +414,12 @@ def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: 
             raise SystemExit(f"{name} M={m}: {cfg} is off the fp32 reference by {err:.3g} (relative)")
         winner = "small" if us < aligned_us else "aligned"
         best[str(m)] = {"path": winner, "config": cfg.to_json(), "us": {"small": us, "aligned": aligned_us}}
-        report[str(m)] = {"path": winner, "small_us": us, "aligned_us": aligned_us, "config": cfg.to_json(),
+        report[str(m)] = {"path": winner, "small_us": us, "joint_us": joint_us, "aligned_us": aligned_us,
+                          "config": cfg.to_json(),
                           "aligned_config": aligned_cfg.to_json(), "tried": len(timings),
                           "worst_us": timings[-1][0]}
-        print(f"{name} small-batch M={m}: small {us:.1f} us  {cfg}  (of {len(timings)}; worst "
+        print(f"{name} small-batch M={m}: small {us:.1f} us (joint tiles {joint_us:.1f})  {cfg}  "
+              f"(of {len(timings)}; worst "
               f"{timings[-1][0]:.1f} us); aligned {aligned_us:.1f} us -> {winner}", flush=True)
         with open(path, "w") as f:
             json.dump(best, f, indent=2)
@@ -391,6 +439,10 @@ def main() -> None:
     ap.add_argument("--report", help="also write the per-bucket timings here (JSON)")
     ap.add_argument("--small-batch", action="store_true",
                     help="tune the small-batch path's tiles (its buckets of --batch-sizes) instead")
+    ap.add_argument("--down-sweep", action="store_true",
+                    help="with --small-batch: then sweep the down kernel's own tiles over each bucket's winner")
+    ap.add_argument("--from-table", action="store_true",
+                    help="with --small-batch: start from the table's tiles instead of sweeping the joint ones")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size: tune each rank's shard (intermediate / tp), the shape it runs")
     ap.add_argument("--ep", type=int, default=1,
@@ -410,8 +462,10 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
-    precompile(names, args.jobs, small=args.small_batch)
-    tune = tune_small_batch if args.small_batch else tune_shape
+    if not args.from_table:
+        precompile(names, args.jobs, small=args.small_batch)
+    tune = (functools.partial(tune_small_batch, down_sweep=args.down_sweep, from_table=args.from_table)
+            if args.small_batch else tune_shape)
     report = {}
     for i, name in enumerate(names):
         # Split what is left of the budget evenly over the shapes still to tune.

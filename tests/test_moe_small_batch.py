@@ -39,15 +39,29 @@ def assert_matches_reference(x, w13, w2, weights, ids, activation, b13=None, b2=
 
 # One down row per program, the whole reduction in one masked step: the widest-K tuner candidates' form.
 ONE_ROW = small.SmallBatchConfig(block_n=8, block_h=1, block_k=64)
+# The down kernel on its own step (I = 24: a masked K tail at 16), warps and stages.
+OWN_DOWN = small.SmallBatchConfig(block_n=8, block_h=2, block_k=16, down_block_k=16, down_num_warps=2,
+                                  down_num_stages=2)
 
 
-@pytest.mark.parametrize("config", [EVEN, None, ONE_ROW], ids=["even-k-tiles", "default-tiles-masked-k",
-                                                              "one-row-one-step"])
+@pytest.mark.parametrize("config", [EVEN, None, ONE_ROW, OWN_DOWN],
+                         ids=["even-k-tiles", "default-tiles-masked-k", "one-row-one-step", "own-down-tiles"])
 def test_silu_with_normalised_top_k_matches_reference(config):
     # I = 24 is not a multiple of block_n: the wrapped columns are computed and not stored.
     w13, w2, _, _ = experts(16, 32, 24, bias=False)
     weights, ids = qwen3_routing(3, 16, 4)
     assert_matches_reference(torch.randn(3, 32), w13, w2, weights, ids, "silu", config=config)
+
+
+def test_down_tiles_default_to_the_gate_up_kernels_and_round_trip_through_json():
+    joint = small.SmallBatchConfig(16, 8, 256, num_warps=8, num_stages=3)
+    assert joint.down == (256, 8, 3)
+    assert joint.to_json() == {"block_n": 16, "block_h": 8, "block_k": 256, "num_warps": 8, "num_stages": 3}
+    own = small.SmallBatchConfig(16, 2, 256, 8, 3, down_block_k=512, down_num_warps=4, down_num_stages=2)
+    assert own.down == (512, 4, 2)
+    assert small.SmallBatchBucket.from_json({"path": "small", "config": own.to_json()}).config == own
+    with pytest.raises(ValueError, match="down_block_k must be a power of two"):
+        small.SmallBatchConfig(16, 2, 256, down_block_k=96)
 
 
 def test_swiglu_oai_with_clamps_and_biases_matches_reference():

@@ -70,25 +70,38 @@ def use_small_batch(num_pairs: int, num_experts: int, hidden: int, inter: int) -
 @dataclass(frozen=True)
 class SmallBatchConfig:
     """Tiles of the two launches: ``block_n`` columns of I per gate/up program, ``block_h`` rows of H
-    per down program, ``block_k`` of the reduction dimension per step (both kernels), and the
-    launches' ``num_warps`` and ``num_stages`` (software pipelining of the weight loads)."""
+    per down program, ``block_k`` of the reduction dimension per step, and the launches' ``num_warps``
+    and ``num_stages`` (software pipelining of the weight loads). The ``down_*`` fields, where set,
+    give the down kernel its own reduction step, warps and stages (its [K, block_h, block_k] tile reads
+    K experts' rows at once, the gate/up tile one expert's); None: the gate/up kernel's."""
 
     block_n: int
     block_h: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    down_block_k: int | None = None
+    down_num_warps: int | None = None
+    down_num_stages: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_h", "block_k"):
+        for name in ("block_n", "block_h", "block_k", "down_block_k"):
             value = getattr(self, name)
-            if value < 1 or value & (value - 1):
+            if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"SmallBatchConfig.{name} must be a power of two, got {value}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"SmallBatchConfig: num_warps and num_stages must be >= 1, got {self}")
+        for name in ("num_warps", "num_stages", "down_num_warps", "down_num_stages"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"SmallBatchConfig.{name} must be >= 1, got {value}")
+
+    @property
+    def down(self) -> tuple[int, int, int]:
+        """The down kernel's (block_k, num_warps, num_stages)."""
+        return (self.down_block_k or self.block_k, self.down_num_warps or self.num_warps,
+                self.down_num_stages or self.num_stages)
 
     def to_json(self) -> dict[str, int]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -364,9 +377,9 @@ def _launch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
     top_k = ids.shape[1]
     cfg = config or small_batch_config(num_tokens, top_k, hidden, inter)
     fp8 = w13_scale is not None and w2_scale is not None
-    if fp8 and EXPERT_FP8_BLOCK % cfg.block_k:
-        raise ValueError(f"FP8 experts on the small-batch path need a block_k dividing {EXPERT_FP8_BLOCK}, "
-                         f"got {cfg.block_k}")
+    if fp8 and (EXPERT_FP8_BLOCK % cfg.block_k or EXPERT_FP8_BLOCK % cfg.down[0]):
+        raise ValueError(f"FP8 experts on the small-batch path need a block_k (and down_block_k) dividing "
+                         f"{EXPERT_FP8_BLOCK}, got {cfg.block_k} / {cfg.down[0]}")
     out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if num_tokens == 0:
         return out
@@ -386,12 +399,13 @@ def _launch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         RENORMALIZE=routing.renormalize, BLOCK_E=triton.next_power_of_2(num_experts), USE_FP8=fp8,
         SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl)
+    down_block_k, down_warps, down_stages = cfg.down
     _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
         act, w2, b2 if b2 is not None else w2, w2_scale if fp8 else act, ids, weights, out, hidden, inter,
         num_experts, act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0,
         out.stride(0), w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0,
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
-        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, USE_FP8=fp8,
+        BLOCK_H=cfg.block_h, BLOCK_K=down_block_k, EVEN_K=inter % down_block_k == 0, USE_FP8=fp8,
         SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+        num_warps=down_warps, num_stages=down_stages, launch_pdl=pdl)
     return out
