@@ -14,7 +14,9 @@ def test_spec_workloads_run_and_report_their_keys(tiny_model_dir):
     rep = spec_ngram_repeat(path, 400, num_prompts=2, input_len=8, output_len=8, batch_sizes=(1, 2), **CPU)
     assert set(rep) == {"bs1", "bs2"}
     assert rep["bs1"]["accept_length"] > 1.5  # the second pass guesses its first pass's outputs
-    assert {"speedup", "speedup_over_accept_length", "plain_tok_s", "ngram_tok_s"} <= set(rep["bs2"])
+    assert {"speedup", "speedup_over_accept_length", "speedup_over_accept_length_end_to_end", "plain_tok_s",
+            "ngram_tok_s", "plain_step_tok_s", "ngram_step_tok_s", "step_accept_length"} <= set(rep["bs2"])
+    assert rep["bs1"]["step_accept_length"] > 1.5 and rep["bs1"]["ngram_step_tok_s"] > 0
     miss = spec_ngram_miss(path, 400, num_prompts=2, input_len=8, output_len=6, **CPU)
     assert miss["cost_over_plain"] > 0
     over = spec_overhead(path, batch_sizes=(1, 2), context=16, iters=2, **CPU)
