@@ -56,6 +56,9 @@ for stage in "$@"; do
     fp8) python -m plait bench quant --workload gemm decode-bs1 offline-throughput --sweep --out "$OUT" 2>&1 \
            | tee "$OUT/fp8-bench.log" | grep -E '^\{"workload|measured|Error' ;;
     profile-moe) python benchmarks/profile_moe_step.py --out "$OUT" 2>&1 | grep -v "^   " | tail -40 ;;
+    # The same without programmatic dependent launch: each kernel's own time (under PDL they overlap).
+    profile-moe-nopdl) mkdir -p "$OUT/nopdl" && PLAIT_PDL=0 python benchmarks/profile_moe_step.py --out "$OUT/nopdl" 2>&1 \
+        | grep -v "^   " | tail -40 ;;
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     # offline-throughput's decode steps: bs 256 at about its context (512-token prompts).
