@@ -264,18 +264,10 @@ def tune_shape(name: str, batch_sizes: list[int], out_dir: str, deadline: float,
             break
         inputs = [make_inputs(shape, m, seed=s) for s in range(rotations)]
         timings: list[tuple[float, MoeKernelConfig]] = []
-        for cfg in candidate_configs(block_ms_for(m, shape), shape.fp8):
-            if time.monotonic() > deadline:
-                break
-            fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_with_config(
-                x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs]
-            try:
-                timings.append((graph_time_us(fns), cfg))
-            except Exception as exc:  # a tile that does not fit this GPU's shared memory / registers
-                print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+        time_configs(fused_experts_with_config, shape, experts, inputs, deadline, timings,
+                     candidate_configs(block_ms_for(m, shape), shape.fp8))
         if not timings:
             continue
-        timings.sort(key=lambda t: t[0])
         us, cfg = timings[0]
         x, w, i = inputs[0]
         err = rel_error_vs_reference(shape, experts, x, w, i, cfg)
@@ -351,18 +343,21 @@ def small_batch_buckets(shape: MoeShape, batch_sizes: list[int]) -> list[int]:
     return [m for m in batch_sizes if 0 < m * shape.top_k <= shape.num_experts]
 
 
-def _time_small_configs(shape: MoeShape, experts: tuple, inputs: list, deadline: float,
-                        timings: list[tuple[float, SmallBatchConfig]], configs: list[SmallBatchConfig]) -> None:
-    """Time each of ``configs`` (until ``deadline``) into ``timings``, kept sorted fastest first."""
+def time_configs(run: Callable, shape: MoeShape, experts: tuple, inputs: list, deadline: float,
+                 timings: list, configs: list) -> None:
+    """Time ``run(x, w13, w2, weights, ids, activation, b13, b2, cfg, **scales)`` (the aligned pipeline's
+    or the small path's entry point) at each of ``configs`` until ``deadline``, over the ``inputs``
+    rotation, into ``timings`` as (us, cfg), kept sorted fastest first; a tile that does not fit this
+    GPU's shared memory or registers is skipped."""
     w13, w2, b13, b2, scales = experts
     for cfg in configs:
         if time.monotonic() > deadline:
             break
-        fns = [lambda x=x, w=w, i=i, cfg=cfg: fused_experts_small_batch(
-            x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs]
+        fns = [lambda x=x, w=w, i=i, cfg=cfg: run(x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales)
+               for x, w, i in inputs]
         try:
             timings.append((graph_time_us(fns), cfg))
-        except Exception as exc:  # registers / shared memory
+        except Exception as exc:
             print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
     timings.sort(key=lambda t: t[0])
 
@@ -394,7 +389,8 @@ def tune_small_batch(name: str, batch_sizes: list[int], out_dir: str, deadline: 
         aligned_us = graph_time_us([lambda x=x, w=w, i=i, cfg=aligned_cfg: fused_experts_with_config(
             x, w13, w2, w, i, shape.activation, b13, b2, cfg, **scales) for x, w, i in inputs])
         timings: list[tuple[float, SmallBatchConfig]] = []
-        time_all = functools.partial(_time_small_configs, shape, experts, inputs, deadline, timings)
+        time_all = functools.partial(time_configs, fused_experts_small_batch, shape, experts, inputs, deadline,
+                                     timings)
         if from_table:
             time_all([get_small_batch_config(m, shape.local_experts, shape.top_k, shape.hidden, shape.inter,
                                              device, shape.dtype_key)])
