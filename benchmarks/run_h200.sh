@@ -15,9 +15,6 @@
 # triton); no transformers peer in these runs. backends-tests: the torch_flash GPU tests alone.
 # gemv-tests / gemv / gemv-bf16-ab: the small-M GEMV's GPU tests; its tuning, then gemm and FP8 decode-bs1 on
 # the fresh configs; bf16 decode-bs1 8b with cuBLAS and with the GEMV (docs/quantization.md#small-m-gemv).
-# moe-decode-ab: the decode-bs1 A/B of PLAIT_FUSED_NORM_GEMV, PLAIT_MOE_FUSED_TOPK and PLAIT_MOE_ROUTER_TOPK
-# on qwen3-30b-a3b with their GPU tests; norm-gemv-1b-ab: the fused norm and SiLU-and-mul (PLAIT_FUSED_ACT_GEMV)
-# on and off for llama-3.2-1b.
 # piecewise-ab: --enable-piecewise-cuda-graph off and on: piecewise-tests (GPU test), piecewise-offline (nano-vllm,
 # offline-throughput 1b), piecewise-ttft (prefill-ttft 1b and 8b).
 # fp8-mma: the FP8 GEMV's W8A8 form: GPU tests, tuning, weight-only vs W8A8 per shape, decode-bs1 A/B.
@@ -118,28 +115,6 @@ for stage in "$@"; do
     pdl-test) python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
     moe-latency-nopeer) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-peer --out "$OUT" 2>&1 \
                           | grep -E '^\{"workload|Error' ;;
-    moe-decode-ab-tests)  # the GPU tests of the MoE decode levers (about 90 s)
-      python -m pytest -q -m gpu tests/gpu/test_gemv_rmsnorm_gpu.py tests/gpu/test_gemv_route_gpu.py \
-        tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe-decode-ab-tests.log" | tail -5 ;;
-    moe-decode-ab)  # decode-bs1 qwen3-30b-a3b per switch setting (all off, each on alone, all on; about 35 s
-      # each; docs/benchmarks.md); its GPU tests are the moe-decode-ab-tests stage
-      # PLAIT_FUSED_NORM_GEMV PLAIT_MOE_FUSED_TOPK PLAIT_MOE_ROUTER_TOPK name (the router's routing takes
-      # precedence over the gate/up kernel's where both are on)
-      IFS=, read -ra variants <<< "${MOE_AB_VARIANTS:-0 0 0 off,1 0 0 fused-norm,0 1 0 fused-topk,0 0 1 router-topk,1 1 0 norm-gateup-topk,1 1 1 all-on}"
-      for v in "${variants[@]}"; do
-        set -- $v
-        echo "--- qwen3-30b-a3b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3"
-        PLAIT_FUSED_NORM_GEMV=$1 PLAIT_MOE_FUSED_TOPK=$2 PLAIT_MOE_ROUTER_TOPK=$3 python -m plait bench latency \
-          --shape qwen3-30b-a3b --no-peer --eager-output-len 32 --out "$OUT/moe-ab-$4" 2>&1 | grep -E '^\{"workload|Error'
-      done ;;
-    norm-gemv-1b-ab)  # decode-bs1 llama-3.2-1b with PLAIT_FUSED_NORM_GEMV / PLAIT_FUSED_ACT_GEMV off and on
-      IFS=, read -ra variants <<< "${NORM_AB_VARIANTS:-0 0,1 0,0 1,1 1}"
-      for v in "${variants[@]}"; do
-        set -- $v
-        echo "--- llama-3.2-1b PLAIT_FUSED_NORM_GEMV=$1 PLAIT_FUSED_ACT_GEMV=$2"
-        PLAIT_FUSED_NORM_GEMV=$1 PLAIT_FUSED_ACT_GEMV=$2 python -m plait bench latency --shape llama-3.2-1b \
-          --no-compile-peer --out "$OUT/fused-1b-norm$1-act$2" 2>&1 | grep -E '^\{"workload|Error'
-      done ;;
     gemv-bf16-ab)  # bf16 decode-bs1 1b and 8b with cuBLAS (0) and with the GEMV (1), on the configs the gemv stage tuned
       for on in 0 1; do
         PLAIT_BF16_GEMV=$on PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench latency \

@@ -113,30 +113,6 @@ GEMV_PREFETCH = EnvVar(
     "1: a GEMV launched with PDL prefetches its first weight lines into L2 before it waits for the "
     "previous kernel; 0 (the default until an A/B on the H200 shows it faster): it does not. Read at "
     "every call.")
-FUSED_NORM_GEMV = EnvVar(
-    "PLAIT_FUSED_NORM_GEMV", _flag, False,
-    "1: a decode-sized step (<= 16 tokens) runs each add + RMSNorm that feeds a small-M GEMV (qkv, the MoE "
-    "router, a dense MLP's gate_up) inside that GEMV's prologue (plait.layers.norm_linear); 0 (the default: "
-    "on the H200, llama-3.2-1b decode-bs1 ran slower with this and PLAIT_FUSED_ACT_GEMV on): the RMSNorm "
-    "kernel, then the GEMV. Read at every call.")
-FUSED_ACT_GEMV = EnvVar(
-    "PLAIT_FUSED_ACT_GEMV", _flag, False,
-    "1: a dense MLP's SiLU-and-mul runs inside its down projection's small-M GEMV at decode sizes (<= 16 "
-    "tokens; the GEMV loads gate and up and multiplies silu(gate) * up); 0 (the default, as for "
-    "PLAIT_FUSED_NORM_GEMV): the SiLU-and-mul kernel, then the GEMV. Read at every call.")
-MOE_FUSED_TOPK = EnvVar(
-    "PLAIT_MOE_FUSED_TOPK", _flag, False,
-    "1: where a MoE layer's step takes the small-batch expert path, its gate/up kernel routes each token "
-    "from the router logits itself (the top-k kernel's arithmetic, bit-identical), one launch fewer per "
-    "layer; 0 (the default until a same-call A/B on the H200 shows it faster): the top-k kernel, then the "
-    "experts. Read at every call.")
-MOE_ROUTER_TOPK = EnvVar(
-    "PLAIT_MOE_ROUTER_TOPK", _flag, False,
-    "1: where a MoE router's decode-size projection runs in the small-M GEMV, that GEMV's last program "
-    "also routes every row (the top-k kernel's arithmetic on the stored logits; on the H200 the same ids, "
-    "but weights not bit-identical at 4 and 16 rows), one launch fewer per layer; it takes precedence over "
-    "PLAIT_MOE_FUSED_TOPK. 0 (the default until a same-call A/B on the H200 shows it faster): the top-k "
-    "kernel. Read at every call.")
 SPEC_CHAIN_VERIFIES = _flag_var(
     "PLAIT_SPEC_CHAIN_VERIFIES",
     "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "
@@ -158,5 +134,4 @@ DECODE_KV_PACK = _int_var(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_PREFETCH, FUSED_NORM_GEMV, FUSED_ACT_GEMV, MOE_FUSED_TOPK, MOE_ROUTER_TOPK,
-                                    PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES)
+                                    GEMV_PREFETCH, PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES)

@@ -17,39 +17,29 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from plait.layers.quantization.gemv import NORM_TILE, _gemv_kernel, plan_launch, prefetch_row_bytes
+from plait.layers.quantization.gemv import _gemv_kernel, plan_launch, prefetch_row_bytes
 from plait.layers.quantization.gemv_config import GemvConfig
 
 WEIGHT = {"fp8_channel": "fp8e4nv", "fp8_block": "fp8e4nv", "fp8_channel_mma": "fp8e4nv", "fp8_block_mma": "fp8e4nv",
           "bf16": "bf16", "fp16": "fp16"}
 # The runtime specialises these (16-byte aligned pointers, sizes and strides divisible by 16).
-ALIGNED = ("X", "W", "S", "Out", "Bias", "Partials", "Counters", "R", "NW", "ResOut", "Normed", "N", "K", "stride_xm",
-           "stride_wn", "stride_om", "k_per_split")
+ALIGNED = ("X", "W", "S", "Out", "Bias", "Partials", "Counters", "N", "K", "stride_xm", "stride_wn", "stride_om",
+           "k_per_split")
 
 
-def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool = False,
-                 route: bool = False, act: bool = False) -> dict[str, int]:
-    """``norm``: with the add + RMSNorm prologue (gemv_rmsnorm, residual and normed rows written);
-    ``route``: with the router epilogue (qwen3-moe's top 8, softmax then top-k, renormalised); ``act``:
-    with the SiLU-and-mul prologue (gemv_silu_mul)."""
+def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str, int]:
     block = (128, 128) if kind.startswith("fp8_block") else None
     w8a8 = kind.endswith("_mma")
     plan = plan_launch(m, n, k, block, cfg, w8a8)
     sig = {"X": "*bf16", "W": f"*{WEIGHT[kind]}", "S": "*fp32", "Out": "*bf16", "Bias": "*bf16", "Partials": "*fp32",
            "Counters": "*i32", **{a: "i32" for a in ("M", "N", "K", "stride_xm", "stride_wn", "stride_sn",
-                                                        "stride_om", "k_per_split", "split_k")},
-           "R": "*bf16", "NW": "*bf16", "ResOut": "*bf16", "Normed": "*bf16", "eps": "fp32",
-           "TopkW": "*fp32", "TopkIds": "*i32", "RouteCounter": "*i32"}
+                                                        "stride_om", "k_per_split", "split_k")}}
     consts = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                   SCALE=2 if block else (1 if kind.startswith("fp8") else 0), BN_SCALE=block[0] if block else 1,
                   BK_SCALE=block[1] if block else 1, EVEN_K=plan.even_k, SPLIT=plan.split_k > 1,
                   NUM_STAGES=plan.num_stages, INPUT_PRECISION=None, GPU_FENCE=True, UPCAST_DOT=False,
                   W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
-                  USE_PDL=True, PREFETCH_ROW_BYTES=prefetch_row_bytes(plan, 2 if kind in ("bf16", "fp16") else 1),
-                  NORM=norm, HAS_RES=norm, WRITE_NORMED=norm,
-                  NORM_BLOCK=min(triton.next_power_of_2(k), NORM_TILE) if norm else 1,
-                  ROUTE=route, TOP_K=8 if route else 1, TOP_K_PAD=8 if route else 1, SOFTMAX_FIRST=True,
-                  RENORMALIZE=route, BLOCK_E=triton.next_power_of_2(n) if route else 1, ACT_IN=act)
+                  USE_PDL=True, PREFETCH_ROW_BYTES=prefetch_row_bytes(plan, 2 if kind in ("bf16", "fp16") else 1))
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
     kernel = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -71,8 +61,7 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, norm: bool 
 
 
 def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[int, int], ...],
-                                   ms: tuple[int, ...] = (1, 16), norm: bool = False,
-                                   route: bool = False, act: bool = False) -> list[dict[str, int]]:
+                                   ms: tuple[int, ...] = (1, 16)) -> list[dict[str, int]]:
     """Each kind's default config at each (N, K) and M compiled by this script in a process without
     TRITON_INTERPRET (tests run in the interpreter); its JSON lines. Skips without the wheel's ptxas."""
     import pathlib
@@ -83,7 +72,7 @@ def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[i
 
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
         pytest.skip("this triton wheel has no ptxas")
-    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json(), norm, route, act)
+    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
             for kind in kinds for m in ms for n, k in shapes]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).parent.parent
@@ -97,6 +86,5 @@ def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[i
 
 
 if __name__ == "__main__":
-    for kind, m, n, k, raw, norm, route, act in json.loads(sys.argv[1]):
-        cfg = GemvConfig.from_json(raw)
-        print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, cfg, norm, route, act)}))
+    for kind, m, n, k, raw in json.loads(sys.argv[1]):
+        print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, GemvConfig.from_json(raw))}))

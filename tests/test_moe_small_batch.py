@@ -17,7 +17,6 @@ from plait.layers.moe.fused_router import fused_topk  # noqa: E402
 from plait.layers.moe.layer import FusedMoE, SparseMoeBlock  # noqa: E402
 from plait.layers.moe.reference import fused_experts_reference  # noqa: E402
 from plait.layers.moe.router import RouterConfig, select_experts  # noqa: E402
-from plait.layers.quantization.gemv import gemv  # noqa: E402
 from tests.test_fused_moe_triton import assert_equals_reference  # noqa: E402
 from tests.test_fused_moe_triton import make_experts as experts  # noqa: E402
 
@@ -205,13 +204,10 @@ def moe_block(num_experts: int, top_k: int, hidden: int, inter: int, scoring: st
     return block
 
 
-@pytest.mark.parametrize("fused_topk", [False, True])
 @pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
-def test_moe_layer_at_one_token_launches_the_router_gemm_and_the_expert_kernels(arch, fused_topk, monkeypatch):
+def test_moe_layer_at_one_token_launches_the_router_gemm_and_three_kernels(arch, monkeypatch):
     # qwen3: softmax top-k renormalised, silu; gpt-oss: router bias, top-k then softmax, clamped
-    # activation with expert biases. Either way: router GEMM, fused top-k (none with PLAIT_MOE_FUSED_TOPK:
-    # the gate/up kernel routes its token itself), gate/up+act, down+sum.
-    monkeypatch.setenv("PLAIT_MOE_FUSED_TOPK", "1" if fused_topk else "0")
+    # activation with expert biases. Either way: router GEMM, fused top-k, gate/up+act, down+sum.
     block = (moe_block(32, 8, 32, 16, "softmax_topk", bias=False) if arch == "qwen3-moe"
              else moe_block(32, 4, 32, 16, "topk_softmax", bias=True))
     counter = LaunchCounter(monkeypatch)
@@ -219,10 +215,8 @@ def test_moe_layer_at_one_token_launches_the_router_gemm_and_the_expert_kernels(
     with torch.inference_mode(), counter.ops:
         out = block(x)
     triton_launches = {k: v for k, v in counter.counts.items() if k.startswith("triton:")}
-    expected = {"triton:_small_gate_up_kernel": 1, "triton:_small_down_sum_kernel": 1}
-    if not fused_topk:
-        expected["triton:_fused_topk_kernel"] = 1
-    assert triton_launches == expected
+    assert triton_launches == {"triton:_fused_topk_kernel": 1, "triton:_small_gate_up_kernel": 1,
+                               "triton:_small_down_sum_kernel": 1}
     torch_ops = {k: v for k, v in counter.counts.items() if not k.startswith("triton:")}
     # The router projection (with gpt-oss's bias) is the only torch op: one GEMM, whichever name
     # the dispatcher gives it on this device.
@@ -230,29 +224,6 @@ def test_moe_layer_at_one_token_launches_the_router_gemm_and_the_expert_kernels(
     assert sum(torch_ops.values()) == 1
     block.experts.fused_kernels = False
     torch.testing.assert_close(out, block(x), atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("num_tokens", [1, 8])
-@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
-def test_router_gemv_routing_its_rows_launches_no_top_k_kernel_and_routes_as_it(arch, num_tokens, monkeypatch):
-    # PLAIT_MOE_ROUTER_TOPK: the router's GEMV (the interpreter runs it with PLAIT_TRITON_OPS) routes in
-    # its last program; the experts (small path at one token, aligned at eight) read its ids.
-    monkeypatch.setenv("PLAIT_TRITON_OPS", "1")
-    monkeypatch.setenv("PLAIT_MOE_ROUTER_TOPK", "1")
-    monkeypatch.setenv("PLAIT_MOE_FUSED_TOPK", "1")  # the router's routing takes precedence
-    block = (moe_block(32, 8, 32, 16, "softmax_topk", bias=False) if arch == "qwen3-moe"
-             else moe_block(32, 4, 32, 16, "topk_softmax", bias=True))
-    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(num_tokens))
-    counter = LaunchCounter(monkeypatch)
-    with torch.inference_mode(), counter.ops:
-        out = block(x)
-    launches = {k.removeprefix("triton:"): v for k, v in counter.counts.items() if k.startswith("triton:")}
-    assert launches["_gemv_kernel"] == 1 and "_fused_topk_kernel" not in launches
-    assert "_small_gate_up_kernel" in launches if num_tokens == 1 else "fused_moe_kernel" in launches
-    with torch.inference_mode():
-        logits = gemv(x, block.gate.weight, bias=block.gate.bias)
-        weights, ids = select_experts(logits, block.router_config, True)
-        assert torch.equal(out, block.experts(x, weights, ids))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 8])
@@ -277,21 +248,14 @@ def test_public_entry_point_can_force_either_path():
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-# The routing in the gate/up kernel, and in the router GEMV (with the norm fused into it: every switch
-# on), once each in a whole model (their unit tests cover every scoring).
-@pytest.mark.parametrize(("arch", "fused_topk"), [("qwen3-moe", False), ("gpt-oss", False), ("qwen3-moe", True),
-                                                  ("gpt-oss", "router")])
-def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, fused_topk, tiny_model_dir,
-                                                                     hf_reference, monkeypatch):
-    # The engine's MoE layers switched to the Triton kernels (interpreter): the fused router and the
-    # aligned pipeline for the 7-token prefill, the small-batch path for each one-token decode step (8
-    # experts, top 2: one token is 2 pairs <= 8 / 4), with PLAIT_MOE_FUSED_TOPK routing its own token.
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, tiny_model_dir, hf_reference,
+                                                                     monkeypatch):
+    # The engine's MoE layers switched to the Triton kernels (interpreter): the fused router every
+    # step, the aligned pipeline for the 7-token prefill, the small-batch path for each one-token
+    # decode step (8 experts, top 2: one token is 2 pairs <= 8 / 4).
     from tests.helpers import make_engine, prompt_ids
 
-    monkeypatch.setenv("PLAIT_MOE_FUSED_TOPK", "1" if fused_topk is True else "0")
-    if fused_topk == "router":
-        monkeypatch.setenv("PLAIT_TRITON_OPS", "1")
-        monkeypatch.setenv("PLAIT_MOE_ROUTER_TOPK", "1")
     path = tiny_model_dir(arch)
     prompt = prompt_ids(3)[1]
     ref = hf_reference(path, prompt, 6)
@@ -304,9 +268,8 @@ def test_greedy_tokens_through_the_triton_kernels_equal_transformers(arch, fused
         (out,) = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": 6})
     assert out.token_ids == ref.tokens
     launches = {k.removeprefix("triton:"): v for k, v in counter.counts.items()}
-    # per sparse layer: the prefill, and without the switch each of the five decode steps; none where
-    # the router GEMV routes (the 7-token prefill too)
-    assert launches.get("_fused_topk_kernel", 0) == len(moes) * {False: 6, True: 1, "router": 0}[fused_topk]
+    calls = len(moes) * 6  # per sparse layer: the prefill and five decode steps
+    assert launches["_fused_topk_kernel"] == calls
     assert launches["_small_gate_up_kernel"] == launches["_small_down_sum_kernel"] == len(moes) * 5
     assert launches["fused_moe_kernel"] == 2 * len(moes)  # the prefill: gate/up and down
 
@@ -364,32 +327,3 @@ def test_fused_experts_follows_the_table_and_both_paths_match_the_reference(tmp_
 def test_a_bucket_naming_an_unknown_path_is_refused():
     with pytest.raises(ValueError, match="path must be one of"):
         small.SmallBatchBucket.from_json({"path": "fast", "config": EVEN.to_json()})
-
-
-@pytest.mark.parametrize(("scoring", "renormalize", "bias"), [("softmax_topk", True, False),
-                                                              ("softmax_topk", False, False),
-                                                              ("topk_softmax", False, True)])
-def test_gate_up_kernel_routing_its_token_equals_the_top_k_kernel_then_the_two_launches(scoring, renormalize,
-                                                                                        bias):
-    num_tokens, num_experts, top_k, hidden, inter = 2, 16, 3, 32, 16
-    w13, w2, b13, b2 = experts(num_experts, hidden, inter, bias=bias)
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(num_tokens, hidden, generator=g)
-    logits = torch.randn(num_tokens, num_experts, generator=g)
-    activation = "swiglu_oai" if bias else "silu"
-    weights, ids = fused_topk(logits, top_k, scoring == "softmax_topk", renormalize)
-    expected = small.fused_experts_small_batch(x, w13, w2, weights, ids, activation, b13, b2)
-    got_w = torch.empty(num_tokens, top_k, dtype=torch.float32)
-    got_ids = torch.empty(num_tokens, top_k, dtype=torch.int32)
-    out = small.route_and_run_small_batch(x, logits, small.Routing(top_k, scoring == "softmax_topk", renormalize),
-                                          w13, w2, activation, b13, b2, got_w, got_ids)
-    assert torch.equal(got_ids, ids) and torch.equal(got_w, weights)
-    assert torch.equal(out, expected)
-
-
-def test_routing_in_the_gate_up_kernel_refuses_logits_over_other_experts():
-    w13, w2, _, _ = experts(8, 32, 16, bias=False)
-    with pytest.raises(ValueError, match="local experts"):
-        small.route_and_run_small_batch(torch.randn(1, 32), torch.randn(1, 16), small.Routing(2, True, False),
-                                        w13, w2, "silu", None, None, torch.empty(1, 2),
-                                        torch.empty(1, 2, dtype=torch.int32))

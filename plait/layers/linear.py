@@ -19,9 +19,7 @@ from torch import nn
 
 from plait import envs
 from plait.distributed.parallel_state import SINGLE, TPGroup
-from plait.layers.activation import SiluAndMul
-from plait.layers.quantization.gemv import GemvOperands, dense_gemv_operands, dense_linear, gemv_silu_mul
-from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS
+from plait.layers.quantization.gemv import dense_linear
 
 
 class LinearMethod(Protocol):
@@ -29,10 +27,6 @@ class LinearMethod(Protocol):
     placed on ``layer`` (plait.layers.quantization.fp8.Fp8LinearMethod)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
-
-    def gemv_operands(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> GemvOperands | None:
-        """The layer's weight as the GEMV takes it, where ``apply`` of a decode-sized ``x`` runs the GEMV."""
-        ...
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -73,12 +67,6 @@ class ColumnParallelLinear(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
         return dense_linear(x, self.weight, self.bias, self.small_m_gemv)
-
-    def gemv_operands(self, x: torch.Tensor) -> GemvOperands | None:
-        """Where ``forward`` of a decode-sized ``x`` runs the GEMV: its operands (plait.layers.norm_linear)."""
-        if self.quant_method is not None:
-            return self.quant_method.gemv_operands(self, x, self.bias)
-        return dense_gemv_operands(x, self.weight, self.bias, self.small_m_gemv)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -146,42 +134,23 @@ class RowParallelLinear(nn.Module):
         n = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul_input: bool = False) -> torch.Tensor:
-        if silu_mul_input:
-            operands = self._silu_mul_operands(x)
-            if operands is None:
-                x = SiluAndMul()(x)
-            else:  # the SiLU-and-mul inside the GEMV's loads (PLAIT_FUSED_ACT_GEMV)
-                x2 = x.reshape(-1, x.shape[-1])
-                out = gemv_silu_mul(x2, operands.weight, operands.scale, operands.block, bias=bias)
-                return out.view(*x.shape[:-1], out.shape[-1])
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
         return dense_linear(x, self.weight, bias, self.small_m_gemv)
 
-    def _silu_mul_operands(self, gate_up: torch.Tensor) -> GemvOperands | None:
-        """Where the GEMV would run this layer on ``silu_and_mul(gate_up)``: its operands (bias aside)."""
-        rows = gate_up.numel() // gate_up.shape[-1] if gate_up.dim() else 0
-        if not (1 <= rows <= GEMV_MAX_TOKENS and envs.FUSED_ACT_GEMV.get()):
-            return None
-        if self.quant_method is not None:
-            return self.quant_method.gemv_operands(self, gate_up, None)
-        return dense_gemv_operands(gate_up, self.weight, None, self.small_m_gemv)
-
-    def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
-        """``x @ W.T`` reduced over the TP group, plus the bias; ``silu_mul_input``: x is a gate_up output
-        ``[..., 2 * in]`` and the layer multiplies ``silu_and_mul(x)`` (inside the GEMV where it runs)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # nothing to reduce: the bias goes into the matmul (the GEMV's epilogue)
-            return self._matmul(x, self.bias, silu_mul_input)
-        out = self._matmul(x, None, silu_mul_input)
+            return self._matmul(x, self.bias)
+        out = self._matmul(x)
         if self.reduce_results:
             out = self.tp.all_reduce(out)
         return self.add_bias(out)
 
-    def partial(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums (no reduction, no bias): for callers that reduce another way
         (DP attention reduce-scatters) and then call ``add_bias``."""
-        return self._matmul(x, None, silu_mul_input)
+        return self._matmul(x)
 
     def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
         return reduced if self.bias is None else reduced + self.bias

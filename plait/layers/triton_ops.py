@@ -81,22 +81,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """``silu(gate) * up`` in up's dtype: the SiLU in fp32, rounded to up's dtype before the product
-    (``mul_rounded``). The small-M GEMV's activation prologue computes the same (gemv.py)."""
-    g = gate.to(tl.float32)
-    return mul_rounded((g / (1.0 + tl.exp(-g))).to(up.dtype), up)
-
-
-@triton.jit
 def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0)
-    tl.store(Y + row * stride_y + cols, silu_mul(gate, up), mask=mask)
+    # The SiLU in fp32, rounded to up's dtype before the product (rounded once: ``mul_rounded``).
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(Y + row * stride_y + cols, mul_rounded(silu, up), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

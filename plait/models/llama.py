@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -18,11 +18,11 @@ from torch import nn
 from plait.distributed.dp_mlp import dp_gathered_mlp, dp_mlp_ops
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import ForwardBatch
+from plait.layers.activation import SiluAndMul
 from plait.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plait.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from plait.layers.logits import LogitsProcessor
 from plait.layers.norm import RMSNorm
-from plait.layers.norm_linear import norm_linear
 from plait.layers.overlap import LayerOps, run_overlapped
 from plait.layers.quantization.kv_cache import load_kv_scale
 from plait.layers.radix_attention import RadixAttention
@@ -98,11 +98,7 @@ class LlamaAttention(nn.Module):
         return None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.forward_qkv(positions, self.qkv_proj(hidden), fb)
-
-    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """``forward`` from the qkv projection's output (the decoder layer may compute it with its norm)."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions,
                                      qk_norm=self.rope_qk_norm(q)))
@@ -123,22 +119,15 @@ class LlamaMLP(nn.Module):
         inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=bias, tp=tp)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, tp=tp)
+        self.act_fn = SiluAndMul()
 
-    # The SiLU-and-mul runs inside the down projection (in its GEMV at decode sizes, else just before it).
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), silu_mul_input=True)
-
-    def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(norm(x + residual))`` and the new residual, the norm inside gate_up's GEMV
-        (plait.layers.norm_linear)."""
-        gate_up = norm_linear(norm, self.gate_up_proj, x, residual)
-        return self.down_proj(gate_up.out, silu_mul_input=True), gate_up.residual
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's unreduced, bias-free down projection (the caller reduces, then adds
         ``add_bias``)."""
-        return self.down_proj.partial(self.gate_up_proj(x), silu_mul_input=True)
+        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
 
     def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
         return self.down_proj.add_bias(reduced)
@@ -151,14 +140,6 @@ class ShardedMLPModule(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor: ...
     def add_bias(self, reduced: torch.Tensor) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class NormedMLP(Protocol):
-    """An MLP that can take its input norm into its first GEMV (LlamaMLP, SparseMoeBlock)."""
-
-    def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -174,9 +155,6 @@ class LlamaDecoderLayer(nn.Module):
         self.tp = tp  # the group of both sums of forward_ops under tensor parallelism
         self.self_attn = self.attention_cls(cfg, layer_id, attn_tp, qkv_bias, o_bias)
         self.mlp = self.build_mlp(cfg, layer_id, tp)
-        # Decided once: a runtime Protocol check costs microseconds, and every layer call would pay it.
-        self.mlp_forward_normed = (self.mlp.forward_normed if self.dp_group is None and isinstance(self.mlp, NormedMLP)
-                                   else None)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -186,18 +164,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm runs inside the GEMV after it where that GEMV runs (plait.layers.norm_linear).
-        qkv = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn.forward_qkv(positions, qkv.out, fb)
-        residual = qkv.residual
-        return self.norm_and_mlp(hidden, residual, fb)
-
-    def norm_and_mlp(self, hidden: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``post_attention_layernorm`` then the MLP: inside the MLP's first GEMV where the MLP runs whole
-        (``forward_normed``), else the norm and ``run_mlp``."""
-        if self.mlp_forward_normed is not None:
-            return self.mlp_forward_normed(self.post_attention_layernorm, hidden, residual)
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.run_mlp(hidden, fb), residual
 

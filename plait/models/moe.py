@@ -122,15 +122,6 @@ class MoEDecoderLayer(LlamaDecoderLayer):
                   if shared_size else None)
         return SparseMoeBlock(router, experts, cfg.hidden_size, tp, self.router_bias, shared, all_to_all)
 
-    def norm_and_mlp(self, hidden: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The all-to-all steps norm first and dispatch (``run_mlp``); the others as the dense layer."""
-        mlp = self.mlp
-        if isinstance(mlp, SparseMoeBlock) and mlp.dispatches_all_to_all(hidden, fb):
-            hidden, residual = self.post_attention_layernorm(hidden, residual)
-            return self.run_mlp(hidden, fb), residual
-        return super().norm_and_mlp(hidden, residual, fb)
-
     def run_mlp(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """An all-to-all MoE layer's dispatching steps: under DP attention it routes this rank's own
         rows (no gather), under plain TP its slice of the replicated rows. Other steps and dense

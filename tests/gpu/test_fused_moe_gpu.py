@@ -180,16 +180,10 @@ def test_one_launch_router_matches_torch_on_gpu(num_experts, top_k, scoring, ren
     torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fused_topk", [False, True, "router"])
-def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_kernels(experts, fused_topk,
-                                                                                     monkeypatch):
-    # Router: one GEMV launch (its bias in the epilogue), then the path small_batch_plan picks for this
-    # shape: the fused top-k (none with PLAIT_MOE_FUSED_TOPK: the gate/up kernel routes the token itself),
-    # gate/up + activation and down + sum (small), or the fused top-k, align scan + scatter, the two
-    # grouped GEMMs and the top-k sum (aligned). With PLAIT_MOE_ROUTER_TOPK ("router") the router GEMV
-    # routes in its last program: no top-k kernel on either path.
-    monkeypatch.setenv("PLAIT_MOE_FUSED_TOPK", "1" if fused_topk is True else "0")
-    monkeypatch.setenv("PLAIT_MOE_ROUTER_TOPK", "1" if fused_topk == "router" else "0")
+def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_kernels(experts):
+    # Router: one GEMV launch (its bias in the epilogue), the fused top-k, then the path small_batch_plan
+    # picks for this shape: gate/up + activation and down + sum (small), or align scan + scatter, the two
+    # grouped GEMMs and the top-k sum (aligned).
     from plait.layers.moe.layer import FusedMoE, SparseMoeBlock
     from plait.layers.moe.router import RouterConfig
     from plait.layers.moe.small_batch import small_batch_plan
@@ -220,8 +214,7 @@ def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_k
     small = small_batch_plan(1, e, k, h, i, torch.cuda.get_device_name()) is not None
     expected = ({"_small_gate_up_kernel": 1, "_small_down_sum_kernel": 1} if small else
                 {"_align_scan_kernel": 1, "_align_scatter_kernel": 1, "fused_moe_kernel": 2, "_moe_sum_kernel": 1})
-    expected.update({"_gemv_kernel": 1, "_fused_topk_kernel": 0 if fused_topk == "router" or small and fused_topk
-                     else 1})
+    expected.update({"_gemv_kernel": 1, "_fused_topk_kernel": 1})
     for kernel, count in expected.items():
         assert sum(n.startswith(kernel) for n in names) == count, names
     # Besides: the aligned pipeline's activation kernel where its config keeps it separate, and the
@@ -229,7 +222,7 @@ def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_k
     others = [n for n in names if not n.startswith(tuple(expected)) and not n.startswith("_moe_activation_kernel")]
     assert len(others) <= bias, names
     assert torch.isfinite(out).all()
-    # Either way (the routing inside the gate/up kernel too) the top-k kernel's routing, bit for bit.
+    # Either path: the experts of the top-k kernel's routing, bit for bit.
     from plait.layers.moe.router import select_experts
 
     with torch.inference_mode():

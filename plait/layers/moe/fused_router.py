@@ -14,8 +14,6 @@ written float32 [T, K], ids int32 [T, K], as ``router.select_experts`` returns t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -23,35 +21,15 @@ import triton.language as tl
 from plait.layers.pdl import pdl_prologue, use_pdl
 
 
-@dataclass(frozen=True)
-class Routing:
-    """How a kernel routes from router logits: softmax then top-k (``softmax_first``, with
-    ``renormalize``) or top-k then softmax, ``top_k`` experts (module doc)."""
-
-    top_k: int
-    softmax_first: bool
-    renormalize: bool
-
-
 @triton.jit
-def topk_of_row(row_ptr, E, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token's routing from its E logits at ``row_ptr``: (weights fp32 [TOP_K_PAD], ids int32
-    [TOP_K_PAD]), slots >= TOP_K zero (module doc). Shared by the top-k kernel and the small-batch MoE
-    kernel that routes its own token (``small_batch``), so both choose bit-identically."""
-    offs = tl.arange(0, BLOCK_E)
-    scores = tl.load(row_ptr + offs, mask=offs < E, other=-float("inf"))
-    return topk_of_logits(scores, E, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
-
-
-@triton.jit
-def topk_of_logits(logits, E, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """``topk_of_row`` of logits already loaded (``[BLOCK_E]``, any float dtype; entries past E
-    ignored): the router GEMV's last program routes from the logits it reads back (gemv.py)."""
+def _fused_topk_kernel(Logits, Weights, Ids, E, stride_l, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+                       SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     in_e = offs < E
-    scores = tl.where(in_e, logits.to(tl.float32), -float("inf"))
+    scores = tl.load(Logits + token * stride_l + offs, mask=in_e, other=-float("inf")).to(tl.float32)
     if SOFTMAX_FIRST:
         scores = tl.exp(scores - tl.max(scores, axis=0))
         scores = scores / tl.sum(scores, axis=0)
@@ -73,19 +51,6 @@ def topk_of_logits(logits, E, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SOFT
         chosen = tl.exp(chosen - tl.max(tl.where(in_k, chosen, -float("inf")), axis=0))
         chosen = tl.where(in_k, chosen, 0.0)
         chosen = chosen / tl.sum(chosen, axis=0)
-    return chosen, chosen_ids
-
-
-@triton.jit
-def _fused_topk_kernel(Logits, Weights, Ids, E, stride_l, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
-                       SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
-    pdl_prologue(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    chosen, chosen_ids = topk_of_row(Logits + token * stride_l, E, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE,
-                                     BLOCK_E)
-    slot = tl.arange(0, TOP_K_PAD)
-    in_k = slot < TOP_K
     tl.store(Weights + token * TOP_K + slot, chosen, mask=in_k)
     tl.store(Ids + token * TOP_K + slot, chosen_ids, mask=in_k)
 

@@ -30,12 +30,10 @@ from plait import envs
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import DPPaddingMode, ForwardBatch, ShardedMLP
 from plait.layers.moe.all_to_all import dispatch_combine, split_rows
-from plait.layers.moe.fused_router import Routing
 from plait.layers.moe.reference import ACTIVATIONS, fused_experts_reference
 from plait.layers.moe.router import RouterConfig, select_experts
 from plait.layers.moe.routing_stats import RoutedExpertCounter
-from plait.layers.norm_linear import linear_routed, norm_linear
-from plait.layers.quantization.gemv import GemvOperands, RouteOutputs, dense_gemv_operands, dense_linear
+from plait.layers.quantization.gemv import dense_linear
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -164,36 +162,6 @@ class FusedMoE(nn.Module):
                              self.activation, self.w13_bias, b2, self.fused_kernels,
                              self.w13_weight_scale_inv, self.w2_weight_scale_inv)
 
-
-    def forward_routed(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
-                       router: RouterConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``select_experts`` and ``forward`` in the small-batch path's two launches, its gate/up kernel
-        routing each token itself (no top-k launch): (partial sum [T, H], topk_weights, topk_ids), or
-        None where that path does not run (the reference path, expert parallelism, batches the
-        small-batch plan leaves to the aligned pipeline)."""
-        on_triton = hidden_states.is_cuda if self.fused_kernels is None else self.fused_kernels
-        if not on_triton or self.ep_size > 1:
-            return None
-        from plait.layers.moe.fused_moe_triton import FP8_DTYPE_KEY, check_expert_inputs, device_name_of
-        from plait.layers.moe.small_batch import route_and_run_small_batch, small_batch_plan
-
-        num_tokens, hidden = hidden_states.shape
-        inter = self.w13_weight.shape[1] // 2
-        s13, s2 = self.w13_weight_scale_inv, self.w2_weight_scale_inv
-        cfg = small_batch_plan(num_tokens, self.num_local_experts, router.top_k, hidden, inter,
-                               device_name_of(hidden_states.device), FP8_DTYPE_KEY if s13 is not None else None)
-        if cfg is None:
-            return None
-        b2 = self.w2_bias if self.moe_tp_rank == 0 else None
-        weights = torch.empty(num_tokens, router.top_k, dtype=torch.float32, device=hidden_states.device)
-        ids = torch.empty(num_tokens, router.top_k, dtype=torch.int32, device=hidden_states.device)
-        check_expert_inputs(hidden_states, self.w13_weight, self.w2_weight, weights, ids, self.activation,
-                            self.w13_bias, b2, s13, s2)
-        routing = Routing(router.top_k, router.scoring == "softmax_topk", router.renormalize)
-        out = route_and_run_small_batch(hidden_states, router_logits, routing, self.w13_weight, self.w2_weight,
-                                        self.activation, self.w13_bias, b2, weights, ids, cfg, s13, s2)
-        return out, weights, ids
-
     def forward_received(self, rows: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """The all-to-all dispatch's pairs: ``rows`` [N, H], each for one of this rank's experts
         (``local_ids`` [N, 1] int32) with its routing weight (``weights`` [N, 1] float32) -> the
@@ -218,9 +186,6 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias, self.small_m_gemv)
-
-    def gemv_operands(self, x: torch.Tensor) -> GemvOperands | None:
-        return dense_gemv_operands(x, self.weight, self.bias, self.small_m_gemv)
 
 
 class SparseMoeBlock(nn.Module):
@@ -250,45 +215,10 @@ class SparseMoeBlock(nn.Module):
         self.routing_counter: RoutedExpertCounter | None = None
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        route = self._route_outputs(x)
-        logits, routed = linear_routed(self.gate, x, route)
-        return self._routed_partial(x, logits, route if routed else None)
-
-    def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(norm(x + residual))`` and the new residual, the norm inside the router's GEMV
-        (plait.layers.norm_linear), which also hands the experts the normed rows."""
-        route = self._route_outputs(x)
-        r = norm_linear(norm, self.gate, x, residual, want_normed=True, route=route)
-        assert r.normed is not None
-        return self.tp.all_reduce(self._routed_partial(r.normed, r.out, route if r.routed else None)), r.residual
-
-    def _route_outputs(self, x: torch.Tensor) -> RouteOutputs | None:
-        """With ``PLAIT_MOE_ROUTER_TOPK``, where ``select_experts`` would take the top-k kernel: the
-        buffers the router GEMV's epilogue routes into instead (used only if the GEMV runs)."""
-        fused = x.is_cuda if self.experts.fused_kernels is None else self.experts.fused_kernels
-        if not (fused and envs.MOE_ROUTER_TOPK.get()):
-            return None
-        cfg = self.router_config
-        return RouteOutputs.empty(x.numel() // x.shape[-1], Routing(cfg.top_k, cfg.scoring == "softmax_topk",
-                                                                   cfg.renormalize), x.device)
-
-    def _routed_partial(self, x: torch.Tensor, logits: torch.Tensor, route: RouteOutputs | None) -> torch.Tensor:
-        """The experts' partial sum for ``x``, routed by ``route`` where the router GEMV routed, else
-        from ``logits``: in the small-batch gate/up kernel (``PLAIT_MOE_FUSED_TOPK``) or by the top-k
-        kernel."""
-        routed = (self.experts.forward_routed(x, logits, self.router_config)
-                  if route is None and envs.MOE_FUSED_TOPK.get() else None)
-        if route is not None:
-            topk_ids = route.ids
-            out = self.experts(x, route.weights, topk_ids)
-        elif routed is not None:
-            out, _, topk_ids = routed
-        else:
-            topk_weights, topk_ids = select_experts(logits, self.router_config, self.experts.fused_kernels)
-            out = self.experts(x, topk_weights, topk_ids)
+        topk_weights, topk_ids = select_experts(self.gate(x), self.router_config, self.experts.fused_kernels)
         if self.routing_counter is not None:
             self.routing_counter.record(topk_ids)
+        out = self.experts(x, topk_weights, topk_ids)
         # A replicated shared expert (all-to-all layout) joins one rank's partial sums only.
         if not self.all_to_all or self.tp.rank == 0:
             out = self._add_shared(x, out)

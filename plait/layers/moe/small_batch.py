@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from plait.layers.moe.activation_triton import activate
-from plait.layers.moe.fused_router import Routing, topk_of_row
 from plait.layers.moe.kernel_config import config_dirs, dtype_suffix
 from plait.layers.moe.reference import ACTIVATIONS, EXPERT_FP8_BLOCK, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from plait.layers.pdl import pdl_prologue, use_pdl
@@ -206,32 +205,16 @@ def _small_gate_up_kernel(X, W13, B13, S13, topk_ids, Act, H, INTER, num_experts
                           stride_xm, stride_we, stride_wn, stride_be, stride_am, stride_se, stride_sn,
                           TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, Logits, topk_weights, stride_l,
-                          TOP_K_PAD: tl.constexpr, ROUTE: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                          RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, USE_FP8: tl.constexpr = False,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr = False,
                           SCALE_BLOCK: tl.constexpr = 128, USE_PDL: tl.constexpr = False):
     """Act[p, n] = act(gate, up) with gate = x[p // TOP_K] . W13[e, n] (+ B13[e, n]) and up the same
     at row INTER + n, for the block of columns n of program 1, e = topk_ids[p]; rows of skipped pairs
     stay unwritten. W13 [E, 2 * INTER, H] with H contiguous. USE_FP8: W13 float8_e4m3fn, each weight
     times its block's multiplier S13[e, row // SCALE_BLOCK, k // SCALE_BLOCK] in registers (BLOCK_K
-    divides SCALE_BLOCK: one scale column per step); x as it is (weight-only).
-
-    ROUTE: the program routes its token itself from its router logits (``Logits`` [T, E], the top-k
-    kernel's arithmetic, ``fused_router.topk_of_row``) and takes slot p % TOP_K; the programs of column
-    block 0 write each pair's expert and weight into ``topk_ids`` / ``topk_weights`` (for the down
-    kernel and the caller), so the step needs no top-k launch."""
+    divides SCALE_BLOCK: one scale column per step); x as it is (weight-only)."""
     pdl_prologue(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
-    if ROUTE:
-        weights, ids = topk_of_row(Logits + (pair // TOP_K) * stride_l, num_experts, TOP_K, TOP_K_PAD,
-                                   SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
-        in_slot = tl.arange(0, TOP_K_PAD) == pair % TOP_K
-        expert = tl.sum(tl.where(in_slot, ids, 0), axis=0).to(tl.int64)
-        if tl.program_id(1) == 0:
-            tl.store(topk_ids + pair, expert.to(tl.int32))
-            tl.store(topk_weights + pair, tl.sum(tl.where(in_slot, weights, 0.0), axis=0))
-    else:
-        expert = tl.load(topk_ids + pair).to(tl.int64)
+    expert = tl.load(topk_ids + pair).to(tl.int64)
     if (expert < 0) | (expert >= num_experts):
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -339,42 +322,10 @@ def fused_experts_small_batch(
     """[T, H] -> [T, H], ``fused_experts_reference``'s semantics, in two launches (module doc).
     The caller has checked the inputs (``fused_moe_triton.check_expert_inputs``). ``w13_scale`` /
     ``w2_scale``: block-FP8 experts, weight-only (the block_k must divide the 128-column block)."""
-    ids = topk_ids.contiguous()
-    # The routers return float32 weights: then no cast (not even a no-op ``to``) is issued.
-    weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
-    return _launch(hidden_states, w13, w2, weights, ids, activation, b13, b2, config, None, w13_scale, w2_scale)
-
-
-def route_and_run_small_batch(
-    hidden_states: torch.Tensor, router_logits: torch.Tensor, routing: Routing, w13: torch.Tensor,
-    w2: torch.Tensor, activation: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
-    topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: SmallBatchConfig | None = None,
-    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``fused_topk`` then ``fused_experts_small_batch`` in the latter's two launches: the gate/up
-    kernel routes each token from ``router_logits`` [T, E] itself and fills ``topk_weights`` (float32
-    [T, K]) and ``topk_ids`` (int32 [T, K]), the routing bit-identical to ``fused_topk``'s. The caller
-    has checked the inputs (``fused_moe_triton.check_expert_inputs`` on the two buffers)."""
-    if router_logits.shape != (hidden_states.shape[0], w13.shape[0]):
-        raise ValueError(f"router_logits {tuple(router_logits.shape)}: want [T={hidden_states.shape[0]}, "
-                         f"E={w13.shape[0]}], the local experts (no expert parallelism on this path)")
-    if topk_weights.dtype != torch.float32 or topk_ids.dtype != torch.int32 or topk_ids.shape[1] != routing.top_k:
-        raise ValueError(f"topk_weights float32 and topk_ids int32 [T, {routing.top_k}] are the outputs here")
-    if router_logits.stride(-1) != 1:
-        router_logits = router_logits.contiguous()
-    return _launch(hidden_states, w13, w2, topk_weights, topk_ids, activation, b13, b2, config,
-                   (router_logits, routing), w13_scale, w2_scale)
-
-
-def _launch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-            ids: torch.Tensor, activation: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
-            config: SmallBatchConfig | None, route: tuple[torch.Tensor, Routing] | None,
-            w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> torch.Tensor:
-    """The two launches; with ``route``, the gate/up kernel fills ``weights`` / ``ids`` first."""
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
-    top_k = ids.shape[1]
+    top_k = topk_ids.shape[1]
     cfg = config or small_batch_config(num_tokens, top_k, hidden, inter)
     fp8 = w13_scale is not None and w2_scale is not None
     if fp8 and (EXPERT_FP8_BLOCK % cfg.block_k or EXPERT_FP8_BLOCK % cfg.down[0]):
@@ -385,8 +336,10 @@ def _launch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         return out
     x = _contiguous_last(hidden_states, "hidden_states")
     w13, w2 = _contiguous_last(w13, "w13"), _contiguous_last(w2, "w2")
+    ids = topk_ids.contiguous()
+    # The routers return float32 weights: then no cast (not even a no-op ``to``) is issued.
+    weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    logits, routing = route if route is not None else (ids, Routing(top_k, True, False))  # ids: unused
     pdl = use_pdl(x)
     _small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.block_n))](
         x, w13, b13 if b13 is not None else w13, w13_scale if fp8 else act, ids, act, hidden, inter, num_experts,
@@ -394,11 +347,8 @@ def _launch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0,
         TOP_K=top_k, HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation),
         ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=hidden % cfg.block_k == 0, Logits=logits, topk_weights=weights, stride_l=logits.stride(0),
-        TOP_K_PAD=triton.next_power_of_2(top_k), ROUTE=route is not None, SOFTMAX_FIRST=routing.softmax_first,
-        RENORMALIZE=routing.renormalize, BLOCK_E=triton.next_power_of_2(num_experts), USE_FP8=fp8,
-        SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=pdl)
+        EVEN_K=hidden % cfg.block_k == 0, USE_FP8=fp8, SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     down_block_k, down_warps, down_stages = cfg.down
     _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
         act, w2, b2 if b2 is not None else w2, w2_scale if fp8 else act, ids, weights, out, hidden, inter,

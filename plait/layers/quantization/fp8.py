@@ -36,7 +36,6 @@ from plait.layers.quantization.fp8_kernels import (
     quantize_static,
     quantize_weight_per_channel,
 )
-from plait.layers.quantization.gemv import GemvOperands
 
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 
@@ -270,10 +269,6 @@ class Fp8LinearMethod:
     # --- forward ---------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, self.block, layer.input_scale, bias)
-
-    def gemv_operands(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> GemvOperands | None:
-        """``fp8_linear`` runs decode-sized batches through the GEMV on CUDA (the CPU dequantizes)."""
-        return GemvOperands(layer.weight, layer.weight_scale, self.block, bias) if x.is_cuda else None
 
 
 def _shard_ids(layer: Linear) -> list[str | int | None]:

@@ -34,19 +34,6 @@ Channel scales multiply the result once; block scales multiply each step's produ
 one scale block: ``BLOCK_K`` divides the block width, the wrapper narrows it if needed). A bias ``[N]``
 is added before the store.
 
-Three fusions for a decoder layer's decode steps (plait.layers.norm_linear, linear.RowParallelLinear), each a
-constexpr path:
-
-  norm prologue  ``gemv_rmsnorm``: X is the input of an add + RMSNorm (with its residual R). Every
-                 program computes its rows' scale over the whole row (read from L2), then normalises each
-                 activation tile it loads with the RMSNorm kernel's cast points; program (0, 0) writes
-                 the new residual (and the normed rows, for the MoE experts)
-  act prologue   ``gemv_silu_mul``: X is a gate_up output ``[M, 2K]``; each activation tile is
-                 ``silu(gate) * up`` computed as it is loaded (``triton_ops.silu_mul``)
-  route epilogue ``route=``: the output is router logits; the last program to store its tile (a
-                 grid-wide counter, the split-K protocol below) reads them back and writes every row's
-                 top-k routing with the top-k kernel's arithmetic (``fused_router.topk_of_logits``)
-
 Split-K (``split_k`` > 1, for shapes whose row tiles alone would leave SMs idle) stays one launch: each
 program stores its fp32 partial, and the last program of a row tile to finish (an atomic counter per
 tile) adds the partials in slice order (deterministic) and writes the output, then zeroes its counter
@@ -64,10 +51,8 @@ import triton
 import triton.language as tl
 
 from plait import envs
-from plait.layers.moe.fused_router import Routing, topk_of_logits
 from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
-from plait.layers.triton_ops import add_rounded, mul_rounded, silu_mul, use_triton
 
 # Row tiles one split-K launch may count (int32 each): gate_up of a 70b model at BLOCK_N 4 needs 14k.
 MAX_COUNTERS = 1 << 16
@@ -75,11 +60,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Smallest scale a quantizer hands out: an all-zero row quantizes to zeros, not NaN.
 MIN_SCALE = 1e-12
-# Most experts the router epilogue routes over (one program holds a row's logits).
-MAX_ROUTED_EXPERTS = 1024
-# Widest tile of the norm prologue (gemv_rmsnorm): wider rows are summed tile by tile, so the whole-row
-# tile does not take the registers the GEMV's pipeline needs.
-NORM_TILE = 4096
 # Columns per activation scale of the W8A8 form (one K step each): the block path's group width.
 W8A8_GROUP = 128
 
@@ -89,84 +69,6 @@ def fp8_w8a8_default() -> bool | None:
     weight-only, None (unset) the launch config's ``prefer_w8a8`` (the tuned table's measured choice per
     shape and token bucket; weight-only where it has none)."""
     return envs.FP8_GEMV_W8A8.get()
-
-
-@triton.jit
-def _norm_rows(X, R, NW, RES_OUT, NORMED, M, K, eps, writer, BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr,
-               WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """The RMSNorm prologue: each of the M rows' ``1 / sqrt(mean((x + r)^2) + eps)`` (fp32 ``[BLOCK_M]``,
-    0 past M) over the whole row, the expression of plait.layers.triton_ops' RMSNorm kernel (the sum
-    rounded to the activation dtype, the squares summed in fp32; for K <= NORM_BLOCK over one tile, as
-    that kernel does, wider rows tile by tile). The ``writer`` program also stores the new residual
-    ``x + r`` and, with WRITE_NORMED, the normed row. Rows are contiguous: row m starts at m * K."""
-    offs_m = tl.arange(0, BLOCK_M)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # One row (BLOCK_M 1 means M 1): a loop of one trip, so no row count lives across the GEMV's loop.
-    for m in range(0, 1 if BLOCK_M == 1 else M):
-        ss = 0.0
-        for c0 in range(0, K, NORM_BLOCK):
-            cols = c0 + tl.arange(0, NORM_BLOCK)
-            cmask = cols < K
-            x = tl.load(X + m * K + cols, mask=cmask, other=0.0)
-            if HAS_RES:
-                x = add_rounded(x, tl.load(R + m * K + cols, mask=cmask, other=0.0))
-                tl.store(RES_OUT + m * K + cols, x, mask=cmask & writer)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=0)
-        r = tl.rsqrt(ss / K + eps)
-        if WRITE_NORMED:
-            for c0 in range(0, K, NORM_BLOCK):
-                cols = c0 + tl.arange(0, NORM_BLOCK)
-                wmask = (cols < K) & writer
-                x = tl.load(X + m * K + cols, mask=wmask, other=0.0)
-                if HAS_RES:
-                    x = add_rounded(x, tl.load(R + m * K + cols, mask=wmask, other=0.0))
-                w = tl.load(NW + cols, mask=wmask, other=0.0)
-                tl.store(NORMED + m * K + cols, mul_rounded(w, (x.to(tl.float32) * r).to(x.dtype)), mask=wmask)
-        rstd = tl.where(offs_m == m, r, rstd)
-    return rstd
-
-
-@triton.jit
-def _normed(x, r_ptrs, nw_ptrs, mask, k_mask, rstd, HAS_RES: tl.constexpr, MASKED: tl.constexpr = True,
-            K_MASKED: tl.constexpr = True):
-    """One loaded activation tile made what the unfused norm would have stored there: ``nw * ((x + r) *
-    rstd)`` with the unfused kernel's cast points (the sum in x's dtype, the scaling in fp32, rounded to
-    x's dtype before the weight multiplies it). Masked-off elements stay 0. ``mask`` (the tile's) is unused
-    without MASKED, ``k_mask`` (the columns', for the weight) without K_MASKED."""
-    if HAS_RES:
-        if MASKED:
-            x = add_rounded(x, tl.load(r_ptrs, mask=mask, other=0.0))
-        else:
-            x = add_rounded(x, tl.load(r_ptrs))
-    if K_MASKED:
-        w = tl.load(nw_ptrs, mask=k_mask, other=0.0)
-    else:
-        w = tl.load(nw_ptrs)
-    return mul_rounded(w, (x.to(tl.float32) * rstd).to(x.dtype))
-
-
-@triton.jit
-def _route_if_last(Out, TopkW, TopkIds, RouteCounter, M, N, stride_om, n_tiles, offs_m, GPU_FENCE: tl.constexpr,
-                   TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The router epilogue, run by each of the ``n_tiles`` programs that stored an output tile: the last
-    to finish (the split-K publication protocol on one grid-wide counter, left zero again) reads every
-    row's N logits back through L2 and writes its top-k routing, ``fused_router.topk_of_logits`` on the
-    stored values, so the same weights and ids as the top-k kernel reading them."""
-    if GPU_FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [offs_m],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    tl.debug_barrier()
-    if tl.atomic_add(RouteCounter, 1, sem="acq_rel", scope="gpu") == n_tiles - 1:
-        tl.atomic_xchg(RouteCounter, 0, sem="relaxed", scope="gpu")
-        offs_e = tl.arange(0, BLOCK_E)
-        slot = tl.arange(0, TOP_K_PAD)
-        for m in range(0, M):
-            logits = tl.load(Out + m * stride_om + offs_e, mask=offs_e < N, other=-float("inf"), cache_modifier=".cg")
-            weights, ids = topk_of_logits(logits, N, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
-            tl.store(TopkW + m * TOP_K + slot, weights, mask=slot < TOP_K)
-            tl.store(TopkIds + m * TOP_K + slot, ids, mask=slot < TOP_K)
 
 
 # M and split_k are not specialised (divisibility by 16, == 1): the token counts 2..16 and every split
@@ -189,14 +91,6 @@ def _gemv_kernel(
     stride_om,
     k_per_split,  # a multiple of BLOCK_K
     split_k,
-    R,  # NORM with HAS_RES: [M, K] residual (contiguous, as X then is); else unused
-    NW,  # NORM: [K] RMSNorm weight; else unused
-    ResOut,  # NORM with HAS_RES: [M, K] x + residual, written by program (0, 0); else unused
-    Normed,  # WRITE_NORMED: [M, K] the normed activations, written by program (0, 0); else unused
-    eps,
-    TopkW,  # ROUTE: [M, TOP_K] fp32, written by the last program; else unused
-    TopkIds,  # ROUTE: [M, TOP_K] int32; else unused
-    RouteCounter,  # ROUTE: int32 [1], zero on entry and on exit; else unused
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -216,17 +110,6 @@ def _gemv_kernel(
     MIN_S: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     PREFETCH_ROW_BYTES: tl.constexpr = 0,  # > 0 (with USE_PDL): L2-prefetch this much of each row first
-    NORM: tl.constexpr = False,  # X is the RMSNorm's input (+ R): the kernel normalises it on load
-    HAS_RES: tl.constexpr = False,
-    WRITE_NORMED: tl.constexpr = False,
-    NORM_BLOCK: tl.constexpr = 1,  # the prologue's tile: the next power of two >= K, at most NORM_TILE
-    ROUTE: tl.constexpr = False,  # Out holds router logits: the last program routes every row (_route_if_last)
-    TOP_K: tl.constexpr = 1,
-    TOP_K_PAD: tl.constexpr = 1,
-    SOFTMAX_FIRST: tl.constexpr = True,
-    RENORMALIZE: tl.constexpr = False,
-    BLOCK_E: tl.constexpr = 1,  # next power of two >= N
-    ACT_IN: tl.constexpr = False,  # X is [M, 2K] gate | up: the GEMV multiplies silu(gate) * up (silu_mul)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -250,10 +133,6 @@ def _gemv_kernel(
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr.to(tl.int64)],
                                   dtype=tl.int32, is_pure=False, pack=1)
     pdl_prologue(USE_PDL)
-    if NORM:
-        rstd = _norm_rows(X, R, NW, ResOut, Normed, M, K, eps, (pid_n == 0) & (pid_k == 0), BLOCK_M, HAS_RES,
-                          WRITE_NORMED, NORM_BLOCK)
-        rstd_1 = tl.sum(rstd, axis=0)  # M == 1: the one row's (the other entries are 0)
     w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
     if SCALE == 2:
         s_rows = S + (rows // BN_SCALE) * stride_sn
@@ -264,10 +143,6 @@ def _gemv_kernel(
         if ONE_ROW:
             offs_k0 = k_lo + tl.arange(0, BLOCK_K)
             x_next = tl.load(X + offs_k0, mask=offs_k0 < k_hi, other=0.0)
-            if ACT_IN:
-                x_next = silu_mul(x_next, tl.load(X + K + offs_k0, mask=offs_k0 < k_hi, other=0.0))
-            if NORM:
-                x_next = _normed(x_next, R + offs_k0, NW + offs_k0, offs_k0 < k_hi, offs_k0 < k_hi, rstd_1, HAS_RES)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -283,25 +158,11 @@ def _gemv_kernel(
         if BLOCK_M > 1 and not ONE_ROW:
             x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
             x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-            if ACT_IN:
-                x = silu_mul(x, tl.load(X + offs_m[:, None] * stride_xm + K + offs_k[None, :], mask=x_mask, other=0.0))
-            if NORM:
-                x = _normed(x, R + offs_m[:, None] * K + offs_k[None, :], NW + offs_k[None, :], x_mask,
-                            (offs_k < k_hi)[None, :], rstd[:, None], HAS_RES, True, not EVEN_K)
         if BLOCK_M == 1:
             if EVEN_K:
                 x = tl.load(X + offs_k)
-                if ACT_IN:
-                    x = silu_mul(x, tl.load(X + K + offs_k))
             else:
                 x = tl.load(X + offs_k, mask=offs_k < k_hi, other=0.0)
-                if ACT_IN:
-                    x = silu_mul(x, tl.load(X + K + offs_k, mask=offs_k < k_hi, other=0.0))
-            if NORM:
-                if EVEN_K:
-                    x = _normed(x, R + offs_k, NW + offs_k, None, None, rstd_1, HAS_RES, False, False)
-                else:
-                    x = _normed(x, R + offs_k, NW + offs_k, offs_k < k_hi, offs_k < k_hi, rstd_1, HAS_RES)
             prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
             if SCALE == 2:
                 prod = prod * s[:, None]
@@ -317,12 +178,6 @@ def _gemv_kernel(
                 x1 = x_next.to(tl.float32)
                 # The next step's row now (2 bytes a thread: too narrow for the pipelined async copies).
                 x_next = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0)
-                if ACT_IN:
-                    x_next = silu_mul(x_next, tl.load(X + K + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi,
-                                                      other=0.0))
-                if NORM:
-                    x_next = _normed(x_next, R + offs_k + BLOCK_K, NW + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi,
-                                     offs_k + BLOCK_K < k_hi, rstd_1, HAS_RES)
                 s1 = tl.maximum(tl.max(tl.abs(x1), axis=0) / FP8_MAX_V, MIN_S)
                 x_q = tl.broadcast_to((x1 * (1.0 / s1)).to(W.dtype.element_ty)[None, :], [BLOCK_M, BLOCK_K])
                 x_s = tl.full([BLOCK_M], 1.0, tl.float32) * s1
@@ -380,18 +235,12 @@ def _gemv_kernel(
             if HAS_BIAS:
                 total = total + tl.load(Bias + rows).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=out_mask)
-            if ROUTE:
-                _route_if_last(Out, TopkW, TopkIds, RouteCounter, M, N, stride_om, tl.num_programs(0), offs_m,
-                               GPU_FENCE, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
     else:
         if SCALE == 1:
             acc = acc * tl.load(S + rows)[None, :]
         if HAS_BIAS:
             acc = acc + tl.load(Bias + rows).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=out_mask)
-        if ROUTE:
-            _route_if_last(Out, TopkW, TopkIds, RouteCounter, M, N, stride_om, tl.num_programs(0), offs_m,
-                           GPU_FENCE, TOP_K, TOP_K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
 
 
 @functools.lru_cache(maxsize=8)
@@ -465,7 +314,6 @@ def prefetch_row_bytes(plan: GemvLaunch, element_size: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
@@ -477,46 +325,9 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-@dataclass(frozen=True)
-class RouteOutputs:
-    """Where a router GEMV's last program writes each row's top-k routing (``route=`` of ``gemv`` /
-    ``gemv_rmsnorm``): ``weights`` float32 ``[M, top_k]``, ``ids`` int32 ``[M, top_k]``, as
-    ``fused_router.fused_topk`` of the GEMV's output returns them."""
-
-    routing: Routing
-    weights: torch.Tensor
-    ids: torch.Tensor
-
-    @staticmethod
-    def empty(rows: int, routing: Routing, device: torch.device) -> RouteOutputs:
-        return RouteOutputs(routing, torch.empty(rows, routing.top_k, dtype=torch.float32, device=device),
-                            torch.empty(rows, routing.top_k, dtype=torch.int32, device=device))
-
-
-@dataclass(frozen=True)
-class _NormArgs:
-    """What the RMSNorm prologue reads and writes (``gemv_rmsnorm``): every tensor ``[M, K]`` contiguous
-    but the weight ``[K]``."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None
-    residual_out: torch.Tensor | None
-    normed: torch.Tensor | None
-
-
-def route_counter(device: torch.device) -> torch.Tensor:
-    """The device's grid-wide counter of the router epilogue (``_route_if_last``): one int32, zero
-    between launches, apart from the split-K tile counters (a routed launch may also split K)."""
-    counter = _ROUTE_COUNTERS.get(device)
-    if counter is None:
-        counter = _ROUTE_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-         config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None,
-         route: RouteOutputs | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None
+         ) -> torch.Tensor:
     """``x [M, K] @ (W * scale).T (+ bias) -> [M, N]`` in x's dtype for ``1 <= M <= 16``.
 
     ``w`` fp8 e4m3 with ``scale`` ``[N]`` (channel, ``block`` None) or ``[ceil(N / bn), ceil(K / bk)]``
@@ -526,55 +337,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     ``fp8_w8a8_default()``, and where that is unset too, the weight-only table entry's ``prefer_w8a8``
     (the form measured faster for this case; an explicit ``config``'s own flag, launched as given).
     Block scales narrower than, or not a multiple of, 128 columns take the weight-only form. ``config``
-    overrides the tuned / default launch config (the tuner, tests). ``route``: the output is router
-    logits (N experts); the last program to finish also writes each row's top-k routing there."""
-    return _gemv(x, w, scale, block, config, bias, w8a8, None, route)
-
-
-def gemv_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                 scale: torch.Tensor | None = None, block: tuple[int, int] | None = None, *,
-                 residual: torch.Tensor | None = None, want_normed: bool = False, bias: torch.Tensor | None = None,
-                 config: GemvConfig | None = None, w8a8: bool | None = None, route: RouteOutputs | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``RMSNorm`` then ``gemv`` in one launch: ``(gemv(norm(h)), h, norm(h) if want_normed)`` with ``h =
-    x + residual`` (``x`` where ``residual`` is None), each ``[M, K]`` row normalised as RMSNorm.forward
-    does (``norm_weight [K]``, ``eps``). Every program computes its rows' scale over the whole row (K
-    elements from L2) and normalises the K slice it multiplies; program (0, 0) writes ``h`` and the normed
-    rows. The other arguments are ``gemv``'s."""
+    overrides the tuned / default launch config (the tuner, tests)."""
     m, k = x.shape
-    if norm_weight.shape != (k,):
-        raise ValueError(f"gemv_rmsnorm: the norm weight must have shape ({k},), got {tuple(norm_weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"gemv_rmsnorm: the residual must be {x.dtype} of shape {tuple(x.shape)}, got "
-                         f"{residual.dtype} {tuple(residual.shape)}")
-    x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    residual_out = torch.empty_like(x) if residual is not None else None
-    normed = torch.empty_like(x) if want_normed else None
-    out = _gemv(x, w, scale, block, config, bias, w8a8,
-                _NormArgs(norm_weight.contiguous(), eps, residual, residual_out, normed), route)
-    return out, residual_out if residual_out is not None else x, normed
-
-
-def gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-                  block: tuple[int, int] | None = None, *, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None, w8a8: bool | None = None) -> torch.Tensor:
-    """SiLU-and-mul then ``gemv`` in one launch: ``gate_up [M, 2K]`` (gate columns, then up) ->
-    ``gemv(silu(gate) * up)`` ``[M, N]``, each activation tile computed as it is loaded, with the
-    SiLU-and-mul kernel's arithmetic. The other arguments are ``gemv``'s (``w [N, K]``)."""
-    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * w.shape[1]:
-        raise ValueError(f"gemv_silu_mul: gate_up must be [M, 2K] = [M, {2 * w.shape[1]}] for a weight of "
-                         f"K={w.shape[1]} columns, got {tuple(gate_up.shape)}")
-    return _gemv(gate_up, w, scale, block, config, bias, w8a8, None, None, act_in=True)
-
-
-def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
-          config: GemvConfig | None, bias: torch.Tensor | None, w8a8: bool | None, norm: _NormArgs | None,
-          route: RouteOutputs | None, act_in: bool = False) -> torch.Tensor:
-    """``act_in``: x is ``[M, 2K]`` gate | up (``gemv_silu_mul``)."""
-    m, k = x.shape
-    if act_in:
-        k //= 2
     n = w.shape[0]
     if not 1 <= m <= GEMV_MAX_TOKENS:
         raise ValueError(f"gemv: M must be in 1..{GEMV_MAX_TOKENS}, got {m}")
@@ -591,15 +355,6 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: t
         raise ValueError(f"gemv: {gemv_kind(w.dtype, block)} weights {'need' if fp8 else 'take no'} scale")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
-    if route is not None:
-        if not 1 <= route.routing.top_k <= n or n > MAX_ROUTED_EXPERTS:
-            raise ValueError(f"gemv: routing {route.routing.top_k} of N={n} experts needs 1 <= top_k <= N <= "
-                             f"{MAX_ROUTED_EXPERTS}")
-        want = (m, route.routing.top_k)
-        if (route.weights.shape != want or route.ids.shape != want or route.weights.dtype != torch.float32
-                or route.ids.dtype != torch.int32 or not route.weights.is_contiguous()
-                or not route.ids.is_contiguous()):
-            raise ValueError(f"gemv: the routing outputs must be contiguous float32 and int32 of shape {want}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
@@ -632,66 +387,25 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: t
     bias_arg = bias.contiguous() if bias is not None else out  # unused without a bias
     pdl = use_pdl(x)
     prefetch = prefetch_row_bytes(plan, w.element_size()) if pdl and envs.GEMV_PREFETCH.get() else 0
-    if norm is not None:
-        norm_ptrs = (norm.residual if norm.residual is not None else out, norm.weight,
-                     norm.residual_out if norm.residual_out is not None else out,
-                     norm.normed if norm.normed is not None else out)  # ``out`` stands in for the unused ones
-    else:
-        norm_ptrs = (out, out, out, out)
-    route_ptrs = ((route.weights, route.ids, route_counter(x.device)) if route is not None else (out, out, out))
     _gemv_kernel[(n_tiles, split_k)](
         x, w, scale_arg, out, bias_arg, partials, counters, m, n, k, x.stride(0), w.stride(0),
         scale.stride(0) if block is not None else 0, out.stride(0), k_per_split, split_k,
-        *norm_ptrs, norm.eps if norm is not None else 0.0, *route_ptrs,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=0 if scale is None else (2 if block is not None else 1), BN_SCALE=bn_s, BK_SCALE=bk_s,
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        USE_PDL=pdl, PREFETCH_ROW_BYTES=prefetch, NORM=norm is not None,
-        HAS_RES=norm is not None and norm.residual is not None,
-        WRITE_NORMED=norm is not None and norm.normed is not None,
-        NORM_BLOCK=min(triton.next_power_of_2(k), NORM_TILE) if norm is not None else 1,
-        ROUTE=route is not None, TOP_K=route.routing.top_k if route is not None else 1,
-        TOP_K_PAD=triton.next_power_of_2(route.routing.top_k) if route is not None else 1,
-        SOFTMAX_FIRST=route is None or route.routing.softmax_first,
-        RENORMALIZE=route is not None and route.routing.renormalize,
-        BLOCK_E=triton.next_power_of_2(n) if route is not None else 1, ACT_IN=act_in,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        USE_PDL=pdl, PREFETCH_ROW_BYTES=prefetch, num_warps=config.num_warps, num_stages=config.num_stages,
+        launch_pdl=pdl)
     return out
-
-
-@dataclass(frozen=True)
-class GemvOperands:
-    """A linear layer's weight as ``gemv`` / ``gemv_rmsnorm`` take it (``scale`` / ``block``: FP8 only)."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor | None
-    block: tuple[int, int] | None
-    bias: torch.Tensor | None
-
-
-def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool) -> bool:
-    """Whether ``dense_linear`` takes the GEMV for x's device and dtype (row count aside)."""
-    return use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
-
-
-def dense_gemv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: bool
-                        ) -> GemvOperands | None:
-    """An unquantized layer's operands for a GEMV with a prologue (plait.layers.norm_linear): where
-    ``dense_linear`` takes the GEMV, and off CUDA where tests run Triton ops in the interpreter
-    (``use_triton``) on weights in x's dtype; else None."""
-    if dense_gemv_applies(x, weight, use_gemv) or not x.is_cuda and use_triton(x) and x.dtype == weight.dtype:
-        return GemvOperands(weight, None, None, bias)
-    return None
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: bool) -> torch.Tensor:
     """``F.linear`` of an unquantized layer, or, with ``use_gemv`` (``PLAIT_BF16_GEMV=1``), the GEMV for
     decode-sized batches (1..16 tokens) of bf16 / fp16 weights on CUDA in the weights' dtype (the bias
     added in its epilogue)."""
-    if dense_gemv_applies(x, weight, use_gemv):
+    if use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
         x2 = x.reshape(-1, x.shape[-1])
         if 1 <= x2.shape[0] <= GEMV_MAX_TOKENS:
             return gemv(x2, weight, bias=bias).view(*x.shape[:-1], weight.shape[0])

@@ -83,9 +83,7 @@ def gemv_kind(weight_dtype: torch.dtype, block: tuple[int, int] | None, w8a8: bo
         return "bf16"
     if weight_dtype == torch.float16:
         return "fp16"
-    if weight_dtype == torch.float32:  # the interpreter's models in CPU tests; no tuned table
-        return "fp32"
-    raise ValueError(f"gemv: weight dtype {weight_dtype} is not float8_e4m3fn, bfloat16, float16 or float32")
+    raise ValueError(f"gemv: weight dtype {weight_dtype} is not float8_e4m3fn, bfloat16 or float16")
 
 
 def shape_key(n: int, k: int) -> str:
