@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plait import envs
 from plait.layers.moe.activation_triton import activate
 from plait.layers.moe.kernel_config import config_dirs, dtype_suffix
 from plait.layers.moe.reference import ACTIVATIONS, EXPERT_FP8_BLOCK, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
@@ -265,12 +266,31 @@ def _small_down_sum_kernel(Act, W2, B2, S2, topk_ids, topk_weights, Out, H, INTE
                            TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            USE_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
-                           USE_PDL: tl.constexpr = False):
+                           USE_PDL: tl.constexpr = False, PREFETCH_ROW_BYTES: tl.constexpr = 0):
     """Out[t, h] = sum over t's valid pairs p of weight[p] * (Act[p] . W2[e_p, h] (+ B2[e_p, h])), in
     fp32, for the block of rows h of program 1. W2 [E, H, INTER] with INTER contiguous. USE_FP8: W2
-    float8_e4m3fn times S2[e, h // SCALE_BLOCK, k // SCALE_BLOCK] in registers, as the gate/up kernel."""
-    pdl_prologue(USE_PDL)
+    float8_e4m3fn times S2[e, h // SCALE_BLOCK, k // SCALE_BLOCK] in registers, as the gate/up kernel.
+    PREFETCH_ROW_BYTES > 0 (with USE_PDL): L2-prefetch that much of each routed row before the wait."""
     token = tl.program_id(0).to(tl.int64)
+    if PREFETCH_ROW_BYTES > 0:
+        # Launched under PDL while the gate/up kernel streams its weights, the program asks L2 for the
+        # start of its experts' rows before it waits, so the down weights' HBM reads overlap the gate/up
+        # tail. The one exception to pdl_prologue-before-any-load: the routed ids, read only to address
+        # the prefetch (the values used below are loaded again after the wait). They are final here:
+        # this program runs only once every gate/up program has passed its own wait, so every kernel
+        # before the gate/up kernel, the router's top-k among them, has completed; the load goes
+        # through L2 (.cg), where those stores landed, not a stale L1 line of an earlier launch.
+        LINES: tl.constexpr = PREFETCH_ROW_BYTES // 128
+        line = tl.arange(0, TOP_K_PAD * BLOCK_H * LINES)
+        p_slot = line // (BLOCK_H * LINES)
+        p_ids = tl.load(topk_ids + token * TOP_K + p_slot, mask=p_slot < TOP_K, other=0, cache_modifier=".cg")
+        p_ids = tl.where((p_ids >= 0) & (p_ids < num_experts), p_ids, 0).to(tl.int64)
+        p_rows = ((tl.program_id(1) * BLOCK_H + (line // LINES) % BLOCK_H) % H).to(tl.int64)
+        p_cols = tl.minimum((line % LINES) * (1024 // W2.dtype.element_ty.primitive_bitwidth), INTER - 1)
+        ptr = W2 + p_ids * stride_we + p_rows * stride_wh + p_cols
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr.to(tl.int64)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    pdl_prologue(USE_PDL)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rows = (offs_h % H).to(tl.int64)  # wrapped like the gate/up columns; the store masks them
     slot = tl.arange(0, TOP_K_PAD)
@@ -305,6 +325,13 @@ def _small_down_sum_kernel(Act, W2, B2, S2, topk_ids, topk_weights, Out, H, INTE
         pair_out += bias.to(tl.float32)
     out = tl.sum(pair_out * weights[:, None], axis=0)
     tl.store(Out + token * stride_om + offs_h, out.to(Out.dtype.element_ty), mask=offs_h < H)
+
+
+def down_prefetch_row_bytes(inter: int, block_k: int, element_size: int) -> int:
+    """Bytes of each routed w2 row the down kernel prefetches before its PDL wait: its first reduction
+    step, in whole 128-byte lines, a power of two of at most 1 KiB (a program prefetches K x block_h
+    rows: a step of the widest tiles would be most of the expert)."""
+    return min(1024, max(128, triton.next_power_of_2(min(inter, block_k) * element_size)))
 
 
 def _contiguous_last(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -357,5 +384,7 @@ def fused_experts_small_batch(
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
         BLOCK_H=cfg.block_h, BLOCK_K=down_block_k, EVEN_K=inter % down_block_k == 0, USE_FP8=fp8,
         SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
+        PREFETCH_ROW_BYTES=down_prefetch_row_bytes(inter, down_block_k, w2.element_size())
+        if pdl and envs.MOE_DOWN_PREFETCH.get() else 0,
         num_warps=down_warps, num_stages=down_stages, launch_pdl=pdl)
     return out
