@@ -125,7 +125,7 @@ def test_decode_config_packs_two_kv_heads_per_program_in_large_batches() -> None
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
-def test_decode_head_dim_128_with_two_kv_heads_per_program(fused: bool) -> None:
+def test_decode_head_dim_128_with_kv_heads_packed_two_per_program(fused: bool) -> None:
     # llama-3.1-8b's attention (32 q / 8 KV heads, head dim 128) with its large-batch tile, 32 tokens x 2 heads.
     gen = torch.Generator().manual_seed(6)
     lens = torch.randint(1, 1024, (256,), generator=gen).tolist() + [20000]
