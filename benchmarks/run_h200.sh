@@ -212,6 +212,11 @@ for stage in "$@"; do
         PLAIT_DECODE_KV_PACK=$pack python -m plait bench offline --workload offline-throughput --shape llama-3.2-1b \
           --out "$OUT/kvpack-$pack" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    # Decode attention at head dim 128 over nano-vllm's longer contexts (qwen3-0.6b's 16/8 heads, then the
+    # 8b's 32/8): whether the packed 32-token tile's loss end to end on nano-vllm comes from long contexts.
+    attn-decode-d128)
+      python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-decode 256x1024,128x1536,64x2048 2>&1 | tail -3
+      python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-decode 256x1024,128x1536 2>&1 | tail -2 ;;
     kvpack-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "pack" -p no:cacheprovider 2>&1 \
         | tee "$OUT/kvpack-tests.log" | tail -4 ;;
     # The n-gram pair (shortened as in `spec`) with chained verifies off (0) and on (1).
