@@ -366,6 +366,11 @@ def sweep_decode(timer: Timer, shapes: list[tuple[int, ...]], max_kv_splits: int
     configs += [K.LaunchConfig(block_n=bn, num_warps=w, num_stages=st, kv_pack=pack)
                 for pack in (2, 4) if HKV % pack == 0 and pack * D <= 256
                 for bn, w, st in ((32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (16, 4, 3))]
+    # Wider packs fill the 16-row q tile with small GQA groups (2 heads x 8 KV heads): a slot's whole
+    # KV row per program, in narrow token tiles.
+    configs += [K.LaunchConfig(block_n=bn, num_warps=w, num_stages=st, kv_pack=pack)
+                for pack in (4, 8) if HKV % pack == 0 and 256 < pack * D <= 1024
+                for bn, w, st in ((16, 4, 2), (16, 8, 2), (32, 8, 2))]
     for bs, ctx in shapes:
         rows = []
         for cfg in configs:
