@@ -249,16 +249,16 @@ def test_decode_fused_split_merge_matches_reference_and_rezeroes_counters(heads:
         assert not counters.any()
 
 
-@pytest.mark.parametrize(("pack", "hq", "d"), [(2, 8, 64), (4, 8, 64), (2, 16, 128)],
-                         ids=["pack2-gqa2-d64", "pack4-gqa2-d64", "pack2-gqa4-d128"])
-def test_decode_kv_heads_packed_per_program_match_reference(pack: int, hq: int, d: int) -> None:
-    # Four KV heads in packs of 2 or 4 (block-diagonal q tiles), GQA 2 at head dim 64 and GQA 4 at 128
-    # (llama-3.1-8b's layout), the fused merge over several splits, an empty request: each head's output
-    # as with one KV head per program.
+@pytest.mark.parametrize(("pack", "hq", "hkv", "d"), [(2, 8, 4, 64), (4, 8, 4, 64), (2, 16, 4, 128), (8, 16, 8, 128)],
+                         ids=["pack2-gqa2-d64", "pack4-gqa2-d64", "pack2-gqa4-d128", "pack8-gqa2-d128"])
+def test_decode_kv_heads_packed_per_program_match_reference(pack: int, hq: int, hkv: int, d: int) -> None:
+    # KV heads in packs of 2, 4 or 8 (block-diagonal q tiles): GQA 2 at head dim 64, GQA 4 at 128
+    # (llama-3.1-8b's layout) and all 8 KV heads of qwen3-0.6b's layout in one program; the fused merge
+    # over several splits, an empty request: each head's output as with one KV head per program.
     lens, splits = [0, 5, 50, 93], [2, 3, 4, 1]
-    counters = torch.zeros(len(lens) * 4, dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(len(lens) * hkv, dtype=torch.int32, device=DEVICE)
     config = K.LaunchConfig(block_n=16, num_warps=4, num_stages=1, kv_pack=pack)
-    o, o_ref = _run_decode(lens, hq, 4, d, splits=splits, max_splits=4, seed=19, split_counters=counters,
+    o, o_ref = _run_decode(lens, hq, hkv, d, splits=splits, max_splits=4, seed=19, split_counters=counters,
                            config=config)
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
     assert not counters.any()
