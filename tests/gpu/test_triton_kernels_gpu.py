@@ -133,6 +133,16 @@ def test_decode_head_dim_128_with_kv_heads_packed_two_per_program(fused: bool) -
     _decode_case(lens, seed=7, fused=fused, heads=(32, 8, 128), config=config)
 
 
+@pytest.mark.parametrize("pack", [4, 8])
+def test_decode_head_dim_128_groups_of_two_with_kv_heads_packed_wide(pack: int) -> None:
+    # qwen3-0.6b's attention (16 q / 8 KV heads, head dim 128): 4 or all 8 KV heads a program in 16-token
+    # tiles, the tiles kernels_bench --sweep-decode tries for small GQA groups.
+    gen = torch.Generator().manual_seed(8)
+    lens = torch.randint(1, 2048, (128,), generator=gen).tolist() + [20000]
+    config = K.LaunchConfig(block_n=16, num_warps=8, num_stages=2, kv_pack=pack)
+    _decode_case(lens, seed=9, fused=True, heads=(16, 8, 128), config=config)
+
+
 @pytest.mark.parametrize("pack", [1, 2, 4])
 @pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
 def test_decode_head_dim_64_with_kv_heads_packed_per_program(fused: bool, pack: int) -> None:
