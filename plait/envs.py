@@ -116,8 +116,8 @@ GEMV_PREFETCH = EnvVar(
 MOE_DOWN_PREFETCH = EnvVar(
     "PLAIT_MOE_DOWN_PREFETCH", _flag, False,
     "1: the small-batch MoE down kernel, launched with PDL while the gate/up kernel still runs, prefetches "
-    "its routed experts' first weight lines into L2 before it waits; 0 (the default until an A/B on the H200 "
-    "shows it faster): it does not. Read at every call.")
+    "its routed experts' first weight lines into L2 before it waits (the gate/up kernel's weights then load "
+    "evict-first); 0 (the default until an A/B on the H200 shows it faster): neither. Read at every call.")
 SPEC_CHAIN_VERIFIES = _flag_var(
     "PLAIT_SPEC_CHAIN_VERIFIES",
     "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "

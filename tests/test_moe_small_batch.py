@@ -338,13 +338,25 @@ def test_pdl_down_kernel_prefetches_its_routed_rows_and_reads_only_the_ids_befor
     from tests.gemv_aot import run_aot_script
 
     script = str(pathlib.Path(__file__).parent / "moe_aot.py")
-    cases = [["bf16", 8, 8, 256, small.down_prefetch_row_bytes(768, 256, 2)], ["fp8e4nv", 8, 4, 128, 128],
-             ["bf16", 8, 8, 256, 0]]
+    cases = [["down", "bf16", 8, 8, 256, small.down_prefetch_row_bytes(768, 256, 2)],
+             ["down", "fp8e4nv", 8, 4, 128, 128], ["down", "bf16", 8, 8, 256, 0]]
     bf16, fp8, off = run_aot_script(script, cases)
     for r in (bf16, fp8):
         assert r["prefetches_before_wait"] > 0 and r["l2_loads_before_wait"] > 0, r
         assert r["other_loads_before_wait"] == 0, r
     assert off["prefetches_before_wait"] == off["l2_loads_before_wait"] == off["other_loads_before_wait"] == 0, off
+
+
+def test_gate_up_kernel_streams_its_weights_evict_first_only_when_asked():
+    """With the down kernel's prefetch the gate/up weights are loaded under an L2 evict-first policy, so
+    the lines prefetched meanwhile stay in L2; otherwise the loads carry no policy."""
+    import pathlib
+
+    from tests.gemv_aot import run_aot_script
+
+    script = str(pathlib.Path(__file__).parent / "moe_aot.py")
+    evicting, plain = run_aot_script(script, [["gate_up", "evict_first"], ["gate_up", ""]])
+    assert evicting["l2_evict_first_policies"] > 0 and plain["l2_evict_first_policies"] == 0
 
 
 def test_down_prefetch_covers_the_first_reduction_step_in_whole_lines():

@@ -207,12 +207,15 @@ def _small_gate_up_kernel(X, W13, B13, S13, topk_ids, Act, H, INTER, num_experts
                           TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr = False,
-                          SCALE_BLOCK: tl.constexpr = 128, USE_PDL: tl.constexpr = False):
+                          SCALE_BLOCK: tl.constexpr = 128, USE_PDL: tl.constexpr = False,
+                          WEIGHT_EVICTION: tl.constexpr = ""):
     """Act[p, n] = act(gate, up) with gate = x[p // TOP_K] . W13[e, n] (+ B13[e, n]) and up the same
     at row INTER + n, for the block of columns n of program 1, e = topk_ids[p]; rows of skipped pairs
     stay unwritten. W13 [E, 2 * INTER, H] with H contiguous. USE_FP8: W13 float8_e4m3fn, each weight
     times its block's multiplier S13[e, row // SCALE_BLOCK, k // SCALE_BLOCK] in registers (BLOCK_K
-    divides SCALE_BLOCK: one scale column per step); x as it is (weight-only)."""
+    divides SCALE_BLOCK: one scale column per step); x as it is (weight-only). WEIGHT_EVICTION
+    "evict_first": the streamed weights leave L2 first, so the lines the down kernel prefetched
+    meanwhile stay there (with the down kernel's prefetch)."""
     pdl_prologue(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids + pair).to(tl.int64)
@@ -233,13 +236,13 @@ def _small_gate_up_kernel(X, W13, B13, S13, topk_ids, Act, H, INTER, num_experts
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
-            gate = tl.load(gate_ptrs)
-            up = tl.load(up_ptrs)
+            gate = tl.load(gate_ptrs, eviction_policy=WEIGHT_EVICTION)
+            up = tl.load(up_ptrs, eviction_policy=WEIGHT_EVICTION)
         else:
             k_mask = offs_k < H - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
-            up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
+            gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=WEIGHT_EVICTION)
+            up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=WEIGHT_EVICTION)
         if USE_FP8:
             group = (k * BLOCK_K) // SCALE_BLOCK
             acc_gate += gate.to(tl.float32) * tl.load(gs_ptrs + group)[:, None] * x[None, :]
@@ -368,6 +371,10 @@ def fused_experts_small_batch(
     weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x)
+    down_block_k, down_warps, down_stages = cfg.down
+    # The down kernel's L2 prefetch (PLAIT_MOE_DOWN_PREFETCH), with the gate/up weights streamed evict-first.
+    prefetch = (down_prefetch_row_bytes(inter, down_block_k, w2.element_size())
+                if pdl and envs.MOE_DOWN_PREFETCH.get() else 0)
     _small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.block_n))](
         x, w13, b13 if b13 is not None else w13, w13_scale if fp8 else act, ids, act, hidden, inter, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if b13 is not None else 0, act.stride(0),
@@ -375,8 +382,8 @@ def fused_experts_small_batch(
         TOP_K=top_k, HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation),
         ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=hidden % cfg.block_k == 0, USE_FP8=fp8, SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
+        WEIGHT_EVICTION="evict_first" if prefetch else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-    down_block_k, down_warps, down_stages = cfg.down
     _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
         act, w2, b2 if b2 is not None else w2, w2_scale if fp8 else act, ids, weights, out, hidden, inter,
         num_experts, act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0,
@@ -384,7 +391,6 @@ def fused_experts_small_batch(
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
         BLOCK_H=cfg.block_h, BLOCK_K=down_block_k, EVEN_K=inter % down_block_k == 0, USE_FP8=fp8,
         SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
-        PREFETCH_ROW_BYTES=down_prefetch_row_bytes(inter, down_block_k, w2.element_size())
-        if pdl and envs.MOE_DOWN_PREFETCH.get() else 0,
+        PREFETCH_ROW_BYTES=prefetch,
         num_warps=down_warps, num_stages=down_stages, launch_pdl=pdl)
     return out
