@@ -39,10 +39,11 @@ def test_stream_interval_server_sends_tokens_in_steps_of_n_and_the_same_output(i
     chunks = asyncio.run(_token_chunks(interval_server.url, {**body, "stream": True}))
     counts = [len(c["token_ids"]) for c in chunks]
     assert sum(counts) == 11 and chunks[-1]["finish_reason"] == "length"
-    # Under load the server may also merge queued chunks: every boundary but the last still falls
-    # after the first token plus a multiple of the interval.
+    # Under load the server may also merge queued chunks (on a busy machine all of them, into one event):
+    # every boundary but the last still falls after the first token plus a multiple of the interval.
+    # The exact steps without merging are tests/test_stream_interval.py's.
     cuts = [sum(counts[: i + 1]) for i in range(len(counts) - 1)]
-    assert cuts and all((cut - 1) % INTERVAL == 0 for cut in cuts)
+    assert all((cut - 1) % INTERVAL == 0 for cut in cuts)
     assert len(chunks) <= 4
     whole = interval_server.post("/v1/completions", json=body).json()["choices"][0]
     assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
