@@ -50,8 +50,8 @@ LARGE_BATCH_PROGRAMS_PER_SM = 4
 
 def large_batch_min_bs(num_sms: int, num_kv_heads: int, head_dim: int) -> int:
     """The smallest decode batch (requests) from which ``decode_config`` picks the large-batch tiles: where
-    the (request, kv head) grid reaches LARGE_BATCH_PROGRAMS_PER_SM programs per SM, or half that at head
-    dim <= 64, where the packed tiles already win there (bs 64 with 8 kv heads)."""
+    the (request, kv head) grid reaches LARGE_BATCH_PROGRAMS_PER_SM programs per SM, or half of that at
+    head dim <= 64, where the packed tiles already win (bs 64 with 8 kv heads)."""
     min_bs = -(-LARGE_BATCH_PROGRAMS_PER_SM * num_sms // max(1, num_kv_heads))
     return (min_bs + 1) // 2 if head_dim <= 64 else min_bs
 
@@ -67,7 +67,7 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
     flight. On Hopper (bf16, D = 128, 8 kv heads) 128-token tiles, 4 warps, 2 stages are best or close
     for small and medium batches over short and long contexts; once the (request, kv head) grid alone
     is >= 4 programs per SM (2 at head dim 64), 64-token tiles (more CTAs resident per SM) win, and two KV
-    heads per program (32-token tiles at head dim 128)
+    heads per program (32-token tiles at head dim 128, there only with >= 4 query heads per KV head)
     (``kernels_bench.py --sweep-decode`` compares them; DP attention's per-rank decode batches sit in
     that range).
     Interpreter (CPU): 16-token tiles, so small test shapes cover multi-tile splits, tails and empty
