@@ -101,17 +101,8 @@ for stage in "$@"; do
         PLAIT_PDL=$on python -m plait bench latency --shape llama-3.2-1b llama-3.1-8b --no-peer --out "$OUT/pdl-$on" \
           2>&1 | grep -E '^\{"workload|Error'
       done ;;
-    gemv-prefetch-ab)  # decode-bs1 8b, FP8 weights and bf16 in each run, without (0) and with (1) the GEMV's L2
-      # prefetch before its PDL wait (docs/quantization.md#small-m-gemv); about 2 min
-      for on in 0 1; do
-        PLAIT_GEMV_PREFETCH=$on python -m plait bench quant --workload decode-bs1 --out "$OUT/gemv-prefetch-$on" 2>&1 \
-          | grep -E '^\{"workload|Error'
-      done ;;
     fp8-decode)  # FP8 decode-bs1 8b (weight-only GEMV, the shipped configs) against plait bf16 in the same run
       python -m plait bench quant --workload decode-bs1 --out "$OUT" 2>&1 | grep -E '^\{"workload|Error' ;;
-    fp8-decode-noprefetch)  # the same with the GEMV's L2 weight prefetch under PDL off (its A/B)
-      PLAIT_GEMV_PREFETCH=0 python -m plait bench quant --workload decode-bs1 --out "$OUT/noprefetch" 2>&1 \
-        | grep -E '^\{"workload|Error' ;;
     pdl-test) python -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
     moe-latency-nopeer) python -m plait bench latency --shape qwen3-30b-a3b gpt-oss-20b --no-peer --out "$OUT" 2>&1 \
                           | grep -E '^\{"workload|Error' ;;
@@ -262,8 +253,8 @@ for stage in "$@"; do
     # nvidia-h200-x2: where DP attention's offline time goes (rounds by kind, control plane, kernels).
     x2-profile) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py profile-dp2 "$OUT" 2>&1 | grep -v " INFO " | tail -40 ;;
     # decode-bs1 of AB_SHAPES (default qwen3-30b-a3b) once per comma-separated AB_ENVS entry, each entry a
-    # space-separated list of VAR=value set for that run alone (e.g. AB_ENVS="PLAIT_GEMV_PREFETCH=0,
-    # PLAIT_GEMV_PREFETCH=1"); results under $OUT/env-ab-<i>/, the settings in each JSON's plait_env.
+    # space-separated list of VAR=value set for that run alone (e.g. AB_ENVS="PLAIT_PDL=0,
+    # PLAIT_PDL=1"); results under $OUT/env-ab-<i>/, the settings in each JSON's plait_env.
     env-ab)
       IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
       for i in "${!settings[@]}"; do

@@ -108,16 +108,6 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
-GEMV_PREFETCH = EnvVar(
-    "PLAIT_GEMV_PREFETCH", _flag, False,
-    "1: a GEMV launched with PDL prefetches its first weight lines into L2 before it waits for the "
-    "previous kernel; 0 (the default until an A/B on the H200 shows it faster): it does not. Read at "
-    "every call.")
-MOE_DOWN_PREFETCH = EnvVar(
-    "PLAIT_MOE_DOWN_PREFETCH", _flag, False,
-    "1: the small-batch MoE down kernel, launched with PDL while the gate/up kernel still runs, prefetches "
-    "its routed experts' first weight lines into L2 before it waits (the gate/up kernel's weights then load "
-    "evict-first); 0 (the default until an A/B on the H200 shows it faster): neither. Read at every call.")
 SPEC_CHAIN_VERIFIES = _flag_var(
     "PLAIT_SPEC_CHAIN_VERIFIES",
     "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "
@@ -139,4 +129,4 @@ DECODE_KV_PACK = _int_var(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_PREFETCH, MOE_DOWN_PREFETCH, PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES)
+                                    PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES)

@@ -1,8 +1,8 @@
 """Compile the GEMV kernel ahead of time for an H100/H200 (sm_90) without a GPU, with the Triton wheel's
-own ptxas, as the GPU launches it (with PDL and its weight prefetch), and print each launch's register
-and shared-memory use, its pipelined loads, its e4m3 warpgroup MMAs, its e4m3 -> wider conversions and
-what it issues before the grid-dependency wait, as JSON lines. Run as a script with
-TRITON_INTERPRET unset (tests/test_gemv.py does); arguments: JSON [kind, m, n, k, config] cases."""
+own ptxas, as the GPU launches it (with PDL), and print each launch's register and shared-memory use,
+its pipelined loads, its e4m3 warpgroup MMAs, its e4m3 -> wider conversions and the loads it issues
+before the grid-dependency wait, as JSON lines. Run as a script with TRITON_INTERPRET unset
+(tests/test_gemv.py does); arguments: JSON [kind, m, n, k, config] cases."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from plait.layers.quantization.gemv import _gemv_kernel, plan_launch, prefetch_row_bytes
+from plait.layers.quantization.gemv import _gemv_kernel, plan_launch
 from plait.layers.quantization.gemv_config import GemvConfig
 
 WEIGHT = {"fp8_channel": "fp8e4nv", "fp8_block": "fp8e4nv", "fp8_channel_mma": "fp8e4nv", "fp8_block_mma": "fp8e4nv",
@@ -39,7 +39,7 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str
                   BK_SCALE=block[1] if block else 1, EVEN_K=plan.even_k, SPLIT=plan.split_k > 1,
                   NUM_STAGES=plan.num_stages, INPUT_PRECISION=None, GPU_FENCE=True, UPCAST_DOT=False,
                   W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
-                  USE_PDL=True, PREFETCH_ROW_BYTES=prefetch_row_bytes(plan, 2 if kind in ("bf16", "fp16") else 1))
+                  USE_PDL=True)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
     kernel = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -52,11 +52,11 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S)
     ptx = kernel.asm["ptx"]
     assert found, usage
+    assert "griddepcontrol.wait" in ptx, "the PDL prologue's wait is missing"
     return {"regs": int(found.group(1)), "stack": int(found.group(2)), "shared": kernel.metadata.shared,
             "pipelined_loads": kernel.asm["ttgir"].count("async_copy_global_to_local"),
             "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\.\S*\.e4m3\.e4m3", ptx)),
             "e4m3_widened": len(re.findall(r"cvt\.\S*\.(?:f16x2|bf16x2|f32)\.e4m3x2", ptx)),
-            "prefetches_before_wait": ptx[: ptx.find("griddepcontrol.wait")].count("prefetch.global.L2"),
             "loads_before_wait": len(re.findall(r"\b(?:ld\.global|cp\.async)", ptx[: ptx.find("griddepcontrol.wait")]))}
 
 
@@ -64,25 +64,20 @@ def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[i
                                    ms: tuple[int, ...] = (1, 16)) -> list[dict[str, int]]:
     """Each kind's default config at each (N, K) and M compiled by this script in a process without
     TRITON_INTERPRET (tests run in the interpreter); its JSON lines. Skips without the wheel's ptxas."""
-    from plait.layers.quantization.gemv_config import default_config
-
-    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
-            for kind in kinds for m in ms for n, k in shapes]
-    return run_aot_script(__file__, work)
-
-
-def run_aot_script(script: str, work: list) -> list[dict]:
-    """Run an ahead-of-time compile ``script`` (this one, tests/moe_aot.py) on the JSON ``work`` list in a
-    process without TRITON_INTERPRET; one JSON line back per case. Skips without the wheel's ptxas."""
     import pathlib
 
     import pytest
 
+    from plait.layers.quantization.gemv_config import default_config
+
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
         pytest.skip("this triton wheel has no ptxas")
+    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
+            for kind in kinds for m in ms for n, k in shapes]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(pathlib.Path(__file__).parent.parent)
-    done = subprocess.run([sys.executable, script, json.dumps(work)], env=env, capture_output=True, text=True,
+    root = pathlib.Path(__file__).parent.parent
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, __file__, json.dumps(work)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]

@@ -327,39 +327,3 @@ def test_fused_experts_follows_the_table_and_both_paths_match_the_reference(tmp_
 def test_a_bucket_naming_an_unknown_path_is_refused():
     with pytest.raises(ValueError, match="path must be one of"):
         small.SmallBatchBucket.from_json({"path": "fast", "config": EVEN.to_json()})
-
-
-def test_pdl_down_kernel_prefetches_its_routed_rows_and_reads_only_the_ids_before_waiting():
-    """Compiled for an H200 with PDL and the prefetch: the down kernel asks L2 for its experts' first
-    weight lines before the grid-dependency wait, and the only loads before it are the routed ids,
-    through L2; without the prefetch nothing at all is loaded before the wait."""
-    import pathlib
-
-    from tests.gemv_aot import run_aot_script
-
-    script = str(pathlib.Path(__file__).parent / "moe_aot.py")
-    cases = [["down", "bf16", 8, 8, 256, small.down_prefetch_row_bytes(768, 256, 2)],
-             ["down", "fp8e4nv", 8, 4, 128, 128], ["down", "bf16", 8, 8, 256, 0]]
-    bf16, fp8, off = run_aot_script(script, cases)
-    for r in (bf16, fp8):
-        assert r["prefetches_before_wait"] > 0 and r["l2_loads_before_wait"] > 0, r
-        assert r["other_loads_before_wait"] == 0, r
-    assert off["prefetches_before_wait"] == off["l2_loads_before_wait"] == off["other_loads_before_wait"] == 0, off
-
-
-def test_gate_up_kernel_streams_its_weights_evict_first_only_when_asked():
-    """With the down kernel's prefetch the gate/up weights are loaded under an L2 evict-first policy, so
-    the lines prefetched meanwhile stay in L2; otherwise the loads carry no policy."""
-    import pathlib
-
-    from tests.gemv_aot import run_aot_script
-
-    script = str(pathlib.Path(__file__).parent / "moe_aot.py")
-    evicting, plain = run_aot_script(script, [["gate_up", "evict_first"], ["gate_up", ""]])
-    assert evicting["l2_evict_first_policies"] > 0 and plain["l2_evict_first_policies"] == 0
-
-
-def test_down_prefetch_covers_the_first_reduction_step_in_whole_lines():
-    assert small.down_prefetch_row_bytes(768, 256, 2) == 512
-    assert small.down_prefetch_row_bytes(768, 1024, 2) == 1024  # at most 1 KiB of a row
-    assert small.down_prefetch_row_bytes(24, 16, 1) == 128  # at least one line

@@ -11,9 +11,6 @@ Invariant for every kernel launched with ``launch_pdl=True``: ``pdl_prologue`` r
 first global load or store. That keeps the stream's order for data (read-after-write and
 write-after-read alike), whichever kernel came before: a predecessor that never releases its
 dependents (cuBLAS, torch ops) simply lets the next kernel start when it completes, as without PDL.
-One documented exception: the small-batch MoE down kernel's optional L2 prefetch reads the routed
-expert ids before its wait, only to address the prefetch (``small_batch._small_down_sum_kernel``: the
-ids were written before the kernel it depends on started, and it reads them again after the wait).
 Off on the CPU (the Triton interpreter has no grid dependency control) and below sm_90.
 """
 

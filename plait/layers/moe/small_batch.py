@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from plait import envs
 from plait.layers.moe.activation_triton import activate
 from plait.layers.moe.kernel_config import config_dirs, dtype_suffix
 from plait.layers.moe.reference import ACTIVATIONS, EXPERT_FP8_BLOCK, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
@@ -207,15 +206,12 @@ def _small_gate_up_kernel(X, W13, B13, S13, topk_ids, Act, H, INTER, num_experts
                           TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr = False,
-                          SCALE_BLOCK: tl.constexpr = 128, USE_PDL: tl.constexpr = False,
-                          WEIGHT_EVICTION: tl.constexpr = ""):
+                          SCALE_BLOCK: tl.constexpr = 128, USE_PDL: tl.constexpr = False):
     """Act[p, n] = act(gate, up) with gate = x[p // TOP_K] . W13[e, n] (+ B13[e, n]) and up the same
     at row INTER + n, for the block of columns n of program 1, e = topk_ids[p]; rows of skipped pairs
     stay unwritten. W13 [E, 2 * INTER, H] with H contiguous. USE_FP8: W13 float8_e4m3fn, each weight
     times its block's multiplier S13[e, row // SCALE_BLOCK, k // SCALE_BLOCK] in registers (BLOCK_K
-    divides SCALE_BLOCK: one scale column per step); x as it is (weight-only). WEIGHT_EVICTION
-    "evict_first": the streamed weights leave L2 first, so the lines the down kernel prefetched
-    meanwhile stay there (with the down kernel's prefetch)."""
+    divides SCALE_BLOCK: one scale column per step); x as it is (weight-only)."""
     pdl_prologue(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids + pair).to(tl.int64)
@@ -236,13 +232,13 @@ def _small_gate_up_kernel(X, W13, B13, S13, topk_ids, Act, H, INTER, num_experts
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
-            gate = tl.load(gate_ptrs, eviction_policy=WEIGHT_EVICTION)
-            up = tl.load(up_ptrs, eviction_policy=WEIGHT_EVICTION)
+            gate = tl.load(gate_ptrs)
+            up = tl.load(up_ptrs)
         else:
             k_mask = offs_k < H - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=WEIGHT_EVICTION)
-            up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=WEIGHT_EVICTION)
+            gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
+            up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
         if USE_FP8:
             group = (k * BLOCK_K) // SCALE_BLOCK
             acc_gate += gate.to(tl.float32) * tl.load(gs_ptrs + group)[:, None] * x[None, :]
@@ -269,31 +265,12 @@ def _small_down_sum_kernel(Act, W2, B2, S2, topk_ids, topk_weights, Out, H, INTE
                            TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            USE_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
-                           USE_PDL: tl.constexpr = False, PREFETCH_ROW_BYTES: tl.constexpr = 0):
+                           USE_PDL: tl.constexpr = False):
     """Out[t, h] = sum over t's valid pairs p of weight[p] * (Act[p] . W2[e_p, h] (+ B2[e_p, h])), in
     fp32, for the block of rows h of program 1. W2 [E, H, INTER] with INTER contiguous. USE_FP8: W2
-    float8_e4m3fn times S2[e, h // SCALE_BLOCK, k // SCALE_BLOCK] in registers, as the gate/up kernel.
-    PREFETCH_ROW_BYTES > 0 (with USE_PDL): L2-prefetch that much of each routed row before the wait."""
-    token = tl.program_id(0).to(tl.int64)
-    if PREFETCH_ROW_BYTES > 0:
-        # Launched under PDL while the gate/up kernel streams its weights, the program asks L2 for the
-        # start of its experts' rows before it waits, so the down weights' HBM reads overlap the gate/up
-        # tail. The one exception to pdl_prologue-before-any-load: the routed ids, read only to address
-        # the prefetch (the values used below are loaded again after the wait). They are final here:
-        # this program runs only once every gate/up program has passed its own wait, so every kernel
-        # before the gate/up kernel, the router's top-k among them, has completed; the load goes
-        # through L2 (.cg), where those stores landed, not a stale L1 line of an earlier launch.
-        LINES: tl.constexpr = PREFETCH_ROW_BYTES // 128
-        line = tl.arange(0, TOP_K_PAD * BLOCK_H * LINES)
-        p_slot = line // (BLOCK_H * LINES)
-        p_ids = tl.load(topk_ids + token * TOP_K + p_slot, mask=p_slot < TOP_K, other=0, cache_modifier=".cg")
-        p_ids = tl.where((p_ids >= 0) & (p_ids < num_experts), p_ids, 0).to(tl.int64)
-        p_rows = ((tl.program_id(1) * BLOCK_H + (line // LINES) % BLOCK_H) % H).to(tl.int64)
-        p_cols = tl.minimum((line % LINES) * (1024 // W2.dtype.element_ty.primitive_bitwidth), INTER - 1)
-        ptr = W2 + p_ids * stride_we + p_rows * stride_wh + p_cols
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr.to(tl.int64)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+    float8_e4m3fn times S2[e, h // SCALE_BLOCK, k // SCALE_BLOCK] in registers, as the gate/up kernel."""
     pdl_prologue(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rows = (offs_h % H).to(tl.int64)  # wrapped like the gate/up columns; the store masks them
     slot = tl.arange(0, TOP_K_PAD)
@@ -330,13 +307,6 @@ def _small_down_sum_kernel(Act, W2, B2, S2, topk_ids, topk_weights, Out, H, INTE
     tl.store(Out + token * stride_om + offs_h, out.to(Out.dtype.element_ty), mask=offs_h < H)
 
 
-def down_prefetch_row_bytes(inter: int, block_k: int, element_size: int) -> int:
-    """Bytes of each routed w2 row the down kernel prefetches before its PDL wait: its first reduction
-    step, in whole 128-byte lines, a power of two of at most 1 KiB (a program prefetches K x block_h
-    rows: a step of the widest tiles would be most of the expert)."""
-    return min(1024, max(128, triton.next_power_of_2(min(inter, block_k) * element_size)))
-
-
 def _contiguous_last(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.stride(-1) != 1:
         raise ValueError(f"fused_experts_small_batch: {name} must be contiguous in its last dimension")
@@ -371,10 +341,6 @@ def fused_experts_small_batch(
     weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x)
-    down_block_k, down_warps, down_stages = cfg.down
-    # The down kernel's L2 prefetch (PLAIT_MOE_DOWN_PREFETCH), with the gate/up weights streamed evict-first.
-    prefetch = (down_prefetch_row_bytes(inter, down_block_k, w2.element_size())
-                if pdl and envs.MOE_DOWN_PREFETCH.get() else 0)
     _small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.block_n))](
         x, w13, b13 if b13 is not None else w13, w13_scale if fp8 else act, ids, act, hidden, inter, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if b13 is not None else 0, act.stride(0),
@@ -382,8 +348,8 @@ def fused_experts_small_batch(
         TOP_K=top_k, HAS_BIAS=b13 is not None, ACTIVATION=ACTIVATIONS.index(activation),
         ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=hidden % cfg.block_k == 0, USE_FP8=fp8, SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
-        WEIGHT_EVICTION="evict_first" if prefetch else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+    down_block_k, down_warps, down_stages = cfg.down
     _small_down_sum_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_h))](
         act, w2, b2 if b2 is not None else w2, w2_scale if fp8 else act, ids, weights, out, hidden, inter,
         num_experts, act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0,
@@ -391,6 +357,5 @@ def fused_experts_small_batch(
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
         BLOCK_H=cfg.block_h, BLOCK_K=down_block_k, EVEN_K=inter % down_block_k == 0, USE_FP8=fp8,
         SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
-        PREFETCH_ROW_BYTES=prefetch,
         num_warps=down_warps, num_stages=down_stages, launch_pdl=pdl)
     return out

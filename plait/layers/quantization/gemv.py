@@ -109,8 +109,8 @@ def _gemv_kernel(
     FP8_MAX_V: tl.constexpr,
     MIN_S: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    PREFETCH_ROW_BYTES: tl.constexpr = 0,  # > 0 (with USE_PDL): L2-prefetch this much of each row first
 ):
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,18 +121,6 @@ def _gemv_kernel(
     mask_m = offs_m < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PREFETCH_ROW_BYTES > 0:
-        # Launched early (PDL), the program asks L2 for the start of its weight rows before it waits for
-        # the previous kernel, so those HBM reads overlap the predecessor's tail. A prefetch into L2 loads
-        # nothing into the program and changes no value a later load sees (L2 is where every SM's writes
-        # land); every load and store still comes after the prologue, as the PDL contract says.
-        LINES: tl.constexpr = PREFETCH_ROW_BYTES // 128
-        line = tl.arange(0, BLOCK_N * LINES)
-        col = k_lo + (line % LINES) * (1024 // W.dtype.element_ty.primitive_bitwidth)  # elements a line
-        ptr = W + tl.minimum(pid_n * BLOCK_N + line // LINES, N - 1).to(tl.int64) * stride_wn + tl.minimum(col, K - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr.to(tl.int64)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    pdl_prologue(USE_PDL)
     w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
     if SCALE == 2:
         s_rows = S + (rows // BN_SCALE) * stride_sn
@@ -305,14 +293,6 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
                       config.num_stages, w8a8, w8a8 and m == 1)
 
 
-def prefetch_row_bytes(plan: GemvLaunch, element_size: int) -> int:
-    """Bytes of each weight row a PDL-launched program prefetches into L2 before it waits for its
-    predecessor: the slice's first pipeline's worth (``num_stages`` steps) in whole 128-byte lines, a
-    power of two of at most 4 KiB."""
-    row_bytes = min(plan.k_per_split, plan.num_stages * plan.block_k) * element_size
-    return min(4096, max(128, triton.next_power_of_2(row_bytes)))
-
-
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -386,7 +366,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     scale_arg = scale if scale is not None else out  # unused without scales
     bias_arg = bias.contiguous() if bias is not None else out  # unused without a bias
     pdl = use_pdl(x)
-    prefetch = prefetch_row_bytes(plan, w.element_size()) if pdl and envs.GEMV_PREFETCH.get() else 0
     _gemv_kernel[(n_tiles, split_k)](
         x, w, scale_arg, out, bias_arg, partials, counters, m, n, k, x.stride(0), w.stride(0),
         scale.stride(0) if block is not None else 0, out.stride(0), k_per_split, split_k,
@@ -396,8 +375,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        USE_PDL=pdl, PREFETCH_ROW_BYTES=prefetch, num_warps=config.num_warps, num_stages=config.num_stages,
-        launch_pdl=pdl)
+        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 
