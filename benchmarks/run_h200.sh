@@ -252,16 +252,19 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py moe-ep "$OUT" 2>&1 | grep -v " INFO " | tail -8 ;;
     # nvidia-h200-x2: where DP attention's offline time goes (rounds by kind, control plane, kernels).
     x2-profile) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py profile-dp2 "$OUT" 2>&1 | grep -v " INFO " | tail -40 ;;
-    # decode-bs1 of AB_SHAPES (default qwen3-30b-a3b) once per comma-separated AB_ENVS entry, each entry a
-    # space-separated list of VAR=value set for that run alone (e.g. AB_ENVS="PLAIT_PDL=0,
-    # PLAIT_PDL=1"); results under $OUT/env-ab-<i>/, the settings in each JSON's plait_env.
+    # decode-bs1 of each AB_SHAPES shape (space-separated; default qwen3-30b-a3b) once per comma-separated
+    # AB_ENVS entry, each entry a space-separated list of VAR=value set for that run alone (e.g.
+    # AB_ENVS="PLAIT_PDL=0,PLAIT_PDL=1"); results under $OUT/env-ab-<shape>-<i>/, the settings in each
+    # JSON's plait_env.
     env-ab)
       IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
-      for i in "${!settings[@]}"; do
-        echo "--- ${settings[$i]}"
-        # shellcheck disable=SC2086  # an entry is several VAR=value words
-        env ${settings[$i]} python -m plait bench latency --shape ${AB_SHAPES:-qwen3-30b-a3b} --no-peer \
-          --eager-output-len 32 --out "$OUT/env-ab-$i" 2>&1 | grep -E '^\{"workload|Error'
+      for shape in ${AB_SHAPES:-qwen3-30b-a3b}; do
+        for i in "${!settings[@]}"; do
+          echo "--- $shape ${settings[$i]}"
+          # shellcheck disable=SC2086  # an entry is several VAR=value words
+          env ${settings[$i]} python -m plait bench latency --shape "$shape" --no-peer \
+            --eager-output-len 32 --out "$OUT/env-ab-$shape-$i" 2>&1 | grep -E '^\{"workload|Error'
+        done
       done ;;
     *) echo "unknown stage $stage" ;;
   esac

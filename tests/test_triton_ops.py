@@ -86,3 +86,35 @@ def test_native_rotary_with_kv_store_matches_the_kernel():
     triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim, (v, caches[2], caches[3], loc))
     torch.testing.assert_close(caches[0], caches[2], atol=1e-5, rtol=1e-5)
     assert torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm-and-rope"])
+def test_rotary_split_over_head_blocks_equals_one_program_per_token(monkeypatch, qk_norm):
+    # 6 query and 2 key heads in blocks of 4: a partial q block and a partial k block, whose programs
+    # also store K and V; every value the same as the launch that gives a token's heads to one program.
+    from plait.layers.rotary import QKNorm
+
+    head_dim, hq, hkv, t = 16, 6, 2, 3
+    assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8) == 8
+    monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "1")
+    assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8) == triton_ops.ROTARY_SPLIT_HEADS == 4
+    assert triton_ops.rotary_heads_per_program(100, hq, hkv, num_sms=8) == 8  # a full grid already
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(t, h * head_dim, generator=g) for h in (hq, hkv, hkv))
+    wq, wk = 1 + torch.randn(head_dim, generator=g), 1 + torch.randn(head_dim, generator=g)
+    norm = QKNorm(wq, wk, 1e-6) if qk_norm else None
+    pos, loc = torch.tensor([5, 0, 37]), torch.tensor([6, 1, 3])
+    caches = [torch.zeros(8, hkv, head_dim) for _ in range(4)]
+    split = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim,
+                               (v, caches[0], caches[1], loc), norm)
+    monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "0")
+    whole = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim,
+                               (v, caches[2], caches[3], loc), norm)
+    assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0][loc].abs().sum() > 0 and torch.equal(caches[1][loc], v.view(t, hkv, head_dim))
+
+
+def test_l2_prefetch_is_only_offered_for_cuda_tensors():
+    assert not triton_ops.l2_prefetchable(torch.zeros(4))

@@ -7,6 +7,7 @@ reference and the CPU path; ``use_triton(x)`` decides per call.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -106,66 +107,133 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rotate_heads(base, heads, n_heads, w_norm, cos, sin, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rotate (after Qwen3's per-head RMSNorm with ``QK_NORM``) the rows ``heads`` of one token's
+    [n_heads, 2 * HALF] block at ``base``, in place; returns the rotated halves and their offsets."""
+    d = tl.arange(0, HALF)
+    mask = heads[:, None] < n_heads
+    offs = heads[:, None] * (2 * HALF) + d[None, :]
+    x1 = tl.load(base + offs, mask=mask, other=0.0)
+    x2 = tl.load(base + offs + HALF, mask=mask, other=0.0)
+    if QK_NORM:
+        # qk_norm.qk_rmsnorm's arithmetic (the mean of squares over the whole head in fp32, the normalised
+        # value rounded to the input dtype, times the weight, rounded again), so the result equals the
+        # two-kernel path's.
+        dh = tl.arange(0, 2 * HALF)
+        head = tl.load(base + heads[:, None] * (2 * HALF) + dh[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(head * head, axis=1) / (2 * HALF) + eps)[:, None]
+        x1 = (tl.load(w_norm + d)[None, :] * (x1.to(tl.float32) * rstd).to(x1.dtype)).to(x1.dtype)
+        x2 = (tl.load(w_norm + HALF + d)[None, :] * (x2.to(tl.float32) * rstd).to(x2.dtype)).to(x2.dtype)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    r1, r2 = (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
+    tl.store(base + offs, r1, mask=mask)
+    tl.store(base + offs + HALF, r2, mask=mask)
+    return r1, r2, offs, mask
+
+
+@triton.jit
 def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads, n_k_heads,
                    V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc, WQ, WK, eps,
+                   PREFETCH, prefetch_lines, n_q_blocks, n_blocks, rotate_programs,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, QK_NORM: tl.constexpr,
-                   USE_PDL: tl.constexpr = False):
+                   PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # Programs [0, rotate_programs): token pid // n_blocks, head block pid % n_blocks (the first n_q_blocks
+    # of q, then k's, whose programs also store their heads' K and V). The PREFETCH_PROGRAMS after them
+    # only ask L2 for the lines of PREFETCH (the weights the step reads next).
     pdl_prologue(USE_PDL)
-    t = tl.program_id(0)
-    pos = tl.load(POS + t).to(tl.int64)
-    d = tl.arange(0, HALF)
-    cos = tl.load(COS_SIN + pos * stride_cs + d)
-    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
-    heads = tl.arange(0, BLOCK_H)
-    for which in tl.static_range(2):
-        if which == 0:
-            base = Q + t * stride_q
-            n_heads = n_q_heads
-            w_norm = WQ
+    pid = tl.program_id(0)
+    if pid >= rotate_programs:
+        # After the wait: the previous kernel's own reads are done, HBM is idle while this kernel and the
+        # attention after it run. A prefetch loads nothing into the program and changes no value a load
+        # sees; every line is one 128-byte L2 request (PREFETCH is addressed in bytes).
+        j = pid - rotate_programs
+        per = tl.cdiv(prefetch_lines, PREFETCH_PROGRAMS)
+        lo = j * per
+        hi = tl.minimum(lo + per, prefetch_lines)
+        for start in range(lo, hi, PREFETCH_BLOCK):
+            line = tl.minimum(start + tl.arange(0, PREFETCH_BLOCK), hi - 1)
+            ptr = PREFETCH + line.to(tl.int64) * 128
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr.to(tl.int64)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        t = pid // n_blocks
+        g = pid % n_blocks
+        pos = tl.load(POS + t).to(tl.int64)
+        d = tl.arange(0, HALF)
+        cos = tl.load(COS_SIN + pos * stride_cs + d)
+        sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
+        if g < n_q_blocks:
+            heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
+            _rotate_heads(Q + t * stride_q, heads, n_q_heads, WQ, cos, sin, eps, HALF, QK_NORM)
         else:
-            base = K + t * stride_k
-            n_heads = n_k_heads
-            w_norm = WK
-        mask = heads[:, None] < n_heads
-        offs = heads[:, None] * (2 * HALF) + d[None, :]
-        x1 = tl.load(base + offs, mask=mask, other=0.0)
-        x2 = tl.load(base + offs + HALF, mask=mask, other=0.0)
-        if QK_NORM:
-            # Qwen3's per-head RMSNorm before the rotation, with qk_norm.qk_rmsnorm's arithmetic (the
-            # mean of squares over the whole head in fp32, the normalised value rounded to the input
-            # dtype, times the weight, rounded again), so the result equals the two-kernel path's.
-            dh = tl.arange(0, 2 * HALF)
-            head = tl.load(base + heads[:, None] * (2 * HALF) + dh[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(head * head, axis=1) / (2 * HALF) + eps)[:, None]
-            x1 = (tl.load(w_norm + d)[None, :] * (x1.to(tl.float32) * rstd).to(x1.dtype)).to(x1.dtype)
-            x2 = (tl.load(w_norm + HALF + d)[None, :] * (x2.to(tl.float32) * rstd).to(x2.dtype)).to(x2.dtype)
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        r1, r2 = (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
-        tl.store(base + offs, r1, mask=mask)
-        tl.store(base + offs + HALF, r2, mask=mask)
-        if STORE and which == 1:
-            # The rotated keys also go to the paged cache (what the backend's KV store would write).
-            k_dst = K_CACHE + tl.load(LOC + t).to(tl.int64) * stride_kc
-            tl.store(k_dst + offs, r1.to(K_CACHE.dtype.element_ty), mask=mask)
-            tl.store(k_dst + offs + HALF, r2.to(K_CACHE.dtype.element_ty), mask=mask)
-    if STORE:
-        dv = tl.arange(0, 2 * HALF)
-        mask_v = heads[:, None] < n_k_heads
-        offs_v = heads[:, None] * (2 * HALF) + dv[None, :]
-        vals = tl.load(V + t * stride_v + offs_v, mask=mask_v, other=0.0)
-        v_dst = V_CACHE + tl.load(LOC + t).to(tl.int64) * stride_vc
-        tl.store(v_dst + offs_v, vals.to(V_CACHE.dtype.element_ty), mask=mask_v)
+            heads = (g - n_q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+            r1, r2, offs, mask = _rotate_heads(K + t * stride_k, heads, n_k_heads, WK, cos, sin, eps, HALF, QK_NORM)
+            if STORE:
+                # The rotated keys and the values go to the paged cache (what the backend's KV store would
+                # write).
+                slot = tl.load(LOC + t).to(tl.int64)
+                k_dst = K_CACHE + slot * stride_kc
+                tl.store(k_dst + offs, r1.to(K_CACHE.dtype.element_ty), mask=mask)
+                tl.store(k_dst + offs + HALF, r2.to(K_CACHE.dtype.element_ty), mask=mask)
+                dv = tl.arange(0, 2 * HALF)
+                offs_v = heads[:, None] * (2 * HALF) + dv[None, :]
+                vals = tl.load(V + t * stride_v + offs_v, mask=mask, other=0.0)
+                v_dst = V_CACHE + slot * stride_vc
+                tl.store(v_dst + offs_v, vals.to(V_CACHE.dtype.element_ty), mask=mask)
+
+
+# Heads per rotary program when a batch has few tokens: one program per token would leave the step's
+# whole rotation to one SM (decode at bs 1: 36 heads in one program).
+ROTARY_SPLIT_HEADS = 4
+# Programs that issue an L2 prefetch, and lines each asks for per loop step (4 warps: 8 per thread).
+PREFETCH_PROGRAMS = 64
+PREFETCH_BLOCK = 1024
+
+
+def rotary_heads_per_program(tokens: int, n_q: int, n_k: int, num_sms: int) -> int:
+    """Heads per program: ``ROTARY_SPLIT_HEADS`` while the split grid stays within 4 programs per SM
+    (``PLAIT_ROTARY_SPLIT_HEADS``), else every head of a token (prefill: one program per token is
+    already a full grid)."""
+    whole = triton.next_power_of_2(max(n_q, n_k))
+    if not envs.ROTARY_SPLIT_HEADS.get():
+        return whole
+    split = min(whole, ROTARY_SPLIT_HEADS)
+    blocks = triton.cdiv(n_q, split) + triton.cdiv(n_k, split)
+    return split if tokens * blocks <= 4 * num_sms else whole
+
+
+def l2_prefetchable(t: torch.Tensor) -> bool:
+    """Whether ``t`` may be prefetched into L2 ahead of its use: a contiguous CUDA tensor of at most
+    three quarters of the device's L2 (a larger one would evict its own first lines before the reader
+    reaches them)."""
+    if not t.is_cuda or not t.is_contiguous():
+        return False
+    return t.numel() * t.element_size() <= 3 * _cuda_props(t)[1] // 4
+
+
+def _cuda_props(t: torch.Tensor) -> tuple[int, int]:
+    """(SM count, L2 bytes) of a CUDA tensor's device."""
+    return _device_props(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _device_props(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.L2_cache_size
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
             head_dim: int, kv_store: KVStore | None = None,
-            qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            qk_norm: QKNorm | None = None, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq*D] and k [T, Hkv*D] (each row contiguous); cos_sin_cache float32 [P, D].
 
     ``kv_store``: also write the rotated k and v into the paged cache at ``loc`` (the attention
     backend's KV store, in the same launch; the backend then runs with ``save_kv_cache=False``).
     ``qk_norm``: first normalise every head of q and k (Qwen3's q_norm / k_norm), in the same launch
-    (what ``qk_norm.qk_rmsnorm`` followed by this kernel computes, one launch fewer per layer)."""
+    (what ``qk_norm.qk_rmsnorm`` followed by this kernel computes, one launch fewer per layer).
+    ``prefetch``: a tensor the step reads soon after (the output projection's weights at decode); on
+    CUDA, when ``l2_prefetchable``, extra programs of the same launch ask L2 for all of its bytes, so
+    those HBM reads overlap the latency-bound rotation and attention instead of the projection."""
     t = q.shape[0]
     n_q, n_k = q.shape[1] // head_dim, k.shape[1] // head_dim
     if qk_norm is not None:
@@ -185,11 +253,23 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
         store_args = (v, k_cache, v_cache, loc, v.stride(0), k_cache.stride(0), v_cache.stride(0))
     else:
         store_args = (k, k, k, positions, 0, 0, 0)  # unused
+    num_sms = _cuda_props(q)[0] if q.is_cuda else 8
+    block_h = rotary_heads_per_program(t, n_q, n_k, num_sms)
+    n_q_blocks = triton.cdiv(n_q, block_h)
+    n_blocks = n_q_blocks + triton.cdiv(n_k, block_h)
+    prefetch_programs, prefetch_lines = 0, 0
+    if prefetch is not None and l2_prefetchable(prefetch):
+        prefetch_programs = PREFETCH_PROGRAMS
+        prefetch_lines = triton.cdiv(prefetch.numel() * prefetch.element_size(), 128)
+        prefetch_arg = prefetch.view(-1).view(torch.uint8)
+    else:
+        prefetch_arg = q  # unused
     pdl = use_pdl(q)
-    _rotary_kernel[(t,)](q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
-                         n_q, n_k, *store_args, *norm_args, HALF=head_dim // 2,
-                         BLOCK_H=triton.next_power_of_2(max(n_q, n_k)), STORE=kv_store is not None,
-                         QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl)
+    _rotary_kernel[(t * n_blocks + prefetch_programs,)](
+        q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0), n_q, n_k,
+        *store_args, *norm_args, prefetch_arg, prefetch_lines, n_q_blocks, n_blocks, t * n_blocks,
+        HALF=head_dim // 2, BLOCK_H=block_h, STORE=kv_store is not None, QK_NORM=qk_norm is not None,
+        PREFETCH_PROGRAMS=max(1, prefetch_programs), PREFETCH_BLOCK=PREFETCH_BLOCK, USE_PDL=pdl, launch_pdl=pdl)
     return q, k
 
 

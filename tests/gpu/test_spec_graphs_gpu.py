@@ -149,7 +149,7 @@ def test_tree_draft_graph_replay_matches_the_eager_tree_expansion(shape_dir):
     expansion of the same inputs. bf16: a level's best scores are continuous in the logits, so the
     root's children's scores agree within rounding everywhere; whole expansions (tokens, parents) may
     part only where a k-th and (k + 1)-th candidate tie within rounding, so most requests agree
-    exactly, and there every cumulative score agrees within rounding."""
+    exactly, and there every cumulative score agrees within bf16 rounding of its size."""
     from plait.speculative.tree_draft_graph import TreeDraftInputs
 
     engine = make_engine(shape_dir, speculative_algorithm="STANDALONE", speculative_draft_model_path=shape_dir,
@@ -167,11 +167,14 @@ def test_tree_draft_graph_replay_matches_the_eager_tree_expansion(shape_dir):
     release(engine)
     assert bucket == 8 and replayed.shape == eager.shape == (5, 3 * 7)
     nodes, scores_r, scores_e = replayed[:, :14], replayed[:, 14:], eager[:, 14:]
-    tol = 5e-2  # log-probability units: bf16 hidden states, fp32 logits
-    assert (scores_r[:, 1:3] - scores_e[:, 1:3]).abs().max().item() <= tol
+    # Log-probability units. Random weights give peaked logits, so deep cumulative scores reach hundreds;
+    # bf16 hidden states (8 mantissa bits) put a relative error on every logit: the tolerance grows with
+    # the score's size (1e-3 of it, a quarter of bf16's unit roundoff).
+    tol = 5e-2 + 1e-3 * scores_e.abs()
+    assert ((scores_r[:, 1:3] - scores_e[:, 1:3]).abs() <= tol[:, 1:3]).all()
     same = [b for b in range(5) if torch.equal(nodes[b], eager[b, :14])]
     assert len(same) >= 4, f"only requests {same} expand the same tree on both paths"
-    assert (scores_r[same] - scores_e[same]).abs().max().item() <= tol
+    assert ((scores_r[same] - scores_e[same]).abs() <= tol[same]).all(), (scores_r[same] - scores_e[same]).abs().max()
 
 
 def test_standalone_tree_engine_replays_the_tree_graphs_and_frees_every_slot(shape_dir):
