@@ -108,15 +108,11 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
-ROTARY_SPLIT_HEADS = EnvVar(
-    "PLAIT_ROTARY_SPLIT_HEADS", _flag, False,
-    "1: a rotary launch over few tokens (decode) gives each program 4 heads of a token, not all of them; "
-    "0 (the default until an A/B on the H200 shows it faster): one program per token. Read at every call.")
-L2_PREFETCH_O_PROJ = EnvVar(
-    "PLAIT_L2_PREFETCH_O_PROJ", _flag, False,
-    "1: at decode batches (<= 16 tokens) the rotary launch also asks L2 for the output projection's "
-    "weights, which HBM then reads while the rotation and the attention run; 0 (the default until an A/B "
-    "on the H200 shows it faster): it does not. Read at every call.")
+ROTARY_SPLIT_HEADS = _int_var(
+    "PLAIT_ROTARY_SPLIT_HEADS",
+    "Heads of a token per rotary program when a launch has few tokens (decode; a power of two, 0: all of "
+    "a token's heads in one program). Unset (the default): plait.layers.triton_ops.ROTARY_SPLIT_HEADS. "
+    "Read at every call.")
 SPEC_CHAIN_VERIFIES = _flag_var(
     "PLAIT_SPEC_CHAIN_VERIFIES",
     "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "
@@ -138,4 +134,4 @@ DECODE_KV_PACK = _int_var(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS, L2_PREFETCH_O_PROJ)
+                                    PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS)

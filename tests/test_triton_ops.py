@@ -95,10 +95,7 @@ def test_rotary_split_over_head_blocks_equals_one_program_per_token(monkeypatch,
     from plait.layers.rotary import QKNorm
 
     head_dim, hq, hkv, t = 16, 6, 2, 3
-    assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8) == 8
-    monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "1")
     assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8) == triton_ops.ROTARY_SPLIT_HEADS == 4
-    assert triton_ops.rotary_heads_per_program(100, hq, hkv, num_sms=8) == 8  # a full grid already
     rope = RotaryEmbedding(head_dim, 64, 10000.0)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(t, h * head_dim, generator=g) for h in (hq, hkv, hkv))
@@ -109,6 +106,7 @@ def test_rotary_split_over_head_blocks_equals_one_program_per_token(monkeypatch,
     split = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim,
                                (v, caches[0], caches[1], loc), norm)
     monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "0")
+    assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8) == 8
     whole = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim,
                                (v, caches[2], caches[3], loc), norm)
     assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
@@ -116,5 +114,10 @@ def test_rotary_split_over_head_blocks_equals_one_program_per_token(monkeypatch,
     assert caches[0][loc].abs().sum() > 0 and torch.equal(caches[1][loc], v.view(t, hkv, head_dim))
 
 
-def test_l2_prefetch_is_only_offered_for_cuda_tensors():
-    assert not triton_ops.l2_prefetchable(torch.zeros(4))
+def test_rotary_keeps_one_program_per_token_once_the_split_grid_would_exceed_four_programs_per_sm(monkeypatch):
+    # 6 + 2 heads in blocks of 4 are 3 programs a token: 10 tokens on 8 SMs are 30 programs (split),
+    # 11 tokens 33 (> 32: one program per token).
+    assert triton_ops.rotary_heads_per_program(10, 6, 2, num_sms=8) == 4
+    assert triton_ops.rotary_heads_per_program(11, 6, 2, num_sms=8) == 8
+    monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "2")
+    assert triton_ops.rotary_heads_per_program(1, 6, 2, num_sms=8) == 2

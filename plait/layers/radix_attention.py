@@ -34,11 +34,11 @@ class RadixAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                 rope: RotaryEmbedding | None = None, positions: torch.Tensor | None = None,
-                qk_norm: QKNorm | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                qk_norm: QKNorm | None = None) -> torch.Tensor:
         """Attention over the batch's KV; with ``rope`` (and ``positions``) q and k are rotated first
         (normalised per head before that with ``qk_norm``, in the rotary kernel), and when the serving
         backend stores K/V plainly into the paged pool, the rotary kernel writes them there itself
-        (one kernel fewer per layer). ``prefetch`` goes to the rotary kernel (weights read after this)."""
+        (one kernel fewer per layer)."""
         backend = fb.attn_backend
         assert backend is not None, "the model runner sets fb.attn_backend before forward"
         if rope is None:
@@ -46,10 +46,9 @@ class RadixAttention(nn.Module):
         assert positions is not None
         target = backend.rope_kv_store_target(self, fb)
         if target is None:
-            q, k = rope(positions, q, k, qk_norm=qk_norm, prefetch=prefetch)
+            q, k = rope(positions, q, k, qk_norm=qk_norm)
             return backend.forward(q, k, v, self, fb)
-        q, k = rope(positions, q, k, kv_store=(v, target[0], target[1], fb.out_cache_loc), qk_norm=qk_norm,
-                    prefetch=prefetch)
+        q, k = rope(positions, q, k, kv_store=(v, target[0], target[1], fb.out_cache_loc), qk_norm=qk_norm)
         return backend.forward(q, k, v, self, fb, save_kv_cache=False)
 
 

@@ -111,17 +111,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                qk_norm: QKNorm | None = None, prefetch: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq*D], k [T, Hkv*D] rotated at ``positions`` [T]. On CUDA in place, by one kernel.
         ``kv_store`` (v, k_cache, v_cache, loc): the rotated k and v are written into the paged
         cache at ``loc`` too (in the same kernel on CUDA). ``qk_norm``: every head of q and k is
-        normalised first (in the same kernel on CUDA). ``prefetch``: weights the step reads next, which the
-        CUDA kernel asks L2 for (``triton_ops.rotary_``); a hint only, ignored off CUDA."""
+        normalised first (in the same kernel on CUDA)."""
         if q.is_cuda:
             from plait.layers.triton_ops import rotary_
 
-            return rotary_(positions, q, k, self.cos_sin_cache, self.head_dim, kv_store, qk_norm, prefetch)
+            return rotary_(positions, q, k, self.cos_sin_cache, self.head_dim, kv_store, qk_norm)
         if qk_norm is not None:
             t, d = q.shape[0], self.head_dim
             q = rms_norm_native(q.reshape(t, -1, d), qk_norm.q_weight, qk_norm.eps).view(t, -1)

@@ -133,107 +133,74 @@ def _rotate_heads(base, heads, n_heads, w_norm, cos, sin, eps, HALF: tl.constexp
 
 @triton.jit
 def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads, n_k_heads,
-                   V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc, WQ, WK, eps,
-                   PREFETCH, prefetch_lines, n_q_blocks, n_blocks, rotate_programs,
+                   V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc, WQ, WK, eps, n_q_blocks, n_blocks,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, QK_NORM: tl.constexpr,
-                   PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # Programs [0, rotate_programs): token pid // n_blocks, head block pid % n_blocks (the first n_q_blocks
-    # of q, then k's, whose programs also store their heads' K and V). The PREFETCH_PROGRAMS after them
-    # only ask L2 for the lines of PREFETCH (the weights the step reads next).
+                   USE_PDL: tl.constexpr = False):
+    # Program pid: token pid // n_blocks, head block pid % n_blocks (the first n_q_blocks of q, then k's,
+    # whose programs also store their heads' K and V).
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
-    if pid >= rotate_programs:
-        # After the wait: the previous kernel's own reads are done, HBM is idle while this kernel and the
-        # attention after it run. A prefetch loads nothing into the program and changes no value a load
-        # sees; every line is one 128-byte L2 request (PREFETCH is addressed in bytes).
-        j = pid - rotate_programs
-        per = tl.cdiv(prefetch_lines, PREFETCH_PROGRAMS)
-        lo = j * per
-        hi = tl.minimum(lo + per, prefetch_lines)
-        for start in range(lo, hi, PREFETCH_BLOCK):
-            line = tl.minimum(start + tl.arange(0, PREFETCH_BLOCK), hi - 1)
-            ptr = PREFETCH + line.to(tl.int64) * 128
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr.to(tl.int64)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+    t = pid // n_blocks
+    g = pid % n_blocks
+    pos = tl.load(POS + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(COS_SIN + pos * stride_cs + d)
+    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
+    if g < n_q_blocks:
+        heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
+        _rotate_heads(Q + t * stride_q, heads, n_q_heads, WQ, cos, sin, eps, HALF, QK_NORM)
     else:
-        t = pid // n_blocks
-        g = pid % n_blocks
-        pos = tl.load(POS + t).to(tl.int64)
-        d = tl.arange(0, HALF)
-        cos = tl.load(COS_SIN + pos * stride_cs + d)
-        sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
-        if g < n_q_blocks:
-            heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
-            _rotate_heads(Q + t * stride_q, heads, n_q_heads, WQ, cos, sin, eps, HALF, QK_NORM)
-        else:
-            heads = (g - n_q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-            r1, r2, offs, mask = _rotate_heads(K + t * stride_k, heads, n_k_heads, WK, cos, sin, eps, HALF, QK_NORM)
-            if STORE:
-                # The rotated keys and the values go to the paged cache (what the backend's KV store would
-                # write).
-                slot = tl.load(LOC + t).to(tl.int64)
-                k_dst = K_CACHE + slot * stride_kc
-                tl.store(k_dst + offs, r1.to(K_CACHE.dtype.element_ty), mask=mask)
-                tl.store(k_dst + offs + HALF, r2.to(K_CACHE.dtype.element_ty), mask=mask)
-                dv = tl.arange(0, 2 * HALF)
-                offs_v = heads[:, None] * (2 * HALF) + dv[None, :]
-                vals = tl.load(V + t * stride_v + offs_v, mask=mask, other=0.0)
-                v_dst = V_CACHE + slot * stride_vc
-                tl.store(v_dst + offs_v, vals.to(V_CACHE.dtype.element_ty), mask=mask)
+        heads = (g - n_q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        r1, r2, offs, mask = _rotate_heads(K + t * stride_k, heads, n_k_heads, WK, cos, sin, eps, HALF, QK_NORM)
+        if STORE:
+            # The rotated keys and the values go to the paged cache (what the backend's KV store would
+            # write).
+            slot = tl.load(LOC + t).to(tl.int64)
+            k_dst = K_CACHE + slot * stride_kc
+            tl.store(k_dst + offs, r1.to(K_CACHE.dtype.element_ty), mask=mask)
+            tl.store(k_dst + offs + HALF, r2.to(K_CACHE.dtype.element_ty), mask=mask)
+            dv = tl.arange(0, 2 * HALF)
+            offs_v = heads[:, None] * (2 * HALF) + dv[None, :]
+            vals = tl.load(V + t * stride_v + offs_v, mask=mask, other=0.0)
+            v_dst = V_CACHE + slot * stride_vc
+            tl.store(v_dst + offs_v, vals.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
-# Heads per rotary program when a batch has few tokens: one program per token would leave the step's
-# whole rotation to one SM (decode at bs 1: 36 heads in one program).
+# Heads per rotary program when a batch has few tokens (unless ``PLAIT_ROTARY_SPLIT_HEADS`` says):
+# one program per token would leave a decode step's whole rotation to one SM (bs 1 at qwen3-30b-a3b:
+# 36 heads in one program).
 ROTARY_SPLIT_HEADS = 4
-# Programs that issue an L2 prefetch, and lines each asks for per loop step (4 warps: 8 per thread).
-PREFETCH_PROGRAMS = 64
-PREFETCH_BLOCK = 1024
 
 
 def rotary_heads_per_program(tokens: int, n_q: int, n_k: int, num_sms: int) -> int:
-    """Heads per program: ``ROTARY_SPLIT_HEADS`` while the split grid stays within 4 programs per SM
-    (``PLAIT_ROTARY_SPLIT_HEADS``), else every head of a token (prefill: one program per token is
-    already a full grid)."""
+    """Heads per program: ``ROTARY_SPLIT_HEADS`` (or ``PLAIT_ROTARY_SPLIT_HEADS``'s power of two; 0 turns
+    the split off) while the split grid stays within 4 programs per SM, else every head of a token
+    (prefill: one program per token is already a full grid)."""
     whole = triton.next_power_of_2(max(n_q, n_k))
-    if not envs.ROTARY_SPLIT_HEADS.get():
+    per = envs.ROTARY_SPLIT_HEADS.get()
+    per = ROTARY_SPLIT_HEADS if per is None else per
+    if per <= 0:
         return whole
-    split = min(whole, ROTARY_SPLIT_HEADS)
+    split = min(whole, triton.next_power_of_2(per))
     blocks = triton.cdiv(n_q, split) + triton.cdiv(n_k, split)
     return split if tokens * blocks <= 4 * num_sms else whole
 
 
-def l2_prefetchable(t: torch.Tensor) -> bool:
-    """Whether ``t`` may be prefetched into L2 ahead of its use: a contiguous CUDA tensor of at most
-    three quarters of the device's L2 (a larger one would evict its own first lines before the reader
-    reaches them)."""
-    if not t.is_cuda or not t.is_contiguous():
-        return False
-    return t.numel() * t.element_size() <= 3 * _cuda_props(t)[1] // 4
-
-
-def _cuda_props(t: torch.Tensor) -> tuple[int, int]:
-    """(SM count, L2 bytes) of a CUDA tensor's device."""
-    return _device_props(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
 @functools.cache
-def _device_props(index: int) -> tuple[int, int]:
-    props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, props.L2_cache_size
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
             head_dim: int, kv_store: KVStore | None = None,
-            qk_norm: QKNorm | None = None, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq*D] and k [T, Hkv*D] (each row contiguous); cos_sin_cache float32 [P, D].
 
     ``kv_store``: also write the rotated k and v into the paged cache at ``loc`` (the attention
     backend's KV store, in the same launch; the backend then runs with ``save_kv_cache=False``).
     ``qk_norm``: first normalise every head of q and k (Qwen3's q_norm / k_norm), in the same launch
     (what ``qk_norm.qk_rmsnorm`` followed by this kernel computes, one launch fewer per layer).
-    ``prefetch``: a tensor the step reads soon after (the output projection's weights at decode); on
-    CUDA, when ``l2_prefetchable``, extra programs of the same launch ask L2 for all of its bytes, so
-    those HBM reads overlap the latency-bound rotation and attention instead of the projection."""
+    Programs: one per token and block of ``rotary_heads_per_program`` heads."""
     t = q.shape[0]
     n_q, n_k = q.shape[1] // head_dim, k.shape[1] // head_dim
     if qk_norm is not None:
@@ -253,23 +220,16 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
         store_args = (v, k_cache, v_cache, loc, v.stride(0), k_cache.stride(0), v_cache.stride(0))
     else:
         store_args = (k, k, k, positions, 0, 0, 0)  # unused
-    num_sms = _cuda_props(q)[0] if q.is_cuda else 8
+    num_sms = _cuda_num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if q.is_cuda else 8
     block_h = rotary_heads_per_program(t, n_q, n_k, num_sms)
     n_q_blocks = triton.cdiv(n_q, block_h)
     n_blocks = n_q_blocks + triton.cdiv(n_k, block_h)
-    prefetch_programs, prefetch_lines = 0, 0
-    if prefetch is not None and l2_prefetchable(prefetch):
-        prefetch_programs = PREFETCH_PROGRAMS
-        prefetch_lines = triton.cdiv(prefetch.numel() * prefetch.element_size(), 128)
-        prefetch_arg = prefetch.view(-1).view(torch.uint8)
-    else:
-        prefetch_arg = q  # unused
     pdl = use_pdl(q)
-    _rotary_kernel[(t * n_blocks + prefetch_programs,)](
+    _rotary_kernel[(t * n_blocks,)](
         q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0), n_q, n_k,
-        *store_args, *norm_args, prefetch_arg, prefetch_lines, n_q_blocks, n_blocks, t * n_blocks,
-        HALF=head_dim // 2, BLOCK_H=block_h, STORE=kv_store is not None, QK_NORM=qk_norm is not None,
-        PREFETCH_PROGRAMS=max(1, prefetch_programs), PREFETCH_BLOCK=PREFETCH_BLOCK, USE_PDL=pdl, launch_pdl=pdl)
+        *store_args, *norm_args, n_q_blocks, n_blocks, HALF=head_dim // 2, BLOCK_H=block_h,
+        STORE=kv_store is not None, QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl)
     return q, k
 
 

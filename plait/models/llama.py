@@ -15,7 +15,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from plait import envs
 from plait.distributed.dp_mlp import dp_gathered_mlp, dp_mlp_ops
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.forward_batch import ForwardBatch
@@ -25,7 +24,6 @@ from plait.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, R
 from plait.layers.logits import LogitsProcessor
 from plait.layers.norm import RMSNorm
 from plait.layers.overlap import LayerOps, run_overlapped
-from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS
 from plait.layers.quantization.kv_cache import load_kv_scale
 from plait.layers.radix_attention import RadixAttention
 from plait.layers.rotary import QKNorm, RotaryEmbedding, rope_settings
@@ -99,18 +97,11 @@ class LlamaAttention(nn.Module):
         """A per-head q/k norm for the rotary kernel to apply first (Qwen3 on CUDA), or None."""
         return None
 
-    def o_proj_prefetch(self, q: torch.Tensor) -> torch.Tensor | None:
-        """The output projection's weights for the rotary kernel to ask L2 for, at decode-sized batches
-        (``PLAIT_L2_PREFETCH_O_PROJ``; the GEMV's range, where those bytes are the projection's time)."""
-        if not q.is_cuda or q.shape[0] > GEMV_MAX_TOKENS or not envs.L2_PREFETCH_O_PROJ.get():
-            return None
-        return self.o_proj.weight
-
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions,
-                                     qk_norm=self.rope_qk_norm(q), prefetch=self.o_proj_prefetch(q)))
+                                     qk_norm=self.rope_qk_norm(q)))
 
     def forward_partial(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """This rank's unreduced, bias-free output projection (the caller reduces, then adds

@@ -41,20 +41,16 @@ def test_argmax_equals_torch_argmax_over_the_llama3_vocabulary(bs):
 
 
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_rotary_over_head_blocks_with_an_l2_prefetch_equals_the_plain_launch(monkeypatch, tokens):
-    # The split grid (4 heads a program) and the extra programs that prefetch a 16 MiB weight change no
-    # value: q, k and both caches equal the launch with one program per token and no prefetch.
+def test_rotary_over_head_blocks_equals_one_program_per_token(monkeypatch, tokens):
+    # The split grid (4 heads a program at decode) changes no value: q, k and both caches equal the
+    # launch with one program per token.
     rope = RotaryEmbedding(D, 8192, 500000.0).cuda()
     q, k, v = (torch.randn(tokens, h * D, device="cuda", dtype=torch.bfloat16) for h in (HQ, HKV, HKV))
-    weight = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
-    assert triton_ops.l2_prefetchable(weight)
     pos = torch.randint(0, 8192, (tokens,), device="cuda")
     loc = torch.randperm(2 * tokens, device="cuda")[:tokens]
     caches = [torch.zeros(2 * tokens, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "1")
     assert triton_ops.rotary_heads_per_program(tokens, HQ, HKV, 132) == triton_ops.ROTARY_SPLIT_HEADS
-    q1, k1 = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, D, (v, caches[0], caches[1], loc),
-                                prefetch=weight)
+    q1, k1 = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, D, (v, caches[0], caches[1], loc))
     monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "0")
     q2, k2 = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, D, (v, caches[2], caches[3], loc))
     assert torch.equal(q1, q2) and torch.equal(k1, k2)
