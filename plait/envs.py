@@ -111,8 +111,8 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
 ROTARY_SPLIT_HEADS = _int_var(
     "PLAIT_ROTARY_SPLIT_HEADS",
     "Heads of a token per rotary program when a launch has few tokens (decode; a power of two, 0: all of "
-    "a token's heads in one program). Unset (the default): plait.layers.triton_ops.ROTARY_SPLIT_HEADS. "
-    "Read at every call.")
+    "a token's heads in one program). Unset (the default): plait.layers.triton_ops.ROTARY_SPLIT_HEADS (4) "
+    "at head dims of 128 and more, one program per token below. Read at every call.")
 SPEC_CHAIN_VERIFIES = _flag_var(
     "PLAIT_SPEC_CHAIN_VERIFIES",
     "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "

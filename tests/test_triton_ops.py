@@ -95,7 +95,8 @@ def test_rotary_split_over_head_blocks_equals_one_program_per_token(monkeypatch,
     from plait.layers.rotary import QKNorm
 
     head_dim, hq, hkv, t = 16, 6, 2, 3
-    assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8) == triton_ops.ROTARY_SPLIT_HEADS == 4
+    monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "4")  # the default splits only heads of 128 and more
+    assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8, head_dim=head_dim) == 4
     rope = RotaryEmbedding(head_dim, 64, 10000.0)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(t, h * head_dim, generator=g) for h in (hq, hkv, hkv))
@@ -106,7 +107,7 @@ def test_rotary_split_over_head_blocks_equals_one_program_per_token(monkeypatch,
     split = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim,
                                (v, caches[0], caches[1], loc), norm)
     monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "0")
-    assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8) == 8
+    assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8, head_dim=head_dim) == 8
     whole = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim,
                                (v, caches[2], caches[3], loc), norm)
     assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
@@ -114,10 +115,15 @@ def test_rotary_split_over_head_blocks_equals_one_program_per_token(monkeypatch,
     assert caches[0][loc].abs().sum() > 0 and torch.equal(caches[1][loc], v.view(t, hkv, head_dim))
 
 
+def test_rotary_splits_heads_of_128_and_keeps_narrower_heads_whole_by_default():
+    assert triton_ops.rotary_heads_per_program(1, 32, 4, num_sms=132, head_dim=128) == triton_ops.ROTARY_SPLIT_HEADS
+    assert triton_ops.rotary_heads_per_program(1, 32, 8, num_sms=132, head_dim=64) == 32
+
+
 def test_rotary_keeps_one_program_per_token_once_the_split_grid_would_exceed_four_programs_per_sm(monkeypatch):
     # 6 + 2 heads in blocks of 4 are 3 programs a token: 10 tokens on 8 SMs are 30 programs (split),
     # 11 tokens 33 (> 32: one program per token).
-    assert triton_ops.rotary_heads_per_program(10, 6, 2, num_sms=8) == 4
-    assert triton_ops.rotary_heads_per_program(11, 6, 2, num_sms=8) == 8
+    assert triton_ops.rotary_heads_per_program(10, 6, 2, num_sms=8, head_dim=128) == 4
+    assert triton_ops.rotary_heads_per_program(11, 6, 2, num_sms=8, head_dim=128) == 8
     monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "2")
-    assert triton_ops.rotary_heads_per_program(1, 6, 2, num_sms=8) == 2
+    assert triton_ops.rotary_heads_per_program(1, 6, 2, num_sms=8, head_dim=128) == 2

@@ -172,13 +172,16 @@ def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads,
 ROTARY_SPLIT_HEADS = 4
 
 
-def rotary_heads_per_program(tokens: int, n_q: int, n_k: int, num_sms: int) -> int:
+def rotary_heads_per_program(tokens: int, n_q: int, n_k: int, num_sms: int, head_dim: int) -> int:
     """Heads per program: ``ROTARY_SPLIT_HEADS`` (or ``PLAIT_ROTARY_SPLIT_HEADS``'s power of two; 0 turns
     the split off) while the split grid stays within 4 programs per SM, else every head of a token
-    (prefill: one program per token is already a full grid)."""
+    (prefill: one program per token is already a full grid). Unless the variable says, heads under 128
+    wide keep one program per token: a token's rows are then short enough for one SM (the split did not
+    pay at llama-3.2-1b's 64, docs/benchmarks.md)."""
     whole = triton.next_power_of_2(max(n_q, n_k))
     per = envs.ROTARY_SPLIT_HEADS.get()
-    per = ROTARY_SPLIT_HEADS if per is None else per
+    if per is None:
+        per = ROTARY_SPLIT_HEADS if head_dim >= 128 else 0
     if per <= 0:
         return whole
     split = min(whole, triton.next_power_of_2(per))
@@ -222,7 +225,7 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
         store_args = (k, k, k, positions, 0, 0, 0)  # unused
     num_sms = _cuda_num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
-    block_h = rotary_heads_per_program(t, n_q, n_k, num_sms)
+    block_h = rotary_heads_per_program(t, n_q, n_k, num_sms, head_dim)
     n_q_blocks = triton.cdiv(n_q, block_h)
     n_blocks = n_q_blocks + triton.cdiv(n_k, block_h)
     pdl = use_pdl(q)

@@ -49,7 +49,7 @@ def test_rotary_over_head_blocks_equals_one_program_per_token(monkeypatch, token
     pos = torch.randint(0, 8192, (tokens,), device="cuda")
     loc = torch.randperm(2 * tokens, device="cuda")[:tokens]
     caches = [torch.zeros(2 * tokens, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    assert triton_ops.rotary_heads_per_program(tokens, HQ, HKV, 132) == triton_ops.ROTARY_SPLIT_HEADS
+    assert triton_ops.rotary_heads_per_program(tokens, HQ, HKV, 132, D) == triton_ops.ROTARY_SPLIT_HEADS
     q1, k1 = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, D, (v, caches[0], caches[1], loc))
     monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "0")
     q2, k2 = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, D, (v, caches[2], caches[3], loc))
