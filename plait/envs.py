@@ -113,6 +113,11 @@ ROTARY_SPLIT_HEADS = _int_var(
     "Heads of a token per rotary program when a launch has few tokens (decode; a power of two, 0: all of "
     "a token's heads in one program). Unset (the default): plait.layers.triton_ops.ROTARY_SPLIT_HEADS (4) "
     "at head dims of 128 and more, one program per token below. Read at every call.")
+PDL_PRELOAD = _flag_var(
+    "PLAIT_PDL_PRELOAD",
+    "1: under PDL the RMSNorm and rotary kernels load what no kernel of the step writes (norm weights, the "
+    "rotary table, positions, cache slots) before they wait for the previous kernel (plait.layers.pdl); "
+    "unset (the default until an A/B on the H200 shows it faster): after. Read at every call.")
 SPEC_CHAIN_VERIFIES = _flag_var(
     "PLAIT_SPEC_CHAIN_VERIFIES",
     "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "
@@ -134,4 +139,5 @@ DECODE_KV_PACK = _int_var(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS)
+                                    PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
+                                    PDL_PRELOAD)

@@ -64,20 +64,25 @@ def compile_defaults_in_subprocess(kinds: tuple[str, ...], shapes: tuple[tuple[i
                                    ms: tuple[int, ...] = (1, 16)) -> list[dict[str, int]]:
     """Each kind's default config at each (N, K) and M compiled by this script in a process without
     TRITON_INTERPRET (tests run in the interpreter); its JSON lines. Skips without the wheel's ptxas."""
+    from plait.layers.quantization.gemv_config import default_config
+
+    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
+            for kind in kinds for m in ms for n, k in shapes]
+    return run_aot_script(__file__, work)
+
+
+def run_aot_script(script: str, work: list) -> list[dict]:
+    """Run an ahead-of-time compile ``script`` (this one, tests/layer_ops_aot.py) on the JSON ``work`` list
+    in a process without TRITON_INTERPRET; one JSON line back per case. Skips without the wheel's ptxas."""
     import pathlib
 
     import pytest
 
-    from plait.layers.quantization.gemv_config import default_config
-
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
         pytest.skip("this triton wheel has no ptxas")
-    work = [(kind, m, n, k, default_config(kind, m, n, k, 132).to_json())
-            for kind in kinds for m in ms for n, k in shapes]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).parent.parent
-    env["PYTHONPATH"] = str(root)
-    done = subprocess.run([sys.executable, __file__, json.dumps(work)], env=env, capture_output=True, text=True,
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).parent.parent)
+    done = subprocess.run([sys.executable, script, json.dumps(work)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]

@@ -127,3 +127,19 @@ def test_rotary_keeps_one_program_per_token_once_the_split_grid_would_exceed_fou
     assert triton_ops.rotary_heads_per_program(11, 6, 2, num_sms=8, head_dim=128) == 8
     monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "2")
     assert triton_ops.rotary_heads_per_program(1, 6, 2, num_sms=8, head_dim=128) == 2
+
+
+def test_pdl_preload_moves_only_the_step_constant_loads_before_the_wait():
+    """The sm_90 build (the interpreter has no PDL): with PRELOAD the RMSNorm kernel loads its weight and
+    the rotary kernel its position, cos / sin, cache slot and norm weights before the grid-dependency
+    wait, the activations after it; without PRELOAD nothing comes before the wait (plait/layers/pdl.py)."""
+    from tests.layer_ops_aot import compile_in_subprocess
+
+    cases = [("rmsnorm", False), ("rmsnorm", True), ("rotary", False), ("rotary", True)]
+    norm, norm_pre, rot, rot_pre = compile_in_subprocess(cases)
+    assert norm["loads_before_wait"] == rot["loads_before_wait"] == 0
+    total = norm["loads_after_wait"]
+    assert norm_pre["loads_before_wait"] == total // 3  # the weight's share of x, residual and weight
+    assert norm_pre["loads_before_wait"] + norm_pre["loads_after_wait"] == total
+    assert 0 < rot_pre["loads_before_wait"] < rot["loads_after_wait"]
+    assert rot_pre["loads_before_wait"] + rot_pre["loads_after_wait"] == rot["loads_after_wait"]

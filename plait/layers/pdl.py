@@ -8,9 +8,16 @@ predecessor is still running and waits, inside the kernel, before it touches mem
 successor launch early (``griddepcontrol.launch_dependents``).
 
 Invariant for every kernel launched with ``launch_pdl=True``: ``pdl_prologue`` runs before the kernel's
-first global load or store. That keeps the stream's order for data (read-after-write and
-write-after-read alike), whichever kernel came before: a predecessor that never releases its
-dependents (cuBLAS, torch ops) simply lets the next kernel start when it completes, as without PDL.
+first global store, and before its first load of anything a kernel of the running model writes. That
+keeps the stream's order for data (read-after-write and write-after-read alike), whichever kernel came
+before: a predecessor that never releases its dependents (cuBLAS, torch ops) simply lets the next kernel
+start when it completes, as without PDL.
+
+Loads before the wait (``PLAIT_PDL_PRELOAD``, the RMSNorm and rotary kernels): only values no kernel
+writes while the model runs (weights, the rotary table) and a step's inputs staged before its first layer
+(positions, ``out_cache_loc``). When a kernel's pre-wait code runs, its predecessor has passed its own
+wait, so every kernel before that predecessor has completed and its writes are visible; the staged inputs
+are written at least two kernels before any reader (an embedding and a norm or projection come between).
 Off on the CPU (the Triton interpreter has no grid dependency control) and below sm_90.
 """
 

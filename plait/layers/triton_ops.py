@@ -45,11 +45,16 @@ def mul_rounded(a, b):
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pdl_prologue(USE_PDL)
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+                    PRELOAD: tl.constexpr = False):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if PRELOAD:  # the weight is no kernel's output (pdl.py): loaded while the previous kernel finishes
+        w = tl.load(W + cols, mask=mask, other=0.0)
+    pdl_prologue(USE_PDL)
+    if not PRELOAD:
+        w = tl.load(W + cols, mask=mask, other=0.0)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # Sum rounded to the activation dtype (as the unfused x + residual does), then normalise in fp32.
@@ -58,7 +63,6 @@ def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, n_cols, e
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(W + cols, mask=mask, other=0.0)
     tl.store(Y + row * stride_y + cols, mul_rounded(w, normed), mask=mask)
 
 
@@ -75,7 +79,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         pdl = use_pdl(x2)
         _rmsnorm_kernel[(n_rows,)](x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), n_cols, eps,
                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-                                   USE_PDL=pdl, num_warps=8 if n_cols >= 4096 else 4, launch_pdl=pdl)
+                                   USE_PDL=pdl, PRELOAD=pdl and envs.PDL_PRELOAD.get(),
+                                   num_warps=8 if n_cols >= 4096 else 4, launch_pdl=pdl)
     if residual is None:
         return y.view(shape)
     return y.view(shape), res_out.view(shape)
@@ -107,9 +112,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(base, heads, n_heads, w_norm, cos, sin, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr):
-    """Rotate (after Qwen3's per-head RMSNorm with ``QK_NORM``) the rows ``heads`` of one token's
-    [n_heads, 2 * HALF] block at ``base``, in place; returns the rotated halves and their offsets."""
+def _rotary_inputs(POS, COS_SIN, LOC, WQ, WK, t, is_q, stride_cs, HALF: tl.constexpr, STORE: tl.constexpr,
+                   QK_NORM: tl.constexpr):
+    """What a rotary program reads besides q, k and v: its token's cos and sin, its cache slot (with
+    ``STORE``) and the halves of its q or k norm weight (with ``QK_NORM``). None of it is written by a
+    kernel of the step (pdl.py)."""
+    pos = tl.load(POS + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(COS_SIN + pos * stride_cs + d)
+    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
+    slot = tl.load(LOC + t).to(tl.int64) if STORE else pos
+    if QK_NORM:
+        w1 = tl.where(is_q, tl.load(WQ + d), tl.load(WK + d))
+        w2 = tl.where(is_q, tl.load(WQ + HALF + d), tl.load(WK + HALF + d))
+    else:
+        w1 = cos
+        w2 = sin
+    return cos, sin, slot, w1, w2
+
+
+@triton.jit
+def _rotate_heads(base, heads, n_heads, w1, w2, cos, sin, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rotate (after Qwen3's per-head RMSNorm with ``QK_NORM``, weight halves ``w1``, ``w2``) the rows
+    ``heads`` of one token's [n_heads, 2 * HALF] block at ``base``, in place; returns the rotated halves
+    and their offsets."""
     d = tl.arange(0, HALF)
     mask = heads[:, None] < n_heads
     offs = heads[:, None] * (2 * HALF) + d[None, :]
@@ -122,8 +148,8 @@ def _rotate_heads(base, heads, n_heads, w_norm, cos, sin, eps, HALF: tl.constexp
         dh = tl.arange(0, 2 * HALF)
         head = tl.load(base + heads[:, None] * (2 * HALF) + dh[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(head * head, axis=1) / (2 * HALF) + eps)[:, None]
-        x1 = (tl.load(w_norm + d)[None, :] * (x1.to(tl.float32) * rstd).to(x1.dtype)).to(x1.dtype)
-        x2 = (tl.load(w_norm + HALF + d)[None, :] * (x2.to(tl.float32) * rstd).to(x2.dtype)).to(x2.dtype)
+        x1 = (w1[None, :] * (x1.to(tl.float32) * rstd).to(x1.dtype)).to(x1.dtype)
+        x2 = (w2[None, :] * (x2.to(tl.float32) * rstd).to(x2.dtype)).to(x2.dtype)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     r1, r2 = (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
     tl.store(base + offs, r1, mask=mask)
@@ -135,27 +161,27 @@ def _rotate_heads(base, heads, n_heads, w_norm, cos, sin, eps, HALF: tl.constexp
 def _rotary_kernel(Q, K, COS_SIN, POS, stride_q, stride_k, stride_cs, n_q_heads, n_k_heads,
                    V, K_CACHE, V_CACHE, LOC, stride_v, stride_kc, stride_vc, WQ, WK, eps, n_q_blocks, n_blocks,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, QK_NORM: tl.constexpr,
-                   USE_PDL: tl.constexpr = False):
+                   USE_PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     # Program pid: token pid // n_blocks, head block pid % n_blocks (the first n_q_blocks of q, then k's,
     # whose programs also store their heads' K and V).
-    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     t = pid // n_blocks
     g = pid % n_blocks
-    pos = tl.load(POS + t).to(tl.int64)
-    d = tl.arange(0, HALF)
-    cos = tl.load(COS_SIN + pos * stride_cs + d)
-    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
-    if g < n_q_blocks:
+    is_q = g < n_q_blocks
+    if PRELOAD:  # while the previous kernel (the QKV projection) finishes
+        cos, sin, slot, w1, w2 = _rotary_inputs(POS, COS_SIN, LOC, WQ, WK, t, is_q, stride_cs, HALF, STORE, QK_NORM)
+    pdl_prologue(USE_PDL)
+    if not PRELOAD:
+        cos, sin, slot, w1, w2 = _rotary_inputs(POS, COS_SIN, LOC, WQ, WK, t, is_q, stride_cs, HALF, STORE, QK_NORM)
+    if is_q:
         heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
-        _rotate_heads(Q + t * stride_q, heads, n_q_heads, WQ, cos, sin, eps, HALF, QK_NORM)
+        _rotate_heads(Q + t * stride_q, heads, n_q_heads, w1, w2, cos, sin, eps, HALF, QK_NORM)
     else:
         heads = (g - n_q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        r1, r2, offs, mask = _rotate_heads(K + t * stride_k, heads, n_k_heads, WK, cos, sin, eps, HALF, QK_NORM)
+        r1, r2, offs, mask = _rotate_heads(K + t * stride_k, heads, n_k_heads, w1, w2, cos, sin, eps, HALF, QK_NORM)
         if STORE:
             # The rotated keys and the values go to the paged cache (what the backend's KV store would
             # write).
-            slot = tl.load(LOC + t).to(tl.int64)
             k_dst = K_CACHE + slot * stride_kc
             tl.store(k_dst + offs, r1.to(K_CACHE.dtype.element_ty), mask=mask)
             tl.store(k_dst + offs + HALF, r2.to(K_CACHE.dtype.element_ty), mask=mask)
@@ -232,7 +258,8 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
     _rotary_kernel[(t * n_blocks,)](
         q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0), n_q, n_k,
         *store_args, *norm_args, n_q_blocks, n_blocks, HALF=head_dim // 2, BLOCK_H=block_h,
-        STORE=kv_store is not None, QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl)
+        STORE=kv_store is not None, QK_NORM=qk_norm is not None, USE_PDL=pdl,
+        PRELOAD=pdl and envs.PDL_PRELOAD.get(), launch_pdl=pdl)
     return q, k
 
 

@@ -39,3 +39,12 @@ def test_pdl_launches_give_the_same_tokens_and_logprobs_as_plain_launches(shape_
     pdl_tokens, pdl_lp = _run(shape_dir, "1", monkeypatch)
     assert pdl_tokens == plain_tokens
     assert torch.equal(pdl_lp, plain_lp)
+
+
+def test_pdl_with_the_pre_wait_loads_gives_the_same_tokens_and_logprobs_as_plain_launches(shape_dir, monkeypatch):
+    # PLAIT_PDL_PRELOAD: RMSNorm's weight and rotary's table, positions and slots load before the wait.
+    plain_tokens, plain_lp = _run(shape_dir, "0", monkeypatch)
+    monkeypatch.setenv("PLAIT_PDL_PRELOAD", "1")
+    pdl_tokens, pdl_lp = _run(shape_dir, "1", monkeypatch)
+    assert pdl_tokens == plain_tokens
+    assert torch.equal(pdl_lp, plain_lp)

@@ -1,0 +1,54 @@
+"""Compile the RMSNorm and rotary kernels ahead of time for an H100/H200 (sm_90) without a GPU, as the GPU
+launches them (with PDL, aligned pointers and sizes), and print per case the global loads before and after
+the grid-dependency wait, as JSON lines. Run as a script with TRITON_INTERPRET unset
+(tests/test_triton_ops.py does); argument: JSON [kernel, preload] cases."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from plait.layers.triton_ops import _rmsnorm_kernel, _rotary_kernel
+
+RMSNORM = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "RES_OUT": "*bf16", "stride_x": "i32",
+           "stride_r": "i32", "stride_y": "i32", "n_cols": "i32", "eps": "fp32"}
+ROTARY = {"Q": "*bf16", "K": "*bf16", "COS_SIN": "*fp32", "POS": "*i64", "stride_q": "i32", "stride_k": "i32",
+          "stride_cs": "i32", "n_q_heads": "i32", "n_k_heads": "i32", "V": "*bf16", "K_CACHE": "*bf16",
+          "V_CACHE": "*bf16", "LOC": "*i64", "stride_v": "i32", "stride_kc": "i32", "stride_vc": "i32",
+          "WQ": "*bf16", "WK": "*bf16", "eps": "fp32", "n_q_blocks": "i32", "n_blocks": "i32"}
+# What the runtime specialises (16-byte aligned pointers, sizes and strides divisible by 16).
+UNALIGNED = ("eps", "n_q_heads", "n_k_heads", "n_q_blocks", "n_blocks")
+
+
+def compile_sm90(kernel: str, preload: bool) -> dict[str, int]:
+    if kernel == "rmsnorm":
+        fn, sig = _rmsnorm_kernel, dict(RMSNORM)
+        consts = dict(HAS_RESIDUAL=True, BLOCK=2048, USE_PDL=True, PRELOAD=preload)
+    else:  # Qwen3's rotary: q/k norm and the KV store, 4 heads a program
+        fn, sig = _rotary_kernel, dict(ROTARY)
+        consts = dict(HALF=64, BLOCK_H=4, STORE=True, QK_NORM=True, USE_PDL=True, PRELOAD=preload)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name not in UNALIGNED}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert wait >= 0, "no grid-dependency wait"
+    return {"loads_before_wait": len(re.findall(r"\bld\.global", ptx[:wait])),
+            "loads_after_wait": len(re.findall(r"\bld\.global", ptx[wait:]))}
+
+
+def compile_in_subprocess(cases: list[tuple[str, bool]]) -> list[dict[str, int]]:
+    """Each case compiled by this script in a process without TRITON_INTERPRET; skips without ptxas."""
+    from tests.gemv_aot import run_aot_script
+
+    return run_aot_script(__file__, [list(c) for c in cases])
+
+
+if __name__ == "__main__":
+    for kernel, preload in json.loads(sys.argv[1]):
+        print(json.dumps({"kernel": kernel, "preload": preload, **compile_sm90(kernel, preload)}))
