@@ -115,8 +115,9 @@ ROTARY_SPLIT_HEADS = _int_var(
     "at head dims of 128 and more, one program per token below. Read at every call.")
 PDL_PRELOAD = _flag_var(
     "PLAIT_PDL_PRELOAD",
-    "1: under PDL the RMSNorm and rotary kernels load what no kernel of the step writes (norm weights, the "
-    "rotary table, positions, cache slots) before they wait for the previous kernel (plait.layers.pdl); "
+    "1: under PDL the RMSNorm, rotary and decode-attention kernels load what no kernel of the step writes "
+    "(norm weights, the rotary table, positions, cache slots, the attention's split layout and first slots) "
+    "before they wait for the previous kernel (plait.layers.pdl); "
     "unset (the default until an A/B on the H200 shows it faster): after. Read at every call.")
 SPEC_CHAIN_VERIFIES = _flag_var(
     "PLAIT_SPEC_CHAIN_VERIFIES",

@@ -228,6 +228,20 @@ def test_decode_split_kv(heads: tuple[int, int], d: int) -> None:
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused-merge"])
+def test_decode_with_the_split_layout_and_first_slots_loaded_before_the_pdl_wait_matches_reference(
+        monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    # PLAIT_PDL_PRELOAD: the first tile's slots come from before the wait, later tiles from the loop:
+    # multi-tile splits, trailing empty splits, an empty request, two KV heads per program.
+    monkeypatch.setenv("PLAIT_PDL_PRELOAD", "1")
+    lens, splits = [130, 17, 0, 5, 71], [4, 3, 2, 1, 9]
+    counters = torch.zeros(len(lens) * 2, dtype=torch.int32, device=DEVICE) if fused else None
+    for config in (None, K.LaunchConfig(block_n=16, num_warps=4, num_stages=1, kv_pack=2)):
+        o, o_ref = _run_decode(lens, 8, 2, 64, splits=splits, max_splits=4, seed=11, split_counters=counters,
+                               config=config)
+        torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+
+
 def test_decode_splits_from_heuristic() -> None:
     lens = [300, 9, 120]
     seq_lens = torch.tensor(lens, device=DEVICE)

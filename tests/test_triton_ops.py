@@ -130,16 +130,44 @@ def test_rotary_keeps_one_program_per_token_once_the_split_grid_would_exceed_fou
 
 
 def test_pdl_preload_moves_only_the_step_constant_loads_before_the_wait():
-    """The sm_90 build (the interpreter has no PDL): with PRELOAD the RMSNorm kernel loads its weight and
-    the rotary kernel its position, cos / sin, cache slot and norm weights before the grid-dependency
-    wait, the activations after it; without PRELOAD nothing comes before the wait (plait/layers/pdl.py)."""
+    """The sm_90 build (the interpreter has no PDL): with PRELOAD the RMSNorm kernel loads its weight, the
+    rotary kernel its position, cos / sin, cache slot and norm weights and decode attention its split
+    layout and first slots before the grid-dependency wait, the rest after it; without PRELOAD nothing
+    comes before the wait (plait/layers/pdl.py)."""
     from tests.layer_ops_aot import compile_in_subprocess
 
-    cases = [("rmsnorm", False), ("rmsnorm", True), ("rotary", False), ("rotary", True)]
-    norm, norm_pre, rot, rot_pre = compile_in_subprocess(cases)
+    cases = [("rmsnorm", False), ("rmsnorm", True), ("rotary", False), ("rotary", True), ("decode", False),
+             ("decode", True)]
+    norm, norm_pre, rot, rot_pre, dec, dec_pre = compile_in_subprocess(cases)
+    assert dec["loads_before_wait"] == 0 and dec_pre["loads_before_wait"] > 0  # the split layout, first slots
+    assert dec_pre["loads_before_wait"] + dec_pre["loads_after_wait"] == dec["loads_after_wait"]
     assert norm["loads_before_wait"] == rot["loads_before_wait"] == 0
     total = norm["loads_after_wait"]
     assert norm_pre["loads_before_wait"] == total // 3  # the weight's share of x, residual and weight
     assert norm_pre["loads_before_wait"] + norm_pre["loads_after_wait"] == total
     assert 0 < rot_pre["loads_before_wait"] < rot["loads_after_wait"]
     assert rot_pre["loads_before_wait"] + rot_pre["loads_after_wait"] == rot["loads_after_wait"]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm-and-rope"])
+def test_rotary_and_rmsnorm_with_their_inputs_loaded_before_the_pdl_wait_compute_the_same(monkeypatch, qk_norm):
+    # PLAIT_PDL_PRELOAD moves loads, not arithmetic: every value equals the launch without it (the
+    # interpreter has no PDL: the same code, the loads in the new order).
+    from plait.layers.rotary import QKNorm
+
+    head_dim, hq, hkv, t = 128, 6, 2, 3
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(t, h * head_dim, generator=g) for h in (hq, hkv, hkv))
+    wq, wk = 1 + torch.randn(head_dim, generator=g), 1 + torch.randn(head_dim, generator=g)
+    norm = QKNorm(wq, wk, 1e-6) if qk_norm else None
+    pos, loc = torch.tensor([5, 0, 37]), torch.tensor([6, 1, 3])
+    x, r, w = torch.randn(t, 200, generator=g), torch.randn(t, 200, generator=g), torch.randn(200, generator=g)
+    runs = []
+    for preload in ("0", "1"):
+        monkeypatch.setenv("PLAIT_PDL_PRELOAD", preload)
+        caches = [torch.zeros(8, hkv, head_dim) for _ in range(2)]
+        rq, rk = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim,
+                                    (v, caches[0], caches[1], loc), norm)
+        runs.append((rq, rk, *caches, *triton_ops.rmsnorm(x, w, 1e-6, r)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

@@ -79,7 +79,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         pdl = use_pdl(x2)
         _rmsnorm_kernel[(n_rows,)](x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), n_cols, eps,
                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-                                   USE_PDL=pdl, PRELOAD=pdl and envs.PDL_PRELOAD.get(),
+                                   USE_PDL=pdl, PRELOAD=envs.PDL_PRELOAD.get(),
                                    num_warps=8 if n_cols >= 4096 else 4, launch_pdl=pdl)
     if residual is None:
         return y.view(shape)
@@ -259,7 +259,7 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
         q, k, cos_sin_cache, positions, q.stride(0), k.stride(0), cos_sin_cache.stride(0), n_q, n_k,
         *store_args, *norm_args, n_q_blocks, n_blocks, HALF=head_dim // 2, BLOCK_H=block_h,
         STORE=kv_store is not None, QK_NORM=qk_norm is not None, USE_PDL=pdl,
-        PRELOAD=pdl and envs.PDL_PRELOAD.get(), launch_pdl=pdl)
+        PRELOAD=envs.PDL_PRELOAD.get(), launch_pdl=pdl)
     return q, k
 
 

@@ -136,15 +136,29 @@ def _decode_stage1_kernel(
     HAS_SINKS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     KV_PACK: tl.constexpr = 1,
+    PRELOAD: tl.constexpr = False,  # the split layout and the first tile's slots before the PDL wait
 ):
-    pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_pack = tl.program_id(1)  # KV heads kv_pack * KV_PACK .. + KV_PACK
     split_id = tl.program_id(2)
 
-    kv_start, seq_len, split_len, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV, MAX_KV_SPLITS)
-    split_start = split_id * split_len
-    split_end = tl.minimum(split_start + split_len, seq_len)
+    if PRELOAD:
+        # The indptr, split counts and slot lists are built before the step's first layer, by kernels that
+        # do not release their dependents early (pdl.py): read while the rotary kernel before this one
+        # finishes. The tiles themselves wait (the newest token's K and V are that kernel's output).
+        kv_start, seq_len, split_len, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV,
+                                                               MAX_KV_SPLITS)
+        split_start = split_id * split_len
+        split_end = tl.minimum(split_start + split_len, seq_len)
+        offs_first = split_start + tl.arange(0, BLOCK_N)
+        loc_first = tl.load(Kv_Indices + kv_start + offs_first, mask=(offs_first < split_end) & (split_id < n_active),
+                            other=0).to(tl.int64)
+    pdl_prologue(USE_PDL)
+    if not PRELOAD:
+        kv_start, seq_len, split_len, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV,
+                                                               MAX_KV_SPLITS)
+        split_start = split_id * split_len
+        split_end = tl.minimum(split_start + split_len, seq_len)
 
     if split_id < n_active:  # a non-empty split
         offs_h = tl.arange(0, BLOCK_H)
@@ -173,7 +187,13 @@ def _decode_stage1_kernel(
         for start_n in range(split_start, split_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < split_end
-            loc = tl.load(Kv_Indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            if PRELOAD:  # the first tile's slots are loaded already
+                first = start_n == split_start
+                loc = tl.load(Kv_Indices + kv_start + offs_n, mask=mask_n & (start_n != split_start),
+                              other=0).to(tl.int64)
+                loc = tl.where(first, loc_first, loc)
+            else:
+                loc = tl.load(Kv_Indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
             k = tl.load(k_head + loc[:, None] * stride_kbs + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             # V is issued with K, before the QK dot that does not need it: the two gathers overlap
             # (at short contexts a split is one tile, and its loads' latency is the kernel's time).
@@ -441,6 +461,7 @@ def decode_attention_fwd(
         HAS_SINKS=sinks is not None,
         USE_PDL=pdl,
         KV_PACK=pack,
+        PRELOAD=envs.PDL_PRELOAD.get(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,
