@@ -108,6 +108,11 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
+GEMV_ELEMENTWISE_M = _int_var(
+    "PLAIT_GEMV_ELEMENTWISE_M",
+    "Most token rows (2, 4 or 8) the small-M GEMV multiplies elementwise with the one-row tiles, as at M = 1 "
+    "(a speculative verify's 4 rows at bs 1), instead of padding them to 16 for a tensor-core dot. Unset "
+    "(the default until an A/B on the H200): 1, only M = 1. Read at every call.")
 ROTARY_SPLIT_HEADS = _int_var(
     "PLAIT_ROTARY_SPLIT_HEADS",
     "Heads of a token per rotary program when a launch has few tokens (decode; a power of two, 0: all of "
@@ -141,4 +146,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
-                                    PDL_PRELOAD)
+                                    PDL_PRELOAD, GEMV_ELEMENTWISE_M)

@@ -64,6 +64,15 @@ MIN_SCALE = 1e-12
 W8A8_GROUP = 128
 
 
+def elementwise_rows_limit() -> int:
+    """Most rows a call multiplies elementwise, as one row (``PLAIT_GEMV_ELEMENTWISE_M``: 2, 4 or 8; 1,
+    the default until an A/B on the H200: every M >= 2 pads to 16 rows for the tensor cores)."""
+    limit = envs.GEMV_ELEMENTWISE_M.get() or 1
+    if limit not in (1, 2, 4, 8):
+        raise ValueError(f"PLAIT_GEMV_ELEMENTWISE_M must be 1, 2, 4 or 8, got {limit}")
+    return limit
+
+
 def fp8_w8a8_default() -> bool | None:
     """The FP8 form when a call does not say, the one switch (``PLAIT_FP8_GEMV_W8A8``): True W8A8, False
     weight-only, None (unset) the launch config's ``prefer_w8a8`` (the tuned table's measured choice per
@@ -109,6 +118,7 @@ def _gemv_kernel(
     FP8_MAX_V: tl.constexpr,
     MIN_S: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    EW_ROWS: tl.constexpr = False,  # 2 <= BLOCK_M rows multiplied elementwise, as M == 1 (no dot)
 ):
     pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
@@ -126,6 +136,8 @@ def _gemv_kernel(
         s_rows = S + (rows // BN_SCALE) * stride_sn
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif EW_ROWS:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif W8A8:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if ONE_ROW:
@@ -155,6 +167,13 @@ def _gemv_kernel(
             if SCALE == 2:
                 prod = prod * s[:, None]
             acc2 += prod
+        elif EW_ROWS:
+            # Every row's products with the one weight tile, reduced over K once at the end (M == 1's form
+            # per row): the weight bytes are still read once, and no row is padding.
+            prod = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            if SCALE == 2:
+                prod = prod * s[None, :, None]
+            acc3 += prod
         elif W8A8:
             # One step is one 128-column group: its per-row scale and e4m3 codes, then an e4m3 x e4m3
             # dot (the weight tile unconverted, as the async copy left it in shared memory). Rows past M
@@ -197,6 +216,8 @@ def _gemv_kernel(
             acc += part
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
+    elif EW_ROWS:
+        acc = tl.sum(acc3, axis=2)
     elif W8A8:
         acc = tl.trans(acc_t)
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -260,22 +281,29 @@ class GemvLaunch:
     num_stages: int
     w8a8: bool = False
     one_row: bool = False  # W8A8 at M == 1: one row quantized, its codes broadcast to the padding rows
+    elementwise_rows: bool = False  # 2 <= M <= block_m rows without tensor cores (``plan_launch``)
 
-    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool]:
+    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool, int]:
         """What the compiled kernel depends on besides the dtypes and the scale layout."""
         return (self.block_m == 1, self.block_n, self.block_k, self.even_k, self.split_k > 1, self.num_warps,
-                self.num_stages, self.w8a8, self.one_row)
+                self.num_stages, self.w8a8, self.one_row, self.block_m if self.elementwise_rows else 0)
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: GemvConfig,
-                w8a8: bool = False) -> GemvLaunch:
+                w8a8: bool = False, elementwise_m: int = 1) -> GemvLaunch:
     """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
     (M >= 2, and every M with ``w8a8``), a step inside one scale block (block scales), with ``w8a8`` a
     step of exactly one ``W8A8_GROUP``-column activation group and 16+ weight rows per warp, and K
-    slices of whole steps. Cached: eager decode steps plan every layer's call."""
-    block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
-    block_n = config.block_n if block_m == 1 else max(16, config.block_n)
+    slices of whole steps. Up to ``elementwise_m`` rows (not W8A8) multiply elementwise, as one row does,
+    in ``next_power_of_2(M)`` rows and the config's own tiles. Cached: eager decode steps plan every
+    layer's call."""
+    elementwise = not w8a8 and 2 <= m <= elementwise_m
+    if elementwise:
+        block_m = triton.next_power_of_2(m)
+    else:
+        block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
+    block_n = config.block_n if block_m == 1 or elementwise else max(16, config.block_n)
     if w8a8:  # the weight rows are the dot's M: 16 per warp, so the warps form whole warpgroup MMAs
         block_n = max(block_n, 16 * config.num_warps)
     block_k = W8A8_GROUP if w8a8 else config.block_k
@@ -290,7 +318,7 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
     if triton.cdiv(n, block_n) > MAX_COUNTERS:
         split_k, k_per_split = 1, k_steps * block_k
     return GemvLaunch(block_m, block_n, block_k, split_k, k_per_split, k % k_per_split == 0, config.num_warps,
-                      config.num_stages, w8a8, w8a8 and m == 1)
+                      config.num_stages, w8a8, w8a8 and m == 1, elementwise)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -350,9 +378,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         else:
             w8a8 = config.prefer_w8a8
     w8a8 = fp8 and bool(w8a8) and (block is None or block[1] % W8A8_GROUP == 0)
-    if config is None:
-        config = get_config(gemv_kind(w.dtype, block, w8a8), m, n, k, device_name, num_sms)
-    plan = plan_launch(m, n, k, block, config, w8a8)
+    elementwise_m = elementwise_rows_limit()
+    if config is None:  # elementwise rows take the one-row tiles (tuned for that form)
+        rows_bucket = 1 if not w8a8 and m <= elementwise_m else m
+        config = get_config(gemv_kind(w.dtype, block, w8a8), rows_bucket, n, k, device_name, num_sms)
+    plan = plan_launch(m, n, k, block, config, w8a8, elementwise_m)
     block_m, block_n, block_k, split_k, k_per_split = (plan.block_m, plan.block_n, plan.block_k, plan.split_k,
                                                         plan.k_per_split)
     bn_s, bk_s = block if block is not None else (1, 1)
@@ -375,7 +405,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        USE_PDL=pdl, EW_ROWS=plan.elementwise_rows, num_warps=config.num_warps, num_stages=config.num_stages,
+        launch_pdl=pdl)
     return out
 
 
