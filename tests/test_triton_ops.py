@@ -88,21 +88,27 @@ def test_native_rotary_with_kv_store_matches_the_kernel():
     assert torch.equal(caches[1], caches[3])
 
 
+def _rotary_case(head_dim: int, hq: int, hkv: int, qk_norm: bool, seed: int):
+    """Three tokens at positions out of order, their q, k, v rows, cache slots and (with ``qk_norm``)
+    Qwen3's q/k norm; the generator, for more inputs."""
+    from plait.layers.rotary import QKNorm
+
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(3, h * head_dim, generator=g) for h in (hq, hkv, hkv))
+    wq, wk = 1 + torch.randn(head_dim, generator=g), 1 + torch.randn(head_dim, generator=g)
+    norm = QKNorm(wq, wk, 1e-6) if qk_norm else None
+    return rope, q, k, v, norm, torch.tensor([5, 0, 37]), torch.tensor([6, 1, 3]), g
+
+
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm-and-rope"])
 def test_rotary_split_over_head_blocks_equals_one_program_per_token(monkeypatch, qk_norm):
     # 6 query and 2 key heads in blocks of 4: a partial q block and a partial k block, whose programs
     # also store K and V; every value the same as the launch that gives a token's heads to one program.
-    from plait.layers.rotary import QKNorm
-
     head_dim, hq, hkv, t = 16, 6, 2, 3
     monkeypatch.setenv("PLAIT_ROTARY_SPLIT_HEADS", "4")  # the default splits only heads of 128 and more
     assert triton_ops.rotary_heads_per_program(t, hq, hkv, num_sms=8, head_dim=head_dim) == 4
-    rope = RotaryEmbedding(head_dim, 64, 10000.0)
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(t, h * head_dim, generator=g) for h in (hq, hkv, hkv))
-    wq, wk = 1 + torch.randn(head_dim, generator=g), 1 + torch.randn(head_dim, generator=g)
-    norm = QKNorm(wq, wk, 1e-6) if qk_norm else None
-    pos, loc = torch.tensor([5, 0, 37]), torch.tensor([6, 1, 3])
+    rope, q, k, v, norm, pos, loc, _ = _rotary_case(head_dim, hq, hkv, qk_norm, seed=3)
     caches = [torch.zeros(8, hkv, head_dim) for _ in range(4)]
     split = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, head_dim,
                                (v, caches[0], caches[1], loc), norm)
@@ -153,15 +159,8 @@ def test_pdl_preload_moves_only_the_step_constant_loads_before_the_wait():
 def test_rotary_and_rmsnorm_with_their_inputs_loaded_before_the_pdl_wait_compute_the_same(monkeypatch, qk_norm):
     # PLAIT_PDL_PRELOAD moves loads, not arithmetic: every value equals the launch without it (the
     # interpreter has no PDL: the same code, the loads in the new order).
-    from plait.layers.rotary import QKNorm
-
     head_dim, hq, hkv, t = 128, 6, 2, 3
-    rope = RotaryEmbedding(head_dim, 64, 10000.0)
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(t, h * head_dim, generator=g) for h in (hq, hkv, hkv))
-    wq, wk = 1 + torch.randn(head_dim, generator=g), 1 + torch.randn(head_dim, generator=g)
-    norm = QKNorm(wq, wk, 1e-6) if qk_norm else None
-    pos, loc = torch.tensor([5, 0, 37]), torch.tensor([6, 1, 3])
+    rope, q, k, v, norm, pos, loc, g = _rotary_case(head_dim, hq, hkv, qk_norm, seed=4)
     x, r, w = torch.randn(t, 200, generator=g), torch.randn(t, 200, generator=g), torch.randn(200, generator=g)
     runs = []
     for preload in ("0", "1"):
