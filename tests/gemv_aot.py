@@ -27,7 +27,8 @@ ALIGNED = ("X", "W", "S", "Out", "Bias", "Partials", "Counters", "N", "K", "stri
            "k_per_split")
 
 
-def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, elementwise_m: int = 1) -> dict[str, int]:
+def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, elementwise_m: int = 1,
+                 preload: bool = False) -> dict[str, int]:
     block = (128, 128) if kind.startswith("fp8_block") else None
     w8a8 = kind.endswith("_mma")
     plan = plan_launch(m, n, k, block, cfg, w8a8, elementwise_m)
@@ -39,7 +40,7 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, elementwise
                   BK_SCALE=block[1] if block else 1, EVEN_K=plan.even_k, SPLIT=plan.split_k > 1,
                   NUM_STAGES=plan.num_stages, INPUT_PRECISION=None, GPU_FENCE=True, UPCAST_DOT=False,
                   W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
-                  USE_PDL=True, EW_ROWS=plan.elementwise_rows)
+                  USE_PDL=True, EW_ROWS=plan.elementwise_rows, PRELOAD_W=preload)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
     kernel = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -91,6 +92,6 @@ def run_aot_script(script: str, work: list) -> list[dict]:
 
 
 if __name__ == "__main__":
-    for kind, m, n, k, raw, *elementwise_m in json.loads(sys.argv[1]):
+    for kind, m, n, k, raw, *options in json.loads(sys.argv[1]):  # options: elementwise_m, preload
         print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, GemvConfig.from_json(raw),
-                                                               *elementwise_m)}))
+                                                               *options)}))

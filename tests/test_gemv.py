@@ -98,6 +98,34 @@ def test_an_elementwise_limit_that_is_not_a_power_of_two_up_to_8_is_refused(monk
         gemv(_rand(2, K, seed=9), (_rand(N, K, seed=3) * 0.05).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8_channel", "fp8_block"])
+@pytest.mark.parametrize(("k", "split_k"), [(320, 1), (320, 2), (200, 2)], ids=["one-slice", "two-slices", "ragged"])
+def test_one_row_with_its_first_weight_step_loaded_before_the_wait_gives_the_same_bits(monkeypatch, kind, k, split_k):
+    # PLAIT_GEMV_PRELOAD moves the slice's first step out of the loop, not the arithmetic: the same sums in
+    # the same order (K 200 leaves a ragged last step in the second slice).
+    if kind == "bf16":
+        w, scale, block = (_rand(136, k, seed=8) * 0.05).to(torch.bfloat16), None, None
+    else:
+        w, scale, block = random_fp8_weight("channel" if kind == "fp8_channel" else "block", 136, k)
+    x = _rand(1, k, seed=7)
+    config = GemvConfig(block_n=8, block_k=64, split_k=split_k)
+    plain = gemv(x, w, scale, block, config, w8a8=False)
+    monkeypatch.setenv("PLAIT_GEMV_PRELOAD", "1")
+    assert torch.equal(gemv(x, w, scale, block, config, w8a8=False), plain)
+    ref = w.float() if scale is None else dequantize_weight(w, scale, block)
+    torch.testing.assert_close(plain, x @ ref.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_preload_puts_the_first_weight_step_before_the_wait_in_the_sm90_build():
+    import tests.gemv_aot as aot
+
+    cfg = {"block_n": 8, "block_k": 256}
+    plain, pre = aot.run_aot_script(aot.__file__, [["bf16", 1, 6144, 4096, cfg, 1, False],
+                                                   ["bf16", 1, 6144, 4096, cfg, 1, True]])
+    assert plain["loads_before_wait"] == 0 < pre["loads_before_wait"], (plain, pre)
+    assert pre["stack"] == 0 and pre["regs"] <= 128, pre
+
+
 def test_split_k_leaves_its_counters_zero():
     q, s, _ = random_fp8_weight("channel", N, K)
     gemv(_rand(2, K, seed=6), q, s, None, GemvConfig(block_n=16, block_k=64, split_k=3))

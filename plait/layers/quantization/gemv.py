@@ -119,8 +119,8 @@ def _gemv_kernel(
     MIN_S: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     EW_ROWS: tl.constexpr = False,  # 2 <= BLOCK_M rows multiplied elementwise, as M == 1 (no dot)
+    PRELOAD_W: tl.constexpr = False,  # M == 1: the slice's first weight step loaded before the PDL wait
 ):
-    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,8 +134,31 @@ def _gemv_kernel(
     w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
     if SCALE == 2:
         s_rows = S + (rows // BN_SCALE) * stride_sn
+    loop_lo = k_lo
+    if PRELOAD_W:
+        # Weights (and their scales) are no kernel's output (pdl.py): the first step's tile is loaded while
+        # the previous kernel finishes, so the wait is followed by a multiply, not by a DRAM round trip.
+        offs_k0 = k_lo + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w_first = tl.load(w_rows + offs_k0[None, :], eviction_policy="evict_first")
+        else:
+            w_first = tl.load(w_rows + offs_k0[None, :], mask=(offs_k0 < k_hi)[None, :], other=0.0,
+                              eviction_policy="evict_first")
+        if SCALE == 2:
+            s_first = tl.load(s_rows + k_lo // BK_SCALE)
+        loop_lo = k_lo + BLOCK_K
+    pdl_prologue(USE_PDL)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if PRELOAD_W:
+            if EVEN_K:
+                x_first = tl.load(X + offs_k0)
+            else:
+                x_first = tl.load(X + offs_k0, mask=offs_k0 < k_hi, other=0.0)
+            prod = w_first.to(tl.float32) * x_first.to(tl.float32)[None, :]
+            if SCALE == 2:
+                prod = prod * s_first[:, None]
+            acc2 += prod
     elif EW_ROWS:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif W8A8:
@@ -145,7 +168,7 @@ def _gemv_kernel(
             x_next = tl.load(X + offs_k0, mask=offs_k0 < k_hi, other=0.0)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(loop_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # The weights are read once: evict them first, so the activations stay in the caches.
         if EVEN_K:
@@ -405,8 +428,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        USE_PDL=pdl, EW_ROWS=plan.elementwise_rows, num_warps=config.num_warps, num_stages=config.num_stages,
-        launch_pdl=pdl)
+        USE_PDL=pdl, EW_ROWS=plan.elementwise_rows, PRELOAD_W=block_m == 1 and not w8a8 and envs.GEMV_PRELOAD.get(),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 
