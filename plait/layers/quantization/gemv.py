@@ -80,6 +80,29 @@ def fp8_w8a8_default() -> bool | None:
     return envs.FP8_GEMV_W8A8.get()
 
 
+@triton.jit
+def _weight_step(w_rows, offs_k, k_hi, EVEN_K: tl.constexpr):
+    """One step's weight tile [BLOCK_N, BLOCK_K]. The weights are read once: evict them first, so the
+    activations stay in the caches."""
+    if EVEN_K:
+        return tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _one_row_products(w, X, offs_k, k_hi, s, SCALE: tl.constexpr, EVEN_K: tl.constexpr):
+    """M == 1: the step's fp32 products ``w * x`` [BLOCK_N, BLOCK_K] (times the rows' block scale ``s``
+    with ``SCALE`` 2), summed over K only after the loop."""
+    if EVEN_K:
+        x = tl.load(X + offs_k)
+    else:
+        x = tl.load(X + offs_k, mask=offs_k < k_hi, other=0.0)
+    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if SCALE == 2:
+        prod = prod * s[:, None]
+    return prod
+
+
 # M and split_k are not specialised (divisibility by 16, == 1): the token counts 2..16 and every split
 # share one compiled kernel per config.
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -139,11 +162,7 @@ def _gemv_kernel(
         # Weights (and their scales) are no kernel's output (pdl.py): the first step's tile is loaded while
         # the previous kernel finishes, so the wait is followed by a multiply, not by a DRAM round trip.
         offs_k0 = k_lo + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w_first = tl.load(w_rows + offs_k0[None, :], eviction_policy="evict_first")
-        else:
-            w_first = tl.load(w_rows + offs_k0[None, :], mask=(offs_k0 < k_hi)[None, :], other=0.0,
-                              eviction_policy="evict_first")
+        w_first = _weight_step(w_rows, offs_k0, k_hi, EVEN_K)
         if SCALE == 2:
             s_first = tl.load(s_rows + k_lo // BK_SCALE)
         loop_lo = k_lo + BLOCK_K
@@ -151,14 +170,7 @@ def _gemv_kernel(
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PRELOAD_W:
-            if EVEN_K:
-                x_first = tl.load(X + offs_k0)
-            else:
-                x_first = tl.load(X + offs_k0, mask=offs_k0 < k_hi, other=0.0)
-            prod = w_first.to(tl.float32) * x_first.to(tl.float32)[None, :]
-            if SCALE == 2:
-                prod = prod * s_first[:, None]
-            acc2 += prod
+            acc2 += _one_row_products(w_first, X, offs_k0, k_hi, s_first if SCALE == 2 else w_first, SCALE, EVEN_K)
     elif EW_ROWS:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif W8A8:
@@ -170,26 +182,14 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(loop_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        # The weights are read once: evict them first, so the activations stay in the caches.
-        if EVEN_K:
-            w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0,
-                        eviction_policy="evict_first")
+        w = _weight_step(w_rows, offs_k, k_hi, EVEN_K)
         if SCALE == 2:
             s = tl.load(s_rows + k0 // BK_SCALE)
         if BLOCK_M > 1 and not ONE_ROW:
             x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
             x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         if BLOCK_M == 1:
-            if EVEN_K:
-                x = tl.load(X + offs_k)
-            else:
-                x = tl.load(X + offs_k, mask=offs_k < k_hi, other=0.0)
-            prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
-            if SCALE == 2:
-                prod = prod * s[:, None]
-            acc2 += prod
+            acc2 += _one_row_products(w, X, offs_k, k_hi, s if SCALE == 2 else w, SCALE, EVEN_K)
         elif EW_ROWS:
             # Every row's products with the one weight tile, reduced over K once at the end (M == 1's form
             # per row): the weight bytes are still read once, and no row is padding.
