@@ -108,11 +108,12 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
-GEMV_PRELOAD = _flag_var(
-    "PLAIT_GEMV_PRELOAD",
-    "1: a one-row GEMV loads each program's first weight step before it waits for the previous kernel (PDL), "
-    "so the wait is followed by a multiply, not a DRAM round trip; unset (the default until an A/B on the "
-    "H200 shows it faster): after. Read at every call.")
+WEIGHT_PRELOAD = _flag_var(
+    "PLAIT_WEIGHT_PRELOAD",
+    "1: the one-row GEMV and the small-batch MoE down kernel load their first weight step (the down kernel "
+    "also its routed experts) before they wait for the previous kernel (PDL), so the wait is followed by a "
+    "multiply, not a DRAM round trip; unset (the default until an A/B on the H200 shows it faster): after. "
+    "Read at every call.")
 GEMV_ELEMENTWISE_M = _int_var(
     "PLAIT_GEMV_ELEMENTWISE_M",
     "Most token rows (2, 4 or 8) the small-M GEMV multiplies elementwise with the one-row tiles, as at M = 1 "
@@ -152,4 +153,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
                                     PDL_PRELOAD, GEMV_ELEMENTWISE_M,
-                                    GEMV_PRELOAD)
+                                    WEIGHT_PRELOAD)

@@ -101,7 +101,7 @@ def test_an_elementwise_limit_that_is_not_a_power_of_two_up_to_8_is_refused(monk
 @pytest.mark.parametrize("kind", ["bf16", "fp8_channel", "fp8_block"])
 @pytest.mark.parametrize(("k", "split_k"), [(320, 1), (320, 2), (200, 2)], ids=["one-slice", "two-slices", "ragged"])
 def test_one_row_with_its_first_weight_step_loaded_before_the_wait_gives_the_same_bits(monkeypatch, kind, k, split_k):
-    # PLAIT_GEMV_PRELOAD moves the slice's first step out of the loop, not the arithmetic: the same sums in
+    # PLAIT_WEIGHT_PRELOAD moves the slice's first step out of the loop, not the arithmetic: the same sums in
     # the same order (K 200 leaves a ragged last step in the second slice).
     if kind == "bf16":
         w, scale, block = (_rand(136, k, seed=8) * 0.05).to(torch.bfloat16), None, None
@@ -110,7 +110,7 @@ def test_one_row_with_its_first_weight_step_loaded_before_the_wait_gives_the_sam
     x = _rand(1, k, seed=7)
     config = GemvConfig(block_n=8, block_k=64, split_k=split_k)
     plain = gemv(x, w, scale, block, config, w8a8=False)
-    monkeypatch.setenv("PLAIT_GEMV_PRELOAD", "1")
+    monkeypatch.setenv("PLAIT_WEIGHT_PRELOAD", "1")
     assert torch.equal(gemv(x, w, scale, block, config, w8a8=False), plain)
     ref = w.float() if scale is None else dequantize_weight(w, scale, block)
     torch.testing.assert_close(plain, x @ ref.t(), rtol=1e-5, atol=1e-5)

@@ -85,8 +85,10 @@ def _weight_step(w_rows, offs_k, k_hi, EVEN_K: tl.constexpr):
     """One step's weight tile [BLOCK_N, BLOCK_K]. The weights are read once: evict them first, so the
     activations stay in the caches."""
     if EVEN_K:
-        return tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
-    return tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0, eviction_policy="evict_first")
+    return w
 
 
 @triton.jit
@@ -428,7 +430,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        USE_PDL=pdl, EW_ROWS=plan.elementwise_rows, PRELOAD_W=block_m == 1 and not w8a8 and envs.GEMV_PRELOAD.get(),
+        USE_PDL=pdl, EW_ROWS=plan.elementwise_rows, PRELOAD_W=block_m == 1 and not w8a8 and envs.WEIGHT_PRELOAD.get(),
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
