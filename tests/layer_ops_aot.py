@@ -38,22 +38,24 @@ DOWN_CONSTS = dict(TOP_K=8, TOP_K_PAD=8, HAS_BIAS=False, BLOCK_H=8, BLOCK_K=256,
 UNALIGNED = ("eps", "n_q_heads", "n_k_heads", "n_q_blocks", "n_blocks")
 
 
-def compile_sm90(kernel: str, preload: bool) -> dict[str, int]:
+def compile_sm90(kernel: str, preload: bool, overrides: dict | None = None) -> dict[str, int]:
+    """``overrides``: constexprs to set besides the case's defaults below."""
+    more = overrides or {}
     if kernel == "rmsnorm":
         fn, sig = _rmsnorm_kernel, dict(RMSNORM)
-        consts = dict(HAS_RESIDUAL=True, BLOCK=2048, USE_PDL=True, PRELOAD=preload)
+        consts = dict(dict(HAS_RESIDUAL=True, BLOCK=2048, USE_PDL=True, PRELOAD=preload), **more)
     elif kernel == "rotary":  # Qwen3's rotary: q/k norm and the KV store, 4 heads a program
         fn, sig = _rotary_kernel, dict(ROTARY)
-        consts = dict(HALF=64, BLOCK_H=4, STORE=True, QK_NORM=True, USE_PDL=True, PRELOAD=preload)
+        consts = dict(dict(HALF=64, BLOCK_H=4, STORE=True, QK_NORM=True, USE_PDL=True, PRELOAD=preload), **more)
     elif kernel == "decode":  # stage 1 at qwen3-30b-a3b's bs-1 layout (groups of 8, head dim 128), fused merge
-        fn, consts = _decode_stage1_kernel, dict(DECODE_CONSTS, PRELOAD=preload)
+        fn, consts = _decode_stage1_kernel, dict(dict(DECODE_CONSTS, PRELOAD=preload), **more)
         names = [n for n in fn.arg_names if n not in consts]
         sig = {n: DECODE_POINTERS.get(n, "fp32" if n in ("sm_scale", "v_scale", "logit_cap") else "i32")
                for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in DECODE_POINTERS
                  or n.startswith("stride")}
     elif kernel == "moe_down":
-        fn, consts = _small_down_sum_kernel, dict(DOWN_CONSTS, PRELOAD_W=preload)
+        fn, consts = _small_down_sum_kernel, dict(dict(DOWN_CONSTS, PRELOAD_W=preload), **more)
         sig = {n: DOWN_POINTERS.get(n, "i32") for n in fn.arg_names if n not in consts}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in DOWN_POINTERS
                  or n.startswith("stride") or n in ("H", "INTER")}
@@ -68,7 +70,7 @@ def compile_sm90(kernel: str, preload: bool) -> dict[str, int]:
             "loads_after_wait": len(re.findall(r"\b(?:ld\.global|cp\.async)", ptx[wait:]))}
 
 
-def compile_in_subprocess(cases: list[tuple[str, bool]]) -> list[dict[str, int]]:
+def compile_in_subprocess(cases: list[tuple]) -> list[dict[str, int]]:
     """Each case compiled by this script in a process without TRITON_INTERPRET; skips without ptxas."""
     from tests.gemv_aot import run_aot_script
 
@@ -76,5 +78,5 @@ def compile_in_subprocess(cases: list[tuple[str, bool]]) -> list[dict[str, int]]
 
 
 if __name__ == "__main__":
-    for kernel, preload in json.loads(sys.argv[1]):
-        print(json.dumps({"kernel": kernel, "preload": preload, **compile_sm90(kernel, preload)}))
+    for kernel, preload, *overrides in json.loads(sys.argv[1]):  # [kernel, preload(, constexpr overrides)]
+        print(json.dumps({"kernel": kernel, "preload": preload, **compile_sm90(kernel, preload, *overrides)}))

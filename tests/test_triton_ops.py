@@ -170,3 +170,23 @@ def test_rotary_and_rmsnorm_with_their_inputs_loaded_before_the_pdl_wait_compute
                                     (v, caches[0], caches[1], loc), norm)
         runs.append((rq, rk, *caches, *triton_ops.rmsnorm(x, w, 1e-6, r)))
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_every_variant_of_the_rotary_rmsnorm_decode_and_moe_down_kernels_builds_for_sm90():
+    """The interpreter accepts code the GPU compiler refuses (a helper returning two shapes): each
+    constexpr combination these kernels launch with, built for an H200 with the wheel's ptxas."""
+    import itertools
+
+    from tests.layer_ops_aot import compile_in_subprocess
+
+    cases = [("rotary", pre, {"STORE": store, "QK_NORM": qk, "BLOCK_H": bh})
+             for pre, store, qk, bh in itertools.product((False, True), (False, True), (False, True), (4, 32))]
+    cases += [("rmsnorm", pre, {"HAS_RESIDUAL": res}) for pre, res in itertools.product((False, True), (False, True))]
+    cases += [("decode", pre, {"KV_PACK": pack, "BLOCK_N": 64 if pack == 2 else 128, "HAS_SINKS": sinks,
+                               "FUSED_REDUCE": fused, "GPU_FENCE": fused})
+              for pre, pack, sinks, fused in itertools.product((False, True), (1, 2), (False, True), (False, True))]
+    cases += [("moe_down", pre, {"EVEN_K": even, "HAS_BIAS": not even})
+              for pre, even in itertools.product((False, True), (False, True))]
+    results = compile_in_subprocess(cases)
+    assert len(results) == len(cases)
+    assert all(r["loads_before_wait"] == 0 for r, case in zip(results, cases, strict=True) if not case[1])
