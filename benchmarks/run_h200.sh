@@ -259,10 +259,11 @@ for stage in "$@"; do
         tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_fused_moe_gpu.py \
         -k "pdl or rotary or norm or decode or gemv or small_batch or router" -p no:cacheprovider 2>&1 \
         | tee "$OUT/levers-tests.log" | tail -4 ;;
-    # decode-bs1 with the pre-wait loads off, each preload alone and both at qwen3-30b-a3b, then off and
-    # both at llama-3.2-1b and llama-3.1-8b (about 5 minutes; env-ab's layout: $OUT/env-ab-<shape>-<i>/).
+    # decode-bs1 with the pre-wait loads off, each preload alone, both, and both with 4 GEMV weight steps at
+    # qwen3-30b-a3b, then off and both at llama-3.2-1b and llama-3.1-8b (about 6 minutes; env-ab's layout:
+    # $OUT/env-ab-<shape>-<i>/).
     levers-ab)
-      AB_ENVS="PLAIT_PDL_PRELOAD=0,PLAIT_PDL_PRELOAD=1,PLAIT_WEIGHT_PRELOAD=1,PLAIT_PDL_PRELOAD=1 PLAIT_WEIGHT_PRELOAD=1" \
+      AB_ENVS="PLAIT_PDL_PRELOAD=0,PLAIT_PDL_PRELOAD=1,PLAIT_WEIGHT_PRELOAD=1,PLAIT_PDL_PRELOAD=1 PLAIT_WEIGHT_PRELOAD=1,PLAIT_PDL_PRELOAD=1 PLAIT_WEIGHT_PRELOAD=4" \
         AB_SHAPES=qwen3-30b-a3b OUT=$OUT bash "$0" env-ab
       AB_ENVS="PLAIT_PDL_PRELOAD=0,PLAIT_PDL_PRELOAD=1 PLAIT_WEIGHT_PRELOAD=1" \
         AB_SHAPES="llama-3.2-1b llama-3.1-8b" OUT=$OUT bash "$0" env-ab ;;

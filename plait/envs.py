@@ -108,12 +108,12 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
-WEIGHT_PRELOAD = _flag_var(
+WEIGHT_PRELOAD = _int_var(
     "PLAIT_WEIGHT_PRELOAD",
-    "1: the one-row GEMV and the small-batch MoE down kernel load their first weight step (the down kernel "
-    "also its routed experts) before they wait for the previous kernel (PDL), so the wait is followed by a "
-    "multiply, not a DRAM round trip; unset (the default until an A/B on the H200 shows it faster): after. "
-    "Read at every call.")
+    "Weight steps the one-row GEMV loads before it waits for the previous kernel (PDL: 1, 2 or 4), so the "
+    "wait is followed by multiplies, not a DRAM round trip; any of them also has the small-batch MoE down "
+    "kernel load its routed experts and first weight step first. Unset or 0 (the default until an A/B on "
+    "the H200 shows it faster): after the wait. Read at every call.")
 GEMV_ELEMENTWISE_M = _int_var(
     "PLAIT_GEMV_ELEMENTWISE_M",
     "Most token rows (2, 4 or 8) the small-M GEMV multiplies elementwise with the one-row tiles, as at M = 1 "

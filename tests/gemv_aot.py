@@ -28,7 +28,7 @@ ALIGNED = ("X", "W", "S", "Out", "Bias", "Partials", "Counters", "N", "K", "stri
 
 
 def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, elementwise_m: int = 1,
-                 preload: bool = False) -> dict[str, int]:
+                 preload: int = 0) -> dict[str, int]:
     block = (128, 128) if kind.startswith("fp8_block") else None
     w8a8 = kind.endswith("_mma")
     plan = plan_launch(m, n, k, block, cfg, w8a8, elementwise_m)

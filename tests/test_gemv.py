@@ -98,11 +98,14 @@ def test_an_elementwise_limit_that_is_not_a_power_of_two_up_to_8_is_refused(monk
         gemv(_rand(2, K, seed=9), (_rand(N, K, seed=3) * 0.05).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("kind", ["bf16", "fp8_channel", "fp8_block"])
 @pytest.mark.parametrize(("k", "split_k"), [(320, 1), (320, 2), (200, 2)], ids=["one-slice", "two-slices", "ragged"])
-def test_one_row_with_its_first_weight_step_loaded_before_the_wait_gives_the_same_bits(monkeypatch, kind, k, split_k):
-    # PLAIT_WEIGHT_PRELOAD moves the slice's first step out of the loop, not the arithmetic: the same sums in
-    # the same order (K 200 leaves a ragged last step in the second slice).
+def test_one_row_with_its_first_weight_steps_loaded_before_the_wait_gives_the_same_result(monkeypatch, kind, k,
+                                                                                          split_k, steps):
+    # PLAIT_WEIGHT_PRELOAD moves the slice's first steps out of the loop; one step keeps the sums' order
+    # (the same bits), more add their steps first. K 200 leaves a ragged last step in the second slice;
+    # 4 steps of 64 pass the end of a 192-column slice (masked).
     if kind == "bf16":
         w, scale, block = (_rand(136, k, seed=8) * 0.05).to(torch.bfloat16), None, None
     else:
@@ -110,20 +113,30 @@ def test_one_row_with_its_first_weight_step_loaded_before_the_wait_gives_the_sam
     x = _rand(1, k, seed=7)
     config = GemvConfig(block_n=8, block_k=64, split_k=split_k)
     plain = gemv(x, w, scale, block, config, w8a8=False)
-    monkeypatch.setenv("PLAIT_WEIGHT_PRELOAD", "1")
-    assert torch.equal(gemv(x, w, scale, block, config, w8a8=False), plain)
+    monkeypatch.setenv("PLAIT_WEIGHT_PRELOAD", str(steps))
+    preloaded = gemv(x, w, scale, block, config, w8a8=False)
+    if steps == 1:
+        assert torch.equal(preloaded, plain)
+    torch.testing.assert_close(preloaded, plain, rtol=1e-6, atol=1e-6)
     ref = w.float() if scale is None else dequantize_weight(w, scale, block)
     torch.testing.assert_close(plain, x @ ref.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_preload_puts_the_first_weight_step_before_the_wait_in_the_sm90_build():
+def test_a_weight_preload_other_than_0_1_2_or_4_steps_is_refused(monkeypatch):
+    monkeypatch.setenv("PLAIT_WEIGHT_PRELOAD", "3")
+    with pytest.raises(ValueError, match="PLAIT_WEIGHT_PRELOAD must be 0, 1, 2 or 4, got 3"):
+        gemv(_rand(1, K, seed=9), (_rand(N, K, seed=3) * 0.05).to(torch.bfloat16))
+
+
+def test_one_row_preload_puts_the_first_weight_steps_before_the_wait_in_the_sm90_build():
     import tests.gemv_aot as aot
 
     cfg = {"block_n": 8, "block_k": 256}
-    plain, pre = aot.run_aot_script(aot.__file__, [["bf16", 1, 6144, 4096, cfg, 1, False],
-                                                   ["bf16", 1, 6144, 4096, cfg, 1, True]])
-    assert plain["loads_before_wait"] == 0 < pre["loads_before_wait"], (plain, pre)
-    assert pre["stack"] == 0 and pre["regs"] <= 128, pre
+    plain, one, four = aot.run_aot_script(aot.__file__, [["bf16", 1, 6144, 4096, cfg, 1, 0],
+                                                         ["bf16", 1, 6144, 4096, cfg, 1, 1],
+                                                         ["bf16", 1, 6144, 4096, cfg, 1, 4]])
+    assert plain["loads_before_wait"] == 0 < one["loads_before_wait"] < four["loads_before_wait"], (plain, one, four)
+    assert four["stack"] == 0 and four["regs"] <= 128, four
 
 
 def test_split_k_leaves_its_counters_zero():

@@ -376,6 +376,6 @@ def fused_experts_small_batch(
         out.stride(0), w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0,
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
         BLOCK_H=cfg.block_h, BLOCK_K=down_block_k, EVEN_K=inter % down_block_k == 0, USE_FP8=fp8,
-        SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl, PRELOAD_W=envs.WEIGHT_PRELOAD.get(),
+        SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl, PRELOAD_W=bool(envs.WEIGHT_PRELOAD.get()),
         num_warps=down_warps, num_stages=down_stages, launch_pdl=pdl)
     return out

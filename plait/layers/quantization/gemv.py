@@ -64,6 +64,15 @@ MIN_SCALE = 1e-12
 W8A8_GROUP = 128
 
 
+def weight_preload_steps() -> int:
+    """Weight steps a one-row GEMV program loads before its PDL wait (``PLAIT_WEIGHT_PRELOAD``: 0, the
+    default until an A/B on the H200, 1, 2 or 4)."""
+    steps = envs.WEIGHT_PRELOAD.get() or 0
+    if steps not in (0, 1, 2, 4):
+        raise ValueError(f"PLAIT_WEIGHT_PRELOAD must be 0, 1, 2 or 4, got {steps}")
+    return steps
+
+
 def elementwise_rows_limit() -> int:
     """Most rows a call multiplies elementwise, as one row (``PLAIT_GEMV_ELEMENTWISE_M``: 2, 4 or 8; 1,
     the default until an A/B on the H200: every M >= 2 pads to 16 rows for the tensor cores)."""
@@ -144,7 +153,7 @@ def _gemv_kernel(
     MIN_S: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     EW_ROWS: tl.constexpr = False,  # 2 <= BLOCK_M rows multiplied elementwise, as M == 1 (no dot)
-    PRELOAD_W: tl.constexpr = False,  # M == 1: the slice's first weight step loaded before the PDL wait
+    PRELOAD_W: tl.constexpr = 0,  # M == 1: the slice's first PRELOAD_W weight steps (0, 1, 2, 4) before the wait
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -160,19 +169,27 @@ def _gemv_kernel(
     if SCALE == 2:
         s_rows = S + (rows // BN_SCALE) * stride_sn
     loop_lo = k_lo
-    if PRELOAD_W:
-        # Weights (and their scales) are no kernel's output (pdl.py): the first step's tile is loaded while
-        # the previous kernel finishes, so the wait is followed by a multiply, not by a DRAM round trip.
-        offs_k0 = k_lo + tl.arange(0, BLOCK_K)
-        w_first = _weight_step(w_rows, offs_k0, k_hi, EVEN_K)
-        if SCALE == 2:
-            s_first = tl.load(s_rows + k_lo // BK_SCALE)
-        loop_lo = k_lo + BLOCK_K
+    if PRELOAD_W > 0:
+        # Weights (and their scales) are no kernel's output (pdl.py): the first steps' tiles [PRELOAD_W,
+        # BLOCK_N, BLOCK_K] are loaded while the previous kernel finishes, so the wait is followed by
+        # multiplies, not by a DRAM round trip. Steps past the slice load nothing (masked).
+        k_pre = k_lo + tl.arange(0, PRELOAD_W) * BLOCK_K  # each step's first column
+        offs_pre = k_pre[:, None] + tl.arange(0, BLOCK_K)[None, :]
+        in_pre = offs_pre < k_hi
+        w_pre = tl.load(w_rows[None, :, :] + offs_pre[:, None, :], mask=in_pre[:, None, :], other=0.0,
+                        eviction_policy="evict_first")
+        if SCALE == 2:  # [PRELOAD_W, BLOCK_N]: a step lies in one scale block
+            s_pre = tl.load(s_rows[None, :] + (k_pre // BK_SCALE)[:, None], mask=(k_pre < k_hi)[:, None], other=0.0)
+        loop_lo = k_lo + PRELOAD_W * BLOCK_K
     pdl_prologue(USE_PDL)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if PRELOAD_W:
-            acc2 += _one_row_products(w_first, X, offs_k0, k_hi, s_first if SCALE == 2 else w_first, SCALE, EVEN_K)
+        if PRELOAD_W > 0:
+            x_pre = tl.load(X + offs_pre, mask=in_pre, other=0.0)
+            prod = w_pre.to(tl.float32) * x_pre.to(tl.float32)[:, None, :]
+            if SCALE == 2:
+                prod = prod * s_pre[:, :, None]
+            acc2 += tl.sum(prod, axis=0)
     elif EW_ROWS:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif W8A8:
@@ -430,8 +447,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        USE_PDL=pdl, EW_ROWS=plan.elementwise_rows, PRELOAD_W=block_m == 1 and not w8a8 and envs.WEIGHT_PRELOAD.get(),
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        USE_PDL=pdl, EW_ROWS=plan.elementwise_rows,
+        PRELOAD_W=weight_preload_steps() if block_m == 1 and not w8a8 else 0, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 
