@@ -27,6 +27,10 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests) python -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
+    # The GPU suite with piecewise CUDA graphs on in every engine whose options allow them
+    # (PLAIT_PIECEWISE_CUDA_GRAPH): whether they can be on by default.
+    tests-piecewise) PLAIT_PIECEWISE_CUDA_GRAPH=1 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu-tests-piecewise.log" | tail -25 ;;
     latency-1b) python -m plait bench latency --shape llama-3.2-1b --out "$OUT" 2>&1 | tail -40 ;;
     latency-8b) python -m plait bench latency --shape llama-3.1-8b --prefill --out "$OUT" 2>&1 | tail -40 ;;
     offline) python -m plait bench offline --workload offline-throughput --peer --overlap-check --out "$OUT" 2>&1 | tail -40 ;;

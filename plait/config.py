@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
+from plait import envs
+
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_flash")
 # ``auto`` (and an unset --attention-backend): the measured-best (prefill, decode) pair per device.
 # CPU: torch_native (triton there is the interpreter, for tests; torch_flash needs CUDA).
@@ -63,6 +65,16 @@ def _check(cond: bool, message: str) -> None:
 def _flag(name: str) -> str:
     """A field's command-line spelling: what the user changes."""
     return "--" + name.replace("_", "-")
+
+
+def piecewise_graphs_fit(values: Mapping[str, Any]) -> bool:
+    """Whether piecewise CUDA graphs run with the other options among ``values`` (every EngineConfig field
+    by name): the combinations ``EngineConfig`` refuses with them (DP attention, two-batch overlap, the
+    all-to-all expert dispatch, buckets above the chunked-prefill size) are the ones it cannot serve."""
+    chunk = values["chunked_prefill_size"]
+    return (not values["enable_dp_attention"] and not values["enable_two_batch_overlap"]
+            and values["moe_a2a_backend"] != "all_to_all"
+            and (chunk == -1 or values["piecewise_cuda_graph_max_tokens"] <= chunk))
 
 
 def resolve_speculative(values: Mapping[str, Any]) -> dict[str, int]:
@@ -378,8 +390,12 @@ class EngineConfig:
                 f"unknown engine option(s) {unknown}; known options: {sorted(cls.field_names())}"
             )
         defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        values = {**defaults, **kwargs}
         # resolve_speculative returns a given number as it is and a default for an unset one.
-        return cls(**{**kwargs, **resolve_speculative({**defaults, **kwargs})})
+        derived: dict[str, Any] = dict(resolve_speculative(values))
+        if "enable_piecewise_cuda_graph" not in kwargs and envs.PIECEWISE_CUDA_GRAPH.get():
+            derived["enable_piecewise_cuda_graph"] = piecewise_graphs_fit(values)
+        return cls(**{**kwargs, **derived})
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

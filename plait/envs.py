@@ -136,6 +136,12 @@ SPEC_CHAIN_VERIFIES = _flag_var(
     "committed (chained verifies, with each chain's KV mapped at its launch; docs/speculative-decoding.md); "
     "unset (the default until a GPU run checks and measures it): each verify's tokens are committed "
     "before the next verify is built. Read when the worker is built.")
+PIECEWISE_CUDA_GRAPH = _flag_var(
+    "PLAIT_PIECEWISE_CUDA_GRAPH",
+    "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "
+    "allow it (not with DP attention, two-batch overlap or the all-to-all expert dispatch): the GPU suite's "
+    "run with piecewise graphs (benchmarks/run_h200.sh tests-piecewise). Unset: off unless set. Read when "
+    "EngineConfig.from_kwargs builds a config.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
@@ -153,4 +159,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
                                     PDL_PRELOAD, GEMV_ELEMENTWISE_M,
-                                    WEIGHT_PRELOAD)
+                                    WEIGHT_PRELOAD, PIECEWISE_CUDA_GRAPH)

@@ -96,6 +96,20 @@ def test_config_rejects_piecewise_graphs_with_two_batch_overlap(tiny_model_dir):
                      enable_two_batch_overlap=True)
 
 
+def test_the_piecewise_switch_turns_graphs_on_where_the_other_options_allow_and_never_overrides_a_choice(
+        monkeypatch):
+    monkeypatch.setenv("PLAIT_PIECEWISE_CUDA_GRAPH", "1")
+    assert EngineConfig.from_kwargs(model="x").enable_piecewise_cuda_graph is True
+    assert EngineConfig.from_kwargs(model="x", enable_piecewise_cuda_graph=False).enable_piecewise_cuda_graph is False
+    # Where EngineConfig would refuse piecewise graphs, the switch leaves them off instead of failing.
+    assert not EngineConfig.from_kwargs(model="x", tp_size=2, dp_size=2, enable_dp_attention=True
+                                        ).enable_piecewise_cuda_graph
+    assert not EngineConfig.from_kwargs(model="x", enable_two_batch_overlap=True).enable_piecewise_cuda_graph
+    assert not EngineConfig.from_kwargs(model="x", chunked_prefill_size=512).enable_piecewise_cuda_graph
+    monkeypatch.setenv("PLAIT_PIECEWISE_CUDA_GRAPH", "")
+    assert EngineConfig.from_kwargs(model="x").enable_piecewise_cuda_graph is False
+
+
 def test_piecewise_graphs_are_off_by_default(tiny_model_dir, cpu_graphs):
     assert EngineConfig(model="x").enable_piecewise_cuda_graph is False
     with make_engine(tiny_model_dir("llama"), disable_cuda_graph=True, max_total_tokens=256) as engine:
