@@ -46,6 +46,19 @@ def _int_var(name: str, meaning: str) -> EnvVar[int | None]:
     return EnvVar[int | None](name, int, None, meaning)
 
 
+def _int_choice_var(name: str, choices: tuple[int, ...], default: int, meaning: str) -> EnvVar[int]:
+    """An integer that must be one of ``choices``; any other value fails when read, naming them."""
+    allowed = ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}"
+
+    def parse(raw: str) -> int:
+        value = int(raw)
+        if value not in choices:
+            raise ValueError(f"{name} must be {allowed}, got {value}")
+        return value
+
+    return EnvVar[int](name, parse, default, meaning)
+
+
 CACHE = _str_var(
     "PLAIT_CACHE",
     "Directory of the built-in demo models and other generated test models (default: ~/.cache/plait).")
@@ -108,14 +121,14 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
-WEIGHT_PRELOAD = _int_var(
-    "PLAIT_WEIGHT_PRELOAD",
+WEIGHT_PRELOAD = _int_choice_var(
+    "PLAIT_WEIGHT_PRELOAD", (0, 1, 2, 4), 0,
     "Weight steps the one-row GEMV loads before it waits for the previous kernel (PDL: 1, 2 or 4), so the "
     "wait is followed by multiplies, not a DRAM round trip; any of them also has the small-batch MoE down "
     "kernel load its routed experts and first weight step first. Unset or 0 (the default until an A/B on "
     "the H200 shows it faster): after the wait. Read at every call.")
-GEMV_ELEMENTWISE_M = _int_var(
-    "PLAIT_GEMV_ELEMENTWISE_M",
+GEMV_ELEMENTWISE_M = _int_choice_var(
+    "PLAIT_GEMV_ELEMENTWISE_M", (1, 2, 4, 8), 1,
     "Most token rows (2, 4 or 8) the small-M GEMV multiplies elementwise with the one-row tiles, as at M = 1 "
     "(a speculative verify's 4 rows at bs 1), instead of padding them to 16 for a tensor-core dot. Unset "
     "(the default until an A/B on the H200): 1, only M = 1. Read at every call.")

@@ -7,7 +7,6 @@ reference and the CPU path; ``use_triton(x)`` decides per call.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -16,6 +15,7 @@ import triton.language as tl
 
 from plait import envs
 from plait.layers.pdl import pdl_prologue, use_pdl
+from plait.layers.tuned_configs import device_info
 
 # (v [T, Hkv*D], k_cache [slots, Hkv, D], v_cache [slots, Hkv, D], loc [T]): where rotary_ may also
 # write the new tokens' K/V.
@@ -123,8 +123,9 @@ def _rotary_inputs(POS, COS_SIN, LOC, WQ, WK, t, is_q, stride_cs, HALF: tl.const
     sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
     slot = tl.load(LOC + t).to(tl.int64) if STORE else pos
     if QK_NORM:
-        w1 = tl.where(is_q, tl.load(WQ + d), tl.load(WK + d))
-        w2 = tl.where(is_q, tl.load(WQ + HALF + d), tl.load(WK + HALF + d))
+        w_norm = tl.where(is_q, WQ, WK)  # the program's heads are all q or all k
+        w1 = tl.load(w_norm + d)
+        w2 = tl.load(w_norm + HALF + d)
     else:
         w1 = cos
         w2 = sin
@@ -215,11 +216,6 @@ def rotary_heads_per_program(tokens: int, n_q: int, n_k: int, num_sms: int, head
     return split if tokens * blocks <= 4 * num_sms else whole
 
 
-@functools.cache
-def _cuda_num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
             head_dim: int, kv_store: KVStore | None = None,
             qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,9 +245,7 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
         store_args = (v, k_cache, v_cache, loc, v.stride(0), k_cache.stride(0), v_cache.stride(0))
     else:
         store_args = (k, k, k, positions, 0, 0, 0)  # unused
-    num_sms = _cuda_num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.is_cuda else 8
-    block_h = rotary_heads_per_program(t, n_q, n_k, num_sms, head_dim)
+    block_h = rotary_heads_per_program(t, n_q, n_k, device_info(q)[1], head_dim)
     n_q_blocks = triton.cdiv(n_q, block_h)
     n_blocks = n_q_blocks + triton.cdiv(n_k, block_h)
     pdl = use_pdl(q)

@@ -8,17 +8,34 @@ bucket M (a string key in JSON) to a config; a call takes a bucket chosen from i
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import re
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 
 def device_file_tag(device_name: str) -> str:
     """A device name as it appears in config file names: every character other than a letter, digit
     or ``-`` becomes ``_`` (``NVIDIA H200`` -> ``NVIDIA_H200``)."""
     return re.sub(r"[^A-Za-z0-9-]", "_", device_name)
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_device(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def device_info(t: torch.Tensor) -> tuple[str, int]:
+    """(device name as config files key it, SM count) of a tensor's device; the interpreter's stand-in
+    on the CPU (no tuned file, any positive SM count)."""
+    if t.device.type != "cuda":
+        return "cpu", 8
+    return _cuda_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def read_json_file(path: pathlib.Path) -> Any | None:

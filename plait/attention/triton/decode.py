@@ -146,19 +146,15 @@ def _decode_stage1_kernel(
         # The indptr, split counts and slot lists are built before the step's first layer, by kernels that
         # do not release their dependents early (pdl.py): read while the rotary kernel before this one
         # finishes. The tiles themselves wait (the newest token's K and V are that kernel's output).
-        kv_start, seq_len, split_len, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV,
-                                                               MAX_KV_SPLITS)
-        split_start = split_id * split_len
-        split_end = tl.minimum(split_start + split_len, seq_len)
+        kv_start, split_start, split_end, n_active = _program_split(Kv_Indptr, Num_Kv_Splits, b, split_id,
+                                                                    MIN_BLOCK_KV, MAX_KV_SPLITS)
         offs_first = split_start + tl.arange(0, BLOCK_N)
         loc_first = tl.load(Kv_Indices + kv_start + offs_first, mask=(offs_first < split_end) & (split_id < n_active),
                             other=0).to(tl.int64)
     pdl_prologue(USE_PDL)
     if not PRELOAD:
-        kv_start, seq_len, split_len, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV,
-                                                               MAX_KV_SPLITS)
-        split_start = split_id * split_len
-        split_end = tl.minimum(split_start + split_len, seq_len)
+        kv_start, split_start, split_end, n_active = _program_split(Kv_Indptr, Num_Kv_Splits, b, split_id,
+                                                                    MIN_BLOCK_KV, MAX_KV_SPLITS)
 
     if split_id < n_active:  # a non-empty split
         offs_h = tl.arange(0, BLOCK_H)
@@ -268,6 +264,14 @@ def _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV: tl.constexpr, MAX_K
     split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
     n_active = tl.minimum(n_splits, tl.cdiv(seq_len, tl.maximum(split_len, 1)))
     return kv_start, seq_len, split_len, n_active
+
+
+@triton.jit
+def _program_split(Kv_Indptr, Num_Kv_Splits, b, split_id, MIN_BLOCK_KV: tl.constexpr, MAX_KV_SPLITS: tl.constexpr):
+    """(kv_start, split_start, split_end, n_active) of request ``b``'s split ``split_id`` (``_split_layout``)."""
+    kv_start, seq_len, split_len, n_active = _split_layout(Kv_Indptr, Num_Kv_Splits, b, MIN_BLOCK_KV, MAX_KV_SPLITS)
+    split_start = split_id * split_len
+    return kv_start, split_start, tl.minimum(split_start + split_len, seq_len), n_active
 
 
 @triton.jit

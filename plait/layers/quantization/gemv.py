@@ -53,6 +53,7 @@ import triton.language as tl
 from plait import envs
 from plait.layers.pdl import pdl_prologue, use_pdl
 from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
+from plait.layers.tuned_configs import device_info
 
 # Row tiles one split-K launch may count (int32 each): gate_up of a 70b model at BLOCK_N 4 needs 14k.
 MAX_COUNTERS = 1 << 16
@@ -62,24 +63,6 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 MIN_SCALE = 1e-12
 # Columns per activation scale of the W8A8 form (one K step each): the block path's group width.
 W8A8_GROUP = 128
-
-
-def weight_preload_steps() -> int:
-    """Weight steps a one-row GEMV program loads before its PDL wait (``PLAIT_WEIGHT_PRELOAD``: 0, the
-    default until an A/B on the H200, 1, 2 or 4)."""
-    steps = envs.WEIGHT_PRELOAD.get() or 0
-    if steps not in (0, 1, 2, 4):
-        raise ValueError(f"PLAIT_WEIGHT_PRELOAD must be 0, 1, 2 or 4, got {steps}")
-    return steps
-
-
-def elementwise_rows_limit() -> int:
-    """Most rows a call multiplies elementwise, as one row (``PLAIT_GEMV_ELEMENTWISE_M``: 2, 4 or 8; 1,
-    the default until an A/B on the H200: every M >= 2 pads to 16 rows for the tensor cores)."""
-    limit = envs.GEMV_ELEMENTWISE_M.get() or 1
-    if limit not in (1, 2, 4, 8):
-        raise ValueError(f"PLAIT_GEMV_ELEMENTWISE_M must be 1, 2, 4 or 8, got {limit}")
-    return limit
 
 
 def fp8_w8a8_default() -> bool | None:
@@ -294,20 +277,6 @@ def _gemv_kernel(
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=out_mask)
 
 
-@functools.lru_cache(maxsize=8)
-def _cuda_device(index: int) -> tuple[str, int]:
-    props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count
-
-
-def device_info(t: torch.Tensor) -> tuple[str, int]:
-    """(device name as config files key it, SM count) of a tensor's device; the interpreter's stand-in
-    on the CPU (no tuned file, any positive SM count)."""
-    if t.device.type != "cuda":
-        return "cpu", 8
-    return _cuda_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
 @dataclass(frozen=True)
 class GemvLaunch:
     """What one call launches (``plan_launch``): the tile sizes after the kernel's constraints, the K
@@ -420,7 +389,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         else:
             w8a8 = config.prefer_w8a8
     w8a8 = fp8 and bool(w8a8) and (block is None or block[1] % W8A8_GROUP == 0)
-    elementwise_m = elementwise_rows_limit()
+    elementwise_m = envs.GEMV_ELEMENTWISE_M.get()
     if config is None:  # elementwise rows take the one-row tiles (tuned for that form)
         rows_bucket = 1 if not w8a8 and m <= elementwise_m else m
         config = get_config(gemv_kind(w.dtype, block, w8a8), rows_bucket, n, k, device_name, num_sms)
@@ -448,7 +417,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
         USE_PDL=pdl, EW_ROWS=plan.elementwise_rows,
-        PRELOAD_W=weight_preload_steps() if block_m == 1 and not w8a8 else 0, num_warps=config.num_warps,
+        PRELOAD_W=envs.WEIGHT_PRELOAD.get() if block_m == 1 and not w8a8 else 0, num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
