@@ -279,6 +279,14 @@ for stage in "$@"; do
         PLAIT_GEMV_ELEMENTWISE_M=$m python -m plait bench spec --workload spec-ngram-repeat --shape llama-3.1-8b \
           --num-prompts 16 --output-len 64 --out "$OUT/spec-ew-$m" 2>&1 | tail -2
       done ;;
+    # offline-throughput 1b with the offline Engine's startup heap frozen during generate off (0) and on (1,
+    # the default); each JSON's detail.gc_pauses has the collector's stalls inside the timed run. $OUT/gc-<v>/.
+    gc-ab)
+      for v in 0 1; do
+        mkdir -p "$OUT/gc-$v"
+        PLAIT_GC_FREEZE=$v python -m plait bench offline --workload offline-throughput --shape llama-3.2-1b \
+          --out "$OUT/gc-$v" 2>&1 | grep -E '^\{"workload|Error'
+      done ;;
     # decode-bs1 of each AB_SHAPES shape (space-separated; default qwen3-30b-a3b) once per comma-separated
     # AB_ENVS entry, each entry a space-separated list of VAR=value set for that run alone (e.g.
     # AB_ENVS="PLAIT_PDL=0,PLAIT_PDL=1"); results under $OUT/env-ab-<shape>-<i>/, the settings in each

@@ -155,6 +155,11 @@ PIECEWISE_CUDA_GRAPH = _flag_var(
     "allow it (not with DP attention, two-batch overlap or the all-to-all expert dispatch): the GPU suite's "
     "run with piecewise graphs (benchmarks/run_h200.sh tests-piecewise). Unset: off unless set. Read when "
     "EngineConfig.from_kwargs builds a config.")
+GC_FREEZE = EnvVar(
+    "PLAIT_GC_FREEZE", _flag, True,
+    "1 (the default): the offline Engine's generate runs with the heap alive at its start frozen out of the "
+    "garbage collector's walks (plait.engine.heap); 0: the collector as the caller left it (the A/B). Read "
+    "at every generate call.")
 PDL = EnvVar(
     "PLAIT_PDL", _flag, True,
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
@@ -172,4 +177,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
                                     PDL_PRELOAD, GEMV_ELEMENTWISE_M,
-                                    WEIGHT_PRELOAD, PIECEWISE_CUDA_GRAPH)
+                                    WEIGHT_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)

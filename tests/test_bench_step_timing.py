@@ -1,9 +1,12 @@
-"""plait.bench.workloads.step_timing: the offline benchmark's per-step breakdown of a real run."""
+"""plait.bench.workloads.step_timing and gc_pauses: the offline benchmark's per-step breakdown of a real
+run, and the collector's stalls inside it."""
 
 from __future__ import annotations
 
+import gc
+
 from plait import Engine
-from plait.bench.workloads import release, step_timing
+from plait.bench.workloads import gc_pauses, release, step_timing
 
 
 def test_step_timing_splits_a_run_into_prefill_and_decode_steps_and_restores_step(tiny_model_dir):
@@ -21,3 +24,14 @@ def test_step_timing_splits_a_run_into_prefill_and_decode_steps_and_restores_ste
         assert "step" not in vars(engine.scheduler)  # the class's step is back
     finally:
         release(engine)
+
+
+def test_gc_pauses_counts_each_generations_collections_in_the_block_only():
+    gc.collect()  # before the block: not counted
+    with gc_pauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()  # after the block: not counted
+    assert pauses["gen2"]["collections"] == 1
+    assert pauses["gen0"]["collections"] >= 1
+    assert pauses["gen2"]["seconds"] > 0.0

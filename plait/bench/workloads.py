@@ -202,7 +202,7 @@ def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict
     engine.scheduler.tree_cache.reset()
     if count_experts:
         routed_expert_counter(engine).reset()
-    with step_timing(engine.scheduler) as steps:
+    with step_timing(engine.scheduler) as steps, gc_pauses() as pauses:
         outs, seconds = timed(lambda: engine.generate(prompts, params))
     routing = ({"distinct_experts_by_tokens": routed_expert_counter(engine).mean_distinct_by_tokens()}
                if count_experts else {})
@@ -211,7 +211,7 @@ def plait_throughput(shape_dir: str, prompts: list[list[int]], params: list[dict
     info = {"kv_capacity_tokens": engine.runner.max_total_tokens, "retractions": stats.num_retractions,
             "attention_backend": engine.runner.attn_backend.name, "cuda_graph": engine.runner.graph_runner is not None,
             "forward_steps": stats.forward_steps, "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use(),
-            **symmetric_paths(engine), **routing, **piecewise_stats(engine)}
+            "gc_pauses": pauses, **symmetric_paths(engine), **routing, **piecewise_stats(engine)}
     release(engine)
     return {"output_tok_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **info,
             "steps": steps.summary(seconds)}
@@ -251,6 +251,29 @@ class StepTimes:
                              "median_ms": 1e3 * ordered[len(ts) // 2]}
         out["outside_steps_s"] = seconds - sum(sum(ts) for ts in self.times.values())
         return out
+
+
+@contextmanager
+def gc_pauses() -> Iterator[dict[str, dict[str, float]]]:
+    """The garbage collector's collections while the block runs, per generation: how many, and the
+    seconds they stalled the process (a full collection walks every tracked object the heap holds
+    outside the permanent generation; plait.engine.heap)."""
+    pauses: dict[str, dict[str, float]] = {}
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            row = pauses.setdefault(f"gen{info['generation']}", {"collections": 0, "seconds": 0.0})
+            row["collections"] += 1
+            row["seconds"] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
 
 
 @contextmanager

@@ -13,12 +13,15 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
+from plait import envs
 from plait.config import EngineConfig
 from plait.engine.core import LiveRequest, build_engine_core, matched_stop
 from plait.engine.frontend import Frontend, ParamsLike, Prompt, to_sampling_params
 from plait.engine.generation_config import sampling_defaults
+from plait.engine.heap import startup_heap_frozen
 from plait.engine.outputs import (
     EngineLoad,
     LogprobLists,
@@ -102,12 +105,13 @@ class Engine:
                 raise ValueError(f"stream=True takes one prompt, got {len(prompt_list)}")
             return self.generate_stream(prompt_list[0], params_list[0], token_text=text)
         start = time.perf_counter()
-        reqs = [self.make_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
-        for req in reqs:
-            self.scheduler.add_request(req)
-        while any(not r.finished for r in reqs):
-            self.scheduler.step()
-        self.scheduler.flush()
+        with startup_heap_frozen() if envs.GC_FREEZE.get() else nullcontext():
+            reqs = [self.make_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
+            for req in reqs:
+                self.scheduler.add_request(req)
+            while any(not r.finished for r in reqs):
+                self.scheduler.step()
+            self.scheduler.flush()
         outputs = [self._output(r, time.perf_counter() - start, text) for r in reqs]
         return outputs[0] if single else outputs
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ import traceback
 from plait import envs
 from plait.config import EngineConfig
 from plait.engine.core import EngineCore, LiveRequest, build_engine_core
+from plait.engine.heap import freeze_startup_heap
 from plait.engine.messages import (
     AbortRequest,
     Fatal,
@@ -213,16 +213,6 @@ def leave_a_core_for_the_server(config: EngineConfig) -> None:
     torch.set_num_threads(threads)
     logger.info("CPU model threads: %d (one core left to the HTTP process; set OMP_NUM_THREADS to choose)",
                 threads)
-
-
-def freeze_startup_heap() -> None:
-    """Collect once, then move every object alive now (modules, the model, the tokenizer: hundreds of
-    thousands) into the permanent generation. The garbage collector then never scans them again, so
-    a full collection while serving walks only the objects that serving made: without this, each one
-    stalls the process for tens to hundreds of milliseconds, which a stream sees as a token gap and
-    a burst as a later first token. Call it once a process has finished starting."""
-    gc.collect()
-    gc.freeze()
 
 
 def _die_with_parent() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import gc
 import json
 import math
 import os
@@ -47,6 +46,7 @@ import httpx
 
 from plait.bench.results import git_commit
 from plait.bench.shapes import SHAPES, write_shape_dir
+from plait.engine.heap import startup_heap_frozen
 from plait.server import bench_http
 
 METRIC = "output_tok_s"
@@ -220,15 +220,11 @@ def run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], in
     i % procs, each with rate / procs (Poisson arrivals that add up to ``request_rate``) and its share
     of ``max_concurrency``; the duration spans the first start to the last finish."""
     # The heap as it is now (plait, transformers, the prompts) out of the collector's reach while
-    # the load runs, as the server does with its own (gc.freeze): otherwise every collection in a
-    # client scans it, and in a forked worker also touches (copies) its pages, which would count
-    # against the server's measured speed. Unfrozen after, so the offline peer runs in the process
-    # as it was.
-    gc.freeze()
-    try:
+    # the load runs, as the server does with its own: otherwise every collection in a client scans
+    # it, and in a forked worker also touches (copies) its pages, which would count against the
+    # server's measured speed. Put back after, so the offline peer runs in the process as it was.
+    with startup_heap_frozen():
         return _run_load_procs(base_url, model, requests, request_rate, max_concurrency, seed, timeout, procs)
-    finally:
-        gc.unfreeze()
 
 
 def _run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,

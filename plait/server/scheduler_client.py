@@ -39,6 +39,7 @@ import zmq.asyncio
 from plait.config import EngineConfig
 from plait.engine.frontend import Frontend, PreparedRequest, RequestLimits
 from plait.engine.generation_config import sampling_defaults
+from plait.engine.heap import freeze_startup_heap
 from plait.engine.messages import (
     AbortRequest,
     Fatal,
@@ -52,7 +53,6 @@ from plait.engine.messages import (
     coalesce_updates,
     config_to_json,
 )
-from plait.engine.scheduler_process import freeze_startup_heap
 from plait.server.errors import APIError
 from plait.server.metrics import ServerMetrics
 from plait.server.request_log import RequestLog, RequestRecord
