@@ -137,12 +137,12 @@ ROTARY_SPLIT_HEADS = _int_var(
     "Heads of a token per rotary program when a launch has few tokens (decode; a power of two, 0: all of "
     "a token's heads in one program). Unset (the default): plait.layers.triton_ops.ROTARY_SPLIT_HEADS (4) "
     "at head dims of 128 and more, one program per token below. Read at every call.")
-PDL_PRELOAD = _flag_var(
-    "PLAIT_PDL_PRELOAD",
-    "1: under PDL the RMSNorm, rotary and decode-attention kernels load what no kernel of the step writes "
-    "(norm weights, the rotary table, positions, cache slots, the attention's split layout and first slots) "
-    "before they wait for the previous kernel (plait.layers.pdl); "
-    "unset (the default until an A/B on the H200 shows it faster): after. Read at every call.")
+PDL_PRELOAD = EnvVar(
+    "PLAIT_PDL_PRELOAD", _flag, True,
+    "1 (the default): under PDL the RMSNorm, rotary and decode-attention kernels load what no kernel of the "
+    "step writes (norm weights, the rotary table, positions, cache slots, the attention's split layout and "
+    "first slots) before they wait for the previous kernel (plait.layers.pdl); 0: after (the A/B). Read at "
+    "every call.")
 SPEC_CHAIN_VERIFIES = _flag_var(
     "PLAIT_SPEC_CHAIN_VERIFIES",
     "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "
