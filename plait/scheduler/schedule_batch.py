@@ -35,6 +35,24 @@ class BatchEntry:
 
 
 @dataclass
+class HostLists:
+    """A batch's host ints before their one copy to the device (entry order; T = its new tokens)."""
+
+    input_ids: list[int]  # [T]; 0 where the token is still on the device (future_rows)
+    positions: list[int]  # [T]
+    token_rows: list[int]  # [T] request-pool row of each token
+    logits_rows: list[int]  # token indices whose logits are computed (scored prompt positions, then samples)
+    future_rows: list[int]  # token indices whose input the in-flight batch samples
+    future_src: list[int]  # their rows in that batch's sampled ids
+    future_tensor: torch.Tensor | None  # that batch's sampled ids on the device
+    scored_at: list[int]  # prompt scoring (logprob_start_len): logits_rows positions scored
+    scored_next: list[int]  # the prompt token each scores
+    sample_at: list[int]  # logits_rows positions the sampler reads
+    scored_counts: list[int]  # per entry, prompt positions scored
+    top_k: int  # the widest top_logprobs among scoring entries
+
+
+@dataclass
 class ScheduleBatch:
     entries: list[BatchEntry]
     out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, in entry order
@@ -62,10 +80,8 @@ class ScheduleBatch:
     def sampled(self) -> list[BatchEntry]:
         return [e for e in self.entries if e.sample]
 
-    def to_forward_batch(self, device: torch.device | str) -> ForwardBatch:
-        """Device tensors for the batch, from one packed host-to-device copy (pinned, non-blocking:
-        a pageable copy would wait for the batch still running on the GPU)."""
-        mode = self.forward_mode
+    def host_lists(self) -> HostLists:
+        """The batch's per-token and per-entry host ints, for any mix of decode and extend entries."""
         input_ids: list[int] = []
         positions: list[int] = []
         token_rows: list[int] = []
@@ -103,19 +119,47 @@ class ScheduleBatch:
             if e.sample:
                 sample_at.append(len(logits_rows))
                 logits_rows.append(len(input_ids) - 1)
+        return HostLists(input_ids, positions, token_rows, logits_rows, future_rows, future_src, future_tensor,
+                         scored_at, scored_next, sample_at, scored_counts, top_k)
+
+    def decode_lists(self) -> HostLists:
+        """``host_lists`` for a batch of decode entries only (one token each, every one sampled, nothing
+        scored): the same lists, built per field in one pass each (the steady decode step's host path
+        at hundreds of requests)."""
+        entries = self.entries
+        reqs = [e.req for e in entries]
+        futures = [(i, r.future_token) for i, r in enumerate(reqs) if r.future_token is not None]
+        n = len(entries)
+        return HostLists(
+            input_ids=[0 if r.future_token is not None else r.output_ids[-1] for r in reqs],
+            positions=[e.prefix_len for e in entries],
+            token_rows=[r.row for r in reqs],
+            logits_rows=list(range(n)),
+            future_rows=[i for i, _ in futures],
+            future_src=[f[1] for _, f in futures],
+            future_tensor=futures[-1][1][0] if futures else None,
+            scored_at=[], scored_next=[], sample_at=list(range(n)), scored_counts=[0] * n, top_k=0)
+
+    def to_forward_batch(self, device: torch.device | str) -> ForwardBatch:
+        """Device tensors for the batch, from one packed host-to-device copy (pinned, non-blocking:
+        a pageable copy would wait for the batch still running on the GPU)."""
+        mode = self.forward_mode
+        h = self.decode_lists() if all(e.is_decode for e in self.entries) else self.host_lists()
         seq_lens_cpu = [e.prefix_len + e.extend_len for e in self.entries]
-        ext = [e.extend_len for e in self.entries]
-        pre = [e.prefix_len for e in self.entries]
-        starts = [0]
+        # Only EXTEND / MIXED forwards read the per-entry extend layout and the logits rows.
+        ext = [e.extend_len for e in self.entries] if mode != ForwardMode.DECODE else []
+        pre = [e.prefix_len for e in self.entries] if mode != ForwardMode.DECODE else []
+        starts = [0] if ext else []
         for n in ext[:-1]:
             starts.append(starts[-1] + n)
-        parts = [input_ids, positions, token_rows, [e.req.req_pool_idx for e in self.entries], seq_lens_cpu,
-                 ext, pre, starts, logits_rows, future_rows, future_src, scored_at, scored_next, sample_at]
+        parts = [h.input_ids, h.positions, h.token_rows, [e.req.req_pool_idx for e in self.entries], seq_lens_cpu,
+                 ext, pre, starts, h.logits_rows if ext else [], h.future_rows, h.future_src, h.scored_at,
+                 h.scored_next, h.sample_at if ext else []]
         (ids, pos, rows, req_pool_indices, seq_lens, ext_t, pre_t, starts_t, logits_t, f_rows, f_src,
          scored_t, next_t, sample_t) = ints_to_device(parts, device)
-        if future_tensor is not None:
+        if h.future_tensor is not None:
             # Inputs sampled by the in-flight batch: gathered on the device, no host sync.
-            ids[f_rows] = future_tensor[f_src]
+            ids[f_rows] = h.future_tensor[f_src]
         fb = ForwardBatch(
             forward_mode=mode,
             batch_size=len(self.entries),
@@ -130,12 +174,12 @@ class ScheduleBatch:
         self.token_rows = rows
         fb.init_mlp_sync_metadata(self, device)
         if mode != ForwardMode.DECODE:
-            fb.extend = ExtendInfo(num_tokens=len(input_ids), seq_lens=ext_t, prefix_lens=pre_t, start_loc=starts_t,
+            fb.extend = ExtendInfo(num_tokens=len(h.input_ids), seq_lens=ext_t, prefix_lens=pre_t, start_loc=starts_t,
                                    seq_lens_cpu=ext, prefix_lens_cpu=pre)
             # Decode rows sample every step; chunks that do not finish a prefill sample nothing.
             fb.logits_indices = logits_t
-            if scored_at:
-                fb.input_logprobs = InputLogprobRows(scored_t, next_t, sample_t, scored_counts, top_k)
+            if h.scored_at:
+                fb.input_logprobs = InputLogprobRows(scored_t, next_t, sample_t, h.scored_counts, h.top_k)
         else:
-            assert not scored_at, "a batch that scores prompt positions extends"
+            assert not h.scored_at, "a batch that scores prompt positions extends"
         return fb
