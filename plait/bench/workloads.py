@@ -237,18 +237,29 @@ def symmetric_paths(engine: Any) -> dict[str, bool]:
 class StepTimes:
     """Wall time of every scheduler step of a run, by kind: ``prefill`` when the scheduler (rank 0's,
     under DP attention) had prompts waiting or mid-prefill as the step began, else ``decode``. The
-    rest of a run's time is ``outside_steps`` (request setup, flush, building outputs)."""
+    rest of a run's time is ``outside_steps`` (request setup, flush, building outputs). On a GPU also
+    the device time of each step's forward (CUDA events around ``runner.forward_batch``: the graph
+    replay or eager kernels and the sampler), so ``device_busy`` against ``total_s`` says whether a
+    kind's steps waited for the host (with overlap scheduling a step's wall time is the larger of
+    the two)."""
 
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = {"prefill": [], "decode": []}
+        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"prefill": [], "decode": []}
 
     def summary(self, seconds: float) -> dict[str, Any]:
+        """Call after the device finished the run (the events are read)."""
         out: dict[str, Any] = {}
         for kind, ts in self.times.items():
             if ts:
                 ordered = sorted(ts)
                 out[kind] = {"count": len(ts), "total_s": sum(ts), "mean_ms": 1e3 * sum(ts) / len(ts),
-                             "median_ms": 1e3 * ordered[len(ts) // 2]}
+                             "median_ms": 1e3 * ordered[len(ts) // 2],
+                             "p90_ms": 1e3 * ordered[min(len(ts) - 1, (9 * len(ts)) // 10)]}
+                if self.events[kind]:
+                    busy = [start.elapsed_time(end) / 1e3 for start, end in self.events[kind]]
+                    out[kind] |= {"device_busy_s": sum(busy), "device_busy_fraction": sum(busy) / sum(ts),
+                                  "device_median_ms": 1e3 * sorted(busy)[len(busy) // 2]}
         out["outside_steps_s"] = seconds - sum(sum(ts) for ts in self.times.values())
         return out
 
@@ -281,19 +292,38 @@ def step_timing(scheduler: Any) -> Iterator[StepTimes]:
     """Time ``scheduler.step`` calls (a perf_counter pair per step) while the block runs."""
     times = StepTimes()
     step = scheduler.step
+    # A DP-attention engine's scheduler drives its ranks' runners itself: there, wall times only.
+    runner = getattr(scheduler, "runner", None)
+    on_gpu = runner is not None and torch.device(runner.device).type == "cuda"
+    forward = runner.forward_batch if on_gpu else None
+    kind = "prefill"
 
     def timed_step() -> Any:
+        nonlocal kind
         kind = "prefill" if scheduler.waiting or scheduler.prefilling else "decode"
         t0 = time.perf_counter()
         out = step()
         times.times[kind].append(time.perf_counter() - t0)
         return out
 
+    def timed_forward(*args: Any, **kwargs: Any) -> Any:
+        assert forward is not None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = forward(*args, **kwargs)
+        end.record()
+        times.events[kind].append((start, end))
+        return out
+
     scheduler.step = timed_step
+    if on_gpu:
+        runner.forward_batch = timed_forward
     try:
         yield times
     finally:
         del scheduler.step  # back to the class's method
+        if on_gpu:
+            del runner.forward_batch
 
 
 def steady_decode_timing(engine: Any, bs: int, vocab: int, steps: int = 50, seed: int = 5,
