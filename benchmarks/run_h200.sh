@@ -256,29 +256,6 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py moe-ep "$OUT" 2>&1 | grep -v " INFO " | tail -8 ;;
     # nvidia-h200-x2: where DP attention's offline time goes (rounds by kind, control plane, kernels).
     x2-profile) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py profile-dp2 "$OUT" 2>&1 | grep -v " INFO " | tail -40 ;;
-    # The levers built off by default, all on, under the GPU tests of the kernels they change (each test
-    # compares against its own reference): the pre-wait loads, the weight preloads, elementwise GEMV rows.
-    levers-tests) PLAIT_PDL_PRELOAD=1 PLAIT_WEIGHT_PRELOAD=1 PLAIT_GEMV_ELEMENTWISE_M=4 python -m pytest -q -m gpu \
-        tests/gpu/test_pdl_gpu.py tests/gpu/test_triton_ops_gpu.py tests/gpu/test_qk_norm_gpu.py \
-        tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_fused_moe_gpu.py \
-        -k "pdl or rotary or norm or decode or gemv or small_batch or router" -p no:cacheprovider 2>&1 \
-        | tee "$OUT/levers-tests.log" | tail -4 ;;
-    # decode-bs1 with the pre-wait loads off, each preload alone, both, and both with 4 GEMV weight steps at
-    # qwen3-30b-a3b, then off and both at llama-3.2-1b and llama-3.1-8b (about 6 minutes; env-ab's layout:
-    # $OUT/env-ab-<shape>-<i>/).
-    levers-ab)
-      AB_ENVS="PLAIT_PDL_PRELOAD=0,PLAIT_PDL_PRELOAD=1,PLAIT_WEIGHT_PRELOAD=1,PLAIT_PDL_PRELOAD=1 PLAIT_WEIGHT_PRELOAD=1,PLAIT_PDL_PRELOAD=1 PLAIT_WEIGHT_PRELOAD=4" \
-        AB_SHAPES=qwen3-30b-a3b OUT=$OUT bash "$0" env-ab
-      AB_ENVS="PLAIT_PDL_PRELOAD=0,PLAIT_PDL_PRELOAD=1 PLAIT_WEIGHT_PRELOAD=1" \
-        AB_SHAPES="llama-3.2-1b llama-3.1-8b" OUT=$OUT bash "$0" env-ab ;;
-    # spec-ngram-repeat (8b, shortened as in spec-ngram) with the small-M GEMV's 16-row dot for a bs-1
-    # verify's 4 rows, then elementwise rows (PLAIT_GEMV_ELEMENTWISE_M=4); results under $OUT/spec-ew-<m>/.
-    spec-ew-ab)
-      for m in 1 4; do
-        mkdir -p "$OUT/spec-ew-$m"
-        PLAIT_GEMV_ELEMENTWISE_M=$m python -m plait bench spec --workload spec-ngram-repeat --shape llama-3.1-8b \
-          --num-prompts 16 --output-len 64 --out "$OUT/spec-ew-$m" 2>&1 | tail -2
-      done ;;
     # offline-throughput 1b with the offline Engine's startup heap frozen during generate off (0) and on (1,
     # the default); each JSON's detail.gc_pauses has the collector's stalls inside the timed run. $OUT/gc-<v>/.
     gc-ab)

@@ -46,18 +46,6 @@ def _int_var(name: str, meaning: str) -> EnvVar[int | None]:
     return EnvVar[int | None](name, int, None, meaning)
 
 
-def _int_choice_var(name: str, choices: tuple[int, ...], default: int, meaning: str) -> EnvVar[int]:
-    """An integer that must be one of ``choices``; any other value fails when read, naming them."""
-    allowed = ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}"
-
-    def parse(raw: str) -> int:
-        value = int(raw)
-        if value not in choices:
-            raise ValueError(f"{name} must be {allowed}, got {value}")
-        return value
-
-    return EnvVar[int](name, parse, default, meaning)
-
 
 CACHE = _str_var(
     "PLAIT_CACHE",
@@ -121,17 +109,6 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
-WEIGHT_PRELOAD = _int_choice_var(
-    "PLAIT_WEIGHT_PRELOAD", (0, 1, 2, 4), 0,
-    "Weight steps the one-row GEMV loads before it waits for the previous kernel (PDL: 1, 2 or 4), so the "
-    "wait is followed by multiplies, not a DRAM round trip; any of them also has the small-batch MoE down "
-    "kernel load its routed experts and first weight step first. Unset or 0 (the default until an A/B on "
-    "the H200 shows it faster): after the wait. Read at every call.")
-GEMV_ELEMENTWISE_M = _int_choice_var(
-    "PLAIT_GEMV_ELEMENTWISE_M", (1, 2, 4, 8), 1,
-    "Most token rows (2, 4 or 8) the small-M GEMV multiplies elementwise with the one-row tiles, as at M = 1 "
-    "(a speculative verify's 4 rows at bs 1), instead of padding them to 16 for a tensor-core dot. Unset "
-    "(the default until an A/B on the H200): 1, only M = 1. Read at every call.")
 ROTARY_SPLIT_HEADS = _int_var(
     "PLAIT_ROTARY_SPLIT_HEADS",
     "Heads of a token per rotary program when a launch has few tokens (decode; a power of two, 0: all of "
@@ -176,5 +153,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     TRITON_VERIFY_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
-                                    PDL_PRELOAD, GEMV_ELEMENTWISE_M,
-                                    WEIGHT_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)
+                                    PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)

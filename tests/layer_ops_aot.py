@@ -1,7 +1,8 @@
 """Compile the RMSNorm, rotary, decode-attention and MoE down kernels ahead of time for an H200 (sm_90)
 without a GPU, as the GPU launches them (with PDL, aligned pointers and sizes), and print per case the
 global loads before and after the grid-dependency wait, as JSON lines. Run as a script with
-TRITON_INTERPRET unset (tests/test_triton_ops.py does); argument: JSON [kernel, preload] cases."""
+TRITON_INTERPRET unset (tests/test_triton_ops.py does); argument: JSON [kernel, preload] cases (preload:
+the PRELOAD constexpr of the PLAIT_PDL_PRELOAD kernels; the MoE down kernel has none and takes False)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def compile_sm90(kernel: str, preload: bool, overrides: dict | None = None) -> d
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in DECODE_POINTERS
                  or n.startswith("stride")}
     elif kernel == "moe_down":
-        fn, consts = _small_down_sum_kernel, dict(dict(DOWN_CONSTS, PRELOAD_W=preload), **more)
+        if preload:
+            raise ValueError("the MoE down kernel loads nothing before the PDL wait: it has no preload variant")
+        fn, consts = _small_down_sum_kernel, dict(DOWN_CONSTS, **more)
         sig = {n: DOWN_POINTERS.get(n, "i32") for n in fn.arg_names if n not in consts}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in DOWN_POINTERS
                  or n.startswith("stride") or n in ("H", "INTER")}

@@ -8,14 +8,13 @@ import json
 
 import pytest
 import torch
-import triton
 
 from plait.layers.quantization import gemv_config
 from plait.layers.quantization.fp8_kernels import (
     dequantize_weight,
     reference_w8a8_gemv,
 )
-from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, plan_launch, split_counters
+from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, split_counters
 from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
 from tests.quant_helpers import random_fp8_weight
 
@@ -62,81 +61,6 @@ def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
     out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64), w8a8=False)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ dequantize_weight(q, s, None).t(), rtol=1e-2, atol=1e-3)
-
-
-@pytest.mark.parametrize("kind", ["bf16", "fp8_channel", "fp8_block"])
-@pytest.mark.parametrize("m", [2, 3, 4])
-def test_rows_multiplied_elementwise_equal_the_weight_product(monkeypatch, kind, m):
-    # PLAIT_GEMV_ELEMENTWISE_M=4: 2..4 rows in next_power_of_2(M) rows (3 pads to 4, the pad row masked),
-    # the one-row tiles (block_n 8, no 16-row minimum), split K over two slices.
-    monkeypatch.setenv("PLAIT_GEMV_ELEMENTWISE_M", "4")
-    x = _rand(m, 320, seed=7)
-    if kind == "bf16":
-        w = (_rand(136, 320, seed=8) * 0.05).to(torch.bfloat16)
-        scale, block, ref = None, None, w.float()
-    else:
-        w, scale, block = random_fp8_weight("channel" if kind == "fp8_channel" else "block", 136, 320)
-        ref = dequantize_weight(w, scale, block)
-    config = GemvConfig(block_n=8, block_k=64, split_k=2)
-    plan = plan_launch(m, 136, 320, block, config, False, 4)
-    assert plan.elementwise_rows and plan.block_m == triton.next_power_of_2(m) and plan.block_n == 8
-    out = gemv(x, w, scale, block, config, w8a8=False)
-    torch.testing.assert_close(out, x @ ref.t(), rtol=1e-5, atol=1e-5)
-
-
-def test_elementwise_rows_stop_at_the_limit_and_never_take_w8a8_calls():
-    config = GemvConfig(block_n=8, block_k=64)
-    assert not plan_launch(5, 136, 320, None, config, False, 4).elementwise_rows  # 16-row dot form
-    assert plan_launch(5, 136, 320, None, config, False, 4).block_m == 16
-    assert not plan_launch(2, 136, 320, None, config, True, 4).elementwise_rows
-    assert not plan_launch(2, 136, 320, None, config).elementwise_rows  # the default limit is 1
-
-
-def test_an_elementwise_limit_that_is_not_a_power_of_two_up_to_8_is_refused(monkeypatch):
-    monkeypatch.setenv("PLAIT_GEMV_ELEMENTWISE_M", "3")
-    with pytest.raises(ValueError, match="PLAIT_GEMV_ELEMENTWISE_M must be 1, 2, 4 or 8, got 3"):
-        gemv(_rand(2, K, seed=9), (_rand(N, K, seed=3) * 0.05).to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("steps", [1, 4])
-@pytest.mark.parametrize("kind", ["bf16", "fp8_channel", "fp8_block"])
-@pytest.mark.parametrize(("k", "split_k"), [(320, 1), (320, 2), (200, 2)], ids=["one-slice", "two-slices", "ragged"])
-def test_one_row_with_its_first_weight_steps_loaded_before_the_wait_gives_the_same_result(monkeypatch, kind, k,
-                                                                                          split_k, steps):
-    # PLAIT_WEIGHT_PRELOAD moves the slice's first steps out of the loop; one step keeps the sums' order
-    # (the same bits), more add their steps first. K 200 leaves a ragged last step in the second slice;
-    # 4 steps of 64 pass the end of a 192-column slice (masked).
-    if kind == "bf16":
-        w, scale, block = (_rand(136, k, seed=8) * 0.05).to(torch.bfloat16), None, None
-    else:
-        w, scale, block = random_fp8_weight("channel" if kind == "fp8_channel" else "block", 136, k)
-    x = _rand(1, k, seed=7)
-    config = GemvConfig(block_n=8, block_k=64, split_k=split_k)
-    plain = gemv(x, w, scale, block, config, w8a8=False)
-    monkeypatch.setenv("PLAIT_WEIGHT_PRELOAD", str(steps))
-    preloaded = gemv(x, w, scale, block, config, w8a8=False)
-    if steps == 1:
-        assert torch.equal(preloaded, plain)
-    torch.testing.assert_close(preloaded, plain, rtol=1e-6, atol=1e-6)
-    ref = w.float() if scale is None else dequantize_weight(w, scale, block)
-    torch.testing.assert_close(plain, x @ ref.t(), rtol=1e-5, atol=1e-5)
-
-
-def test_a_weight_preload_other_than_0_1_2_or_4_steps_is_refused(monkeypatch):
-    monkeypatch.setenv("PLAIT_WEIGHT_PRELOAD", "3")
-    with pytest.raises(ValueError, match="PLAIT_WEIGHT_PRELOAD must be 0, 1, 2 or 4, got 3"):
-        gemv(_rand(1, K, seed=9), (_rand(N, K, seed=3) * 0.05).to(torch.bfloat16))
-
-
-def test_one_row_preload_puts_the_first_weight_steps_before_the_wait_in_the_sm90_build():
-    import tests.gemv_aot as aot
-
-    cfg = {"block_n": 8, "block_k": 256}
-    plain, one, four = aot.run_aot_script(aot.__file__, [["bf16", 1, 6144, 4096, cfg, 1, 0],
-                                                         ["bf16", 1, 6144, 4096, cfg, 1, 1],
-                                                         ["bf16", 1, 6144, 4096, cfg, 1, 4]])
-    assert plain["loads_before_wait"] == 0 < one["loads_before_wait"] < four["loads_before_wait"], (plain, one, four)
-    assert four["stack"] == 0 and four["regs"] <= 128, four
 
 
 def test_split_k_leaves_its_counters_zero():
@@ -323,12 +247,3 @@ def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_load
     for r in results:
         assert r["stack"] == 0 and r["regs"] <= 128, r  # no spills; >= 4 programs of 4 warps fit an SM
         assert r["pipelined_loads"] > 0, r  # num_stages turned the weight loads into async copies
-
-
-def test_elementwise_rows_compile_for_sm90_without_spills():
-    """Four rows elementwise with the bf16 one-row tiles of an 8b projection, built for an H200."""
-    import tests.gemv_aot as aot
-
-    (r,) = aot.run_aot_script(aot.__file__, [["bf16", 4, 6144, 4096, {"block_n": 8, "block_k": 256}, 4]])
-    assert r["stack"] == 0 and r["regs"] <= 128, r
-    assert r["pipelined_loads"] > 0, r

@@ -52,21 +52,6 @@ def test_silu_with_normalised_top_k_matches_reference(config):
     assert_matches_reference(torch.randn(3, 32), w13, w2, weights, ids, "silu", config=config)
 
 
-@pytest.mark.parametrize("config", [EVEN, None, OWN_DOWN], ids=["even-k-tiles", "default-tiles-masked-k",
-                                                                 "own-down-tiles-masked-k-tail"])
-def test_down_kernel_with_its_routing_and_first_weights_loaded_before_the_wait_gives_the_same_bits(
-        monkeypatch, config):
-    # PLAIT_WEIGHT_PRELOAD moves loads (the interpreter has no PDL: the same code, the new order), not the
-    # arithmetic; with remote experts (-1, E) among the pairs.
-    w13, w2, b13, b2 = experts(16, 32, 24, bias=True, seed=5)
-    weights, ids = qwen3_routing(3, 16, 4)
-    ids[1, 2], ids[2, 0] = -1, 16
-    x = torch.randn(3, 32)
-    plain = small.fused_experts_small_batch(x, w13, w2, weights, ids, "silu", b13, b2, config)
-    monkeypatch.setenv("PLAIT_WEIGHT_PRELOAD", "1")
-    assert torch.equal(small.fused_experts_small_batch(x, w13, w2, weights, ids, "silu", b13, b2, config), plain)
-
-
 def test_down_tiles_default_to_the_gate_up_kernels_and_round_trip_through_json():
     joint = small.SmallBatchConfig(16, 8, 256, num_warps=8, num_stages=3)
     assert joint.down == (256, 8, 3)
@@ -342,13 +327,3 @@ def test_fused_experts_follows_the_table_and_both_paths_match_the_reference(tmp_
 def test_a_bucket_naming_an_unknown_path_is_refused():
     with pytest.raises(ValueError, match="path must be one of"):
         small.SmallBatchBucket.from_json({"path": "fast", "config": EVEN.to_json()})
-
-
-def test_down_kernel_preload_puts_the_routing_and_first_weights_before_the_wait_in_the_sm90_build():
-    """The sm_90 build at qwen3-30b-a3b's bs-1 tiles: without PLAIT_WEIGHT_PRELOAD no load precedes the
-    PDL wait (pdl.py); with it the routing and the first step's weights do, the activations still wait."""
-    from tests.layer_ops_aot import compile_in_subprocess
-
-    plain, pre = compile_in_subprocess([("moe_down", False), ("moe_down", True)])
-    assert plain["loads_before_wait"] == 0
-    assert pre["loads_before_wait"] > 0 and pre["loads_after_wait"] > 0

@@ -13,16 +13,13 @@ keeps the stream's order for data (read-after-write and write-after-read alike),
 before: a predecessor that never releases its dependents (cuBLAS, torch ops) simply lets the next kernel
 start when it completes, as without PDL.
 
-Loads before the wait (``PLAIT_PDL_PRELOAD``: RMSNorm, rotary, decode attention; ``PLAIT_WEIGHT_PRELOAD``:
-the one-row GEMV's first weight step, the small-batch MoE down kernel's routed experts and their first
-weight step): only values no kernel writes while the model runs (weights, the
-rotary table) and a step's inputs staged before its first layer
-(positions, ``out_cache_loc``, the attention's indptr, slot lists and split counts). When a kernel's
-pre-wait code runs, its predecessor has passed its own wait, so every kernel before that predecessor has
-completed and its writes are visible; the staged inputs are written at least two kernels before any
-reader (an embedding and a norm or projection come between), or by kernels launched without PDL, which
-release no dependent before they complete; the routing the down kernel reads is the top-k's output, with
-the gate/up kernel between them.
+Loads before the wait (``PLAIT_PDL_PRELOAD``: RMSNorm, rotary, decode attention): only values no kernel
+writes while the model runs (norm weights, the rotary table) and a step's inputs staged before its first
+layer (positions, ``out_cache_loc``, the attention's indptr, slot lists and split counts). When a
+kernel's pre-wait code runs, its predecessor has passed its own wait, so every kernel before that
+predecessor has completed and its writes are visible; the staged inputs are written at least two kernels
+before any reader (an embedding and a norm or projection come between), or by kernels launched without
+PDL, which release no dependent before they complete.
 Off on the CPU (the Triton interpreter has no grid dependency control) and below sm_90.
 """
 

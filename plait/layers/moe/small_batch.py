@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from plait import envs
 from plait.layers.moe.activation_triton import activate
 from plait.layers.moe.kernel_config import config_dirs, dtype_suffix
 from plait.layers.moe.reference import ACTIVATIONS, EXPERT_FP8_BLOCK, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
@@ -266,14 +265,11 @@ def _small_down_sum_kernel(Act, W2, B2, S2, topk_ids, topk_weights, Out, H, INTE
                            TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            USE_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
-                           USE_PDL: tl.constexpr = False, PRELOAD_W: tl.constexpr = False):
+                           USE_PDL: tl.constexpr = False):
     """Out[t, h] = sum over t's valid pairs p of weight[p] * (Act[p] . W2[e_p, h] (+ B2[e_p, h])), in
     fp32, for the block of rows h of program 1. W2 [E, H, INTER] with INTER contiguous. USE_FP8: W2
-    float8_e4m3fn times S2[e, h // SCALE_BLOCK, k // SCALE_BLOCK] in registers, as the gate/up kernel.
-    PRELOAD_W: the routing (the top-k's output, two launches back, pdl.py) and the first step's weights
-    are loaded before the PDL wait; only the activations (the gate/up kernel's output) wait."""
-    if not PRELOAD_W:
-        pdl_prologue(USE_PDL)
+    float8_e4m3fn times S2[e, h // SCALE_BLOCK, k // SCALE_BLOCK] in registers, as the gate/up kernel."""
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rows = (offs_h % H).to(tl.int64)  # wrapped like the gate/up columns; the store masks them
@@ -290,18 +286,13 @@ def _small_down_sum_kernel(Act, W2, B2, S2, topk_ids, topk_weights, Out, H, INTE
               + offs_k[None, None, :])
     s_ptrs = S2 + experts[:, None] * stride_se + (rows // SCALE_BLOCK)[None, :] * stride_sh  # [TOP_K_PAD, BLOCK_H]
     acc = tl.zeros((TOP_K_PAD, BLOCK_H, BLOCK_K), dtype=tl.float32)  # reduced over K after the loop
-    if PRELOAD_W:
-        w_first = tl.load(w_ptrs, mask=_down_step_mask(valid, offs_k, 0, INTER, BLOCK_K, EVEN_K)[:, None, :],
-                          other=0.0)
-        pdl_prologue(USE_PDL)
     for k in range(0, tl.cdiv(INTER, BLOCK_K)):
-        a_mask = _down_step_mask(valid, offs_k, k, INTER, BLOCK_K, EVEN_K)
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-        if PRELOAD_W:  # the first step's tile is loaded already
-            w = tl.load(w_ptrs, mask=a_mask[:, None, :] & (k > 0), other=0.0)
-            w = tl.where(k == 0, w_first, w).to(tl.float32)
+        if EVEN_K:
+            a_mask = valid[:, None]
         else:
-            w = tl.load(w_ptrs, mask=a_mask[:, None, :], other=0.0).to(tl.float32)
+            a_mask = valid[:, None] & (offs_k < INTER - k * BLOCK_K)[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=a_mask[:, None, :], other=0.0).to(tl.float32)
         if USE_FP8:
             group = (k * BLOCK_K) // SCALE_BLOCK
             w = w * tl.load(s_ptrs + group, mask=valid[:, None], other=0.0)[:, :, None]
@@ -314,17 +305,6 @@ def _small_down_sum_kernel(Act, W2, B2, S2, topk_ids, topk_weights, Out, H, INTE
         pair_out += bias.to(tl.float32)
     out = tl.sum(pair_out * weights[:, None], axis=0)
     tl.store(Out + token * stride_om + offs_h, out.to(Out.dtype.element_ty), mask=offs_h < H)
-
-
-@triton.jit
-def _down_step_mask(valid, offs_k, k, INTER, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The valid pairs' columns of reduction step ``k``: [TOP_K_PAD, BLOCK_K], or [TOP_K_PAD, 1] where
-    every step is whole (``EVEN_K``)."""
-    if EVEN_K:
-        mask = valid[:, None]
-    else:
-        mask = valid[:, None] & (offs_k < INTER - k * BLOCK_K)[None, :]
-    return mask
 
 
 def _contiguous_last(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -376,6 +356,6 @@ def fused_experts_small_batch(
         out.stride(0), w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0,
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=b2 is not None,
         BLOCK_H=cfg.block_h, BLOCK_K=down_block_k, EVEN_K=inter % down_block_k == 0, USE_FP8=fp8,
-        SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl, PRELOAD_W=bool(envs.WEIGHT_PRELOAD.get()),
+        SCALE_BLOCK=EXPERT_FP8_BLOCK, USE_PDL=pdl,
         num_warps=down_warps, num_stages=down_stages, launch_pdl=pdl)
     return out

@@ -72,31 +72,6 @@ def fp8_w8a8_default() -> bool | None:
     return envs.FP8_GEMV_W8A8.get()
 
 
-@triton.jit
-def _weight_step(w_rows, offs_k, k_hi, EVEN_K: tl.constexpr):
-    """One step's weight tile [BLOCK_N, BLOCK_K]. The weights are read once: evict them first, so the
-    activations stay in the caches."""
-    if EVEN_K:
-        w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0, eviction_policy="evict_first")
-    return w
-
-
-@triton.jit
-def _one_row_products(w, X, offs_k, k_hi, s, SCALE: tl.constexpr, EVEN_K: tl.constexpr):
-    """M == 1: the step's fp32 products ``w * x`` [BLOCK_N, BLOCK_K] (times the rows' block scale ``s``
-    with ``SCALE`` 2), summed over K only after the loop."""
-    if EVEN_K:
-        x = tl.load(X + offs_k)
-    else:
-        x = tl.load(X + offs_k, mask=offs_k < k_hi, other=0.0)
-    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if SCALE == 2:
-        prod = prod * s[:, None]
-    return prod
-
-
 # M and split_k are not specialised (divisibility by 16, == 1): the token counts 2..16 and every split
 # share one compiled kernel per config.
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -135,8 +110,6 @@ def _gemv_kernel(
     FP8_MAX_V: tl.constexpr,
     MIN_S: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    EW_ROWS: tl.constexpr = False,  # 2 <= BLOCK_M rows multiplied elementwise, as M == 1 (no dot)
-    PRELOAD_W: tl.constexpr = 0,  # M == 1: the slice's first PRELOAD_W weight steps (0, 1, 2, 4) before the wait
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -151,30 +124,9 @@ def _gemv_kernel(
     w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
     if SCALE == 2:
         s_rows = S + (rows // BN_SCALE) * stride_sn
-    loop_lo = k_lo
-    if PRELOAD_W > 0:
-        # Weights (and their scales) are no kernel's output (pdl.py): the first steps' tiles [PRELOAD_W,
-        # BLOCK_N, BLOCK_K] are loaded while the previous kernel finishes, so the wait is followed by
-        # multiplies, not by a DRAM round trip. Steps past the slice load nothing (masked).
-        k_pre = k_lo + tl.arange(0, PRELOAD_W) * BLOCK_K  # each step's first column
-        offs_pre = k_pre[:, None] + tl.arange(0, BLOCK_K)[None, :]
-        in_pre = offs_pre < k_hi
-        w_pre = tl.load(w_rows[None, :, :] + offs_pre[:, None, :], mask=in_pre[:, None, :], other=0.0,
-                        eviction_policy="evict_first")
-        if SCALE == 2:  # [PRELOAD_W, BLOCK_N]: a step lies in one scale block
-            s_pre = tl.load(s_rows[None, :] + (k_pre // BK_SCALE)[:, None], mask=(k_pre < k_hi)[:, None], other=0.0)
-        loop_lo = k_lo + PRELOAD_W * BLOCK_K
     pdl_prologue(USE_PDL)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if PRELOAD_W > 0:
-            x_pre = tl.load(X + offs_pre, mask=in_pre, other=0.0)
-            prod = w_pre.to(tl.float32) * x_pre.to(tl.float32)[:, None, :]
-            if SCALE == 2:
-                prod = prod * s_pre[:, :, None]
-            acc2 += tl.sum(prod, axis=0)
-    elif EW_ROWS:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif W8A8:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if ONE_ROW:
@@ -182,23 +134,28 @@ def _gemv_kernel(
             x_next = tl.load(X + offs_k0, mask=offs_k0 < k_hi, other=0.0)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(loop_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _weight_step(w_rows, offs_k, k_hi, EVEN_K)
+        # The weights are read once: evict them first, so the activations stay in the caches.
+        if EVEN_K:
+            w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_hi)[None, :], other=0.0,
+                        eviction_policy="evict_first")
         if SCALE == 2:
             s = tl.load(s_rows + k0 // BK_SCALE)
         if BLOCK_M > 1 and not ONE_ROW:
             x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (offs_k < k_hi)[None, :]
             x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         if BLOCK_M == 1:
-            acc2 += _one_row_products(w, X, offs_k, k_hi, s if SCALE == 2 else w, SCALE, EVEN_K)
-        elif EW_ROWS:
-            # Every row's products with the one weight tile, reduced over K once at the end (M == 1's form
-            # per row): the weight bytes are still read once, and no row is padding.
-            prod = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            if EVEN_K:
+                x = tl.load(X + offs_k)
+            else:
+                x = tl.load(X + offs_k, mask=offs_k < k_hi, other=0.0)
+            prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
             if SCALE == 2:
-                prod = prod * s[None, :, None]
-            acc3 += prod
+                prod = prod * s[:, None]
+            acc2 += prod
         elif W8A8:
             # One step is one 128-column group: its per-row scale and e4m3 codes, then an e4m3 x e4m3
             # dot (the weight tile unconverted, as the async copy left it in shared memory). Rows past M
@@ -241,8 +198,6 @@ def _gemv_kernel(
             acc += part
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
-    elif EW_ROWS:
-        acc = tl.sum(acc3, axis=2)
     elif W8A8:
         acc = tl.trans(acc_t)
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -292,29 +247,22 @@ class GemvLaunch:
     num_stages: int
     w8a8: bool = False
     one_row: bool = False  # W8A8 at M == 1: one row quantized, its codes broadcast to the padding rows
-    elementwise_rows: bool = False  # 2 <= M <= block_m rows without tensor cores (``plan_launch``)
 
-    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool, int]:
+    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool]:
         """What the compiled kernel depends on besides the dtypes and the scale layout."""
         return (self.block_m == 1, self.block_n, self.block_k, self.even_k, self.split_k > 1, self.num_warps,
-                self.num_stages, self.w8a8, self.one_row, self.block_m if self.elementwise_rows else 0)
+                self.num_stages, self.w8a8, self.one_row)
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: GemvConfig,
-                w8a8: bool = False, elementwise_m: int = 1) -> GemvLaunch:
+                w8a8: bool = False) -> GemvLaunch:
     """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
     (M >= 2, and every M with ``w8a8``), a step inside one scale block (block scales), with ``w8a8`` a
     step of exactly one ``W8A8_GROUP``-column activation group and 16+ weight rows per warp, and K
-    slices of whole steps. Up to ``elementwise_m`` rows (not W8A8) multiply elementwise, as one row does,
-    in ``next_power_of_2(M)`` rows and the config's own tiles. Cached: eager decode steps plan every
-    layer's call."""
-    elementwise = not w8a8 and 2 <= m <= elementwise_m
-    if elementwise:
-        block_m = triton.next_power_of_2(m)
-    else:
-        block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
-    block_n = config.block_n if block_m == 1 or elementwise else max(16, config.block_n)
+    slices of whole steps. Cached: eager decode steps plan every layer's call."""
+    block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
+    block_n = config.block_n if block_m == 1 else max(16, config.block_n)
     if w8a8:  # the weight rows are the dot's M: 16 per warp, so the warps form whole warpgroup MMAs
         block_n = max(block_n, 16 * config.num_warps)
     block_k = W8A8_GROUP if w8a8 else config.block_k
@@ -329,7 +277,7 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
     if triton.cdiv(n, block_n) > MAX_COUNTERS:
         split_k, k_per_split = 1, k_steps * block_k
     return GemvLaunch(block_m, block_n, block_k, split_k, k_per_split, k % k_per_split == 0, config.num_warps,
-                      config.num_stages, w8a8, w8a8 and m == 1, elementwise)
+                      config.num_stages, w8a8, w8a8 and m == 1)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -389,11 +337,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         else:
             w8a8 = config.prefer_w8a8
     w8a8 = fp8 and bool(w8a8) and (block is None or block[1] % W8A8_GROUP == 0)
-    elementwise_m = envs.GEMV_ELEMENTWISE_M.get()
-    if config is None:  # elementwise rows take the one-row tiles (tuned for that form)
-        rows_bucket = 1 if not w8a8 and m <= elementwise_m else m
-        config = get_config(gemv_kind(w.dtype, block, w8a8), rows_bucket, n, k, device_name, num_sms)
-    plan = plan_launch(m, n, k, block, config, w8a8, elementwise_m)
+    if config is None:
+        config = get_config(gemv_kind(w.dtype, block, w8a8), m, n, k, device_name, num_sms)
+    plan = plan_launch(m, n, k, block, config, w8a8)
     block_m, block_n, block_k, split_k, k_per_split = (plan.block_m, plan.block_n, plan.block_k, plan.split_k,
                                                         plan.k_per_split)
     bn_s, bk_s = block if block is not None else (1, 1)
@@ -416,9 +362,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
         W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
-        USE_PDL=pdl, EW_ROWS=plan.elementwise_rows,
-        PRELOAD_W=envs.WEIGHT_PRELOAD.get() if block_m == 1 and not w8a8 else 0, num_warps=config.num_warps,
-        num_stages=config.num_stages, launch_pdl=pdl)
+        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 
