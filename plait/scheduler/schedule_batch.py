@@ -17,7 +17,7 @@ from plait.scheduler.req import Req
 from plait.transfer import ints_to_device
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchEntry:
     req: Req
     prefix_len: int  # positions with KV before this step

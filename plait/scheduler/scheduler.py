@@ -266,9 +266,9 @@ class Scheduler:
         may be done already; those that surely are, by length, are left out)."""
         limit = self.runner.max_context_len
         return [r for r in self.running
-                if id(r) not in skip
-                and r.num_generated < r.sampling_params.max_new_tokens
-                and len(r.origin_input_ids) + r.num_generated < limit]
+                if (n := r.num_generated) < r.sampling_params.max_new_tokens
+                and len(r.origin_input_ids) + n < limit
+                and id(r) not in skip]
 
     def _needs_host_state(self) -> bool:
         """Penalties read every generated token on the host: such a batch waits for the in-flight
