@@ -264,6 +264,8 @@ for stage in "$@"; do
         PLAIT_GC_FREEZE=$v python -m plait bench offline --workload offline-throughput --shape llama-3.2-1b \
           --out "$OUT/gc-$v" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    # The offline benchmark's per-step device times (tests/gpu/test_bench_gpu.py).
+    bench-test) python -m pytest -q -m gpu tests/gpu/test_bench_gpu.py -p no:cacheprovider 2>&1 | tail -3 ;;
     # decode-bs1 of each AB_SHAPES shape (space-separated; default qwen3-30b-a3b) once per comma-separated
     # AB_ENVS entry, each entry a space-separated list of VAR=value set for that run alone (e.g.
     # AB_ENVS="PLAIT_PDL=0,PLAIT_PDL=1"); results under $OUT/env-ab-<shape>-<i>/, the settings in each
