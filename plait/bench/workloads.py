@@ -289,7 +289,8 @@ def gc_pauses() -> Iterator[dict[str, dict[str, float]]]:
 
 @contextmanager
 def step_timing(scheduler: Any) -> Iterator[StepTimes]:
-    """Time ``scheduler.step`` calls (a perf_counter pair per step) while the block runs."""
+    """Time ``scheduler.step`` calls (a perf_counter pair per step) while the block runs, and on a GPU
+    each step's forward on the device (a CUDA event pair around ``runner.forward_batch``)."""
     times = StepTimes()
     step = scheduler.step
     # A DP-attention engine's scheduler drives its ranks' runners itself: there, wall times only.

@@ -2,12 +2,12 @@
 
 A process serving a model holds hundreds of thousands of long-lived tracked objects (modules, the
 model's parameters and buffers, the tokenizer, compiled-kernel caches). CPython's full collection
-walks every one of them: about 0.1 s on a 2-core machine for a tiny model's process, a stall the GPU
-waits through, which at 256 requests of 128 tokens is several percent of an offline run, or a token
-gap in every stream of a server. Objects in the permanent generation (``gc.freeze``) are never
-walked, so both paths below move the startup heap there: a server's processes once, for their
-lifetime; the offline ``Engine`` for each ``generate`` call, putting it back after, so the caller's
-own garbage stays collectable between calls. ``gc.freeze`` and ``gc.unfreeze`` splice lists: O(1).
+walks every one of them, a stall of tens to hundreds of milliseconds that the GPU waits through: a
+share of a short offline run, or a token gap in every stream of a server. Objects in the permanent
+generation (``gc.freeze``) are never walked, so both paths below move the startup heap there: a
+server's processes once, for their lifetime; the offline ``Engine`` for each ``generate`` call,
+putting it back after, so the caller's own garbage stays collectable between calls. ``gc.freeze``
+and ``gc.unfreeze`` splice lists: O(1).
 """
 
 from __future__ import annotations
