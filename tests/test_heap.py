@@ -39,24 +39,6 @@ def unfrozen() -> Iterator[None]:
         gc.freeze()
 
 
-@pytest.fixture
-def freeze_counts_at_collections() -> Iterator[list[int]]:
-    """The permanent generation's size at every collection while the test runs (the collector set to
-    run often, so a short generate has several)."""
-    seen: list[int] = []
-
-    def callback(phase: str, info: dict) -> None:
-        if phase == "start":
-            seen.append(gc.get_freeze_count())
-
-    threshold = gc.get_threshold()
-    gc.set_threshold(50, *threshold[1:])
-    gc.callbacks.append(callback)
-    yield seen
-    gc.callbacks.remove(callback)
-    gc.set_threshold(*threshold)
-
-
 def test_objects_alive_on_entry_are_frozen_inside_the_block(unfrozen: None) -> None:
     live = _Node()
     with startup_heap_frozen():
@@ -89,23 +71,34 @@ def test_a_heap_frozen_by_the_caller_stays_frozen(unfrozen: None) -> None:
     assert gc.get_freeze_count() == frozen
 
 
-def test_generate_runs_with_the_startup_heap_frozen(one_layer: pathlib.Path, unfrozen: None,
-                                                    freeze_counts_at_collections: list[int]) -> None:
-    with Engine(model=str(one_layer), device="cpu", attention_backend="torch_native") as engine:
-        freeze_counts_at_collections.clear()
+def _freeze_counts_while_generating(model: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The permanent generation's size at every request creation and scheduler step of one generate."""
+    seen: list[int] = []
+    with Engine(model=str(model), device="cpu", attention_backend="torch_native") as engine:
+        for name in ("make_request", "step"):
+            owner = engine if name == "make_request" else engine.scheduler
+            method = getattr(owner, name)
+
+            def recording(*args, _method=method, **kwargs):
+                seen.append(gc.get_freeze_count())
+                return _method(*args, **kwargs)
+
+            monkeypatch.setattr(owner, name, recording)
         outs = engine.generate([[5, 6, 7, 8]] * 8, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
-        during = list(freeze_counts_at_collections)
     assert all(len(o.token_ids) == 8 for o in outs)
-    assert during and all(n > 0 for n in during)
+    return seen
+
+
+def test_generate_creates_and_steps_its_requests_with_the_startup_heap_frozen(
+        one_layer: pathlib.Path, unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _freeze_counts_while_generating(one_layer, monkeypatch)
+    assert len(seen) > 8  # 8 requests created, then the steps
+    assert all(n > 0 for n in seen)
     assert gc.get_freeze_count() == 0
 
 
 def test_generate_leaves_the_collector_alone_with_gc_freeze_off(one_layer: pathlib.Path, unfrozen: None,
-                                                                 freeze_counts_at_collections: list[int],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLAIT_GC_FREEZE", "0")
-    with Engine(model=str(one_layer), device="cpu", attention_backend="torch_native") as engine:
-        freeze_counts_at_collections.clear()
-        engine.generate([[5, 6, 7, 8]] * 8, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
-        during = list(freeze_counts_at_collections)
-    assert during and all(n == 0 for n in during)
+    seen = _freeze_counts_while_generating(one_layer, monkeypatch)
+    assert seen and all(n == 0 for n in seen)
