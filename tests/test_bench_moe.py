@@ -160,3 +160,19 @@ def test_release_leaves_nothing_holding_the_engines_model(tmp_path):
     del engine
     gc.collect()
     assert model() is None
+
+
+def test_offline_reports_the_median_of_its_timed_passes_and_each_pass(tmp_path):
+    out = tmp_path / "results"
+    assert cli.main(["bench", "offline", "--shape", "tiny-qwen3-moe", "--num-requests", "3", "--input-len", "16",
+                     "--output-len", "4", "--repeats", "3", "--out", str(out)]) == 0
+    offline = _result(out, "offline-throughput", "tiny-qwen3-moe")
+    runs = offline["detail"]["runs_output_tok_s"]
+    assert offline["detail"]["timed_passes"] == 3 and len(runs) == 3
+    assert offline["plait"] == sorted(runs)[1]  # the median pass
+    assert offline["detail"]["generated_tokens"] == 3 * 4
+
+
+def test_offline_refuses_fewer_than_one_timed_pass_naming_the_flag(capsys):
+    assert cli.main(["bench", "offline", "--shape", "tiny-qwen3-moe", "--num-requests", "3", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1 timed pass, got 0" in capsys.readouterr().err

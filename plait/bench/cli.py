@@ -13,6 +13,7 @@ from plait.bench.hardware import bench_dtype, bf16_matmul_rate, hbm_bandwidth
 from plait.bench.results import write_result
 from plait.bench.shapes import SHAPES, expected_distinct_experts, is_moe, param_counts, write_shape_dir
 from plait.bench.workloads import (
+    TIMED_REPEATS,
     Limits,
     decode_step_bytes,
     overlap_step_vs_replay,
@@ -182,6 +183,8 @@ def peer_request_count(requested: int | None, num_requests: int, shape: str) -> 
 def cmd_offline(args: argparse.Namespace) -> int:
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 timed pass, got {args.repeats}")
     shape = args.shape or ("llama-3.2-1b" if args.workload == "offline-throughput" else "qwen3-0.6b")
     peer_requests = peer_request_count(args.peer_requests, args.num_requests, shape)  # refused before any work
     lim = measure_limits()
@@ -216,10 +219,11 @@ def cmd_offline(args: argparse.Namespace) -> int:
                 "lengths; its output_tok_s is over those requests (fewer in flight than plait had), while plait's "
                 "figure and the floor are over the whole workload")
     elif args.tbo_peer:  # what the split costs: the same engine with two-batch overlap off is the peer
-        peer = plait_throughput(shape_dir, prompts, params, **options)
+        peer = plait_throughput(shape_dir, prompts, params, repeats=args.repeats, **options)
         peer_name = "plait, two-batch overlap off"
         options["enable_two_batch_overlap"] = True
-    result = plait_throughput(shape_dir, prompts, params, count_experts=is_moe(shape), **options)
+    result = plait_throughput(shape_dir, prompts, params, count_experts=is_moe(shape), repeats=args.repeats,
+                              **options)
     distinct = result.get("distinct_experts_by_tokens")
     floor_s = throughput_floor_seconds(shape, [len(p) for p in prompts], out_lens, lim, distinct_by_tokens=distinct)
     floor = sum(out_lens) / floor_s
@@ -271,6 +275,8 @@ def add_bench_parsers(bench_sub: Any) -> None:
     off.add_argument("--tbo-peer", action="store_true",
                      help="two-batch overlap on, against the same engine with it off as the peer")
     off.add_argument("--overlap-check", action="store_true", help="bs=256 step time vs graph replay")
+    off.add_argument("--repeats", type=int, default=TIMED_REPEATS,
+                     help="timed passes after the warm-up pass; the result is the median pass")
     off.add_argument("--out", default="benchmarks/results")
     add_backend_flags(off)
     off.set_defaults(func=cmd_offline)
