@@ -127,12 +127,12 @@ for stage in "$@"; do
             | grep -E '^\{"workload|Error'
         done
       done ;;
-    # The offline workloads' 8192-token prefill chunks under piecewise graphs (the default maximum, 2048,
+    # The offline workloads' mixed steps (an 8192-token chunk and the running decode rows) under piecewise graphs (the default maximum, 2048,
     # leaves them eager), each beside its eager baseline in the same call.
     piecewise-8k-ab)
       for workload in ${PW_WORKLOADS:-offline-throughput:llama-3.2-1b offline-throughput:llama-3.1-8b nano-vllm:qwen3-0.6b}; do
         for on in 0 1; do
-          flag=$([ $on = 1 ] && echo --enable-piecewise-cuda-graph --piecewise-cuda-graph-max-tokens 8192)
+          flag=$([ $on = 1 ] && echo --enable-piecewise-cuda-graph --piecewise-cuda-graph-max-tokens ${PW_MAX:-8448})
           python -m plait bench offline --workload ${workload%%:*} --shape ${workload#*:} $flag \
             --out "$OUT/piecewise8k-$on" 2>&1 | grep -E '^\{"workload|Error'
         done

@@ -286,11 +286,13 @@ class EngineConfig:
         )
         _check(self.piecewise_cuda_graph_max_tokens >= 1,
                f"piecewise_cuda_graph_max_tokens must be >= 1 token, got {self.piecewise_cuda_graph_max_tokens}")
+        # A MIXED step carries a chunk of prompt tokens and a decode row per running request.
+        step_max = self.chunked_prefill_size + self.max_running_requests
         _check(not self.enable_piecewise_cuda_graph or self.chunked_prefill_size == -1
-               or self.piecewise_cuda_graph_max_tokens <= self.chunked_prefill_size,
+               or self.piecewise_cuda_graph_max_tokens <= step_max,
                f"piecewise_cuda_graph_max_tokens ({self.piecewise_cuda_graph_max_tokens}) must be <= "
-               f"chunked_prefill_size ({self.chunked_prefill_size}): an extend step carries at most that many "
-               "prompt tokens, so larger buckets are never replayed; lower --piecewise-cuda-graph-max-tokens")
+               f"chunked_prefill_size + max_running_requests ({step_max}): an extend or mixed step carries at most "
+               "that many tokens, so larger buckets are never replayed; lower --piecewise-cuda-graph-max-tokens")
         _check(not (self.enable_piecewise_cuda_graph and self.enable_dp_attention),
                "--enable-piecewise-cuda-graph does not run with --enable-dp-attention (the MLP of an extend step "
                "gathers every rank's tokens, a count the graphs cannot fix): drop one of the two")

@@ -68,14 +68,20 @@ def test_config_rejects_a_max_token_count_below_one(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir("llama")), piecewise_cuda_graph_max_tokens=0)
 
 
-def test_config_rejects_a_max_above_the_chunked_prefill_size_when_enabled(tiny_model_dir):
+def test_config_rejects_a_max_above_the_largest_mixed_step_when_enabled(tiny_model_dir):
     path = str(tiny_model_dir("llama"))
     with pytest.raises(ValueError, match=r"piecewise_cuda_graph_max_tokens \(64\) must be <= chunked_prefill_size "
-                                         r"\(32\).*lower --piecewise-cuda-graph-max-tokens"):
+                                         r"\+ max_running_requests \(40\).*lower --piecewise-cuda-graph-max-tokens"):
         EngineConfig(model=path, enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=64,
-                     chunked_prefill_size=32)
+                     chunked_prefill_size=32, max_running_requests=8)
     # Off (the default), the maximum is not checked against the chunk size.
-    EngineConfig(model=path, piecewise_cuda_graph_max_tokens=64, chunked_prefill_size=32)
+    EngineConfig(model=path, piecewise_cuda_graph_max_tokens=64, chunked_prefill_size=32, max_running_requests=8)
+
+
+def test_config_accepts_a_max_that_covers_a_chunk_and_every_running_request(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir("llama")), enable_piecewise_cuda_graph=True,
+                          piecewise_cuda_graph_max_tokens=40, chunked_prefill_size=32, max_running_requests=8)
+    assert config.piecewise_cuda_graph_max_tokens == 40
 
 
 def test_config_rejects_piecewise_graphs_with_the_all_to_all_moe_dispatch(tiny_model_dir):
