@@ -278,6 +278,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs and split heuristics")
     parser.add_argument("--sweep-decode", default=None, metavar="BSxCTX,...",
                         help="only sweep decode launch configs x split heuristics at these shapes (e.g. 128x576)")
+    parser.add_argument("--sweep-extend", default=None, metavar="BSxEXT+PREFIX,...",
+                        help="only sweep extend launch configs at these shapes (e.g. 16x512+0)")
     parser.add_argument("--heads", default=None, metavar="HQ,HKV,D",
                         help=f"attention heads and head dim (default {HQ},{HKV},{D}: llama-3.1-8b; 32,8,64: 3.2-1b)")
     args = parser.parse_args()
@@ -289,6 +291,10 @@ def main() -> None:
     timer = Timer(args.iters, args.warmup)
     props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count
+    if args.sweep_extend:
+        sweep_extend(timer, [tuple(int(v) for v in shape.replace("+", "x").split("x"))
+                             for shape in args.sweep_extend.split(",")])
+        return
     if args.sweep_decode:
         shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.sweep_decode.split(",")]
         sweep_decode(timer, shapes, args.max_kv_splits, num_sms)
@@ -422,36 +428,49 @@ def sweep(timer: Timer, max_kv_splits: int, num_sms: int) -> None:
                 rows.append((r["graph_us"], pps, msl, r["num_kv_splits"]))
         rows.sort()
         print(f"  bs{bs} ctx{ctx}: " + "  ".join(f"{p}/{m}->{n}={t:.1f}" for t, p, m, n in rows[:6]))
+    sweep_extend(timer, [(8, 2048, 0), (8, 2048, 2048), (1, 512, 8192), (64, 8, 4096), (8, 64, 2048)])
+
+
+EXTEND_SWEEP_CONFIGS = [
+    K.LaunchConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+    for bm, bn, w, st in (
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (64, 64, 4, 3),
+        (64, 128, 4, 3),
+        (128, 64, 8, 4),
+        (64, 64, 4, 4),
+        (128, 32, 4, 3),
+        (16, 64, 4, 3),
+        (32, 64, 4, 3),
+        (16, 128, 4, 3),
+        (128, 64, 4, 3),
+        (64, 128, 8, 3),
+    )
+] + [
+    K.LaunchConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, pack_gqa=True)
+    for bm, bn, w, st in ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 2))
+]
+
+
+def sweep_extend(timer: Timer, shapes: list[tuple[int, ...]]) -> None:
+    """Every extend launch config at each (requests, extend tokens, cached prefix): us and TFLOP/s,
+    fastest first."""
     print("# extend configs (us): block_m/block_n/warps/stages")
-    extend_cfgs = [
-        K.LaunchConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-        for bm, bn, w, st in (
-            (128, 64, 8, 3),
-            (128, 128, 8, 3),
-            (64, 64, 4, 3),
-            (64, 128, 4, 3),
-            (128, 64, 8, 4),
-            (64, 64, 4, 4),
-            (128, 32, 4, 3),
-            (16, 64, 4, 3),
-            (32, 64, 4, 3),
-            (16, 128, 4, 3),
-        )
-    ] + [
-        K.LaunchConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, pack_gqa=True)
-        for bm, bn, w, st in ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 2))
-    ]
-    for bs, ext, prefix in [(8, 2048, 0), (8, 2048, 2048), (1, 512, 8192), (64, 8, 4096), (8, 64, 2048)]:
+    for bs, ext, prefix in shapes:
         rows = []
-        for cfg in [None, *extend_cfgs]:
+        for cfg in [None, *EXTEND_SWEEP_CONFIGS]:
             try:
                 r = bench_extend(timer, bs, ext, prefix, config=cfg, with_peer=False)
             except Exception as e:
                 print(f"  {bs}x{ext}+{prefix} {cfg}: {type(e).__name__}")
                 continue
-            rows.append((r["us"], "default" if cfg is None else cfg_str(cfg), r["TFLOPs"]))
+            name = "default" if cfg is None else (
+                f"{cfg.block_m}{'p' if cfg.pack_gqa else ''}/{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}")
+            rows.append((r["us"], name, r["TFLOPs"]))
         rows.sort()
-        print(f"  {bs}x{ext}+{prefix}: " + "  ".join(f"{n}={t:.0f}us({tf:.0f}TF)" for t, n, tf in rows[:8]))
+        print(f"  {bs}x{ext}+{prefix}: " + "  ".join(f"{n}={t:.0f}us({tf:.0f}TF)" for t, n, tf in rows[:8]),
+              flush=True)
 
 
 if __name__ == "__main__":

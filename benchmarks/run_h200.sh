@@ -61,6 +61,11 @@ for stage in "$@"; do
     profile-moe-nopdl) mkdir -p "$OUT/nopdl" && PLAIT_PDL=0 python benchmarks/profile_moe_step.py --out "$OUT/nopdl" 2>&1 \
         | grep -v "^   " | tail -40 ;;
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
+    # Extend attention over offline-throughput's prefill chunk (16 prompts of 512 tokens, no prefix) at the
+    # 1b (d 64) and 8b (d 128) heads: every launch config.
+    attn-extend-short)
+      python benchmarks/kernels_bench.py --heads 32,8,64 --sweep-extend 16x512+0 2>&1 | tail -2
+      python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-extend 16x512+0 2>&1 | tail -1 ;;
     sync-audit) python benchmarks/sync_audit.py "$OUT" llama-3.2-1b 64 2>&1 | grep -v " INFO " | tail -60 ;;
     profile-prefill) python benchmarks/profile_prefill.py "$OUT" 2>&1 | grep -v " INFO " | tail -50 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
