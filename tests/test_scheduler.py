@@ -144,3 +144,27 @@ def test_abort_of_a_waiting_request_finishes_it_at_once(model_path):
 def test_abort_of_unknown_request_returns_false(model_path):
     engine = make_engine(model_path)
     assert engine.abort("no-such-request") is False
+
+
+def test_admission_stops_where_the_reserved_kv_would_exceed_the_free_pool(model_path):
+    """Each admitted request reserves its prompt and its expected new tokens; one admission pass
+    takes waiting requests in order until the next would not fit, and those it took fit."""
+    engine = make_engine(model_path, max_total_tokens=512, disable_radix_cache=True)
+    sched = engine.scheduler
+    params = {**GREEDY, "max_new_tokens": 200}
+    for p in PROMPTS:
+        sched.add_request(engine.make_request(p, params))
+    sched.admit()
+    admitted, waiting = len(sched.prefilling), len(sched.waiting)
+    ratio = sched.new_token_ratio
+    reserved = sum(r.fill_len - r.kv_len + (200 - r.num_generated) * ratio for r in sched.prefilling)
+    available = sched.available_kv_tokens()
+    assert 0 < admitted < len(PROMPTS)
+    assert reserved <= available
+    nxt = sched.waiting[0]
+    assert reserved + len(nxt.fill_ids) + 200 * ratio > available
+    sched.admit()  # nothing changed: the same request still does not fit
+    assert (len(sched.prefilling), len(sched.waiting)) == (admitted, waiting)
+    while sched.has_work():
+        sched.step()
+    assert_no_leaks(engine)

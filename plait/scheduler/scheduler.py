@@ -345,9 +345,13 @@ class Scheduler:
 
     def admit(self) -> None:
         """Move waiting requests to ``prefilling`` while rows, budget and reserved KV allow."""
+        # Running tallies over running + prefilling, each admission adding its own share: rescanning
+        # every admitted request per admission made a step of many admissions quadratic.
+        pending_prefill = sum(r.fill_len - r.kv_len for r in self.prefilling)
+        reserved = self._reserved_tokens()
+        budget = self.config.prefill_token_budget(self.runner.max_context_len)
         while self.waiting and self.num_running() < self.config.max_running_requests:
-            pending_prefill = sum(r.fill_len - r.kv_len for r in self.prefilling)
-            if pending_prefill >= self.config.prefill_token_budget(self.runner.max_context_len):
+            if pending_prefill >= budget:
                 break  # this step's prefill budget is already spoken for
             # The first request in arrival order that can run (one whose grammar still compiles waits).
             req = next((r for r in self.waiting if r.grammar_future is None), None)
@@ -367,7 +371,7 @@ class Scheduler:
             # Locking the matched prefix removes it from the evictable pool: count it as spent.
             available = self.available_kv_tokens() - prefix_len
             if self.running or self.prefilling:
-                if self._reserved_tokens() + cost > available:
+                if reserved + cost > available:
                     break
             elif len(fill) - prefix_len > available:
                 break
@@ -384,6 +388,8 @@ class Scheduler:
                 self.stats.cached_tokens += req.cached_tokens
                 self.stats.prompt_tokens += len(req.origin_input_ids)
             self.prefilling.append(req)
+            pending_prefill += len(fill) - prefix_len
+            reserved += cost
 
     def _launch(self, batch: ScheduleBatch) -> InFlight:
         """Write the slot map, run the forward and the sampler; no host sync on the results."""
