@@ -234,7 +234,7 @@ for stage in "$@"; do
     # The n-gram pair (shortened as in `spec`) with chained verifies off (0) and on (1).
     spec-chain-ab)
       for on in 0 1; do
-        for w in spec-ngram-repeat spec-ngram-miss; do
+        for w in ${SPEC_CHAIN_WORKLOADS:-spec-ngram-repeat spec-ngram-miss}; do
           PLAIT_SPEC_CHAIN_VERIFIES=$on python -m plait bench spec --workload $w --shape llama-3.1-8b --num-prompts 16 \
             --output-len 64 --out "$OUT/spec-chain-$on" 2>&1 | grep -E '^\{"workload|Error'
         done
