@@ -433,20 +433,9 @@ def sweep(timer: Timer, max_kv_splits: int, num_sms: int) -> None:
 
 EXTEND_SWEEP_CONFIGS = [
     K.LaunchConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-    for bm, bn, w, st in (
-        (128, 64, 8, 3),
-        (128, 128, 8, 3),
-        (64, 64, 4, 3),
-        (64, 128, 4, 3),
-        (128, 64, 8, 4),
-        (64, 64, 4, 4),
-        (128, 32, 4, 3),
-        (16, 64, 4, 3),
-        (32, 64, 4, 3),
-        (16, 128, 4, 3),
-        (128, 64, 4, 3),
-        (64, 128, 8, 3),
-    )
+    for bm, bn, w, st in ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 4),
+                          (64, 64, 4, 4), (128, 32, 4, 3), (16, 64, 4, 3), (32, 64, 4, 3), (16, 128, 4, 3),
+                          (128, 64, 4, 3), (64, 128, 8, 3))
 ] + [
     K.LaunchConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, pack_gqa=True)
     for bm, bn, w, st in ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 2))
