@@ -170,3 +170,26 @@ def test_base_backend_refuses_cuda_graphs_with_a_fix():
     with pytest.raises(RuntimeError, match="disable-cuda-graph"):
         backend.init_cuda_graph_state(8, 8)
 
+
+
+def test_a_decoder_layer_hands_its_backend_views_of_the_fused_projection_not_copies(tiny_model_dir, monkeypatch):
+    """q, k and v reach the backend as strided views into one qkv output (no copy kernel per layer);
+    greedy output stays what the copying form gave (the correctness suite holds it to transformers)."""
+    from plait.layers.radix_attention import RadixAttention
+
+    seen: list[tuple[int, int, int, tuple[int, ...]]] = []
+    forward = RadixAttention.forward
+
+    def recording(self, q, k, v, fb, **kw):
+        seen.append((q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(),
+                     v.untyped_storage().data_ptr(), tuple(v.stride())))
+        return forward(self, q, k, v, fb, **kw)
+
+    monkeypatch.setattr(RadixAttention, "forward", recording)
+    engine = make_engine(tiny_model_dir("llama"))
+    out = engine.generate(prompt_ids(2), {**GREEDY, "max_new_tokens": 4})
+    assert all(len(o.token_ids) == 4 for o in out)
+    cfg = engine.runner.model_config.hf_config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    row = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim
+    assert seen and all(q_ptr == k_ptr == v_ptr and stride == (row, 1) for q_ptr, k_ptr, v_ptr, stride in seen)

@@ -98,9 +98,11 @@ class LlamaAttention(nn.Module):
         return None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        # q, k and v stay views into the fused projection's output (row stride q_size + 2 * kv_size):
+        # the rotary kernel, the KV stores and every backend take strided rows, so nothing is copied.
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions,
+        return self.o_proj(self.attn(q, k, v, fb, rope=self.rotary_emb, positions=positions,
                                      qk_norm=self.rope_qk_norm(q)))
 
     def forward_partial(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -108,7 +110,7 @@ class LlamaAttention(nn.Module):
         ``o_proj.add_bias``)."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
-        return self.o_proj.partial(self.attn(q, k, v.contiguous(), fb, rope=self.rotary_emb, positions=positions,
+        return self.o_proj.partial(self.attn(q, k, v, fb, rope=self.rotary_emb, positions=positions,
                                              qk_norm=self.rope_qk_norm(q)))
 
 
