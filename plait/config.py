@@ -67,14 +67,21 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def step_max_tokens(chunked_prefill_size: int, max_running_requests: int) -> int:
+    """The most tokens one EXTEND or MIXED step carries under chunking: a chunk of prompt tokens and a
+    decode row per running request."""
+    return chunked_prefill_size + max_running_requests
+
+
 def piecewise_graphs_fit(values: Mapping[str, Any]) -> bool:
     """Whether piecewise CUDA graphs run with the other options among ``values`` (every EngineConfig field
     by name): the combinations ``EngineConfig`` refuses with them (DP attention, two-batch overlap, the
-    all-to-all expert dispatch, buckets above the chunked-prefill size) are the ones it cannot serve."""
+    all-to-all expert dispatch, buckets above the largest step) are the ones it cannot serve."""
     chunk = values["chunked_prefill_size"]
     return (not values["enable_dp_attention"] and not values["enable_two_batch_overlap"]
             and values["moe_a2a_backend"] != "all_to_all"
-            and (chunk == -1 or values["piecewise_cuda_graph_max_tokens"] <= chunk))
+            and (chunk == -1 or values["piecewise_cuda_graph_max_tokens"]
+                 <= step_max_tokens(chunk, values["max_running_requests"])))
 
 
 def resolve_speculative(values: Mapping[str, Any]) -> dict[str, int]:
@@ -286,8 +293,7 @@ class EngineConfig:
         )
         _check(self.piecewise_cuda_graph_max_tokens >= 1,
                f"piecewise_cuda_graph_max_tokens must be >= 1 token, got {self.piecewise_cuda_graph_max_tokens}")
-        # A MIXED step carries a chunk of prompt tokens and a decode row per running request.
-        step_max = self.chunked_prefill_size + self.max_running_requests
+        step_max = step_max_tokens(self.chunked_prefill_size, self.max_running_requests)
         _check(not self.enable_piecewise_cuda_graph or self.chunked_prefill_size == -1
                or self.piecewise_cuda_graph_max_tokens <= step_max,
                f"piecewise_cuda_graph_max_tokens ({self.piecewise_cuda_graph_max_tokens}) must be <= "
