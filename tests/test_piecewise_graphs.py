@@ -253,6 +253,22 @@ def test_chunked_prefill_and_mixed_steps_equal_transformers(tiny_model_dir, cpu_
         assert out == hf_reference(path, p, GREEDY["max_new_tokens"]).tokens
 
 
+def test_a_full_chunk_beside_decode_rows_replays_when_the_max_covers_them(tiny_model_dir, cpu_graphs, hf_reference):
+    """With the maximum at chunk + running requests, the MIXED step of a full 32-token chunk and a decode
+    row (33 tokens) replays the largest bucket instead of falling back to eager."""
+    path = tiny_model_dir("llama")
+    prompts = [_prompt(4, 20), _prompt(70, 21)]
+    with piecewise_engine(path, chunked_prefill_size=32, max_running_requests=8,
+                          piecewise_cuda_graph_max_tokens=40) as engine:
+        outs = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+        runner = engine.runner.piecewise_runner
+        assert runner.replays[40] >= 1 and runner.replayed_modes[ForwardMode.MIXED] >= 1
+        assert not runner.fallbacks
+        assert_no_leaks(engine)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out == hf_reference(path, p, GREEDY["max_new_tokens"]).tokens
+
+
 def test_extend_over_a_radix_cache_hit_equals_transformers(tiny_model_dir, cpu_graphs, hf_reference):
     path = tiny_model_dir("llama")
     first = PER_BUCKET[2]
