@@ -61,6 +61,17 @@ for stage in "$@"; do
     profile-moe-nopdl) mkdir -p "$OUT/nopdl" && PLAIT_PDL=0 python benchmarks/profile_moe_step.py --out "$OUT/nopdl" 2>&1 \
         | grep -v "^   " | tail -40 ;;
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
+    # The offline workloads with a mixed step's decode rows in the extend kernel (PLAIT_TRITON_MIXED_EXTEND=1,
+    # the tree before) and through the decode kernel (0, the default), each pair back to back.
+    mixed-ab)
+      for workload in ${MIXED_WORKLOADS:-offline-throughput:llama-3.2-1b offline-throughput:llama-3.1-8b nano-vllm:qwen3-0.6b}; do
+        for ext in 1 0; do
+          PLAIT_TRITON_MIXED_EXTEND=$ext python -m plait bench offline --workload ${workload%%:*} \
+            --shape ${workload#*:} --out "$OUT/mixed-extend-$ext" 2>&1 | grep -E '^\{"workload|Error'
+        done
+      done ;;
+    mixed-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "mixed" -p no:cacheprovider 2>&1 \
+        | tail -3 ;;
     # Extend attention over offline-throughput's prefill chunk (16 prompts of 512 tokens, no prefix) at the
     # 1b (d 64) and 8b (d 128) heads: every launch config.
     attn-extend-short)

@@ -43,3 +43,27 @@ def test_ngram_speculation_matches_torch_native_with_verify_on_either_half(one_l
     assert [o.token_ids for o in engine.generate(PROMPTS, SHORT)] == reference
     assert engine.scheduler.spec_worker.stats.verify_steps > 0
     assert_no_leaks(engine)
+
+
+def test_mixed_steps_with_decode_rows_through_the_decode_kernel_match_torch_native(one_layer):
+    """Fourteen requests admitted a few at a time (a 16-token prefill budget): later prompts' chunks run
+    as MIXED steps beside eight or more decode rows, which the Triton backend sends through its decode
+    kernel; the tokens equal torch_native's."""
+    prompts = prompt_ids(14)
+    params = {"temperature": 0.0, "max_new_tokens": 12}
+    want = [o.token_ids for o in make_engine(one_layer, attention_backend="torch_native",
+                                             chunked_prefill_size=16).generate(prompts, params)]
+    engine = make_engine(one_layer, attention_backend="triton", chunked_prefill_size=16)
+    backend = engine.runner.attn_backend
+    rows: list[int] = []
+    plan = backend.init_forward_metadata_out_graph
+
+    def recording(fb, in_capture=False):
+        plan(fb, in_capture)
+        if fb.forward_mode.is_mixed() and backend.mixed_rows_md is not None:
+            rows.append(backend.mixed_rows_md.num_rows)
+
+    backend.init_forward_metadata_out_graph = recording
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert rows and min(rows) >= 8
+    assert_no_leaks(engine)

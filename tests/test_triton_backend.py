@@ -104,6 +104,71 @@ def test_extend_strided_qkv_views_equal_contiguous():
                                atol=0, rtol=0)
 
 
+# --- a mixed step's decode rows through the decode kernel -------------------------------------------
+
+# Eight one-token requests (a MIXED step's decode rows, first as the scheduler orders them) over
+# prefixes of 3-40 tokens, then a new prompt, a chunk over a cached prefix and one more one-token row.
+MIXED_PREFIX = [12, 3, 40, 7, 25, 18, 9, 31, 0, 14, 22]
+MIXED_EXT = [1] * 8 + [9, 6, 1]
+
+
+def _mixed_case(hq: int, hkv: int, d: int, seed: int):
+    native, triton_be, pool, g = make_backends(hq, hkv, d, seed)
+    fb = extend_batch(pool, g, MIXED_PREFIX, MIXED_EXT)
+    fb.forward_mode = ForwardMode.MIXED
+    q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
+    return native, triton_be, fb, (q, k, v)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), HEADS, ids=["gqa1", "gqa4", "gqa8"])
+def test_mixed_batch_decode_rows_through_the_decode_kernel_match_torch_native(hq, hkv):
+    d = 64
+    native, triton_be, fb, (q, k, v) = _mixed_case(hq, hkv, d, seed=11)
+    lay = layer(hq, hkv, d)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.mixed_rows_md is not None and triton_be.mixed_rows_md.num_rows == 8
+    assert triton_be.extend_md is not None and triton_be.extend_md.first_request == 8
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_equals_the_extend_kernel_alone():
+    hq, hkv, d = 8, 2, 64
+    _, triton_be, fb, (q, k, v) = _mixed_case(hq, hkv, d, seed=12)
+    lay = layer(hq, hkv, d, logit_cap=30.0)
+    split = run(triton_be, fb, q, k, v, lay)
+    triton_be.mixed_via_decode = False
+    whole = run(triton_be, fb, q, k, v, lay)
+    assert triton_be.mixed_rows_md is None and triton_be.extend_md.first_request == 0
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_too_few_leading_one_token_requests_stay_in_the_extend_kernel():
+    hq, hkv, d = 8, 2, 64
+    native, triton_be, pool, g = make_backends(hq, hkv, d, seed=13)
+    # Seven leading one-token requests (below MIXED_DECODE_ROWS_MIN), and one-token requests after a longer
+    # one do not count: every row takes the extend kernel.
+    fb = extend_batch(pool, g, prefix=[5, 9, 2, 11, 4, 6, 8, 0, 3, 7], ext=[1] * 7 + [5, 1, 1])
+    fb.forward_mode = ForwardMode.MIXED
+    q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
+    lay = layer(hq, hkv, d)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.mixed_rows_md is None and triton_be.extend_md.first_request == 0
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_under_a_sliding_window_keeps_the_extend_kernel():
+    hq, hkv, d = 8, 2, 64
+    native, _, pool, g = make_backends(hq, hkv, d, seed=14)
+    triton_be = TritonAttnBackend(pool, native.kv_pool, hq, sliding_window=16)
+    fb = extend_batch(pool, g, MIXED_PREFIX, MIXED_EXT)
+    fb.forward_mode = ForwardMode.MIXED
+    q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
+    lay = layer(hq, hkv, d, window=16)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.mixed_rows_md is None
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
 # --- TARGET_VERIFY through the decode kernel ----------------------------------------------------------
 
 VERIFY_TREE = DraftTree([5, 6, 7, 8], [-1, 0, 0, 1])  # root with two children, a grandchild under the first

@@ -8,6 +8,11 @@ Planning follows the three-method contract (plait.attention.base; docs/architect
 Once ``init_cuda_graph_state`` ran, every decode batch that fits uses the static buffers, eager or
 replayed, so a replay only copies ``req_pool_indices``/``seq_lens`` and recomputes the split count.
 
+EXTEND and MIXED batches run their leading one-token requests (a mixed step's decode rows, which the
+scheduler puts first) through the decode kernel as well, over the cache that holds their new tokens'
+K/V by then, and the extend kernel over the other requests (``MixedRowsMetadata``): in the extend
+kernel each such request costs a program per query head whose tile has one live row.
+
 TARGET_VERIFY (W tokens per request: the root and its draft tree, under the custom tree mask) runs
 through the split-KV decode kernel: each verify token is one decode row whose KV list is its
 request's cached prefix followed by the slots (``out_cache_loc``) of the draft tokens the mask lets
@@ -67,6 +72,14 @@ VERIFY_ROWS_MAX_BS = 8
 # fewer splits per row than decode does: half the decode cap loses nothing at W >= 2 and halves the
 # per-row workspace (attn_logits is rows x Hq x splits x D fp32).
 VERIFY_MAX_KV_SPLITS = MAX_KV_SPLITS // 2
+# EXTEND / MIXED batches: their leading one-token requests (a MIXED step's decode rows, chunks of one
+# token) attend through the decode kernel, and the extend kernel takes the rest. In the extend kernel
+# a one-token request costs one program per query head whose BLOCK_M-row tile has a single live row
+# over the whole prefix; a mixed step of a full chunk and a few hundred decode rows spends most of its
+# attention there. From this many such requests (below it they ride along in the extend grid, which
+# is busy with the chunk anyway). PLAIT_TRITON_MIXED_EXTEND=1 keeps every row in the extend kernel.
+MIXED_DECODE_ROWS_MIN = 8
+MIXED_VIA_DECODE = not envs.TRITON_MIXED_EXTEND.get()
 # The split cap in the Triton interpreter (CPU tests): stage 1's grid has max_kv_splits programs per
 # (request, kv head), idle ones included, and the interpreter runs each one in Python; 4 still splits.
 INTERPRETER_MAX_KV_SPLITS = 4
@@ -91,9 +104,22 @@ class ExtendMetadata:
     qo_indptr: torch.Tensor  # int32 [bs + 1] over the new tokens
     kv_indptr: torch.Tensor  # int32 [bs + 1] over cached prefixes
     kv_indices: torch.Tensor  # int32 [sum(prefix lens)]
-    max_len_extend: int
+    max_len_extend: int  # over the requests the extend kernel takes
     custom_mask: torch.Tensor | None
     mask_indptr: torch.Tensor | None
+    # The extend kernel takes requests [first_request, bs); the ones before it are decode rows
+    # (``MixedRowsMetadata``). The indptrs cover the whole batch: their offsets are absolute.
+    first_request: int = 0
+
+
+@dataclass
+class MixedRowsMetadata:
+    """An EXTEND / MIXED batch's leading ``num_rows`` one-token requests as decode rows: each attends
+    over ``req_to_token[row, :seq_len]``, its own new token included (stored before attention).
+    ``bufs`` is indexed by request; eager plans only."""
+
+    bufs: DecodeBuffers
+    num_rows: int
 
 
 @dataclass
@@ -176,6 +202,8 @@ class TritonAttnBackend(AttentionBackend):
         # (a verify plan may hold both: windowed layers take the extend kernel).
         self.extend_md: ExtendMetadata | None = None
         self.verify_md: VerifyRowsMetadata | None = None
+        self.mixed_rows_md: MixedRowsMetadata | None = None
+        self.mixed_via_decode = MIXED_VIA_DECODE
         # Sink logits in fp32 (plait.attention.sinks); the current plan was made for a graph capture,
         # whose forward must convert them inside the graph.
         self.sinks_fp32 = Float32Cache()
@@ -272,13 +300,21 @@ class TritonAttnBackend(AttentionBackend):
         if mask is not None:
             sizes = [e * (e + p) for e, p in zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu, strict=True)]
             mask_indptr = _indptr(torch.tensor(sizes, dtype=torch.int64, device=self.device))
+        rows = self._leading_decode_rows(fb, mask)
+        self.mixed_rows_md = None
+        if rows:
+            bufs = self._decode_buffers(rows, sum(fb.extend.prefix_lens_cpu[:rows]) + rows)
+            get_num_kv_splits(fb.seq_lens[:rows], bufs.num_kv_splits, self.max_kv_splits, self.num_sms,
+                              self.kv_pool.num_kv_heads)
+            self.mixed_rows_md = MixedRowsMetadata(bufs=bufs, num_rows=rows)
         self.extend_md = ExtendMetadata(
             qo_indptr=_indptr(fb.extend.seq_lens),
             kv_indptr=_indptr(fb.extend.prefix_lens),
             kv_indices=torch.empty(max(1, sum(fb.extend.prefix_lens_cpu)), dtype=torch.int32, device=self.device),
-            max_len_extend=max(fb.extend.seq_lens_cpu),
+            max_len_extend=max(fb.extend.seq_lens_cpu[rows:], default=0),
             custom_mask=mask,
             mask_indptr=mask_indptr,
+            first_request=rows,
         )
 
     def _plan_verify(self, fb: ForwardBatch, mask: torch.Tensor | None, in_capture: bool,
@@ -339,6 +375,21 @@ class TritonAttnBackend(AttentionBackend):
         # Capture planning arms the check in in_graph; any other planning disarms it.
         self._capture_input_ptrs = self._verify_input_ptrs(fb) if in_capture else None
 
+    def _leading_decode_rows(self, fb: ForwardBatch, mask: torch.Tensor | None) -> int:
+        """How many of an EXTEND / MIXED batch's first requests attend as decode rows (``MIXED_DECODE_ROWS_MIN``):
+        the leading run of one-token requests (the scheduler puts a MIXED step's decode rows first). 0 under
+        a custom mask or windowed layers (the decode rows apply neither)."""
+        assert fb.extend is not None
+        if (not self.mixed_via_decode or mask is not None or self.sliding_windows
+                or not (fb.forward_mode.is_extend() or fb.forward_mode.is_mixed())):
+            return 0
+        rows = 0
+        for n in fb.extend.seq_lens_cpu:
+            if n != 1:
+                break
+            rows += 1
+        return rows if rows >= MIXED_DECODE_ROWS_MIN else 0
+
     def _verify_input_ptrs(self, fb: ForwardBatch) -> tuple[int, ...]:
         """The tensors of ``fb`` that in_graph reads for a verify plan (see ``_capture_input_ptrs``)."""
         assert fb.extend is not None
@@ -378,6 +429,12 @@ class TritonAttnBackend(AttentionBackend):
         if md is not None:
             build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend.prefix_lens,
                              md.kv_indptr, md.kv_indices)
+        mixed = self.mixed_rows_md
+        if mixed is not None:
+            n, bufs = mixed.num_rows, mixed.bufs
+            bufs.kv_indptr[1 : n + 1] = torch.cumsum(fb.seq_lens[:n], 0)
+            build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices[:n], fb.seq_lens[:n],
+                             bufs.kv_indptr, bufs.kv_indices)
         rows = self.verify_md
         if rows is not None:
             build_verify_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend.prefix_lens,
@@ -454,7 +511,17 @@ class TritonAttnBackend(AttentionBackend):
         md = self.extend_md
         assert md is not None, ("a windowed layer needs the extend plan: build the backend with every window of "
                                 "the model")
-        extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices,
+        mixed = self.mixed_rows_md
+        if mixed is not None:
+            # The leading one-token requests: decode rows over the cache, which holds their new tokens'
+            # K/V now (stored above, or by the rotary kernel when save_kv_cache is False).
+            n, bufs = mixed.num_rows, mixed.bufs
+            decode_attention_fwd(q3[:n], k_buf, v_buf, o[:n], bufs.kv_indptr[: n + 1], bufs.kv_indices,
+                                 bufs.attn_logits, bufs.attn_lse, bufs.num_kv_splits[:n], self.max_kv_splits,
+                                 layer.scaling, layer.logit_cap, split_counters=bufs.split_counters,
+                                 sinks=self._sinks(layer), k_scale=k_scale, v_scale=v_scale)
+        first = md.first_request
+        extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr[first:], md.kv_indptr[first:], md.kv_indices,
                              md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
                              is_causal=md.custom_mask is None, logit_cap=layer.logit_cap,
                              sliding_window=layer.sliding_window, sinks=self._sinks(layer),

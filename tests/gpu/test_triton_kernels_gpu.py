@@ -374,3 +374,24 @@ def test_target_verify_rows_cuda_graph_replay() -> None:
     torch.cuda.synchronize()
     want = run(native, fb, q, k, v, lay).float()
     torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
+
+
+def test_mixed_step_decode_rows_match_torch_native() -> None:
+    """offline-throughput's mixed step in small: a 512-token chunk beside 64 decode rows over 512-token
+    prefixes (bf16, on the GPU). The decode rows take the decode kernel, the chunk the extend kernel."""
+    from plait.forward_batch import ForwardMode
+
+    rows, prefix = 64, 512
+    prefixes, exts = [prefix] * rows + [0], [1] * rows + [512]
+    slots = sum(prefixes) + sum(exts) + 1
+    pool, kv, g = make_pools(HKV, D, 60, dtype=DTYPE, device="cuda", max_context=1024, slots=slots,
+                             max_reqs=rows + 3)
+    fb = extend_batch(pool, g, prefixes, exts, num_slots=slots)
+    fb.forward_mode = ForwardMode.MIXED
+    q, k, v = fused_qkv(fb.num_tokens, HQ, HKV, D, g, dtype=DTYPE, device="cuda")
+    triton_be = TritonAttnBackend(pool, kv, HQ)
+    lay = layer(HQ, HKV, D)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.mixed_rows_md is not None and triton_be.mixed_rows_md.num_rows == rows
+    want = run(TorchNativeAttnBackend(pool, kv), fb, q, k, v, lay)
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
