@@ -347,3 +347,23 @@ def test_hybrid_gives_verify_graph_state_only_to_the_verify_half(spec_mode, rows
     assert decode.graph_buffers is not None
     assert (decode.graph_verify_buffers is not None) == rows_on_decode_half
     assert (prefill.graph_verify_buffers is not None) == (not rows_on_decode_half)
+
+
+def test_a_verify_plan_after_a_mixed_plan_does_not_keep_its_decode_rows(monkeypatch):
+    """The backend object plans every step: a TARGET_VERIFY batch through the extend kernel (above the
+    rows cap) right after a mixed step must not split off the mixed step's decode rows."""
+    import plait.attention.triton_backend as tb
+
+    hq, hkv, d = 8, 2, 64
+    native, triton_be, fb, (q, k, v) = _mixed_case(hq, hkv, d, seed=15)
+    lay = layer(hq, hkv, d)
+    run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.mixed_rows_md is not None
+    monkeypatch.setattr(tb, "VERIFY_ROWS_MAX_BS", 0)  # the verify batch takes the extend kernel
+    prefix, ext = [10, 20, 5], [1, 1, 1]
+    vfb = as_target_verify(extend_batch(native.req_to_token_pool, torch.Generator().manual_seed(3), prefix, ext),
+                           _verify_mask("chain", prefix, ext, torch.Generator().manual_seed(4)))
+    vq, vk, vv = fused_qkv(vfb.num_tokens, hq, hkv, d, torch.Generator().manual_seed(5))
+    got = run(triton_be, vfb, vq, vk, vv, lay, clone=False)
+    assert triton_be.mixed_rows_md is None and triton_be.extend_md.first_request == 0
+    torch.testing.assert_close(got, run(native, vfb, vq, vk, vv, lay), atol=1e-4, rtol=1e-4)

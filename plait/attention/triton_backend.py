@@ -267,6 +267,7 @@ class TritonAttnBackend(AttentionBackend):
     # --- planning ---------------------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self._planned_for_capture = in_capture
+        self.mixed_rows_md = None  # only an EXTEND / MIXED plan below sets it
         if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
             bs = fb.batch_size
             static = self.graph_buffers is not None and bs <= self.graph_max_bs
@@ -301,7 +302,6 @@ class TritonAttnBackend(AttentionBackend):
             sizes = [e * (e + p) for e, p in zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu, strict=True)]
             mask_indptr = _indptr(torch.tensor(sizes, dtype=torch.int64, device=self.device))
         rows = self._leading_decode_rows(fb, mask)
-        self.mixed_rows_md = None
         if rows:
             bufs = self._decode_buffers(rows, sum(fb.extend.prefix_lens_cpu[:rows]) + rows)
             get_num_kv_splits(fb.seq_lens[:rows], bufs.num_kv_splits, self.max_kv_splits, self.num_sms,
