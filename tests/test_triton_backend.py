@@ -142,12 +142,11 @@ def test_mixed_batch_equals_the_extend_kernel_alone():
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
-def test_too_few_leading_one_token_requests_stay_in_the_extend_kernel():
+def test_one_token_requests_after_a_longer_one_stay_in_the_extend_kernel():
     hq, hkv, d = 8, 2, 64
     native, triton_be, pool, g = make_backends(hq, hkv, d, seed=13)
-    # Seven leading one-token requests (below MIXED_DECODE_ROWS_MIN), and one-token requests after a longer
-    # one do not count: every row takes the extend kernel.
-    fb = extend_batch(pool, g, prefix=[5, 9, 2, 11, 4, 6, 8, 0, 3, 7], ext=[1] * 7 + [5, 1, 1])
+    # Only a leading run of one-token requests attends as decode rows: here it is empty.
+    fb = extend_batch(pool, g, prefix=[0, 5, 9, 2, 11, 4, 6, 8, 3, 7], ext=[5] + [1] * 9)
     fb.forward_mode = ForwardMode.MIXED
     q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
     lay = layer(hq, hkv, d)

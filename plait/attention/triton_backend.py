@@ -75,10 +75,10 @@ VERIFY_MAX_KV_SPLITS = MAX_KV_SPLITS // 2
 # EXTEND / MIXED batches: their leading one-token requests (a MIXED step's decode rows, chunks of one
 # token) attend through the decode kernel, and the extend kernel takes the rest. In the extend kernel
 # a one-token request costs one program per query head whose BLOCK_M-row tile has a single live row
-# over the whole prefix; a mixed step of a full chunk and a few hundred decode rows spends most of its
-# attention there. From this many such requests (below it they ride along in the extend grid, which
-# is busy with the chunk anyway). PLAIT_TRITON_MIXED_EXTEND=1 keeps every row in the extend kernel.
-MIXED_DECODE_ROWS_MIN = 8
+# and walks the whole prefix alone (no KV split): a mixed step of a full chunk and a few hundred
+# decode rows spent most of its attention there, and one decode row over a long context outlasts the
+# chunk's programs. The price of the split is one more launch per layer and three small planning
+# kernels per step. PLAIT_TRITON_MIXED_EXTEND=1 keeps every row in the extend kernel.
 MIXED_VIA_DECODE = not envs.TRITON_MIXED_EXTEND.get()
 # The split cap in the Triton interpreter (CPU tests): stage 1's grid has max_kv_splits programs per
 # (request, kv head), idle ones included, and the interpreter runs each one in Python; 4 still splits.
@@ -376,7 +376,7 @@ class TritonAttnBackend(AttentionBackend):
         self._capture_input_ptrs = self._verify_input_ptrs(fb) if in_capture else None
 
     def _leading_decode_rows(self, fb: ForwardBatch, mask: torch.Tensor | None) -> int:
-        """How many of an EXTEND / MIXED batch's first requests attend as decode rows (``MIXED_DECODE_ROWS_MIN``):
+        """How many of an EXTEND / MIXED batch's first requests attend as decode rows (``MIXED_VIA_DECODE``):
         the leading run of one-token requests (the scheduler puts a MIXED step's decode rows first). 0 under
         a custom mask or windowed layers (the decode rows apply neither)."""
         assert fb.extend is not None
@@ -388,7 +388,7 @@ class TritonAttnBackend(AttentionBackend):
             if n != 1:
                 break
             rows += 1
-        return rows if rows >= MIXED_DECODE_ROWS_MIN else 0
+        return rows
 
     def _verify_input_ptrs(self, fb: ForwardBatch) -> tuple[int, ...]:
         """The tensors of ``fb`` that in_graph reads for a verify plan (see ``_capture_input_ptrs``)."""
