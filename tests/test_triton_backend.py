@@ -366,3 +366,15 @@ def test_a_verify_plan_after_a_mixed_plan_does_not_keep_its_decode_rows(monkeypa
     got = run(triton_be, vfb, vq, vk, vv, lay, clone=False)
     assert triton_be.mixed_rows_md is None and triton_be.extend_md.first_request == 0
     torch.testing.assert_close(got, run(native, vfb, vq, vk, vv, lay), atol=1e-4, rtol=1e-4)
+
+
+def test_draft_extend_batches_keep_every_row_in_the_extend_kernel():
+    """A draft model's extend step may send its new tokens' K/V elsewhere than the rows would read:
+    only EXTEND and MIXED batches split off decode rows."""
+    hq, hkv, d = 8, 2, 64
+    native, triton_be, fb, (q, k, v) = _mixed_case(hq, hkv, d, seed=16)
+    fb.forward_mode = ForwardMode.DRAFT_EXTEND
+    lay = layer(hq, hkv, d)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.mixed_rows_md is None and triton_be.extend_md.first_request == 0
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)

@@ -52,7 +52,7 @@ from plait.attention.triton.kernels import (
     get_num_kv_splits,
     store_kv,
 )
-from plait.forward_batch import ForwardBatch
+from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 from plait.transfer import copy_to_device_
 
@@ -380,8 +380,9 @@ class TritonAttnBackend(AttentionBackend):
         the leading run of one-token requests (the scheduler puts a MIXED step's decode rows first). 0 under
         a custom mask or windowed layers (the decode rows apply neither)."""
         assert fb.extend is not None
+        # Not DRAFT_EXTEND: a draft step's new tokens may write their K/V elsewhere (the dummy slot).
         if (not self.mixed_via_decode or mask is not None or self.sliding_windows
-                or not (fb.forward_mode.is_extend() or fb.forward_mode.is_mixed())):
+                or fb.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED)):
             return 0
         rows = 0
         for n in fb.extend.seq_lens_cpu:
