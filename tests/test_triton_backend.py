@@ -378,3 +378,16 @@ def test_draft_extend_batches_keep_every_row_in_the_extend_kernel():
     got = run(triton_be, fb, q, k, v, lay, clone=False)
     assert triton_be.mixed_rows_md is None and triton_be.extend_md.first_request == 0
     torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
+def test_an_extend_batch_of_only_one_token_requests_runs_all_rows_in_the_decode_kernel():
+    """Whole-prompt cache hits leave one token each: every request is a decode row, and the extend
+    kernel has nothing left to launch."""
+    hq, hkv, d = 8, 2, 64
+    native, triton_be, pool, g = make_backends(hq, hkv, d, seed=17)
+    fb = extend_batch(pool, g, prefix=[6, 31, 12], ext=[1, 1, 1])
+    q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
+    lay = layer(hq, hkv, d)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.mixed_rows_md.num_rows == 3 and triton_be.extend_md.max_len_extend == 0
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
