@@ -345,6 +345,8 @@ class Scheduler:
 
     def admit(self) -> None:
         """Move waiting requests to ``prefilling`` while rows, budget and reserved KV allow."""
+        if not self.waiting or self.num_running() >= self.config.max_running_requests:
+            return  # the common steady-decode step: no tallies to build
         # Running tallies over running + prefilling, each admission adding its own share: rescanning
         # every admitted request per admission made a step of many admissions quadratic.
         pending_prefill = sum(r.fill_len - r.kv_len for r in self.prefilling)
