@@ -101,14 +101,14 @@ class DecodeBuffers:
 
 @dataclass
 class ExtendMetadata:
-    qo_indptr: torch.Tensor  # int32 [bs + 1] over the new tokens
-    kv_indptr: torch.Tensor  # int32 [bs + 1] over cached prefixes
-    kv_indices: torch.Tensor  # int32 [sum(prefix lens)]
+    qo_indptr: torch.Tensor  # int32 [bs + 1] over the new tokens (the whole batch: absolute token rows)
+    kv_indptr: torch.Tensor  # int32 [bs - first_request + 1] over the cached prefixes of the extend requests
+    kv_indices: torch.Tensor  # int32 [sum of those prefix lens]
     max_len_extend: int  # over the requests the extend kernel takes
     custom_mask: torch.Tensor | None
     mask_indptr: torch.Tensor | None
     # The extend kernel takes requests [first_request, bs); the ones before it are decode rows
-    # (``MixedRowsMetadata``). The indptrs cover the whole batch: their offsets are absolute.
+    # (``MixedRowsMetadata``), whose prefixes the extend plan does not gather.
     first_request: int = 0
 
 
@@ -309,8 +309,9 @@ class TritonAttnBackend(AttentionBackend):
             self.mixed_rows_md = MixedRowsMetadata(bufs=bufs, num_rows=rows)
         self.extend_md = ExtendMetadata(
             qo_indptr=_indptr(fb.extend.seq_lens),
-            kv_indptr=_indptr(fb.extend.prefix_lens),
-            kv_indices=torch.empty(max(1, sum(fb.extend.prefix_lens_cpu)), dtype=torch.int32, device=self.device),
+            kv_indptr=_indptr(fb.extend.prefix_lens[rows:]),
+            kv_indices=torch.empty(max(1, sum(fb.extend.prefix_lens_cpu[rows:])), dtype=torch.int32,
+                                   device=self.device),
             max_len_extend=max(fb.extend.seq_lens_cpu[rows:], default=0),
             custom_mask=mask,
             mask_indptr=mask_indptr,
@@ -428,8 +429,9 @@ class TritonAttnBackend(AttentionBackend):
         md = self.extend_md
         assert md is not None or self.verify_md is not None, "out_graph plans before in_graph"
         if md is not None:
-            build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend.prefix_lens,
-                             md.kv_indptr, md.kv_indices)
+            first = md.first_request
+            build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices[first:],
+                             fb.extend.prefix_lens[first:], md.kv_indptr, md.kv_indices)
         mixed = self.mixed_rows_md
         if mixed is not None:
             n, bufs = mixed.num_rows, mixed.bufs
@@ -521,8 +523,7 @@ class TritonAttnBackend(AttentionBackend):
                                  bufs.attn_logits, bufs.attn_lse, bufs.num_kv_splits[:n], self.max_kv_splits,
                                  layer.scaling, layer.logit_cap, split_counters=bufs.split_counters,
                                  sinks=self._sinks(layer), k_scale=k_scale, v_scale=v_scale)
-        first = md.first_request
-        extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr[first:], md.kv_indptr[first:], md.kv_indices,
+        extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr[md.first_request:], md.kv_indptr, md.kv_indices,
                              md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
                              is_causal=md.custom_mask is None, logit_cap=layer.logit_cap,
                              sliding_window=layer.sliding_window, sinks=self._sinks(layer),
