@@ -6,6 +6,7 @@ tokens, and 8 x 2048 with a 512-token sliding window (no prefix). Each variant r
 through the backend contract (planned once outside the timing: planning is once per batch, not per
 layer), so torch_flash's prefix gather from the paged cache is inside the time:
   triton               the Triton extend kernel (paged prefix read in the kernel)
+  triton:prefill_flash the Triton backend with no-prefix prompts on batched SDPA (prefix 0 only)
   torch_flash:auto     no-prefix requests batched into SDPA(is_causal, enable_gqa); the rest varlen_attn
   torch_flash:sdpa     SDPA only (prefix-cached requests: one masked call each)
   torch_flash:varlen   varlen_attn for every request
@@ -43,6 +44,17 @@ BS, EXT = 8, 2048
 SHAPES = [("8x2048-prefix0", 0, None), ("8x2048-prefix2048", 2048, None), ("8x2048-window512", 0, 512)]
 
 
+def set_shape(heads: str | None, batch: str | None) -> None:
+    """``--heads HQ,HKV,D`` and ``--batch BSxEXT`` replace the 8b heads and the 8 x 2048 batch (with
+    --batch only its no-prefix shape runs: the prefill chunks of an offline run)."""
+    global HQ, HKV, D, BS, EXT, SHAPES
+    if heads:
+        HQ, HKV, D = (int(x) for x in heads.split(","))
+    if batch:
+        BS, EXT = (int(x) for x in batch.split("x"))
+        SHAPES = [(f"{BS}x{EXT}-prefix0", 0, None)]
+
+
 def causal_flops(prefix: int, window: int | None) -> int:
     """QK^T and PV at 2 FLOPs per MAC over the keys each new token sees."""
     visible = sum(min(prefix + i + 1, window or prefix + i + 1) for i in range(EXT))
@@ -62,7 +74,12 @@ def variants(prefix: int, window: int | None) -> dict[str, Callable[..., Any]]:
         backend.init_forward_metadata(fb)
         return lambda: backend.forward(q, k, v, lay, fb, save_kv_cache=False)
 
-    out["triton"] = through(TritonAttnBackend(pool, kv, HQ, sliding_window=window))
+    for name, on in (("triton", False), ("triton:prefill_flash", True)):
+        if on and (prefix or window):
+            continue  # the fused-kernel path takes no-prefix prompts only
+        backend = TritonAttnBackend(pool, kv, HQ, sliding_window=window)
+        backend.prefill_via_flash = on
+        out[name] = through(backend)
     for path in KERNEL_PATHS:
         try:
             out[f"torch_flash:{path}"] = through(TorchFlashAttnBackend(pool, kv, path, sliding_window=window))
@@ -91,7 +108,10 @@ def main() -> None:
     parser.add_argument("--out-dir", default=os.environ.get("OUT"), help="write one JSON per shape here")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--heads", default=None, metavar="HQ,HKV,D")
+    parser.add_argument("--batch", default=None, metavar="BSxEXT")
     args = parser.parse_args()
+    set_shape(args.heads, args.batch)
     if not torch.cuda.is_available():
         raise SystemExit("attention_backends_bench.py needs a CUDA GPU")
     timer = Timer(args.iters, args.warmup)
@@ -117,7 +137,7 @@ def main() -> None:
         flash = {n: ms for n, ms in timed.items() if n.startswith("torch_flash")}
         floor_ms = flops / rate / 1e9
         write_result(args.out_dir, {
-            **base, "workload": "attn-backends-extend", "shape": f"llama-3.1-8b-attn-{shape}", "metric": "ms",
+            **base, "workload": "attn-backends-extend", "shape": f"hq{HQ}-hkv{HKV}-d{D}-attn-{shape}", "metric": "ms",
             "plait": default_ms, "plait_name": "torch_flash:auto (the default kernel path)",
             "best_torch_flash_path": min(flash, key=flash.get) if flash else None,
             "peer_name": "triton extend", "peer": triton_ms,

@@ -70,6 +70,23 @@ for stage in "$@"; do
             --shape ${workload#*:} --out "$OUT/mixed-extend-$ext" 2>&1 | grep -E '^\{"workload|Error'
         done
       done ;;
+    # The offline workloads with fresh prompts on the extend kernel (PLAIT_TRITON_PREFILL_FLASH=0) and on
+    # PyTorch's fused kernels (1), each pair back to back.
+    prefill-flash-ab)
+      for workload in ${FLASH_WORKLOADS:-offline-throughput:llama-3.2-1b offline-throughput:llama-3.1-8b nano-vllm:qwen3-0.6b}; do
+        for on in 0 1; do
+          PLAIT_TRITON_PREFILL_FLASH=$on python -m plait bench offline --workload ${workload%%:*} \
+            --shape ${workload#*:} --out "$OUT/prefill-flash-$on" 2>&1 | grep -E '^\{"workload|Error'
+        done
+      done ;;
+    prefill-flash-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "fresh or mixed" \
+        -p no:cacheprovider 2>&1 | tail -3 ;;
+    # One layer's attention over offline-throughput's prefill chunk (16 x 512, no prefix) at the 1b, 8b and
+    # qwen3-0.6b heads: the extend kernel, the Triton backend on the fused kernels, torch_flash, raw SDPA.
+    attn-prefill-16x512)
+      for heads in 32,8,64 32,8,128 16,8,128; do
+        python benchmarks/attention_backends_bench.py --heads $heads --batch 16x512 --out-dir "$OUT" 2>&1 | tail -1
+      done ;;
     mixed-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "mixed" -p no:cacheprovider 2>&1 \
         | tail -3 ;;
     # Extend attention over offline-throughput's prefill chunk (16 prompts of 512 tokens, no prefix) at the

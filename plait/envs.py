@@ -82,6 +82,11 @@ TRITON_MIXED_EXTEND = _flag_var(
     "1: the Triton backend runs an extend or mixed batch's leading one-token requests (a mixed step's decode "
     "rows) through the extend kernel with the rest, instead of the decode kernel (A/B measurement, "
     "debugging). Read once, at import.")
+TRITON_PREFILL_FLASH = EnvVar[bool | None](
+    "PLAIT_TRITON_PREFILL_FLASH", _flag, None,
+    "1 / 0: the Triton backend does / does not run an extend or mixed batch's prompts that start from an "
+    "empty cache through PyTorch's fused flash kernels (batched SDPA, varlen_attn) instead of its extend "
+    "kernel; unset: the backend's default (A/B measurement, debugging). Read once, at import.")
 TRITON_OPS = _flag_var(
     "PLAIT_TRITON_OPS",
     "1: under the Triton interpreter (TRITON_INTERPRET=1), run the fused Triton layer ops (RMSNorm, rotary) "
@@ -155,8 +160,8 @@ DECODE_KV_PACK = _int_var(
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
-                                    TRITON_VERIFY_EXTEND, TRITON_MIXED_EXTEND, TRITON_OPS, FAULT_INJECT_TOKEN,
-                                    COUNT_ROUTED_EXPERTS,
+                                    TRITON_VERIFY_EXTEND, TRITON_MIXED_EXTEND, TRITON_PREFILL_FLASH, TRITON_OPS,
+                                    FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
                                     PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)

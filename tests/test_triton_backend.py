@@ -391,3 +391,68 @@ def test_an_extend_batch_of_only_one_token_requests_runs_all_rows_in_the_decode_
     got = run(triton_be, fb, q, k, v, lay, clone=False)
     assert triton_be.mixed_rows_md.num_rows == 3 and triton_be.extend_md.max_len_extend == 0
     torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
+# --- fresh prompts through PyTorch's fused kernels ------------------------------------------------
+
+
+def _flash_backends(hq: int, hkv: int, d: int, seed: int):
+    native, triton_be, pool, g = make_backends(hq, hkv, d, seed)
+    triton_be.prefill_via_flash = True
+    return native, triton_be, pool, g
+
+
+@pytest.mark.parametrize(("hq", "hkv"), HEADS, ids=["gqa1", "gqa4", "gqa8"])
+def test_fresh_prompts_of_one_length_after_decode_rows_run_one_batched_sdpa_and_match_torch_native(hq, hkv):
+    d = 64
+    native, triton_be, pool, g = _flash_backends(hq, hkv, d, seed=21)
+    fb = extend_batch(pool, g, prefix=[12, 30, 7] + [0] * 4, ext=[1, 1, 1] + [9] * 4)
+    fb.forward_mode = ForwardMode.MIXED
+    q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
+    lay = layer(hq, hkv, d)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    md = triton_be.flash_prefill_md
+    assert md is not None and (md.token_start, md.num_tokens, md.count, md.length) == (3, 36, 4, 9)
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
+def test_a_prompt_over_a_cached_prefix_sends_every_extend_request_to_the_extend_kernel():
+    hq, hkv, d = 8, 2, 64
+    native, triton_be, pool, g = _flash_backends(hq, hkv, d, seed=22)
+    fb = extend_batch(pool, g, prefix=[0, 5, 0], ext=[6, 6, 6])
+    q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
+    lay = layer(hq, hkv, d)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.flash_prefill_md is None
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_fresh_prompts_without_varlen_attn_keep_the_extend_kernel():
+    hq, hkv, d = 8, 2, 64
+    _, triton_be, pool, g = _flash_backends(hq, hkv, d, seed=23)
+    assert triton_be.varlen is None  # varlen_attn is CUDA-only
+    fb = extend_batch(pool, g, prefix=[0, 0], ext=[7, 4])
+    triton_be.init_forward_metadata(fb)
+    assert triton_be.flash_prefill_md is None
+
+
+def test_a_logit_capped_layer_under_a_flash_plan_takes_the_extend_kernel():
+    hq, hkv, d = 8, 2, 64
+    native, triton_be, pool, g = _flash_backends(hq, hkv, d, seed=24)
+    fb = extend_batch(pool, g, prefix=[0, 0], ext=[8, 8])
+    q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
+    lay = layer(hq, hkv, d, logit_cap=5.0)  # SDPA has no soft cap
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    assert triton_be.flash_prefill_md is not None
+    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
+
+
+def test_flash_prefill_is_not_planned_for_a_graph_capture_or_a_custom_mask():
+    hq, hkv, d = 8, 2, 64
+    _, triton_be, pool, g = _flash_backends(hq, hkv, d, seed=25)
+    fb = extend_batch(pool, g, prefix=[0, 0], ext=[5, 5])
+    triton_be.init_forward_metadata_out_graph(fb, in_capture=True)
+    assert triton_be.flash_prefill_md is None
+    fb.spec_info = SimpleNamespace(custom_mask=random_tree_mask([0, 0], [5, 5], g))
+    triton_be.init_forward_metadata_out_graph(fb)
+    assert triton_be.flash_prefill_md is None

@@ -256,6 +256,31 @@ def plan_extend(ext: list[int], pre: list[int], rows: list[int], tree: torch.Ten
     return plan
 
 
+def run_packed(g: PackedGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None, out: torch.Tensor) -> None:
+    """Causal attention of a group of no-prefix requests of one length, from q [T, Hq, D] and k/v [T, Hkv, D]
+    (the batch's new tokens; token-strided views are fine) into ``out`` [T, Hq, D]: one batched SDPA call
+    (``is_causal`` is right here because queries == keys), or a window mask for a windowed layer."""
+    n, length = g.count, g.length
+    if g.token_start is not None:
+        sl = slice(g.token_start, g.token_start + n * length)
+        qg, kg, vg = q[sl], k[sl], v[sl]
+    else:
+        qg, kg, vg = q[g.q_src], k[g.q_src], v[g.q_src]
+    qg, kg, vg = (t.view(n, length, *t.shape[1:]) for t in (qg, kg, vg))
+    if window:
+        o = grouped_sdpa(qg, kg, vg, extend_allowed(length, 0, window, q.device), scale)
+    else:
+        o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+                                           is_causal=True, scale=scale,
+                                           enable_gqa=kg.shape[2] != qg.shape[2]).transpose(1, 2)
+    o = o.reshape(n * length, *o.shape[2:])
+    if g.token_start is not None:
+        out[g.token_start : g.token_start + n * length] = o
+    else:
+        out[g.q_src] = o
+
+
 # --- the backend -----------------------------------------------------------------------------------
 
 
@@ -364,26 +389,6 @@ class TorchFlashAttnBackend(AttentionBackend):
         else:
             out[seg.q_src] = os_
 
-    def _run_packed(self, g: PackedGroup, q, k, v, layer: AttentionLayer, out: torch.Tensor) -> None:
-        n, length = g.count, g.length
-        if g.token_start is not None:
-            sl = slice(g.token_start, g.token_start + n * length)
-            qg, kg, vg = q[sl], k[sl], v[sl]
-        else:
-            qg, kg, vg = q[g.q_src], k[g.q_src], v[g.q_src]
-        qg, kg, vg = (t.view(n, length, *t.shape[1:]) for t in (qg, kg, vg))
-        if layer.sliding_window:
-            o = grouped_sdpa(qg, kg, vg, extend_allowed(length, 0, layer.sliding_window, q.device), layer.scaling)
-        else:
-            o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-                                               is_causal=True, scale=layer.scaling,
-                                               enable_gqa=kg.shape[2] != qg.shape[2]).transpose(1, 2)
-        o = o.reshape(n * length, *o.shape[2:])
-        if g.token_start is not None:
-            out[g.token_start : g.token_start + n * length] = o
-        else:
-            out[g.q_src] = o
-
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
         _refuse_sinks(layer)
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -404,7 +409,7 @@ class TorchFlashAttnBackend(AttentionBackend):
             self._run_varlen(everything, q3, k3, v3, k_buf, v_buf, layer, out)
             return out.view(-1, hq * d)
         for g in md.packed:
-            self._run_packed(g, q3, k3, v3, layer, out)
+            run_packed(g, q3, k3, v3, layer.scaling, layer.sliding_window, out)
         if md.rest is not None:
             use_varlen = (self.varlen is not None and self.kernel_path != "sdpa" and not md.has_tree
                           and (not layer.sliding_window or self.varlen.has_window))

@@ -44,6 +44,7 @@ import torch
 from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
 from plait.attention.sinks import Float32Cache
+from plait.attention.torch_flash import PackedGroup, detect_varlen_kernel, run_packed, sdpa_has_gqa
 from plait.attention.triton.kernels import (
     build_kv_indices,
     build_verify_kv_indices,
@@ -80,6 +81,14 @@ VERIFY_MAX_KV_SPLITS = MAX_KV_SPLITS // 2
 # chunk's programs. The price of the split is one more launch per layer and three small planning
 # kernels per step. PLAIT_TRITON_MIXED_EXTEND=1 keeps every row in the extend kernel.
 MIXED_VIA_DECODE = not envs.TRITON_MIXED_EXTEND.get()
+# EXTEND / MIXED batches whose extend requests all start from an empty cache (fresh prompts' first
+# chunks, the bulk of an offline run's prefill) need no paged read: their attention is plain causal
+# attention over their own new tokens, which PyTorch's fused flash kernels run (one batched SDPA call
+# when the lengths are equal, else one varlen_attn call) where the extend kernel's causal tiles reach
+# a fraction of the matmul rate. Layers with sinks, a logit cap or a window keep the extend kernel.
+# PLAIT_TRITON_PREFILL_FLASH=0 / 1 overrides the default.
+_PREFILL_FLASH_ENV = envs.TRITON_PREFILL_FLASH.get()
+PREFILL_VIA_FLASH = False if _PREFILL_FLASH_ENV is None else _PREFILL_FLASH_ENV
 # The split cap in the Triton interpreter (CPU tests): stage 1's grid has max_kv_splits programs per
 # (request, kv head), idle ones included, and the interpreter runs each one in Python; 4 still splits.
 INTERPRETER_MAX_KV_SPLITS = 4
@@ -120,6 +129,21 @@ class MixedRowsMetadata:
 
     bufs: DecodeBuffers
     num_rows: int
+
+
+@dataclass
+class FlashPrefillMetadata:
+    """The extend requests of an EXTEND / MIXED batch, none with a cached prefix, as dense causal
+    attention over tokens ``[token_start, token_start + num_tokens)`` of the batch (after its decode
+    rows): ``count`` requests, either all of ``length`` tokens (one batched SDPA call) or ragged
+    (``cu_seqlens`` for one varlen_attn call, ``max_len`` the longest)."""
+
+    token_start: int
+    num_tokens: int
+    count: int
+    length: int | None  # None: ragged
+    cu_seqlens: torch.Tensor | None  # int32 [count + 1] from 0, when ragged
+    max_len: int
 
 
 @dataclass
@@ -204,6 +228,12 @@ class TritonAttnBackend(AttentionBackend):
         self.verify_md: VerifyRowsMetadata | None = None
         self.mixed_rows_md: MixedRowsMetadata | None = None
         self.mixed_via_decode = MIXED_VIA_DECODE
+        self.flash_prefill_md: FlashPrefillMetadata | None = None
+        self.prefill_via_flash = PREFILL_VIA_FLASH
+        # The fused kernels run bf16 / fp16 on CUDA (FlashAttention); the CPU's SDPA (tests) any dtype.
+        half = kv_pool.dtype in (torch.float16, torch.bfloat16)
+        self.flash_usable = (not kv_pool.is_fp8 and (self.device.type != "cuda" or half) and sdpa_has_gqa())
+        self.varlen = detect_varlen_kernel() if self.device.type == "cuda" and self.flash_usable else None
         # Sink logits in fp32 (plait.attention.sinks); the current plan was made for a graph capture,
         # whose forward must convert them inside the graph.
         self.sinks_fp32 = Float32Cache()
@@ -268,6 +298,7 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self._planned_for_capture = in_capture
         self.mixed_rows_md = None  # only an EXTEND / MIXED plan below sets it
+        self.flash_prefill_md = None  # nor this
         if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
             bs = fb.batch_size
             static = self.graph_buffers is not None and bs <= self.graph_max_bs
@@ -307,6 +338,7 @@ class TritonAttnBackend(AttentionBackend):
             get_num_kv_splits(fb.seq_lens[:rows], bufs.num_kv_splits, self.max_kv_splits, self.num_sms,
                               self.kv_pool.num_kv_heads)
             self.mixed_rows_md = MixedRowsMetadata(bufs=bufs, num_rows=rows)
+        self.flash_prefill_md = self._plan_flash_prefill(fb, mask, rows, in_capture)
         self.extend_md = ExtendMetadata(
             qo_indptr=_indptr(fb.extend.seq_lens),
             kv_indptr=_indptr(fb.extend.prefix_lens[rows:]),
@@ -391,6 +423,27 @@ class TritonAttnBackend(AttentionBackend):
                 break
             rows += 1
         return rows
+
+    def _plan_flash_prefill(self, fb: ForwardBatch, mask: torch.Tensor | None, rows: int, in_capture: bool
+                            ) -> FlashPrefillMetadata | None:
+        """The fused-kernel plan of requests ``[rows, bs)`` (``PREFILL_VIA_FLASH``), or None when one of them
+        has a cached prefix, under a custom mask or windowed layers, or in a graph capture (the extend
+        kernel then takes them all)."""
+        assert fb.extend is not None
+        ext, pre = fb.extend.seq_lens_cpu[rows:], fb.extend.prefix_lens_cpu[rows:]
+        if (not self.prefill_via_flash or not self.flash_usable or in_capture or not ext or mask is not None
+                or self.sliding_windows or fb.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED)
+                or any(p != 0 for p in pre)):
+            return None
+        start = sum(fb.extend.seq_lens_cpu[:rows])
+        if all(e == ext[0] for e in ext):
+            return FlashPrefillMetadata(token_start=start, num_tokens=sum(ext), count=len(ext), length=ext[0],
+                                        cu_seqlens=None, max_len=ext[0])
+        if self.varlen is None:
+            return None
+        cu = torch.tensor([0, *np.cumsum(ext)], dtype=torch.int32).to(self.device)
+        return FlashPrefillMetadata(token_start=start, num_tokens=sum(ext), count=len(ext), length=None,
+                                    cu_seqlens=cu, max_len=max(ext))
 
     def _verify_input_ptrs(self, fb: ForwardBatch) -> tuple[int, ...]:
         """The tensors of ``fb`` that in_graph reads for a verify plan (see ``_capture_input_ptrs``)."""
@@ -523,9 +576,26 @@ class TritonAttnBackend(AttentionBackend):
                                  bufs.attn_logits, bufs.attn_lse, bufs.num_kv_splits[:n], self.max_kv_splits,
                                  layer.scaling, layer.logit_cap, split_counters=bufs.split_counters,
                                  sinks=self._sinks(layer), k_scale=k_scale, v_scale=v_scale)
+        flash = self.flash_prefill_md
+        if flash is not None and layer.sinks is None and layer.logit_cap <= 0:
+            self._flash_prefill(flash, q3, k3, v3, layer, o)
+            return o.view(-1, hq * d)
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr[md.first_request:], md.kv_indptr, md.kv_indices,
                              md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
                              is_causal=md.custom_mask is None, logit_cap=layer.logit_cap,
                              sliding_window=layer.sliding_window, sinks=self._sinks(layer),
                              k_scale=k_scale, v_scale=v_scale)
         return o.view(-1, hq * d)
+
+    def _flash_prefill(self, md: FlashPrefillMetadata, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor,
+                       layer: AttentionLayer, o: torch.Tensor) -> None:
+        """``FlashPrefillMetadata``'s tokens of q3 [T, Hq, D], k3/v3 [T, Hkv, D] (the new tokens) into o."""
+        if md.length is not None:
+            run_packed(PackedGroup(length=md.length, count=md.count, token_start=md.token_start, q_src=None),
+                       q3, k3, v3, layer.scaling, None, o)
+            return
+        assert self.varlen is not None and md.cu_seqlens is not None
+        sl = slice(md.token_start, md.token_start + md.num_tokens)
+        # FlashAttention's varlen kernel wants dense rows; k/v are column slices of the qkv output.
+        o[sl] = self.varlen(q3[sl].contiguous(), k3[sl].contiguous(), v3[sl].contiguous(), md.cu_seqlens,
+                            md.cu_seqlens, md.max_len, md.max_len, layer.scaling, None)

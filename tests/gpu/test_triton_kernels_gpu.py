@@ -395,3 +395,27 @@ def test_mixed_step_decode_rows_match_torch_native() -> None:
     assert triton_be.mixed_rows_md is not None and triton_be.mixed_rows_md.num_rows == rows
     want = run(TorchNativeAttnBackend(pool, kv), fb, q, k, v, lay)
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("exts", [[512] * 4, [100, 333, 512, 1024]], ids=["one-length", "ragged"])
+def test_fresh_prompts_through_the_fused_kernels_match_torch_native(exts: list[int]) -> None:
+    """A mixed step's fresh prompts (no cached prefix) beside 16 decode rows, with the Triton backend's
+    prompts on PyTorch's fused kernels: batched SDPA for one length, varlen_attn for ragged ones."""
+    from plait.forward_batch import ForwardMode
+
+    rows, prefix = 16, 512
+    prefixes, lens = [prefix] * rows + [0] * len(exts), [1] * rows + exts
+    slots = sum(prefixes) + sum(lens) + 1
+    pool, kv, g = make_pools(HKV, D, 61, dtype=DTYPE, device="cuda", max_context=1024, slots=slots,
+                             max_reqs=len(lens) + 3)
+    fb = extend_batch(pool, g, prefixes, lens, num_slots=slots)
+    fb.forward_mode = ForwardMode.MIXED
+    q, k, v = fused_qkv(fb.num_tokens, HQ, HKV, D, g, dtype=DTYPE, device="cuda")
+    triton_be = TritonAttnBackend(pool, kv, HQ)
+    triton_be.prefill_via_flash = True
+    lay = layer(HQ, HKV, D)
+    got = run(triton_be, fb, q, k, v, lay, clone=False)
+    md = triton_be.flash_prefill_md
+    assert md is not None and md.token_start == rows and (md.length is None) == (len(set(exts)) > 1)
+    want = run(TorchNativeAttnBackend(pool, kv), fb, q, k, v, lay)
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
