@@ -64,7 +64,7 @@ def causal_flops(prefix: int, window: int | None) -> int:
 def variants(prefix: int, window: int | None) -> dict[str, Callable[..., Any]]:
     slots = BS * (prefix + EXT) + 1
     pool, kv, g = make_pools(HKV, D, seed=prefix + (window or 0), dtype=torch.bfloat16, device="cuda",
-                             max_context=prefix + EXT, slots=slots)
+                             max_context=prefix + EXT, slots=slots, max_reqs=BS + 3)
     fb = extend_batch(pool, g, [prefix] * BS, [EXT] * BS, num_slots=slots)
     q, k, v = (torch.randn(BS * EXT, h * D, dtype=torch.bfloat16, device="cuda") for h in (HQ, HKV, HKV))
     lay = layer(HQ, HKV, D, window)
