@@ -84,9 +84,9 @@ TRITON_MIXED_EXTEND = _flag_var(
     "debugging). Read once, at import.")
 TRITON_PREFILL_FLASH = EnvVar[bool | None](
     "PLAIT_TRITON_PREFILL_FLASH", _flag, None,
-    "1 / 0: the Triton backend does / does not run an extend or mixed batch's prompts that start from an "
-    "empty cache through PyTorch's fused flash kernels (batched SDPA, varlen_attn) instead of its extend "
-    "kernel; unset: the backend's default (A/B measurement, debugging). Read once, at import.")
+    "0: the Triton backend runs an extend or mixed batch's fresh prompts of one length (no cached prefix) "
+    "through its extend kernel instead of one batched SDPA call (on by default on CUDA); 1: on, also for "
+    "CPU-built backends (A/B measurement, debugging). Read once, at import.")
 TRITON_OPS = _flag_var(
     "PLAIT_TRITON_OPS",
     "1: under the Triton interpreter (TRITON_INTERPRET=1), run the fused Triton layer ops (RMSNorm, rotary) "

@@ -8,6 +8,9 @@ Planning follows the three-method contract (plait.attention.base; docs/architect
 Once ``init_cuda_graph_state`` ran, every decode batch that fits uses the static buffers, eager or
 replayed, so a replay only copies ``req_pool_indices``/``seq_lens`` and recomputes the split count.
 
+EXTEND and MIXED batches whose extend requests are fresh prompts of one length (no cached prefix)
+attend through one batched SDPA call instead of the extend kernel (``PREFILL_VIA_FLASH``).
+
 EXTEND and MIXED batches run their leading one-token requests (a mixed step's decode rows, which the
 scheduler puts first) through the decode kernel as well, over the cache that holds their new tokens'
 K/V by then, and the extend kernel over the other requests (``MixedRowsMetadata``): in the extend
@@ -44,7 +47,7 @@ import torch
 from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
 from plait.attention.sinks import Float32Cache
-from plait.attention.torch_flash import PackedGroup, detect_varlen_kernel, run_packed, sdpa_has_gqa
+from plait.attention.torch_flash import PackedGroup, run_packed, sdpa_has_gqa
 from plait.attention.triton.kernels import (
     build_kv_indices,
     build_verify_kv_indices,
@@ -81,14 +84,17 @@ VERIFY_MAX_KV_SPLITS = MAX_KV_SPLITS // 2
 # chunk's programs. The price of the split is one more launch per layer and three small planning
 # kernels per step. PLAIT_TRITON_MIXED_EXTEND=1 keeps every row in the extend kernel.
 MIXED_VIA_DECODE = not envs.TRITON_MIXED_EXTEND.get()
-# EXTEND / MIXED batches whose extend requests all start from an empty cache (fresh prompts' first
-# chunks, the bulk of an offline run's prefill) need no paged read: their attention is plain causal
-# attention over their own new tokens, which PyTorch's fused flash kernels run (one batched SDPA call
-# when the lengths are equal, else one varlen_attn call) where the extend kernel's causal tiles reach
-# a fraction of the matmul rate. Layers with sinks, a logit cap or a window keep the extend kernel.
-# PLAIT_TRITON_PREFILL_FLASH=0 / 1 overrides the default.
+# EXTEND / MIXED batches whose extend requests all start from an empty cache and have one length (an
+# offline run's prefill chunks of equal prompts, a single new prompt beside decode rows) need no paged
+# read: their attention is plain causal attention over their own new tokens, one batched SDPA call
+# (PyTorch's flash kernel), which outruns the extend kernel's causal tiles on prompts of a few hundred
+# tokens. Ragged lengths keep the extend kernel: varlen_attn, the fused kernel that takes them, was the
+# slower of the two there (docs/attention-backends.md). Layers with sinks, a logit cap or a window keep
+# the extend kernel too. CUDA only: on the CPU (interpreter tests) the extend kernel stays the one under
+# test unless a test (or PLAIT_TRITON_PREFILL_FLASH=1) turns this on. PLAIT_TRITON_PREFILL_FLASH=0 turns it
+# off (A/B measurement, debugging).
 _PREFILL_FLASH_ENV = envs.TRITON_PREFILL_FLASH.get()
-PREFILL_VIA_FLASH = False if _PREFILL_FLASH_ENV is None else _PREFILL_FLASH_ENV
+PREFILL_VIA_FLASH = True if _PREFILL_FLASH_ENV is None else _PREFILL_FLASH_ENV
 # The split cap in the Triton interpreter (CPU tests): stage 1's grid has max_kv_splits programs per
 # (request, kv head), idle ones included, and the interpreter runs each one in Python; 4 still splits.
 INTERPRETER_MAX_KV_SPLITS = 4
@@ -129,21 +135,6 @@ class MixedRowsMetadata:
 
     bufs: DecodeBuffers
     num_rows: int
-
-
-@dataclass
-class FlashPrefillMetadata:
-    """The extend requests of an EXTEND / MIXED batch, none with a cached prefix, as dense causal
-    attention over tokens ``[token_start, token_start + num_tokens)`` of the batch (after its decode
-    rows): ``count`` requests, either all of ``length`` tokens (one batched SDPA call) or ragged
-    (``cu_seqlens`` for one varlen_attn call, ``max_len`` the longest)."""
-
-    token_start: int
-    num_tokens: int
-    count: int
-    length: int | None  # None: ragged
-    cu_seqlens: torch.Tensor | None  # int32 [count + 1] from 0, when ragged
-    max_len: int
 
 
 @dataclass
@@ -228,12 +219,13 @@ class TritonAttnBackend(AttentionBackend):
         self.verify_md: VerifyRowsMetadata | None = None
         self.mixed_rows_md: MixedRowsMetadata | None = None
         self.mixed_via_decode = MIXED_VIA_DECODE
-        self.flash_prefill_md: FlashPrefillMetadata | None = None
-        self.prefill_via_flash = PREFILL_VIA_FLASH
-        # The fused kernels run bf16 / fp16 on CUDA (FlashAttention); the CPU's SDPA (tests) any dtype.
+        # The extend requests of an EXTEND / MIXED plan as one batched SDPA group (PREFILL_VIA_FLASH),
+        # its token_start counted from the batch's first token.
+        self.flash_prefill_md: PackedGroup | None = None
+        self.prefill_via_flash = bool(_PREFILL_FLASH_ENV) if self.device.type != "cuda" else PREFILL_VIA_FLASH
+        # SDPA's flash kernel runs bf16 / fp16 on CUDA; the CPU's SDPA (tests) any dtype.
         half = kv_pool.dtype in (torch.float16, torch.bfloat16)
         self.flash_usable = (not kv_pool.is_fp8 and (self.device.type != "cuda" or half) and sdpa_has_gqa())
-        self.varlen = detect_varlen_kernel() if self.device.type == "cuda" and self.flash_usable else None
         # Sink logits in fp32 (plait.attention.sinks); the current plan was made for a graph capture,
         # whose forward must convert them inside the graph.
         self.sinks_fp32 = Float32Cache()
@@ -425,25 +417,17 @@ class TritonAttnBackend(AttentionBackend):
         return rows
 
     def _plan_flash_prefill(self, fb: ForwardBatch, mask: torch.Tensor | None, rows: int, in_capture: bool
-                            ) -> FlashPrefillMetadata | None:
-        """The fused-kernel plan of requests ``[rows, bs)`` (``PREFILL_VIA_FLASH``), or None when one of them
-        has a cached prefix, under a custom mask or windowed layers, or in a graph capture (the extend
-        kernel then takes them all)."""
+                            ) -> PackedGroup | None:
+        """Requests ``[rows, bs)`` as one batched SDPA group (``PREFILL_VIA_FLASH``), or None when one of
+        them has a cached prefix or another length, under a custom mask or windowed layers, or in a graph
+        capture (the extend kernel then takes them all)."""
         assert fb.extend is not None
         ext, pre = fb.extend.seq_lens_cpu[rows:], fb.extend.prefix_lens_cpu[rows:]
         if (not self.prefill_via_flash or not self.flash_usable or in_capture or not ext or mask is not None
                 or self.sliding_windows or fb.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED)
-                or any(p != 0 for p in pre)):
+                or any(p != 0 for p in pre) or any(e != ext[0] for e in ext)):
             return None
-        start = sum(fb.extend.seq_lens_cpu[:rows])
-        if all(e == ext[0] for e in ext):
-            return FlashPrefillMetadata(token_start=start, num_tokens=sum(ext), count=len(ext), length=ext[0],
-                                        cu_seqlens=None, max_len=ext[0])
-        if self.varlen is None:
-            return None
-        cu = torch.tensor([0, *np.cumsum(ext)], dtype=torch.int32).to(self.device)
-        return FlashPrefillMetadata(token_start=start, num_tokens=sum(ext), count=len(ext), length=None,
-                                    cu_seqlens=cu, max_len=max(ext))
+        return PackedGroup(length=ext[0], count=len(ext), token_start=sum(fb.extend.seq_lens_cpu[:rows]), q_src=None)
 
     def _verify_input_ptrs(self, fb: ForwardBatch) -> tuple[int, ...]:
         """The tensors of ``fb`` that in_graph reads for a verify plan (see ``_capture_input_ptrs``)."""
@@ -578,7 +562,7 @@ class TritonAttnBackend(AttentionBackend):
                                  sinks=self._sinks(layer), k_scale=k_scale, v_scale=v_scale)
         flash = self.flash_prefill_md
         if flash is not None and layer.sinks is None and layer.logit_cap <= 0:
-            self._flash_prefill(flash, q3, k3, v3, layer, o)
+            run_packed(flash, q3, k3, v3, layer.scaling, None, o)
             return o.view(-1, hq * d)
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, md.qo_indptr[md.first_request:], md.kv_indptr, md.kv_indices,
                              md.custom_mask, md.mask_indptr, md.max_len_extend, layer.scaling,
@@ -586,16 +570,3 @@ class TritonAttnBackend(AttentionBackend):
                              sliding_window=layer.sliding_window, sinks=self._sinks(layer),
                              k_scale=k_scale, v_scale=v_scale)
         return o.view(-1, hq * d)
-
-    def _flash_prefill(self, md: FlashPrefillMetadata, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor,
-                       layer: AttentionLayer, o: torch.Tensor) -> None:
-        """``FlashPrefillMetadata``'s tokens of q3 [T, Hq, D], k3/v3 [T, Hkv, D] (the new tokens) into o."""
-        if md.length is not None:
-            run_packed(PackedGroup(length=md.length, count=md.count, token_start=md.token_start, q_src=None),
-                       q3, k3, v3, layer.scaling, None, o)
-            return
-        assert self.varlen is not None and md.cu_seqlens is not None
-        sl = slice(md.token_start, md.token_start + md.num_tokens)
-        # FlashAttention's varlen kernel wants dense rows; k/v are column slices of the qkv output.
-        o[sl] = self.varlen(q3[sl].contiguous(), k3[sl].contiguous(), v3[sl].contiguous(), md.cu_seqlens,
-                            md.cu_seqlens, md.max_len, md.max_len, layer.scaling, None)

@@ -399,8 +399,8 @@ def test_mixed_step_decode_rows_match_torch_native() -> None:
 
 @pytest.mark.parametrize("exts", [[512] * 4, [100, 333, 512, 1024]], ids=["one-length", "ragged"])
 def test_fresh_prompts_through_the_fused_kernels_match_torch_native(exts: list[int]) -> None:
-    """A mixed step's fresh prompts (no cached prefix) beside 16 decode rows, with the Triton backend's
-    prompts on PyTorch's fused kernels: batched SDPA for one length, varlen_attn for ragged ones."""
+    """A mixed step's fresh prompts (no cached prefix) beside 16 decode rows: one batched SDPA call for
+    prompts of one length (the default on CUDA), the extend kernel for ragged ones."""
     from plait.forward_batch import ForwardMode
 
     rows, prefix = 16, 512
@@ -412,10 +412,13 @@ def test_fresh_prompts_through_the_fused_kernels_match_torch_native(exts: list[i
     fb.forward_mode = ForwardMode.MIXED
     q, k, v = fused_qkv(fb.num_tokens, HQ, HKV, D, g, dtype=DTYPE, device="cuda")
     triton_be = TritonAttnBackend(pool, kv, HQ)
-    triton_be.prefill_via_flash = True
+    assert triton_be.prefill_via_flash
     lay = layer(HQ, HKV, D)
     got = run(triton_be, fb, q, k, v, lay, clone=False)
     md = triton_be.flash_prefill_md
-    assert md is not None and md.token_start == rows and (md.length is None) == (len(set(exts)) > 1)
+    if len(set(exts)) > 1:
+        assert md is None
+    else:
+        assert md is not None and (md.token_start, md.count, md.length) == (rows, len(exts), exts[0])
     want = run(TorchNativeAttnBackend(pool, kv), fb, q, k, v, lay)
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
