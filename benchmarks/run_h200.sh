@@ -90,10 +90,12 @@ for stage in "$@"; do
     mixed-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "mixed" -p no:cacheprovider 2>&1 \
         | tail -3 ;;
     # Extend attention over offline-throughput's prefill chunk (16 prompts of 512 tokens, no prefix) at the
-    # 1b (d 64) and 8b (d 128) heads: every launch config.
+    # 1b (d 64), qwen3-0.6b and 8b (d 128) heads: every launch config.
+    # Also at 1024-token prompts and 1024-token chunks over a 1024-token prefix (nano-vllm's prefill).
     attn-extend-short)
-      python benchmarks/kernels_bench.py --heads 32,8,64 --sweep-extend 16x512+0 2>&1 | tail -2
-      python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-extend 16x512+0 2>&1 | tail -1 ;;
+      python benchmarks/kernels_bench.py --heads 32,8,64 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -4
+      python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3
+      python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3 ;;
     sync-audit) python benchmarks/sync_audit.py "$OUT" llama-3.2-1b 64 2>&1 | grep -v " INFO " | tail -60 ;;
     profile-prefill) python benchmarks/profile_prefill.py "$OUT" 2>&1 | grep -v " INFO " | tail -50 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
@@ -229,7 +231,8 @@ for stage in "$@"; do
         python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
       done ;;
     # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
-    spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider 2>&1 \
+    spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider \
+        ${SPEC_TESTS_K:+-k "$SPEC_TESTS_K"} 2>&1 \
         | tee "$OUT/gpu-spec-tests.log" | tail -15 ;;
     # spec-overhead (graph-replayed verify at bs 1/16/64 + EAGLE3 draft steps), then the n-gram pair
     # shortened (16 prompts, 64 tokens) to stay within ~4 minutes of GPU time.
