@@ -48,3 +48,15 @@ def test_overlapped_decode_batches_take_their_inputs_from_the_batch_in_flight(on
     for fast in with_futures:
         assert isinstance(fast.future_tensor, torch.Tensor)
         assert all(fast.input_ids[i] == 0 for i in fast.future_rows)
+
+
+def test_requests_are_identities_two_with_equal_fields_are_different_requests() -> None:
+    from plait.sampling.params import SamplingParams
+    from plait.scheduler.req import Req
+
+    sp = SamplingParams()
+    a, b = (Req("r", [1, 2, 3], sp, seed=0, detokenizer=None) for _ in range(2))  # type: ignore[arg-type]
+    batch = [a, b]
+    batch.remove(b)
+    assert a != b and batch == [a] and batch[0] is a
+    assert len({a, b}) == 2  # hashable by identity

@@ -22,7 +22,9 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
-@dataclass
+# A request is an identity, not a value: batch lists find and remove it by identity (eq=False), and
+# comparing two requests' fields (token lists included) would be both wrong and slow.
+@dataclass(eq=False)
 class Req:
     rid: str
     origin_input_ids: list[int]

@@ -410,9 +410,11 @@ class Scheduler:
             fb.sampling_info = SamplingBatchInfo.build(
                 [e.req.sampling_params for e in sampled],
                 seeds=[e.req.seed for e in sampled],
-                # Tokens still on the device count for the step index (placeholders: no penalty row
-                # has pending tokens, see _needs_host_state).
-                output_ids=[e.req.output_ids + [0] * e.req.pending for e in sampled],
+                # Only penalty rows read the tokens themselves, and they have none pending (see
+                # _needs_host_state); every other row gives just its step index, tokens still on the
+                # device included (a range: no copy of the request's output).
+                output_ids=[e.req.output_ids if e.req.sampling_params.has_penalties else range(e.req.num_generated)
+                            for e in sampled],
                 prompt_ids=[e.req.origin_input_ids for e in sampled],
                 eos_token_ids=self.eos_token_ids,
                 vocab_size=self.vocab_size,
