@@ -23,6 +23,20 @@ set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/plait-out}
 mkdir -p "$OUT"
+OFFLINE_SET="offline-throughput:llama-3.2-1b offline-throughput:llama-3.1-8b nano-vllm:qwen3-0.6b"
+
+# env_ab VAR "VALUES" NAME "WORKLOAD:SHAPE ...": each offline workload under VAR=value for each value,
+# back to back, results in $OUT/NAME-value.
+env_ab() {
+  local var=$1 values=$2 name=$3 workload value
+  for workload in $4; do
+    for value in $values; do
+      env "$var=$value" python -m plait bench offline --workload "${workload%%:*}" --shape "${workload#*:}" \
+        --out "$OUT/$name-$value" 2>&1 | grep -E '^\{"workload|Error'
+    done
+  done
+}
+
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -63,22 +77,10 @@ for stage in "$@"; do
     moe-kernel) python benchmarks/moe_kernel_bench.py --batch-sizes 1,8,32,256,1024,4096 --out-dir "$OUT" 2>&1 | tail -14 ;;
     # The offline workloads with a mixed step's decode rows in the extend kernel (PLAIT_TRITON_MIXED_EXTEND=1,
     # the tree before) and through the decode kernel (0, the default), each pair back to back.
-    mixed-ab)
-      for workload in ${MIXED_WORKLOADS:-offline-throughput:llama-3.2-1b offline-throughput:llama-3.1-8b nano-vllm:qwen3-0.6b}; do
-        for ext in 1 0; do
-          PLAIT_TRITON_MIXED_EXTEND=$ext python -m plait bench offline --workload ${workload%%:*} \
-            --shape ${workload#*:} --out "$OUT/mixed-extend-$ext" 2>&1 | grep -E '^\{"workload|Error'
-        done
-      done ;;
+    mixed-ab) env_ab PLAIT_TRITON_MIXED_EXTEND "1 0" mixed-extend "${MIXED_WORKLOADS:-$OFFLINE_SET}" ;;
     # The offline workloads with fresh prompts on the extend kernel (PLAIT_TRITON_PREFILL_FLASH=0) and on
     # PyTorch's fused kernels (1), each pair back to back.
-    prefill-flash-ab)
-      for workload in ${FLASH_WORKLOADS:-offline-throughput:llama-3.2-1b offline-throughput:llama-3.1-8b nano-vllm:qwen3-0.6b}; do
-        for on in 0 1; do
-          PLAIT_TRITON_PREFILL_FLASH=$on python -m plait bench offline --workload ${workload%%:*} \
-            --shape ${workload#*:} --out "$OUT/prefill-flash-$on" 2>&1 | grep -E '^\{"workload|Error'
-        done
-      done ;;
+    prefill-flash-ab) env_ab PLAIT_TRITON_PREFILL_FLASH "0 1" prefill-flash "${FLASH_WORKLOADS:-$OFFLINE_SET}" ;;
     prefill-flash-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "fresh or mixed" \
         -p no:cacheprovider 2>&1 | tail -3 ;;
     # One layer's attention over offline-throughput's prefill chunk (16 x 512, no prefix) at the 1b, 8b and
@@ -272,14 +274,8 @@ for stage in "$@"; do
       done ;;
     # offline-throughput 8b, nano-vllm (qwen3-0.6b) and offline-throughput 1b with decode attention's kv_pack
     # forced to 1 (the tiles before packing) and at its default, each pair back to back.
-    kvpack-offline-ab)
-      for w in "offline-throughput --shape llama-3.1-8b" "nano-vllm" "offline-throughput --shape llama-3.2-1b"; do
-        for pack in 1 0; do
-          # shellcheck disable=SC2086  # $w is a workload and its flags
-          PLAIT_DECODE_KV_PACK=$pack python -m plait bench offline --workload $w --out "$OUT/kvpack-off-$pack" 2>&1 \
-            | grep -E '^\{"workload|Error'
-        done
-      done ;;
+    kvpack-offline-ab) env_ab PLAIT_DECODE_KV_PACK "1 0" kvpack-off \
+        "offline-throughput:llama-3.1-8b nano-vllm:qwen3-0.6b offline-throughput:llama-3.2-1b" ;;
     attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
     # The n-gram pair alone, shortened as in `spec`.

@@ -416,21 +416,12 @@ def test_fresh_prompts_of_one_length_after_decode_rows_run_one_batched_sdpa_and_
     torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
 
 
-def test_a_prompt_over_a_cached_prefix_sends_every_extend_request_to_the_extend_kernel():
+@pytest.mark.parametrize(("prefix", "ext"), [([0, 5, 0], [6, 6, 6]), ([0, 0], [7, 4])],
+                         ids=["one-over-a-cached-prefix", "different-lengths"])
+def test_prompts_not_all_fresh_and_of_one_length_keep_the_extend_kernel(prefix, ext):
     hq, hkv, d = 8, 2, 64
     native, triton_be, pool, g = _flash_backends(hq, hkv, d, seed=22)
-    fb = extend_batch(pool, g, prefix=[0, 5, 0], ext=[6, 6, 6])
-    q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
-    lay = layer(hq, hkv, d)
-    got = run(triton_be, fb, q, k, v, lay, clone=False)
-    assert triton_be.flash_prefill_md is None
-    torch.testing.assert_close(got, run(native, fb, q, k, v, lay), atol=1e-4, rtol=1e-4)
-
-
-def test_fresh_prompts_of_different_lengths_keep_the_extend_kernel():
-    hq, hkv, d = 8, 2, 64
-    native, triton_be, pool, g = _flash_backends(hq, hkv, d, seed=23)
-    fb = extend_batch(pool, g, prefix=[0, 0], ext=[7, 4])
+    fb = extend_batch(pool, g, prefix=prefix, ext=ext)
     q, k, v = fused_qkv(fb.num_tokens, hq, hkv, d, g)
     lay = layer(hq, hkv, d)
     got = run(triton_be, fb, q, k, v, lay, clone=False)
