@@ -106,6 +106,10 @@ for stage in "$@"; do
       | grep -v "^   " | tail -4 ;;
     profile-host) python benchmarks/profile_host.py "$OUT" 2>&1 | tail -120 ;;
     profile-spec) python benchmarks/profile_spec.py "$OUT" 2>&1 | grep -v " INFO " | tail -6 ;;
+    # The same without programmatic dependent launch: each kernel's own time, so the bs-1 verify step's
+    # device time splits into kernels and the host gap shows (under PDL the kernels overlap).
+    profile-spec-nopdl) mkdir -p "$OUT/nopdl" && PLAIT_PDL=0 python benchmarks/profile_spec.py "$OUT/nopdl" 2>&1 \
+        | grep -v " INFO " | tail -6 ;;
     nano) python -m plait bench offline --workload nano-vllm --out "$OUT" 2>&1 | tail -40 ;;
     gemv-tests) python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -k "gemv" -p no:cacheprovider 2>&1 \
                   | tee "$OUT/gemv-tests.log" | tail -8 ;;

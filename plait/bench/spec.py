@@ -95,6 +95,7 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
     result: dict[str, Any] = {}
     for bs in batch_sizes:
         row: dict[str, Any] = {}
+        plain_tokens: list[list[int]] = []
         for name, extra in (("plain", {}), ("ngram", NGRAM)):
             engine = make_engine(shape_dir, max_running_requests=bs, **options, **extra)
             engine.generate(prompts, _params(output_len))  # the first pass: fills the n-gram and prefix caches
@@ -104,6 +105,14 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
             timing = _step_and_end_to_end(engine, prompts, output_len)
             row[f"{name}_tok_s"] = timing["tok_s"]
             row[f"{name}_step_tok_s"] = timing["step_tok_s"]
+            tokens = [o.token_ids for o in timing["outs"]]
+            if name == "plain":
+                plain_tokens = tokens
+            else:
+                # Greedy speculation should give plain decoding's tokens; in bf16 a verify's wider
+                # matmuls may round a near tie the other way, so this is recorded, not asserted.
+                same = sum(a == b for a, b in zip(tokens, plain_tokens, strict=True))
+                row["outputs_equal_plain"] = same / len(tokens)
             if name == "ngram":
                 outs = timing["outs"]
                 lengths = [o.meta_info["spec_accept_length"] for o in outs if o.meta_info["spec_verify_ct"]]

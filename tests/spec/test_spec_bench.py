@@ -17,6 +17,7 @@ def test_spec_workloads_run_and_report_their_keys(tiny_model_dir):
     assert {"speedup", "speedup_over_accept_length", "speedup_over_accept_length_end_to_end", "plain_tok_s",
             "ngram_tok_s", "plain_step_tok_s", "ngram_step_tok_s", "step_accept_length"} <= set(rep["bs2"])
     assert rep["bs1"]["step_accept_length"] > 1.5 and rep["bs1"]["ngram_step_tok_s"] > 0
+    assert rep["bs1"]["outputs_equal_plain"] == rep["bs2"]["outputs_equal_plain"] == 1.0  # fp32: exact
     miss = spec_ngram_miss(path, 400, num_prompts=2, input_len=8, output_len=6, **CPU)
     assert miss["cost_over_plain"] > 0
     over = spec_overhead(path, batch_sizes=(1, 2), context=16, iters=2, **CPU)
