@@ -40,6 +40,12 @@ from plait.attention.triton.decode import DEFAULT_MIN_SPLIT_LEN, DEFAULT_PROGRAM
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
+# Where a batch's KV slots lie (--kv-layout): "random" (every slot anywhere: a fragmented pool),
+# "contiguous" (each request's slots consecutive: the best locality an allocator could give), or
+# "decode" (each request's first half consecutive, as a prefill allocates it, and the rest one slot per
+# request per step, interleaved across the batch, as decode steps allocate them).
+KV_LAYOUTS = ("random", "contiguous", "decode")
+KV_LAYOUT = "random"
 ELEM = 2  # bytes per bf16
 
 
@@ -110,11 +116,34 @@ def measure_device(timer: Timer) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------
 
 
+def kv_slots(lens: list[int], num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    """The slots of every request, request-major, in the ``KV_LAYOUT`` layout (int64 [sum(lens)])."""
+    total = sum(lens)
+    if KV_LAYOUT == "random":
+        return torch.randperm(num_slots, generator=gen)[:total]
+    if KV_LAYOUT == "contiguous":
+        return torch.arange(total)
+    # "decode": prefills first (consecutive runs), then the decode steps, step-major across requests.
+    prompts = [n - n // 2 for n in lens]
+    prompt_start = [0]
+    for n in prompts[:-1]:
+        prompt_start.append(prompt_start[-1] + n)
+    base = sum(prompts)
+    out, live = [], len(lens)
+    for i, n in enumerate(lens):
+        step_slots = [base + step * live + i for step in range(n // 2)]
+        out.append(torch.cat([torch.arange(prompt_start[i], prompt_start[i] + prompts[i]),
+                              torch.tensor(step_slots, dtype=torch.long)]))
+    slots = torch.cat(out)
+    assert int(slots.max()) < num_slots, "the decode layout assumes requests of one length"
+    return slots
+
+
 def paged_kv(lens: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K/V buffers over random slots; returns (k_buf, v_buf, kv_indptr, kv_indices)."""
+    """K/V buffers over slots laid out as ``KV_LAYOUT``; returns (k_buf, v_buf, kv_indptr, kv_indices)."""
     total = sum(lens)
     num_slots = total + 1024
-    slots = torch.randperm(num_slots, generator=gen)[:total].to(torch.int32).cuda()
+    slots = kv_slots(lens, num_slots, gen).to(torch.int32).cuda()
     k_buf = torch.randn(num_slots, HKV, D, dtype=DTYPE, device="cuda")
     v_buf = torch.randn(num_slots, HKV, D, dtype=DTYPE, device="cuda")
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
@@ -280,9 +309,13 @@ def main() -> None:
                         help="only sweep decode launch configs x split heuristics at these shapes (e.g. 128x576)")
     parser.add_argument("--sweep-extend", default=None, metavar="BSxEXT+PREFIX,...",
                         help="only sweep extend launch configs at these shapes (e.g. 16x512+0)")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="random",
+                        help="where the KV slots lie (see KV_LAYOUTS); default random")
     parser.add_argument("--heads", default=None, metavar="HQ,HKV,D",
                         help=f"attention heads and head dim (default {HQ},{HKV},{D}: llama-3.1-8b; 32,8,64: 3.2-1b)")
     args = parser.parse_args()
+    global KV_LAYOUT
+    KV_LAYOUT = args.kv_layout
     if args.heads:
         HQ, HKV, D = (int(v) for v in args.heads.split(","))
     if not torch.cuda.is_available():
@@ -332,7 +365,7 @@ def main() -> None:
                     "max_kv_splits": args.max_kv_splits,
                     "programs_per_sm": DEFAULT_PROGRAMS_PER_SM,
                     "min_split_len": DEFAULT_MIN_SPLIT_LEN,
-                    "kv_layout": "page size 1, random slots",
+                    "kv_layout": f"page size 1, {KV_LAYOUT} slots",
                 },
                 "detail": r,
             },
@@ -355,7 +388,7 @@ def main() -> None:
                 "ratio_vs_peer": (r["peer_us"] / r["us"]) if r.get("peer_us") else None,
                 "floor": floor_us,
                 "fraction_of_floor": floor_us / r["us"],
-                "config": {"kernel": asdict(cfg), "causal": True, "kv_layout": "page size 1, random slots"},
+                "config": {"kernel": asdict(cfg), "causal": True, "kv_layout": f"page size 1, {KV_LAYOUT} slots"},
                 "detail": r,
             },
         )

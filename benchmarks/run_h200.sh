@@ -263,6 +263,14 @@ for stage in "$@"; do
       done ;;
     # Decode attention at head dim 128 over nano-vllm's longer contexts (qwen3-0.6b's 16/8 heads, then the
     # 8b's 32/8): whether the packed 32-token tile's loss end to end on nano-vllm comes from long contexts.
+    # Decode attention over the three KV slot layouts of kernels_bench.py (--kv-layout): how much of the
+    # gap to the byte floor is the pool's slot scatter (1b heads at offline-throughput's context, nano-vllm's).
+    attn-decode-layout)
+      for layout in random decode contiguous; do
+        echo "# kv layout $layout"
+        python benchmarks/kernels_bench.py --kv-layout $layout --heads 32,8,64 --sweep-decode 256x640 2>&1 | tail -1
+        python benchmarks/kernels_bench.py --kv-layout $layout --heads 16,8,128 --sweep-decode 256x1024 2>&1 | tail -1
+      done ;;
     attn-decode-d128)
       python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-decode 256x1024,128x1536,64x2048 2>&1 | tail -3
       python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-decode 256x1024,128x1536 2>&1 | tail -2 ;;
