@@ -168,3 +168,56 @@ def test_admission_stops_where_the_reserved_kv_would_exceed_the_free_pool(model_
     while sched.has_work():
         sched.step()
     assert_no_leaks(engine)
+
+
+# --- decode runs (PLAIT_DECODE_SLOT_RUN): a request's decode tokens on consecutive KV slots ------------
+
+
+@pytest.fixture
+def decode_runs(monkeypatch):
+    monkeypatch.setenv("PLAIT_DECODE_SLOT_RUN", "4")
+
+
+def test_decode_runs_put_each_requests_decode_tokens_on_runs_of_consecutive_slots(model_path, decode_runs):
+    engine = make_engine(model_path)
+    kv = engine.scheduler.kv
+    assert kv.decode_run == 4
+    maps: list[list[int]] = []
+    release = kv.release
+
+    def record(req):  # the request's slot map, read just before its slots go back
+        maps.append(req.kv_slots(kv.req_to_token_pool.req_to_token).tolist()[len(req.origin_input_ids):])
+        release(req)
+
+    kv.release = record
+    engine.generate(PROMPTS[:4], GREEDY)
+    assert len(maps) == 4
+    for decode_slots in maps:  # the KV of output tokens 0..30, each written by a decode step
+        assert len(decode_slots) == 31
+        runs = [decode_slots[i : i + 4] for i in range(0, len(decode_slots), 4)]
+        assert all(run == list(range(run[0], run[0] + len(run))) for run in runs), decode_slots
+    assert_no_leaks(engine)
+
+
+def test_decode_runs_keep_greedy_outputs_through_retraction_and_leave_no_slot_held(
+        model_path, reference_tokens, decode_runs):
+    engine = make_engine(model_path, max_total_tokens=200, disable_radix_cache=True)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert engine.scheduler.stats.num_retractions >= 1
+    assert [o.token_ids for o in outs] == reference_tokens
+    assert_no_leaks(engine)
+
+
+def test_decode_runs_fall_back_to_single_slots_when_the_pool_cannot_give_a_run(model_path, reference_tokens,
+                                                                               monkeypatch):
+    monkeypatch.setenv("PLAIT_DECODE_SLOT_RUN", "64")  # 8 requests x 64 slots exceed the 250-slot pool
+    engine = make_engine(model_path, max_total_tokens=250, disable_radix_cache=True)
+    kv = engine.scheduler.kv
+    calls: list[tuple[int, bool]] = []  # (slots asked for, granted)
+    alloc = kv.alloc
+    kv.alloc = lambda n: calls.append((n, (got := alloc(n)) is not None)) or got
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference_tokens
+    refused = [i for i, (n, ok) in enumerate(calls) if n % 64 == 0 and n >= 64 and not ok]
+    assert refused and calls[refused[0] + 1] == (calls[refused[0]][0] // 64, True)  # one slot per row instead
+    assert_no_leaks(engine)
