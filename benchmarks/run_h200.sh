@@ -82,6 +82,8 @@ for stage in "$@"; do
     # PyTorch's fused kernels (1), each pair back to back.
     # The offline workloads with one KV slot per request per decode step (1) and with decode runs of 16
     # consecutive slots per request (PLAIT_DECODE_SLOT_RUN), each pair back to back.
+    decode-run-tests) python -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k decode_runs -p no:cacheprovider 2>&1 \
+        | tail -3 ;;
     decode-run-ab) env_ab PLAIT_DECODE_SLOT_RUN "1 ${DECODE_RUN:-16}" decode-run "${RUN_WORKLOADS:-$OFFLINE_SET}" ;;
     prefill-flash-ab) env_ab PLAIT_TRITON_PREFILL_FLASH "0 1" prefill-flash "${FLASH_WORKLOADS:-$OFFLINE_SET}" ;;
     prefill-flash-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "fresh or mixed" \
