@@ -208,16 +208,24 @@ def test_decode_runs_keep_greedy_outputs_through_retraction_and_leave_no_slot_he
     assert_no_leaks(engine)
 
 
-def test_decode_runs_fall_back_to_single_slots_when_the_pool_cannot_give_a_run(model_path, reference_tokens,
-                                                                               monkeypatch):
+def test_decode_runs_under_a_pool_too_small_for_runs_keep_greedy_outputs(model_path, reference_tokens, monkeypatch):
     monkeypatch.setenv("PLAIT_DECODE_SLOT_RUN", "64")  # 8 requests x 64 slots exceed the 250-slot pool
     engine = make_engine(model_path, max_total_tokens=250, disable_radix_cache=True)
-    kv = engine.scheduler.kv
-    calls: list[tuple[int, bool]] = []  # (slots asked for, granted)
-    alloc = kv.alloc
-    kv.alloc = lambda n: calls.append((n, (got := alloc(n)) is not None)) or got
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference_tokens
-    refused = [i for i, (n, ok) in enumerate(calls) if n % 64 == 0 and n >= 64 and not ok]
-    assert refused and calls[refused[0] + 1] == (calls[refused[0]][0] // 64, True)  # one slot per row instead
     assert_no_leaks(engine)
+
+
+def test_alloc_decode_hands_out_runs_then_single_slots_when_free_slots_run_short():
+    from plait.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator
+    from plait.scheduler.kv_cache import KVCacheManager
+
+    allocator = TokenToKVPoolAllocator(10, "cpu")
+    kv = KVCacheManager(ReqToTokenPool(4, 64, "cpu"), allocator, 10, disable_radix_cache=True, device="cpu",
+                        decode_run=4)
+    steps = [kv.alloc_decode([1, 2]).tolist() for _ in range(2)]
+    assert steps == [[1, 5], [2, 6]]  # rows 1 and 2 own runs 1-4 and 5-8
+    assert kv.alloc_decode([1, 2, 3]).tolist() == [3, 7, 9]  # 2 slots free: row 3 gets one, not a run
+    assert allocator.available_size() == 1
+    assert kv.alloc_decode([3]).tolist() == [10]  # its run is used up: again one slot
+    assert kv.alloc_decode([3]) is None  # nothing left

@@ -68,7 +68,9 @@ class KVCacheManager:
             return self.alloc(len(rows))
         empty = [r for r in rows if self.run_next[r] == run]
         if empty:
-            block = self.alloc(run * len(empty))
+            # Runs come from free slots only: reserving is no reason to evict cached prefixes.
+            need = run * len(empty)
+            block = self.allocator.alloc(need) if self.allocator.available_size() >= need else None
             if block is not None:
                 self.runs[torch.tensor(empty, device=self.device)] = block.view(len(empty), run)
                 first = 0
