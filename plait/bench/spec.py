@@ -108,12 +108,11 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
             tokens = [o.token_ids for o in timing["outs"]]
             if name == "plain":
                 plain_tokens = tokens
-            else:
+            if name == "ngram":
                 # Greedy speculation should give plain decoding's tokens; in bf16 a verify's wider
                 # matmuls may round a near tie the other way, so this is recorded, not asserted.
                 same = sum(a == b for a, b in zip(tokens, plain_tokens, strict=True))
                 row["outputs_equal_plain"] = same / len(tokens)
-            if name == "ngram":
                 outs = timing["outs"]
                 lengths = [o.meta_info["spec_accept_length"] for o in outs if o.meta_info["spec_verify_ct"]]
                 row["accept_length"] = sum(lengths) / len(lengths) if lengths else 1.0
