@@ -4,12 +4,16 @@ stack that made it (counted per distinct stack), and each step's host launch tim
 time, per step kind. A sync on the launch path makes the host wait for the batch in flight, so the
 device then idles while the host builds and launches the next one.
 
-    PYTHONPATH=$PWD python benchmarks/sync_audit.py OUT_DIR [SHAPE] [PROMPTS]
+    PYTHONPATH=$PWD python benchmarks/sync_audit.py OUT_DIR [SHAPE] [PROMPTS] [nano]
+
+``nano``: nano-vllm's lengths (prompt and output uniform in [100, 1024] per request) instead of 512-token
+prompts and 16 new tokens, so requests finish at different steps and the batch shrinks as they do.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 import tempfile
 import time
@@ -28,6 +32,7 @@ def main() -> None:
     out_dir = sys.argv[1]
     shape = sys.argv[2] if len(sys.argv) > 2 else "llama-3.2-1b"
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    nano = len(sys.argv) > 4 and sys.argv[4] == "nano"
     shape_dir = str(write_shape_dir(tempfile.mkdtemp(), shape))
     vocab = SHAPES[shape]["vocab_size"]
     engine = make_engine(shape_dir, max_running_requests=256)
@@ -57,8 +62,15 @@ def main() -> None:
             launch_ms[kind].append(1e3 * (time.perf_counter() - t0))
 
     sched._launch = timed_launch
-    for p in random_prompts(n, 512, vocab, seed=1):
-        sched.add_request(engine.make_request(p, params))
+    if nano:
+        rng = random.Random(1)
+        lengths = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(n)]
+        prompts = random_prompts(n, [i for i, _ in lengths], vocab, seed=1)
+        timed_params = [{**params, "max_new_tokens": o} for _, o in lengths]
+    else:
+        prompts, timed_params = random_prompts(n, 512, vocab, seed=1), [params] * n
+    for p, sp in zip(prompts, timed_params, strict=True):
+        sched.add_request(engine.make_request(p, sp))
     old_show = warnings.showwarning
     warnings.showwarning = record
     warnings.simplefilter("always")
@@ -83,13 +95,14 @@ def main() -> None:
         s = sorted(v)
         return {"count": len(s), "median_ms": s[len(s) // 2], "max_ms": s[-1], "total_ms": sum(s)}
 
-    result = {"shape": shape, "prompts": n, "syncs": [{"count": c, "stack": s} for s, c in stacks.most_common(20)],
+    result = {"shape": shape, "prompts": n, "lengths": "nano-vllm" if nano else "512 in / 16 out",
+              "syncs": [{"count": c, "stack": s} for s, c in stacks.most_common(20)],
               "launch": {k: summary(v) for k, v in launch_ms.items()},
               "step": {k: summary(v) for k, v in step_ms.items()}}
     print(json.dumps({k: result[k] for k in ("launch", "step")}, indent=1))
     for row in result["syncs"][:10]:
         print(f"--- {row['count']} x\n{row['stack']}")
-    with open(f"{out_dir}/sync-audit-{shape}.json", "w") as f:
+    with open(f"{out_dir}/sync-audit-{shape}{'-nano' if nano else ''}.json", "w") as f:
         json.dump(result, f, indent=2)
 
 
