@@ -324,13 +324,19 @@ class TritonAttnBackend(AttentionBackend):
         if mask is not None:
             sizes = [e * (e + p) for e, p in zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu, strict=True)]
             mask_indptr = _indptr(torch.tensor(sizes, dtype=torch.int64, device=self.device))
-        rows = self._leading_decode_rows(fb, mask)
+        # Decode rows and the SDPA group apply neither a custom mask nor a window, and not to
+        # DRAFT_EXTEND: a draft step's new tokens may write their K/V elsewhere (the dummy slot).
+        splittable = (mask is None and not self.sliding_windows
+                      and fb.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED))
+        rows = self._leading_decode_rows(fb) if splittable and self.mixed_via_decode else 0
         if rows:
             bufs = self._decode_buffers(rows, sum(fb.extend.prefix_lens_cpu[:rows]) + rows)
             get_num_kv_splits(fb.seq_lens[:rows], bufs.num_kv_splits, self.max_kv_splits, self.num_sms,
                               self.kv_pool.num_kv_heads)
             self.mixed_rows_md = MixedRowsMetadata(bufs=bufs, num_rows=rows)
-        self.flash_prefill_md = self._plan_flash_prefill(fb, mask, rows, in_capture)
+        self.flash_prefill_md = (self._plan_flash_prefill(fb, rows)
+                                 if splittable and self.prefill_via_flash and self.flash_usable and not in_capture
+                                 else None)
         self.extend_md = ExtendMetadata(
             qo_indptr=_indptr(fb.extend.seq_lens),
             kv_indptr=_indptr(fb.extend.prefix_lens[rows:]),
@@ -400,15 +406,11 @@ class TritonAttnBackend(AttentionBackend):
         # Capture planning arms the check in in_graph; any other planning disarms it.
         self._capture_input_ptrs = self._verify_input_ptrs(fb) if in_capture else None
 
-    def _leading_decode_rows(self, fb: ForwardBatch, mask: torch.Tensor | None) -> int:
+    @staticmethod
+    def _leading_decode_rows(fb: ForwardBatch) -> int:
         """How many of an EXTEND / MIXED batch's first requests attend as decode rows (``MIXED_VIA_DECODE``):
-        the leading run of one-token requests (the scheduler puts a MIXED step's decode rows first). 0 under
-        a custom mask or windowed layers (the decode rows apply neither)."""
+        the leading run of one-token requests (the scheduler puts a MIXED step's decode rows first)."""
         assert fb.extend is not None
-        # Not DRAFT_EXTEND: a draft step's new tokens may write their K/V elsewhere (the dummy slot).
-        if (not self.mixed_via_decode or mask is not None or self.sliding_windows
-                or fb.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED)):
-            return 0
         rows = 0
         for n in fb.extend.seq_lens_cpu:
             if n != 1:
@@ -416,16 +418,13 @@ class TritonAttnBackend(AttentionBackend):
             rows += 1
         return rows
 
-    def _plan_flash_prefill(self, fb: ForwardBatch, mask: torch.Tensor | None, rows: int, in_capture: bool
-                            ) -> PackedGroup | None:
-        """Requests ``[rows, bs)`` as one batched SDPA group (``PREFILL_VIA_FLASH``), or None when one of
-        them has a cached prefix or another length, under a custom mask or windowed layers, or in a graph
-        capture (the extend kernel then takes them all)."""
+    @staticmethod
+    def _plan_flash_prefill(fb: ForwardBatch, rows: int) -> PackedGroup | None:
+        """Requests ``[rows, bs)`` as one batched SDPA group (``PREFILL_VIA_FLASH``), or None when there are
+        none or one of them has a cached prefix or another length (the extend kernel then takes them all)."""
         assert fb.extend is not None
         ext, pre = fb.extend.seq_lens_cpu[rows:], fb.extend.prefix_lens_cpu[rows:]
-        if (not self.prefill_via_flash or not self.flash_usable or in_capture or not ext or mask is not None
-                or self.sliding_windows or fb.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED)
-                or any(p != 0 for p in pre) or any(e != ext[0] for e in ext)):
+        if not ext or any(p != 0 for p in pre) or any(e != ext[0] for e in ext):
             return None
         return PackedGroup(length=ext[0], count=len(ext), token_start=sum(fb.extend.seq_lens_cpu[:rows]), q_src=None)
 

@@ -71,14 +71,15 @@ class KVCacheManager:
             # Runs come from free slots only: reserving is no reason to evict cached prefixes.
             need = run * len(empty)
             block = self.allocator.alloc(need) if self.allocator.available_size() >= need else None
+            empty_t = torch.tensor(empty, device=self.device)
             if block is not None:
-                self.runs[torch.tensor(empty, device=self.device)] = block.view(len(empty), run)
+                self.runs[empty_t] = block.view(len(empty), run)
                 first = 0
             else:  # short of a run each: one slot each this step, as the last slot of a run
                 block = self.alloc(len(empty))
                 if block is None:
                     return None
-                self.runs[torch.tensor(empty, device=self.device), run - 1] = block
+                self.runs[empty_t, run - 1] = block
                 first = run - 1
             for r in empty:
                 self.run_next[r] = first
