@@ -80,11 +80,6 @@ for stage in "$@"; do
     mixed-ab) env_ab PLAIT_TRITON_MIXED_EXTEND "1 0" mixed-extend "${MIXED_WORKLOADS:-$OFFLINE_SET}" ;;
     # The offline workloads with fresh prompts on the extend kernel (PLAIT_TRITON_PREFILL_FLASH=0) and on
     # PyTorch's fused kernels (1), each pair back to back.
-    # The offline workloads with one KV slot per request per decode step (1) and with decode runs of 16
-    # consecutive slots per request (PLAIT_DECODE_SLOT_RUN), each pair back to back.
-    decode-run-tests) python -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k decode_runs -p no:cacheprovider 2>&1 \
-        | tail -3 ;;
-    decode-run-ab) env_ab PLAIT_DECODE_SLOT_RUN "1 ${DECODE_RUN:-16}" decode-run "${RUN_WORKLOADS:-$OFFLINE_SET}" ;;
     prefill-flash-ab) env_ab PLAIT_TRITON_PREFILL_FLASH "0 1" prefill-flash "${FLASH_WORKLOADS:-$OFFLINE_SET}" ;;
     prefill-flash-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "fresh or mixed" \
         -p no:cacheprovider 2>&1 | tail -3 ;;
@@ -104,6 +99,8 @@ for stage in "$@"; do
       python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3
       python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3 ;;
     sync-audit) python benchmarks/sync_audit.py "$OUT" llama-3.2-1b 64 2>&1 | grep -v " INFO " | tail -60 ;;
+    # The same at nano-vllm's lengths (qwen3-0.6b, 128 requests finishing at different steps).
+    sync-audit-nano) python benchmarks/sync_audit.py "$OUT" qwen3-0.6b 128 nano 2>&1 | grep -v " INFO " | tail -60 ;;
     profile-prefill) python benchmarks/profile_prefill.py "$OUT" 2>&1 | grep -v " INFO " | tail -50 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     # offline-throughput's decode steps: bs 256 at about its context (512-token prompts).
@@ -293,6 +290,14 @@ for stage in "$@"; do
     # forced to 1 (the tiles before packing) and at its default, each pair back to back.
     kvpack-offline-ab) env_ab PLAIT_DECODE_KV_PACK "1 0" kvpack-off \
         "offline-throughput:llama-3.1-8b nano-vllm:qwen3-0.6b offline-throughput:llama-3.2-1b" ;;
+    # nano-vllm with decode attention at its default tiles (0: one KV head per program at qwen3-0.6b's groups
+    # of 2) and with two KV heads per program in 32-token tiles (2), two rounds of the pair back to back.
+    kvpack-nano-ab)
+      for round in 1 2; do env_ab PLAIT_DECODE_KV_PACK "0 2" "kvpack-nano-r$round" nano-vllm:qwen3-0.6b; done ;;
+    # The extend kernel's launch configs at head dim 128 alone (qwen3-0.6b's and the 8b's heads).
+    attn-extend-d128)
+      python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3
+      python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3 ;;
     attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
     # The n-gram pair alone, shortened as in `spec`.

@@ -157,11 +157,6 @@ DECODE_KV_PACK = _int_var(
     "KV heads per program of the Triton decode attention kernel (a power of two dividing the KV heads; "
     "1: one per program). Unset (the default): the kernel's own choice by head dim and batch size "
     "(plait.attention.triton.decode.decode_config). Read at import.")
-DECODE_SLOT_RUN = _int_var(
-    "PLAIT_DECODE_SLOT_RUN",
-    "N > 1: each request's decode tokens take KV slots from runs of N consecutive slots reserved for it, so "
-    "they lie side by side in the pool (plait.scheduler.kv_cache); unset or 1 (the default): one slot per "
-    "request per step, interleaved across the batch (A/B measurement). Read when the scheduler is built.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
@@ -169,4 +164,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
-                                    PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE, DECODE_SLOT_RUN)
+                                    PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)

@@ -3,15 +3,8 @@
 ``KVCacheManager`` owns the bookkeeping of who holds which slot: admission takes a row and locks the
 matched prefix (``admit``), a step reserves and maps slots (``alloc`` / ``map`` / ``free``), and
 ``release`` hands a request's KV to the prefix cache (or frees it) and returns its row. Invariant:
-every slot is either free in the allocator, mapped by a live request's row, reserved in a live
-request's decode run, or held by the radix cache; ``tokens_in_use`` counts the slots live requests
-hold, reserved ones included (0 when idle).
-
-Decode runs (``decode_run`` > 1): a decode step takes each request's slot from a run of
-``decode_run`` consecutive slots reserved for that request (``alloc_decode``), so a request's
-decode tokens lie side by side in the pool as its prompt's do, instead of one slot per request per
-step interleaved across the batch. A run is refilled when used up and its unused slots are freed
-with the request.
+every slot is either free in the allocator, mapped by a live request's row, or held by the radix
+cache; ``tokens_in_use`` counts the slots live requests hold (0 when idle).
 """
 
 from __future__ import annotations
@@ -21,25 +14,16 @@ import torch
 from plait.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from plait.mem.radix_cache import MatchResult, RadixCache
 from plait.scheduler.req import Req
-from plait.transfer import ints_to_device
 
 
 class KVCacheManager:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-                 total_tokens: int, disable_radix_cache: bool, device: str, decode_run: int = 1) -> None:
-        if decode_run < 1:
-            raise ValueError(f"decode_run must be >= 1 (1: no runs), got {decode_run}")
+                 total_tokens: int, disable_radix_cache: bool, device: str) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = RadixCache(allocator, disable=disable_radix_cache, device=device)
         self.total_tokens = total_tokens
         self.device = device
-        self.decode_run = decode_run
-        if decode_run > 1:
-            # runs[row, i]: the i-th slot of the run reserved for the request in pool row ``row``;
-            # run_next[row]: the first unused one (decode_run: none left). Owned here.
-            self.runs = torch.zeros(req_to_token_pool.size + 1, decode_run, dtype=torch.int64, device=device)
-            self.run_next = [decode_run] * (req_to_token_pool.size + 1)
 
     def available_tokens(self) -> int:
         """KV slots free now or after evicting the prefix cache."""
@@ -59,35 +43,6 @@ class KVCacheManager:
 
     def free(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
-
-    def alloc_decode(self, rows: list[int]) -> torch.Tensor | None:
-        """One slot (int64 [len(rows)]) for the next decode token of each request-pool row, from the
-        rows' decode runs; None when the pool cannot give one slot per row."""
-        run = self.decode_run
-        if run == 1:
-            return self.alloc(len(rows))
-        empty = [r for r in rows if self.run_next[r] == run]
-        if empty:
-            # Runs come from free slots only: reserving is no reason to evict cached prefixes.
-            need = run * len(empty)
-            block = self.allocator.alloc(need) if self.allocator.available_size() >= need else None
-            empty_t = torch.tensor(empty, device=self.device)
-            if block is not None:
-                self.runs[empty_t] = block.view(len(empty), run)
-                first = 0
-            else:  # short of a run each: one slot each this step, as the last slot of a run
-                block = self.alloc(len(empty))
-                if block is None:
-                    return None
-                self.runs[empty_t, run - 1] = block
-                first = run - 1
-            for r in empty:
-                self.run_next[r] = first
-        cols = [self.run_next[r] for r in rows]
-        for r in rows:
-            self.run_next[r] += 1
-        rows_t, cols_t = ints_to_device([rows, cols], self.device)
-        return self.runs[rows_t, cols_t]
 
     def map(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.req_to_token_pool.scatter(rows, positions, slots)
@@ -119,19 +74,11 @@ class KVCacheManager:
         self.tree_cache.reset_state()
         self.allocator.clear()
         self.req_to_token_pool.clear()
-        if self.decode_run > 1:
-            self.run_next = [self.decode_run] * len(self.run_next)
 
     def release(self, req: Req) -> None:
         """Hand the request's KV to the prefix cache (or free it) and return its pool row."""
         if req.req_pool_idx is None:
             return
-        row = req.req_pool_idx
-        if self.decode_run > 1 and self.run_next[row] < self.decode_run:
-            # Reserved, never used. A copy: the allocator keeps what it is given until it merges its
-            # free list, and this row of the table is refilled by the row's next request.
-            self.allocator.free(self.runs[row, self.run_next[row] :].clone())
-            self.run_next[row] = self.decode_run
         slots = req.kv_slots(self.req_to_token_pool.req_to_token)
         # A token computed after the request finished (overlap) has KV but no place in fill_ids.
         cached = min(req.kv_len, req.fill_len)

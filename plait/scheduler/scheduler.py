@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plait import envs
 from plait.config import EngineConfig
 from plait.executor.forward_output import InputLogprobs
 from plait.executor.model_runner import ModelRunner
@@ -75,8 +74,7 @@ class Scheduler:
         self.config = config
         self.runner = runner
         self.kv = KVCacheManager(runner.req_to_token_pool, runner.allocator, runner.max_total_tokens,
-                                 config.disable_radix_cache, runner.device,
-                                 decode_run=envs.DECODE_SLOT_RUN.get() or 1)
+                                 config.disable_radix_cache, runner.device)
         self.eos_token_ids = runner.model_config.eos_token_ids
         self.vocab_size = runner.model_config.vocab_size
         self.waiting: deque[Req] = deque()
@@ -282,7 +280,7 @@ class Scheduler:
         if self._in_flight is not None and self._needs_host_state():
             self._drain()
         decodes = self._reserve_decode_slots(skip or set())
-        decode_slots = self.kv.alloc_decode([r.row for r in decodes]) if decodes else None
+        decode_slots = self.alloc_kv_slots(len(decodes)) if decodes else None
         entries = [BatchEntry(r, r.kv_len, 1, sample=True, is_decode=True) for r in decodes]
         locs = [decode_slots] if decode_slots is not None else []
         budget = self.config.prefill_token_budget(self.runner.max_context_len)

@@ -80,21 +80,6 @@ def test_graph_replay_matches_eager_on_the_same_batch(shape_dir):
     assert spread <= 2e-2 * scale, f"graph vs eager max diff {spread} (logit scale {scale})"
 
 
-def test_decode_runs_give_the_tokens_single_slots_give_and_free_every_slot(shape_dir, monkeypatch):
-    """Decode runs (PLAIT_DECODE_SLOT_RUN) move where decode tokens' KV lies, not what is computed:
-    the same greedy tokens in bf16 with graphs, ragged output lengths, and every slot free after."""
-    prompts = random_prompts(64, 96, VOCAB, seed=8)
-    params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 8 + 5 * (i % 9)} for i in range(64)]
-    runs = []
-    for run in ("1", "16"):
-        monkeypatch.setenv("PLAIT_DECODE_SLOT_RUN", run)
-        engine = make_engine(shape_dir, max_running_requests=64)
-        runs.append([o.token_ids for o in engine.generate(prompts, params)])
-        assert engine.scheduler.kv_tokens_in_use() == 0
-        release(engine)
-    assert runs[0] == runs[1]
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
 def test_second_replica_replays_graphs_captured_on_its_own_gpu(shape_dir):
     """Two replicas (dp_size 2): replica 1 captures on GPU 1 (a capture stream of its own device;
