@@ -46,6 +46,9 @@ DTYPE = torch.bfloat16
 # request per step, interleaved across the batch, as decode steps allocate them).
 KV_LAYOUTS = ("random", "contiguous", "decode")
 KV_LAYOUT = "random"
+# Decode contexts: 0, every request at ``ctx``; LO > 0, uniform in [LO, 2 * ctx - LO] per request (mean ctx),
+# as a batch of requests admitted at different lengths and decoding for different times holds them.
+RAGGED_LO = 0
 ELEM = 2  # bytes per bf16
 
 
@@ -167,7 +170,8 @@ def bench_decode(
     in its metadata step) and timed on their own. ``layers`` > 0 also times one graph of that many
     decode calls over distinct per-layer caches, without L2 flushes (the model's steady state)."""
     gen = torch.Generator().manual_seed(bs * 100003 + ctx)
-    lens = [ctx] * bs
+    lens = (torch.randint(RAGGED_LO, 2 * ctx - RAGGED_LO + 1, (bs,), generator=gen).tolist() if RAGGED_LO
+            else [ctx] * bs)
     k_buf, v_buf, indptr, indices = paged_kv(lens, gen)
     q = torch.randn(bs, HQ, D, dtype=DTYPE, device="cuda")
     o = torch.empty_like(q)
@@ -186,13 +190,13 @@ def bench_decode(
     choose_splits()
     eager_ms = timer(run)
     graph_ms = timer.graph(run)
-    tokens = bs * ctx
+    tokens = sum(lens)
     bytes_read = tokens * HKV * 2 * D * ELEM + tokens * 4 + 2 * bs * HQ * D * ELEM
     out: dict[str, Any] = {
         "bs": bs,
         "ctx": ctx,
         "max_kv_splits": max_kv_splits,
-        "num_kv_splits": int(splits[0]),
+        "num_kv_splits": int(splits.max()),
         "eager_us": eager_ms * 1e3,
         "graph_us": graph_ms * 1e3,
         "split_choice_graph_us": timer.graph(choose_splits) * 1e3,
@@ -311,11 +315,14 @@ def main() -> None:
                         help="only sweep extend launch configs at these shapes (e.g. 16x512+0)")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="random",
                         help="where the KV slots lie (see KV_LAYOUTS); default random")
+    parser.add_argument("--ragged", type=int, default=0, metavar="LO",
+                        help="decode contexts uniform in [LO, 2 x CTX - LO] per request instead of CTX each")
     parser.add_argument("--heads", default=None, metavar="HQ,HKV,D",
                         help=f"attention heads and head dim (default {HQ},{HKV},{D}: llama-3.1-8b; 32,8,64: 3.2-1b)")
     args = parser.parse_args()
-    global KV_LAYOUT
+    global KV_LAYOUT, RAGGED_LO
     KV_LAYOUT = args.kv_layout
+    RAGGED_LO = args.ragged
     if args.heads:
         HQ, HKV, D = (int(v) for v in args.heads.split(","))
     if not torch.cuda.is_available():
@@ -413,8 +420,9 @@ def sweep_decode(timer: Timer, shapes: list[tuple[int, ...]], max_kv_splits: int
     for bs, ctx in shapes:
         rows = []
         for cfg in configs:
-            # Large batches do not split: one heuristic is enough there.
-            for pps in (4, 8, 16) if bs < 64 else (4,):
+            # Large batches at one context do not split: one heuristic is enough there. Ragged ones may
+            # split their longest requests.
+            for pps in (4, 8, 16) if bs < 64 else (4, 8, 16, 32) if RAGGED_LO else (4,):
                 for msl in (64, 128, 256) if bs < 64 else (128,):
                     try:
                         r = bench_decode(timer, bs, ctx, max_kv_splits, num_sms, cfg, pps, msl, with_peer=False)

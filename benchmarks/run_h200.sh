@@ -294,6 +294,23 @@ for stage in "$@"; do
     # of 2) and with two KV heads per program in 32-token tiles (2), two rounds of the pair back to back.
     kvpack-nano-ab)
       for round in 1 2; do env_ab PLAIT_DECODE_KV_PACK "0 2" "kvpack-nano-r$round" nano-vllm:qwen3-0.6b; done ;;
+    # Decode attention over ragged contexts (uniform in [100, 1900], nano-vllm's spread) at qwen3-0.6b's heads:
+    # the split planner's programs per SM (pps) x tiles, at bs 256 and 128.
+    attn-decode-ragged)
+      python benchmarks/kernels_bench.py --heads 16,8,128 --ragged 100 --sweep-decode 256x1000,128x1000 2>&1 | tail -2 ;;
+    # nano-vllm at split-planner targets (PLAIT_DECODE_PROGRAMS_PER_SM) and KV packs (PLAIT_DECODE_KV_PACK, 0:
+    # the default), "pps:pack" each, in two rounds; results in $OUT/pps-<round>-<pps>-<pack>.
+    pps-nano-ab)
+      for round in 1 2; do
+        for pair in ${PPS_PAIRS:-4:0 8:0 16:0 16:2}; do
+          PLAIT_DECODE_PROGRAMS_PER_SM=${pair%%:*} PLAIT_DECODE_KV_PACK=${pair#*:} python -m plait bench offline \
+            --workload nano-vllm --shape qwen3-0.6b --out "$OUT/pps-$round-${pair%%:*}-${pair#*:}" 2>&1 \
+            | grep -E '^\{"workload|Error'
+        done
+      done ;;
+    # The GPU tests of the long-extend tiles and of the speculative graphs (chained verifies by default).
+    tests-extend-spec) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k extend \
+        tests/gpu/test_spec_graphs_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-extend-spec.log" | tail -4 ;;
     # The extend kernel's launch configs at head dim 128 alone (qwen3-0.6b's and the 8b's heads).
     attn-extend-d128)
       python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3

@@ -130,12 +130,12 @@ PDL_PRELOAD = EnvVar(
     "step writes (norm weights, the rotary table, positions, cache slots, the attention's split layout and "
     "first slots) before they wait for the previous kernel (plait.layers.pdl); 0: after (the A/B). Read at "
     "every call.")
-SPEC_CHAIN_VERIFIES = _flag_var(
-    "PLAIT_SPEC_CHAIN_VERIFIES",
-    "1: an NGRAM worker on one rank launches the next verify from a verify's outcome before its tokens are "
-    "committed (chained verifies, with each chain's KV mapped at its launch; docs/speculative-decoding.md); "
-    "unset (the default until a GPU run checks and measures it): each verify's tokens are committed "
-    "before the next verify is built. Read when the worker is built.")
+SPEC_CHAIN_VERIFIES = EnvVar(
+    "PLAIT_SPEC_CHAIN_VERIFIES", _flag, True,
+    "1 (the default): an NGRAM worker on one rank launches the next verify from a verify's outcome before its "
+    "tokens are committed (chained verifies, with each chain's KV mapped at its launch; "
+    "docs/speculative-decoding.md); 0: each verify's tokens are committed before the next verify is built "
+    "(the A/B baseline). Read when the worker is built.")
 PIECEWISE_CUDA_GRAPH = _flag_var(
     "PLAIT_PIECEWISE_CUDA_GRAPH",
     "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "
@@ -152,6 +152,11 @@ PDL = EnvVar(
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
     "(sm_90+; plait.layers.pdl): each may start while the one before it finishes. 0: plain launches (the "
     "A/B baseline).")
+DECODE_PROGRAMS_PER_SM = _int_var(
+    "PLAIT_DECODE_PROGRAMS_PER_SM",
+    "The Triton decode attention's split planner target: stage-1 programs per SM over the whole batch, from "
+    "which a request's KV splits follow (plait.attention.triton.decode.get_num_kv_splits). Unset (the "
+    "default): DEFAULT_PROGRAMS_PER_SM (A/B measurement). Read at import.")
 DECODE_KV_PACK = _int_var(
     "PLAIT_DECODE_KV_PACK",
     "KV heads per program of the Triton decode attention kernel (a power of two dividing the KV heads; "
@@ -163,5 +168,5 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     TRITON_VERIFY_EXTEND, TRITON_MIXED_EXTEND, TRITON_PREFILL_FLASH, TRITON_OPS,
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    PDL, DECODE_KV_PACK, SPEC_CHAIN_VERIFIES, ROTARY_SPLIT_HEADS,
-                                    PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)
+                                    PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, SPEC_CHAIN_VERIFIES,
+                                    ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)

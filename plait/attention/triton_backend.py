@@ -48,6 +48,7 @@ from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
 from plait.attention.sinks import Float32Cache
 from plait.attention.torch_flash import PackedGroup, run_packed, sdpa_has_gqa
+from plait.attention.triton.decode import DEFAULT_PROGRAMS_PER_SM
 from plait.attention.triton.kernels import (
     build_kv_indices,
     build_verify_kv_indices,
@@ -61,6 +62,8 @@ from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 from plait.transfer import copy_to_device_
 
 MAX_KV_SPLITS = 32  # long contexts at bs=1 need many splits to fill the GPU
+# The decode split planner's stage-1 programs per SM (PLAIT_DECODE_PROGRAMS_PER_SM: A/B measurement).
+DECODE_PROGRAMS_PER_SM = envs.DECODE_PROGRAMS_PER_SM.get() or DEFAULT_PROGRAMS_PER_SM
 # Decode merges its KV splits inside the split kernel (one launch per layer instead of two);
 # PLAIT_TRITON_DECODE_TWO_STAGE=1 restores the separate merge kernel (A/B measurement, debugging).
 FUSED_SPLIT_MERGE = not envs.TRITON_DECODE_TWO_STAGE.get()
@@ -301,10 +304,11 @@ class TritonAttnBackend(AttentionBackend):
             self._capture_input_ptrs = (
                 (fb.req_pool_indices.data_ptr(), fb.seq_lens.data_ptr()) if in_capture else None)
             num_kv_heads = self.kv_pool.num_kv_heads
-            get_num_kv_splits(fb.seq_lens, bufs.num_kv_splits, self.max_kv_splits, self.num_sms, num_kv_heads)
+            get_num_kv_splits(fb.seq_lens, bufs.num_kv_splits, self.max_kv_splits, self.num_sms, num_kv_heads,
+                              DECODE_PROGRAMS_PER_SM)
             for w, win in self.window_md.items():
                 get_num_kv_splits(fb.seq_lens.clamp(max=w), win.num_kv_splits, self.max_kv_splits, self.num_sms,
-                                  num_kv_heads)
+                                  num_kv_heads, DECODE_PROGRAMS_PER_SM)
             self.decode_md = (bufs, bs)
             return
         assert fb.extend is not None
@@ -332,7 +336,7 @@ class TritonAttnBackend(AttentionBackend):
         if rows:
             bufs = self._decode_buffers(rows, sum(fb.extend.prefix_lens_cpu[:rows]) + rows)
             get_num_kv_splits(fb.seq_lens[:rows], bufs.num_kv_splits, self.max_kv_splits, self.num_sms,
-                              self.kv_pool.num_kv_heads)
+                              self.kv_pool.num_kv_heads, DECODE_PROGRAMS_PER_SM)
             self.mixed_rows_md = MixedRowsMetadata(bufs=bufs, num_rows=rows)
         self.flash_prefill_md = (self._plan_flash_prefill(fb, rows)
                                  if splittable and self.prefill_via_flash and self.flash_usable and not in_capture

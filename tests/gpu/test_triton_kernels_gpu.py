@@ -228,7 +228,9 @@ def test_decode_cuda_graph_replay() -> None:
         torch.testing.assert_close(o.float(), o_ref, atol=ATOL, rtol=RTOL)
 
 
-def _extend_case(prefix_lens: list[int], ext_lens: list[int], seed: int, tree: bool = False) -> None:
+def _extend_case(prefix_lens: list[int], ext_lens: list[int], seed: int, tree: bool = False,
+                 heads: tuple[int, int, int] = (HQ, HKV, D)) -> None:
+    hq, hkv, d = heads
     gen = torch.Generator().manual_seed(seed)
     bs = len(ext_lens)
     _, _, kv_indptr, kv_indices, num_slots = _layout([max(p, 1) for p in prefix_lens], gen)
@@ -237,11 +239,11 @@ def _extend_case(prefix_lens: list[int], ext_lens: list[int], seed: int, tree: b
     kv_indices = torch.cat([kv_indices[int(starts[i]) : int(starts[i]) + p] for i, p in enumerate(prefix_lens)])
     kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     kv_indptr[1:] = torch.cumsum(torch.tensor(prefix_lens, device="cuda"), 0)
-    k_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
-    v_buf = torch.randn(num_slots, HKV, D, device="cuda", dtype=DTYPE)
+    k_buf = torch.randn(num_slots, hkv, d, device="cuda", dtype=DTYPE)
+    v_buf = torch.randn(num_slots, hkv, d, device="cuda", dtype=DTYPE)
     t = sum(ext_lens)
-    qkv = torch.randn(t, HQ + 2 * HKV, D, device="cuda", dtype=DTYPE)  # fused projection output
-    q, k, v = qkv[:, :HQ], qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :]
+    qkv = torch.randn(t, hq + 2 * hkv, d, device="cuda", dtype=DTYPE)  # fused projection output
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
     qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     qo_indptr[1:] = torch.cumsum(torch.tensor(ext_lens, device="cuda"), 0)
     custom_mask = mask_indptr = None
@@ -258,9 +260,9 @@ def _extend_case(prefix_lens: list[int], ext_lens: list[int], seed: int, tree: b
         custom_mask = torch.cat(blocks).cuda()
         mask_indptr = torch.zeros(bs + 1, dtype=torch.int64, device="cuda")
         mask_indptr[1:] = torch.cumsum(torch.tensor([b.numel() for b in blocks], device="cuda"), 0)
-    o = torch.empty(t, HQ, D, device="cuda", dtype=DTYPE)
-    o_ref = torch.empty(t, HQ, D, device="cuda", dtype=torch.float32)
-    args = (qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, max(ext_lens), D**-0.5)
+    o = torch.empty(t, hq, d, device="cuda", dtype=DTYPE)
+    o_ref = torch.empty(t, hq, d, device="cuda", dtype=torch.float32)
+    args = (qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, max(ext_lens), d**-0.5)
     K.extend_attention_fwd(q, k, v, o, k_buf, v_buf, *args)
     R.extend_attention_fwd(q, k, v, o_ref, k_buf, v_buf, *args)
     torch.testing.assert_close(o.float(), o_ref, atol=ATOL, rtol=RTOL)
@@ -272,6 +274,13 @@ def test_extend_8x2048_no_prefix() -> None:
 
 def test_extend_with_prefix_mixed() -> None:
     _extend_case([3000, 0, 1000, 17, 8191], [2048, 1500, 511, 100, 1], seed=11)
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 64), (16, 8, 128), (8, 8, 128)], ids=["1b", "qwen3-0.6b", "mha"])
+def test_extend_long_tiles_at_other_head_dims_and_groups(heads: tuple[int, int, int]) -> None:
+    """The long-extend tiles per head dim (packed GQA rows at head dim 128) over ragged prompts, with and
+    without a cached prefix."""
+    _extend_case([0, 0, 1024, 300, 0], [1024, 700, 1024, 129, 1], seed=14, heads=heads)
 
 
 def test_extend_tree_mask_verify_shapes() -> None:

@@ -364,11 +364,19 @@ def test_steps_drafted_during_the_verify_keep_greedy_output_unchanged(model_path
 
 @pytest.fixture
 def chained(monkeypatch):
-    """Chained verifies on (PLAIT_SPEC_CHAIN_VERIFIES) for the engines a test builds."""
+    """Chained verifies on (PLAIT_SPEC_CHAIN_VERIFIES, the default) for the engines a test builds, whatever
+    the environment says."""
     monkeypatch.setenv("PLAIT_SPEC_CHAIN_VERIFIES", "1")
 
 
-def test_without_the_switch_every_verify_commits_before_the_next_is_built(model_path, reference):
+def test_an_ngram_worker_on_one_rank_chains_verifies_by_default(model_path, monkeypatch):
+    monkeypatch.delenv("PLAIT_SPEC_CHAIN_VERIFIES", raising=False)
+    engine = make_engine(model_path, **CHAIN)
+    assert engine.scheduler.spec_worker.chains_verify
+
+
+def test_with_the_switch_off_every_verify_commits_before_the_next_is_built(model_path, reference, monkeypatch):
+    monkeypatch.setenv("PLAIT_SPEC_CHAIN_VERIFIES", "0")
     engine = make_engine(model_path, max_running_requests=3, **CHAIN)
     engine.generate(PROMPTS[:3], GREEDY)
     worker = engine.scheduler.spec_worker

@@ -43,11 +43,14 @@ def extend_config(q: torch.Tensor, head_dim: int, max_len_extend: int, group: in
     """Launch config for this device, the longest extend (a host int, fixed per captured graph) and the
     GQA group size.
 
-    Hopper, long extends (prefill, chunked prefill): 128 query rows x 128 KV tokens, 8 warps (two
-    warpgroups for the 128-row wgmma), 3 stages of K/V tiles (the best of the configurations tried
-    on Hopper, with and without a cached prefix). Short extends (<= 64 tokens: speculative verify, draft extend):
-    the G heads of a KV group are packed into the rows of one tile, so a long prefix is read once per
-    group instead of once per query head and few rows are dead; 64-token KV tiles, 4 warps.
+    Hopper, long extends (prefill, chunked prefill) over 64-token K/V tiles, 3 stages: at head dim <= 64,
+    128 query rows with 8 warps (two warpgroups for the 128-row wgmma); at head dim 128, 64 rows of
+    packed GQA heads with 4 warps, so each K/V tile serves the whole group (``kernels_bench.py
+    --sweep-extend`` over 16 x 512 and 16 x 1024 fresh prompts and 1024-token chunks over a 1024-token
+    prefix: the best or within 1% of it at each, where 128 x 128 tiles ran 1-29% slower). Short extends
+    (<= 64 tokens: speculative verify, draft extend): the G heads of a KV group are packed into the rows
+    of one tile, so a long prefix is read once per group instead of once per query head and few rows
+    are dead; 64-token KV tiles, 4 warps.
     Interpreter (CPU): 16 x 16 tiles, unpacked, so tiny test shapes cover several query blocks, unmasked
     and masked KV tiles and the diagonal (tests force the packed path through ``config``).
     """
@@ -63,7 +66,10 @@ def extend_config(q: torch.Tensor, head_dim: int, max_len_extend: int, group: in
     if head_dim > 128:
         return LaunchConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
     if hopper:
-        return LaunchConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        if head_dim <= 64:
+            return LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        return LaunchConfig(block_m=max(64, next_pow2(group)), block_n=64, num_warps=4, num_stages=3,
+                            pack_gqa=group > 1)
     return LaunchConfig(block_m=128, block_n=64, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
