@@ -311,6 +311,11 @@ for stage in "$@"; do
     # The GPU tests of the long-extend tiles and of the speculative graphs (chained verifies by default).
     tests-extend-spec) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k extend \
         tests/gpu/test_spec_graphs_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-extend-spec.log" | tail -4 ;;
+    # Temperature-only draws in one Triton pass (PLAIT_FUSED_GUMBEL_MAX): the GPU test, then nano-vllm (temperature
+    # 0.6) with the separate passes (0) and the one-pass draw (1), two rounds of the pair back to back.
+    gumbel-tests) python -m pytest -q -m gpu tests/gpu/test_triton_ops_gpu.py -k "gumbel or argmax" -p no:cacheprovider \
+        2>&1 | tail -3 ;;
+    gumbel-ab) for round in 1 2; do env_ab PLAIT_FUSED_GUMBEL_MAX "0 1" "gumbel-r$round" nano-vllm:qwen3-0.6b; done ;;
     # The extend kernel's launch configs at head dim 128 alone (qwen3-0.6b's and the 8b's heads).
     attn-extend-d128)
       python benchmarks/kernels_bench.py --heads 16,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3

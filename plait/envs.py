@@ -152,6 +152,12 @@ PDL = EnvVar(
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
     "(sm_90+; plait.layers.pdl): each may start while the one before it finishes. 0: plain launches (the "
     "A/B baseline).")
+FUSED_GUMBEL_MAX = _flag_var(
+    "PLAIT_FUSED_GUMBEL_MAX",
+    "1: the sampler draws a batch whose sampled rows use a temperature alone (no top-k, top-p or min-p) in one "
+    "Triton pass over the logits (plait.sampling.rng.gumbel_max_sample, the same tokens) instead of dividing, "
+    "adding the noise and taking the argmax in separate passes; unset (the default until a GPU run measures "
+    "it): separate passes. Read at import.")
 DECODE_PROGRAMS_PER_SM = _int_var(
     "PLAIT_DECODE_PROGRAMS_PER_SM",
     "The Triton decode attention's split planner target: stage-1 programs per SM over the whole batch, from "
@@ -168,5 +174,6 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     TRITON_VERIFY_EXTEND, TRITON_MIXED_EXTEND, TRITON_PREFILL_FLASH, TRITON_OPS,
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, SPEC_CHAIN_VERIFIES,
+                                    PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
+                                    SPEC_CHAIN_VERIFIES,
                                     ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)

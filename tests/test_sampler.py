@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -154,11 +155,19 @@ def test_streams_give_different_uniforms() -> None:
     assert not torch.equal(counter_uniforms(seeds, steps, 32), counter_uniforms(seeds, steps, 32, stream=1))
 
 
+def _under_interpreter(script: str, extra_env: dict[str, str] | None = None) -> str:
+    """Run ``script`` in a fresh process under the Triton interpreter (TRITON_INTERPRET is read when kernels
+    are decorated); its stdout, which must end with "ok"."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", **(extra_env or {})}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stderr[-3000:]
+    return done.stdout
+
+
 @pytest.mark.skipif(triton is None, reason="triton is not installed")
 def test_triton_noise_kernel_matches_torch_under_the_interpreter() -> None:
-    # TRITON_INTERPRET is read when kernels are decorated, so the kernel runs in a fresh process.
-    script = textwrap.dedent(
-        """
+    _under_interpreter("""
         import torch
         from plait.sampling.rng import add_gumbel_noise_, gumbel_noise_from_keys
         keys = torch.tensor([0, -1, 123456789, -(1 << 63)], dtype=torch.int64)
@@ -167,11 +176,7 @@ def test_triton_noise_kernel_matches_torch_under_the_interpreter() -> None:
         eager = x + gumbel_noise_from_keys(keys, 1500)
         assert torch.equal(fused, eager), (fused - eager).abs().max()
         print("ok")
-        """
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+        """)
 
 
 def test_eager_noise_path_adds_gumbel_in_place() -> None:
@@ -179,6 +184,58 @@ def test_eager_noise_path_adds_gumbel_in_place() -> None:
     x = torch.zeros(2, 7)
     out = add_gumbel_noise_(x, keys, use_triton=False)
     assert out is x and torch.equal(x, gumbel_noise_from_keys(keys, 7))
+
+
+@pytest.mark.skipif(triton is None, reason="triton is not installed")
+def test_one_pass_gumbel_max_draws_the_tokens_of_the_separate_passes() -> None:
+    """Over a padded-vocabulary view, several column blocks and a ragged last one, temperatures above and
+    below 1: the fused draw equals argmax(x / t + g) bit for bit."""
+    _under_interpreter("""
+        import torch
+        from plait.sampling.rng import add_gumbel_noise_, gumbel_max_sample
+        gen = torch.Generator().manual_seed(1)
+        buf = torch.randn(6, 9100, generator=gen) * 3
+        logits = buf[:, :9000]  # the LM head's padded buffer, sliced to the vocabulary
+        temps = torch.tensor([0.3, 0.6, 1.0, 1.7, 0.05, 2.5])
+        keys = torch.tensor([0, -1, 123456789, -(1 << 63), 42, 7], dtype=torch.int64)
+        fused = gumbel_max_sample(logits, temps, keys)
+        separate = add_gumbel_noise_(logits / temps[:, None], keys, use_triton=True).argmax(dim=-1)
+        assert torch.equal(fused, separate), (fused, separate)
+        print("ok")
+        """)
+
+
+@pytest.mark.skipif(triton is None, reason="triton is not installed")
+def test_sampler_with_the_one_pass_draw_gives_the_tokens_it_gives_without_it() -> None:
+    """Greedy and temperature rows in one batch take the fused draw; a top-p row sends its batch through
+    the separate passes. The sampler draws the same tokens with the switch on and off."""
+    script = """
+        import json
+        import torch
+        from plait.sampling import Sampler, SamplingBatchInfo, SamplingParams
+        import plait.sampling.sampler as sampler_mod
+        calls = []
+        fused = sampler_mod.gumbel_max_sample
+        sampler_mod.gumbel_max_sample = lambda *a: calls.append(1) or fused(*a)
+        def draw(params, logits):
+            info = SamplingBatchInfo.build(params, seeds=list(range(len(params))),
+                                           output_ids=[[] for _ in params], prompt_ids=[[] for _ in params],
+                                           eos_token_ids=(), vocab_size=logits.shape[1], device="cpu")
+            return Sampler(use_triton=True)(logits, info).next_token_ids.tolist()
+        logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(2)) * 4
+        plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.6),
+                 SamplingParams(temperature=1.3), SamplingParams(temperature=0.6)]
+        nucleus = plain[:3] + [SamplingParams(temperature=0.6, top_p=0.9)]
+        tokens = draw(plain, logits)
+        plain_calls = len(calls)
+        print(json.dumps({"plain": tokens, "plain_calls": plain_calls, "nucleus": draw(nucleus, logits),
+                          "nucleus_calls": len(calls) - plain_calls}))
+        print("ok")
+        """
+    on, off = (json.loads(_under_interpreter(script, {"PLAIT_FUSED_GUMBEL_MAX": flag}).splitlines()[0])
+               for flag in ("1", "0"))
+    assert (on["plain_calls"], on["nucleus_calls"], off["plain_calls"]) == (1, 0, 0)
+    assert (on["plain"], on["nucleus"]) == (off["plain"], off["nucleus"])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -289,12 +289,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     (logits are finite here)."""
     x = x.contiguous()
     bs, n = x.shape
-    n_blocks = triton.cdiv(n, ARGMAX_BLOCK)
-    vals = torch.empty(bs, n_blocks, dtype=torch.float32, device=x.device)
-    idx = torch.empty(bs, n_blocks, dtype=torch.int64, device=x.device)
-    out = torch.empty(bs, dtype=torch.int64, device=x.device)
+    vals, idx = argmax_block_buffers(bs, n, x.device)
     if bs:
-        _argmax_partial_kernel[(bs, n_blocks)](x, vals, idx, x.stride(0), n, n_blocks, BLOCK=ARGMAX_BLOCK,
-                                               num_warps=8)
+        _argmax_partial_kernel[(bs, vals.shape[1])](x, vals, idx, x.stride(0), n, vals.shape[1], BLOCK=ARGMAX_BLOCK,
+                                                    num_warps=8)
+    return argmax_of_blocks(vals, idx)
+
+
+def argmax_block_buffers(bs: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first pass's outputs for rows of ``n`` columns: per ARGMAX_BLOCK-column block of each row its
+    maximum (float32 [bs, n_blocks]) and that maximum's first column (int64 [bs, n_blocks])."""
+    n_blocks = triton.cdiv(n, ARGMAX_BLOCK)
+    return (torch.empty(bs, n_blocks, dtype=torch.float32, device=device),
+            torch.empty(bs, n_blocks, dtype=torch.int64, device=device))
+
+
+def argmax_of_blocks(vals: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The second pass: each row's column (int64 [bs]) of its first maximal block maximum, i.e. the row's
+    first maximum when each block holds its own first maximum."""
+    bs, n_blocks = vals.shape
+    out = torch.empty(bs, dtype=torch.int64, device=vals.device)
+    if bs:
         _argmax_final_kernel[(bs,)](vals, idx, out, n_blocks, NB=triton.next_power_of_2(n_blocks))
     return out

@@ -160,21 +160,42 @@ if triton is not None:
     _TL_SCALE_U = tl.constexpr(2.0**-_UNIFORM_BITS)
 
     @triton.jit
-    def _add_gumbel_kernel(x_ptr, keys_ptr, num_cols, stride_row, BLOCK: tl.constexpr):
+    def _gumbel(key, cols):
         # The same words as random_bits_from_keys and the same float64 transform as
-        # gumbel_noise_from_keys, fused: the eager version makes ~20 passes over [bs, V] int64.
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        in_range = cols < num_cols
-        z = tl.load(keys_ptr + row) + (cols + 1) * _TL_GOLDEN
+        # gumbel_noise_from_keys (the eager version makes ~20 passes over [bs, V] int64), rounded to
+        # float32 as that function returns it.
+        z = key + (cols + 1) * _TL_GOLDEN
         z = (z ^ ((z >> 30) & _TL_MASK30)) * _TL_MUL1
         z = (z ^ ((z >> 27) & _TL_MASK27)) * _TL_MUL2
         z = z ^ ((z >> 31) & _TL_MASK31)
         u = (((z >> _TL_SHIFT_U) & _TL_MASK_U).to(tl.float64) + 0.5) * _TL_SCALE_U
-        g = -tl.log(-tl.log(u))
+        return (-tl.log(-tl.log(u))).to(tl.float32)
+
+    @triton.jit
+    def _add_gumbel_kernel(x_ptr, keys_ptr, num_cols, stride_row, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = cols < num_cols
         ptrs = x_ptr + row * stride_row + cols
         x = tl.load(ptrs, mask=in_range)
-        tl.store(ptrs, x + g.to(tl.float32), mask=in_range)
+        tl.store(ptrs, x + _gumbel(tl.load(keys_ptr + row), cols), mask=in_range)
+
+    @triton.jit
+    def _gumbel_max_blocks_kernel(x_ptr, temps_ptr, keys_ptr, vals_ptr, idx_ptr, num_cols, stride_row, n_blocks,
+                                  BLOCK: tl.constexpr):
+        # The first argmax pass over x / t + g for one block of a row; the scores are never stored. The
+        # division rounds to nearest as torch's does (Triton's plain fp32 `/` is approximate), so each
+        # score, and the token, equals the unfused path's bit for bit.
+        row = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        cols = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = cols < num_cols
+        x = tl.load(x_ptr + row * stride_row + cols, mask=in_range, other=0.0).to(tl.float32)
+        s = tl.math.div_rn(x, tl.load(temps_ptr + row)) + _gumbel(tl.load(keys_ptr + row), cols)
+        s = tl.where(in_range, s, -float("inf"))
+        val, i = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(vals_ptr + row * n_blocks + blk, val)
+        tl.store(idx_ptr + row * n_blocks + blk, blk * BLOCK + i)
 
 
 _TRITON_BLOCK = 1024
@@ -199,3 +220,26 @@ def add_gumbel_noise_(x: Tensor, keys: Tensor, use_triton: bool | None = None) -
         grid = (bs, triton.cdiv(num_cols, _TRITON_BLOCK))
         _add_gumbel_kernel[grid](x, keys.to(torch.int64).contiguous(), num_cols, x.stride(0), BLOCK=_TRITON_BLOCK)
     return x
+
+
+def gumbel_max_sample(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
+    """int64 [bs]: argmax over columns of logits / temperatures[:, None] + gumbel_noise_from_keys(keys, V),
+    the token a temperature-only row draws (no top-k, top-p or min-p), in two Triton passes that read the
+    logits once and never store the scores. Equal to the unfused ``add_gumbel_noise_`` then argmax.
+
+    logits: float [bs, V] with unit column stride (a view of a wider buffer is fine); temperatures:
+    float32 [bs] (> 0); keys: int64 [bs].
+    """
+    if triton is None:
+        raise RuntimeError("gumbel_max_sample needs triton; use add_gumbel_noise_ and an argmax instead")
+    from plait.layers.triton_ops import ARGMAX_BLOCK, argmax_block_buffers, argmax_of_blocks
+
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("gumbel_max_sample needs a [bs, V] logits tensor with unit column stride")
+    bs, num_cols = logits.shape
+    vals, idx = argmax_block_buffers(bs, num_cols, logits.device)
+    if bs:
+        _gumbel_max_blocks_kernel[(bs, vals.shape[1])](
+            logits, temperatures.to(torch.float32).contiguous(), keys.to(torch.int64).contiguous(), vals, idx,
+            num_cols, logits.stride(0), vals.shape[1], BLOCK=ARGMAX_BLOCK, num_warps=8)
+    return argmax_of_blocks(vals, idx)

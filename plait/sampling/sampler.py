@@ -23,9 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from plait import envs
 from plait.sampling.batch_info import SamplingBatchInfo
 from plait.sampling.penalties import apply_frequency_presence_penalty, apply_repetition_penalty
-from plait.sampling.rng import TRITON_AVAILABLE, add_gumbel_noise_
+from plait.sampling.rng import TRITON_AVAILABLE, add_gumbel_noise_, gumbel_max_sample
+
+# Temperature-only draws in one Triton pass (PLAIT_FUSED_GUMBEL_MAX; the same tokens either way).
+FUSED_GUMBEL_MAX = envs.FUSED_GUMBEL_MAX.get()
 
 
 def greedy_ids(x: Tensor) -> Tensor:
@@ -86,9 +90,12 @@ class Sampler:
             # Fast path: no temperature, filtering or noise at all.
             next_ids = greedy_ids(logits)
         else:
-            # warp returns a fresh tensor, so the noise can be added in place.
-            scores = add_gumbel_noise_(self.warp(logits, info), info.noise_keys, self.use_triton)
-            next_ids = greedy_ids(scores)
+            filters = info.need_top_k or info.need_top_p or info.need_min_p
+            if FUSED_GUMBEL_MAX and not filters and self._triton(logits):
+                next_ids = gumbel_max_sample(logits, info.temperatures, info.noise_keys)
+            else:
+                # warp returns a fresh tensor, so the noise can be added in place.
+                next_ids = greedy_ids(add_gumbel_noise_(self.warp(logits, info), info.noise_keys, self.use_triton))
             if info.any_greedy:
                 next_ids = torch.where(info.is_greedy, greedy_ids(logits), next_ids)
 
@@ -100,6 +107,10 @@ class Sampler:
                 k = min(info.top_logprobs_num, info.vocab_size)
                 out.top_logprobs_vals, out.top_logprobs_ids = logp.topk(k, dim=-1, sorted=True)
         return out
+
+    def _triton(self, logits: Tensor) -> bool:
+        """Whether this call's noise runs in Triton kernels (``use_triton``, or on CUDA by default)."""
+        return self.use_triton if self.use_triton is not None else (logits.is_cuda and TRITON_AVAILABLE)
 
     @staticmethod
     def _check_shape(logits: Tensor, info: SamplingBatchInfo) -> None:

@@ -55,3 +55,17 @@ def test_rotary_over_head_blocks_equals_one_program_per_token(monkeypatch, token
     q2, k2 = triton_ops.rotary_(pos, q.clone(), k.clone(), rope.cos_sin_cache, D, (v, caches[2], caches[3], loc))
     assert torch.equal(q1, q2) and torch.equal(k1, k2)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("bs", [1, 256])
+def test_one_pass_gumbel_max_equals_the_separate_passes_over_the_qwen3_vocabulary(bs):
+    """The fused temperature + noise + argmax draw against dividing, adding the noise and taking torch's
+    argmax, on a padded-vocabulary view of LM-head-sized fp32 logits."""
+    from plait.sampling.rng import add_gumbel_noise_, gumbel_max_sample
+
+    buf = torch.randn(bs, 152064, device="cuda") * 5
+    logits = buf[:, :151936]
+    temps = torch.rand(bs, device="cuda") * 1.5 + 0.1
+    keys = torch.randint(-(1 << 62), 1 << 62, (bs,), device="cuda", dtype=torch.int64)
+    separate = torch.argmax(add_gumbel_noise_(logits / temps[:, None], keys), dim=-1)
+    assert torch.equal(gumbel_max_sample(logits, temps, keys), separate)
