@@ -26,6 +26,7 @@ import torch
 
 from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.bench.workloads import make_engine, random_prompts, release
+from plait.server.bench import triton_cache_kernels
 
 
 def main() -> None:
@@ -71,6 +72,7 @@ def main() -> None:
         prompts, timed_params = random_prompts(n, 512, vocab, seed=1), [params] * n
     for p, sp in zip(prompts, timed_params, strict=True):
         sched.add_request(engine.make_request(p, sp))
+    cached_before = triton_cache_kernels()
     old_show = warnings.showwarning
     warnings.showwarning = record
     warnings.simplefilter("always")
@@ -95,7 +97,11 @@ def main() -> None:
         s = sorted(v)
         return {"count": len(s), "median_ms": s[len(s) // 2], "max_ms": s[-1], "total_ms": sum(s)}
 
+    # Kernel variants that compiled inside the audited run: launch classes the start-up warm-up and the
+    # untimed pass missed (with a fresh TRITON_CACHE_DIR, as the stage sets it).
+    compiled = Counter(name for _, name in triton_cache_kernels() - cached_before)
     result = {"shape": shape, "prompts": n, "lengths": "nano-vllm" if nano else "512 in / 16 out",
+              "triton_compiled_during_run": dict(compiled),
               "syncs": [{"count": c, "stack": s} for s, c in stacks.most_common(20)],
               "launch": {k: summary(v) for k, v in launch_ms.items()},
               "step": {k: summary(v) for k, v in step_ms.items()}}

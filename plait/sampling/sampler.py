@@ -13,6 +13,10 @@ Order of operations, per row:
   -> greedy rows: argmax
   -> other rows: temperature, top_k, top_p, min_p, then a Gumbel-max draw whose noise is a pure
      function of (seed, step, vocab index): see plait.sampling.rng.
+
+A batch whose sampled rows use a temperature alone may draw in one Triton pass over the logits
+(``rng.gumbel_max_sample``, PLAIT_FUSED_GUMBEL_MAX) instead of the division, the noise and the argmax
+as three: the same tokens, bit for bit.
 """
 
 from __future__ import annotations
