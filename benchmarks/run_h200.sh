@@ -100,8 +100,7 @@ for stage in "$@"; do
       python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3 ;;
     sync-audit) python benchmarks/sync_audit.py "$OUT" llama-3.2-1b 64 2>&1 | grep -v " INFO " | tail -60 ;;
     # The same at nano-vllm's lengths (qwen3-0.6b, 128 requests finishing at different steps).
-    sync-audit-nano) TRITON_CACHE_DIR=$(mktemp -d /tmp/plait-triton-audit-XXXX) python benchmarks/sync_audit.py "$OUT" \
-        qwen3-0.6b 128 nano 2>&1 | grep -v " INFO " | tail -60 ;;
+    sync-audit-nano) python benchmarks/sync_audit.py "$OUT" qwen3-0.6b 128 nano 2>&1 | grep -v " INFO " | tail -60 ;;
     profile-prefill) python benchmarks/profile_prefill.py "$OUT" 2>&1 | grep -v " INFO " | tail -50 ;;
     profile-graph) python benchmarks/profile_graph_step.py "$OUT" 2>&1 | tail -60 ;;
     # offline-throughput's decode steps: bs 256 at about its context (512-token prompts).

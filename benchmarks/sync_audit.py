@@ -24,9 +24,13 @@ from typing import Any
 
 import torch
 
+try:
+    from triton import knobs
+except ImportError:  # no Triton: no kernel variants to record
+    knobs = None
+
 from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.bench.workloads import make_engine, random_prompts, release
-from plait.server.bench import triton_cache_kernels
 
 
 def main() -> None:
@@ -72,7 +76,12 @@ def main() -> None:
         prompts, timed_params = random_prompts(n, 512, vocab, seed=1), [params] * n
     for p, sp in zip(prompts, timed_params, strict=True):
         sched.add_request(engine.make_request(p, sp))
-    cached_before = triton_cache_kernels()
+    # Every Triton kernel variant this process first launches inside the audited run (compiled, or loaded
+    # from the disk cache): launch classes that the start-up warm-up and the untimed pass missed, with
+    # the argument specialisations (dtypes, 16-divisibility) that tell them apart.
+    missed: list[str] = []
+    if knobs is not None:
+        knobs.runtime.jit_cache_hook = lambda **kw: missed.append(kw["repr"])
     old_show = warnings.showwarning
     warnings.showwarning = record
     warnings.simplefilter("always")
@@ -97,17 +106,18 @@ def main() -> None:
         s = sorted(v)
         return {"count": len(s), "median_ms": s[len(s) // 2], "max_ms": s[-1], "total_ms": sum(s)}
 
-    # Kernel variants that compiled inside the audited run: launch classes the start-up warm-up and the
-    # untimed pass missed (with a fresh TRITON_CACHE_DIR, as the stage sets it).
-    compiled = Counter(name for _, name in triton_cache_kernels() - cached_before)
+    if knobs is not None:
+        knobs.runtime.jit_cache_hook = None
     result = {"shape": shape, "prompts": n, "lengths": "nano-vllm" if nano else "512 in / 16 out",
-              "triton_compiled_during_run": dict(compiled),
+              "triton_variants_first_launched_in_run": missed,
               "syncs": [{"count": c, "stack": s} for s, c in stacks.most_common(20)],
               "launch": {k: summary(v) for k, v in launch_ms.items()},
               "step": {k: summary(v) for k, v in step_ms.items()}}
     print(json.dumps({k: result[k] for k in ("launch", "step")}, indent=1))
     for row in result["syncs"][:10]:
         print(f"--- {row['count']} x\n{row['stack']}")
+    for variant in missed:
+        print(f"first launched in the run: {variant[:400]}")
     with open(f"{out_dir}/sync-audit-{shape}{'-nano' if nano else ''}.json", "w") as f:
         json.dump(result, f, indent=2)
 
