@@ -24,12 +24,8 @@ from typing import Any
 
 import torch
 
-try:
-    from triton import knobs
-except ImportError:  # no Triton: no kernel variants to record
-    knobs = None
-
 from plait.bench.shapes import SHAPES, write_shape_dir
+from plait.bench.warm_start import TritonCompiles
 from plait.bench.workloads import make_engine, random_prompts, release
 
 
@@ -79,35 +75,32 @@ def main() -> None:
     # Every Triton kernel variant this process first launches inside the audited run (compiled, or loaded
     # from the disk cache): launch classes that the start-up warm-up and the untimed pass missed, with
     # the argument specialisations (dtypes, 16-divisibility) that tell them apart.
-    missed: list[str] = []
-    if knobs is not None:
-        knobs.runtime.jit_cache_hook = lambda **kw: missed.append(kw["repr"])
-    old_show = warnings.showwarning
-    warnings.showwarning = record
-    warnings.simplefilter("always")
-    if torch.cuda.is_available():
-        torch.cuda.set_sync_debug_mode("warn")
-    try:
-        while sched.has_work():
-            kinds.clear()
-            t0 = time.perf_counter()
-            sched.step()
-            step_ms[kinds[0] if kinds else "none"].append(1e3 * (time.perf_counter() - t0))
-        sched.flush()
+    with TritonCompiles() as compiles:
+        old_show = warnings.showwarning
+        warnings.showwarning = record
+        warnings.simplefilter("always")
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = old_show
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while sched.has_work():
+                kinds.clear()
+                t0 = time.perf_counter()
+                sched.step()
+                step_ms[kinds[0] if kinds else "none"].append(1e3 * (time.perf_counter() - t0))
+            sched.flush()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old_show
     release(engine)
 
     def summary(v: list[float]) -> dict[str, float]:
         s = sorted(v)
         return {"count": len(s), "median_ms": s[len(s) // 2], "max_ms": s[-1], "total_ms": sum(s)}
 
-    if knobs is not None:
-        knobs.runtime.jit_cache_hook = None
+    missed = compiles.variants
     result = {"shape": shape, "prompts": n, "lengths": "nano-vllm" if nano else "512 in / 16 out",
               "triton_variants_first_launched_in_run": missed,
               "syncs": [{"count": c, "stack": s} for s, c in stacks.most_common(20)],

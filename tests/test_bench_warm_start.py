@@ -47,9 +47,10 @@ def test_triton_compiles_counts_by_kernel_and_restores_the_previous_hook():
     with TritonCompiles() as compiles:
         hook = knobs.runtime.jit_post_compile_hook
         for name in ("_extend_kernel", "_extend_kernel", "_rmsnorm_kernel"):
-            hook(key=None, repr="", fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
-                 already_compiled=False)
+            hook(key=None, repr=f"{name}[num_warps=4](X: *bf16)", fn=SimpleNamespace(name=name), compile={},
+                 is_manual_warmup=False, already_compiled=False)
     assert compiles.names == {"_extend_kernel": 2, "_rmsnorm_kernel": 1} and compiles.total == 3
+    assert compiles.variants[-1] == "_rmsnorm_kernel[num_warps=4](X: *bf16)"
     assert knobs.runtime.jit_post_compile_hook is before
 
 

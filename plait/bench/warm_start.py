@@ -37,11 +37,14 @@ WARMUP_MODES = ("off", "on")
 
 class TritonCompiles:
     """Kernel variants Triton compiled (or loaded from its disk cache) in this process while the
-    block ran: ``names`` counts them by kernel. Through ``triton.knobs.runtime.jit_post_compile_hook``,
-    which Triton calls after each variant it adds to its in-memory cache (none under the interpreter)."""
+    block ran: ``names`` counts them by kernel, ``variants`` lists each one's description (name, launch
+    options and argument types with their specialisations, such as 16-divisibility). Through
+    ``triton.knobs.runtime.jit_post_compile_hook``, which Triton calls after each variant it adds to its
+    in-memory cache (none under the interpreter)."""
 
     def __init__(self) -> None:
         self.names: Counter[str] = Counter()
+        self.variants: list[str] = []
         self._previous: Any = None
 
     def __enter__(self) -> TritonCompiles:
@@ -51,6 +54,7 @@ class TritonCompiles:
 
         def hook(*, fn: Any, **kwargs: Any) -> bool:
             self.names[fn.name] += 1
+            self.variants.append(kwargs.get("repr", ""))
             return False
 
         knobs.runtime.jit_post_compile_hook = hook
@@ -67,7 +71,8 @@ class TritonCompiles:
 
 
 def _compiles(stage: str, compiles: TritonCompiles, out: dict[str, Any]) -> None:
-    out.setdefault("triton_compiles", {})[stage] = {"total": compiles.total, "by_kernel": dict(compiles.names)}
+    out.setdefault("triton_compiles", {})[stage] = {"total": compiles.total, "by_kernel": dict(compiles.names),
+                                                    "variants": compiles.variants}
 
 
 def measure(shape_dir: str, vocab: int, warmup: str, ttft_prompt_len: int | None, num_requests: int,
