@@ -593,3 +593,30 @@ def test_extend_strided_k_v_views(pack_gqa: bool) -> None:
     o_ref = torch.zeros_like(o)
     R.extend_attention_fwd(q, k, v, o_ref, k_buf, v_buf, *args)
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_per_request_metadata_pointers_are_not_specialised_on_alignment():
+    """A step passes per-request metadata (indptrs, pool rows, prefix lengths) as slices at any offset: a
+    mixed step's extend requests start after its decode rows, a verify's indptrs share one packed
+    buffer. Compiled variants must not depend on those pointers' alignment, or each new offset class
+    compiles on the request path after the warm-up. Checked on the JIT kernels, outside the interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json\n"
+        "from plait.attention.triton import extend, indices\n"
+        "kernels = (extend._extend_kernel, indices._build_kv_indices_kernel, indices._verify_kv_rows_kernel)\n"
+        "print(json.dumps({k.fn.__name__: sorted(p.name for p in k.params if p.do_not_specialize_on_alignment)"
+        " for k in kernels}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == {
+        "_extend_kernel": ["Kv_Indptr", "Mask_Indptr", "Qo_Indptr"],
+        "_build_kv_indices_kernel": ["Kv_Indptr", "Kv_Start_Idx", "Req_Pool_Indices", "Seq_Lens"],
+        "_verify_kv_rows_kernel": ["Kv_Indptr", "Mask_Indptr", "Prefix_Lens", "Qo_Indptr", "Req_Pool_Indices",
+                                   "Row_Lens"],
+    }

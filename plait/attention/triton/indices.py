@@ -12,7 +12,9 @@ from ._common import next_pow2
 _COPY_BLOCK = 512
 
 
-@triton.jit
+# The per-request inputs are read one scalar per program, and callers pass slices at any offset (a mixed
+# step's extend requests after its decode rows): no variant per pointer alignment (extend.py says why).
+@triton.jit(do_not_specialize_on_alignment=["Req_Pool_Indices", "Seq_Lens", "Kv_Indptr", "Kv_Start_Idx"])
 def _build_kv_indices_kernel(
     Req_To_Token,  # [max_reqs, max_context] int32
     Req_Pool_Indices,  # [bs] int
@@ -95,7 +97,8 @@ def _verify_row_mask(
     return seen & in_ext
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Req_Pool_Indices", "Prefix_Lens", "Qo_Indptr", "Mask_Indptr",
+                                            "Row_Lens", "Kv_Indptr"])
 def _verify_kv_rows_kernel(
     Req_To_Token,  # [max_reqs, max_context] int32
     Req_Pool_Indices,  # [bs] int
