@@ -35,3 +35,27 @@ def test_gc_pauses_counts_each_generations_collections_in_the_block_only():
     assert pauses["gen2"]["collections"] == 1
     assert pauses["gen0"]["collections"] >= 1
     assert pauses["gen2"]["seconds"] > 0.0
+
+
+class _DeviceClock:
+    """Stands in for a recorded CUDA event (none exist on the CPU): its time on the device, in ms."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, later: _DeviceClock) -> float:
+        return later.ms - self.ms
+
+
+def test_device_gaps_sum_the_idle_time_between_forwards_by_the_next_batch_size():
+    from plait.bench.workloads import StepTimes
+
+    times = StepTimes()
+    # (requests, start ms, end ms): gaps of 0.02 ms before the bs-200 forward, 0.5 before bs 3, 0.1 before bs 2.
+    for bs, start, end in ((256, 0.0, 5.0), (200, 5.02, 9.0), (3, 9.5, 10.0), (2, 10.1, 10.5)):
+        times.forwards.append((bs, _DeviceClock(start), _DeviceClock(end)))
+    gaps = times.device_gaps()
+    assert abs(gaps["total_s"] - 0.62e-3) < 1e-9
+    assert {k: (v["gaps"], v["over_50us"]) for k, v in gaps["by_batch_size"].items()} == {
+        "bs >= 128": (1, 0), "bs 1-7": (2, 2)}
+    assert [(g["bs_before"], g["bs_after"]) for g in gaps["largest"]] == [(200, 3), (3, 2), (256, 200)]

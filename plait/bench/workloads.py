@@ -262,6 +262,8 @@ class StepTimes:
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = {"prefill": [], "decode": []}
         self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"prefill": [], "decode": []}
+        # Every forward in launch order: (its batch's requests, start event, end event).
+        self.forwards: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def summary(self, seconds: float) -> dict[str, Any]:
         """Call after the device finished the run (the events are read)."""
@@ -277,7 +279,30 @@ class StepTimes:
                     out[kind] |= {"device_busy_s": sum(busy), "device_busy_fraction": sum(busy) / sum(ts),
                                   "device_median_ms": 1e3 * sorted(busy)[len(busy) // 2]}
         out["outside_steps_s"] = seconds - sum(sum(ts) for ts in self.times.values())
+        if len(self.forwards) > 1:
+            out["device_gaps"] = self.device_gaps()
         return out
+
+    def device_gaps(self) -> dict[str, Any]:
+        """The device time between one forward's end and the next one's start (the step's own copies and
+        scatters, and any wait for the host to launch), summed by the batch size of the forward after
+        the gap (requests, in buckets), with the largest gaps: where a run's device idles."""
+        buckets = (1, 8, 32, 128, 1 << 30)
+        by_bucket: dict[str, dict[str, float]] = {}
+        gaps: list[tuple[float, int, int]] = []
+        for (bs_before, _, end), (bs, start, _) in zip(self.forwards, self.forwards[1:], strict=False):
+            gap_ms = end.elapsed_time(start)
+            gaps.append((gap_ms, bs_before, bs))
+            lo = max(b for b in buckets if b <= max(1, bs))
+            hi = buckets[buckets.index(lo) + 1] - 1
+            row = by_bucket.setdefault(f"bs {lo}-{hi}" if hi < 1 << 29 else f"bs >= {lo}",
+                                       {"gaps": 0, "total_s": 0.0, "over_50us": 0})
+            row["gaps"] += 1
+            row["total_s"] += gap_ms / 1e3
+            row["over_50us"] += gap_ms > 0.05
+        gaps.sort(reverse=True)
+        return {"total_s": sum(g for g, _, _ in gaps) / 1e3, "by_batch_size": by_bucket,
+                "largest": [{"ms": g, "bs_before": a, "bs_after": b} for g, a, b in gaps[:8]]}
 
 
 @contextmanager
@@ -323,13 +348,14 @@ def step_timing(scheduler: Any) -> Iterator[StepTimes]:
         times.times[kind].append(time.perf_counter() - t0)
         return out
 
-    def timed_forward(*args: Any, **kwargs: Any) -> Any:
+    def timed_forward(fb: Any, *args: Any, **kwargs: Any) -> Any:
         assert forward is not None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = forward(*args, **kwargs)
+        out = forward(fb, *args, **kwargs)
         end.record()
         times.events[kind].append((start, end))
+        times.forwards.append((fb.batch_size, start, end))
         return out
 
     scheduler.step = timed_step

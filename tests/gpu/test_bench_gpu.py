@@ -32,3 +32,8 @@ def test_step_timing_reports_each_kinds_device_busy_time(shape_dir):
     assert 0 < busy <= seconds
     assert 0 < summary["decode"]["device_busy_fraction"] <= 1.1
     assert summary["decode"]["device_median_ms"] > 0
+    # The device time between forwards: every gap counted once, none negative, within the run.
+    gaps = summary["device_gaps"]
+    assert sum(row["gaps"] for row in gaps["by_batch_size"].values()) == len(steps.forwards) - 1
+    assert 0 <= gaps["total_s"] <= seconds
+    assert all(g["ms"] >= 0 for g in gaps["largest"])
