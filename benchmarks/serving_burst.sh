@@ -50,7 +50,7 @@ python - "$R" <<'EOF'
 import json, pathlib, sys
 root = pathlib.Path(sys.argv[1])
 keys = ("plait", "peer", "tokens_per_chunk", "triton_compiled_during_run", "ratio_vs_peer", "ttft_p50_ms", "peer_ttft_p50_ms", "ttft_p50_ratio_vs_peer",
-        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after")
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop")
 import importlib.util
 have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop", "orjson")}
 summary = {"workload": "serving-burst", "metric": "output_tok_s",
@@ -73,6 +73,11 @@ for run in ("cold", "warm", "interval"):
               f"ratio_vs_peer {num(r['ratio_vs_peer'], '.3f')} (bar 0.90); TTFT p50 {num(r['ttft_p50_ms'], '.0f')} ms vs "
               f"{num(r['peer_ttft_p50_ms'], '.0f')} ms: ratio {num(r['ttft_p50_ratio_vs_peer'], '.2f')} (bar 1.5); "
               f"tokens/event {num(r['tokens_per_chunk'], '.2f')}; errors {r['errors']}")
+        loop = r.get("scheduler_loop") or {}
+        if loop.get("iterations"):
+            per = loop["ms_per_iteration"]
+            print(f"{'':8s} scheduler loop: {loop['iterations']} iterations, ms each: step {per['step']:.2f}, "
+                  f"collect {per['collect']:.2f}, send {per['send']:.2f}, recv {per['recv']:.2f}")
 if summary.get("poisson"):
     p = summary["poisson"]
     print(f"poisson  TTFT p50 {num(p['ttft_p50_ms'], '.1f')} ms, p99 {num(p['ttft_p99_ms'], '.1f')} ms; "

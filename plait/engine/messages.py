@@ -139,8 +139,24 @@ def coalesce_updates(updates: list[RequestUpdate]) -> list[RequestUpdate]:
 
 
 @dataclass(frozen=True)
+class LoopSeconds:
+    """Where the scheduler process's loop spent its time while it had work, cumulative since start (idle
+    waits for requests excluded): ``recv_s`` taking and handling requests, ``step_s`` the scheduler's
+    steps (on a GPU with overlap scheduling this includes waiting for the forward in flight),
+    ``collect_s`` building the updates (detokenization), ``send_s`` sending them (pickling, ZMQ).
+    ``iterations``: loop iterations that stepped the scheduler."""
+
+    iterations: int = 0
+    recv_s: float = 0.0
+    step_s: float = 0.0
+    collect_s: float = 0.0
+    send_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class SchedulerSnapshot:
-    """Gauges of the moment plus a copy of the scheduler's cumulative counters."""
+    """Gauges of the moment plus a copy of the scheduler's cumulative counters and of the scheduler
+    process's loop times (``LoopSeconds``)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -148,6 +164,7 @@ class SchedulerSnapshot:
     max_total_tokens: int = 0
     evictable_tokens: int = 0
     counters: SchedulerStats = field(default_factory=SchedulerStats)
+    loop: LoopSeconds = field(default_factory=LoopSeconds)
 
 
 # The fields a "plain" update may set (a running request's tokens and text): every other field at its

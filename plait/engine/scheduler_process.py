@@ -42,6 +42,7 @@ from plait.engine.messages import (
     FlushCacheReply,
     FlushCacheRequest,
     GenerateRequest,
+    LoopSeconds,
     PlainRow,
     Ready,
     RequestUpdate,
@@ -77,6 +78,9 @@ class SchedulerProcess:
         # The test hook of the "internal error, server keeps serving" path (plait.envs).
         self.fault_token = envs.FAULT_INJECT_TOKEN.get()
         self.running = True
+        # LoopSeconds' fields, accumulated here: iterations, then recv, step, collect, send seconds.
+        self.loop_iterations = 0
+        self.loop_seconds = [0.0, 0.0, 0.0, 0.0]
 
     def load(self) -> None:
         """Build the engine core (this process is rank 0 of its layout), then tell the server the
@@ -95,10 +99,14 @@ class SchedulerProcess:
     def run(self) -> None:
         import zmq
 
+        clock = time.perf_counter
         while self.running:
-            timeout = 0 if self.scheduler.has_work() else IDLE_POLL_MS
+            busy = self.scheduler.has_work()
+            t0 = clock()
             updates: list[RequestUpdate] = []
-            if self.pull.poll(timeout, zmq.POLLIN):
+            if self.pull.poll(0 if busy else IDLE_POLL_MS, zmq.POLLIN):
+                if not busy:  # the wait for this message was idle time
+                    t0 = clock()
                 while True:
                     try:
                         msg = self.pull.recv_pyobj(zmq.NOBLOCK)
@@ -108,15 +116,32 @@ class SchedulerProcess:
             elif os.getppid() != self.parent_pid:
                 logger.error("the server process is gone; scheduler exiting")
                 return
-            if self.scheduler.has_work():
+            t1 = clock()
+            stepped = self.scheduler.has_work()
+            if stepped:
                 self.scheduler.step()
+            t2 = clock()
             rows: list[PlainRow] = []
             updates += self._collect(rows)
+            t3 = clock()
             stats = self._snapshot()
             if updates or rows or stats != self.last_stats:
                 # rows after updates: a request's acknowledgement (in updates) precedes its tokens.
                 self.push.send_pyobj(UpdateBatch(updates, stats, rows))
                 self.last_stats = stats
+            # Only iterations with work count: after the last one, one snapshot carries its times, and
+            # an idle loop then sends nothing.
+            if stepped or updates or rows:
+                self._account(t0, t1, t2, t3, clock(), stepped)
+
+    def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, stepped: bool) -> None:
+        """Add one loop iteration's phases (perf_counter stamps) to the loop times the next snapshot
+        carries."""
+        self.loop_iterations += stepped
+        self.loop_seconds[0] += t1 - t0
+        self.loop_seconds[1] += t2 - t1
+        self.loop_seconds[2] += t3 - t2
+        self.loop_seconds[3] += t4 - t3
 
     def _handle(self, msg: object, updates: list[RequestUpdate]) -> None:
         if isinstance(msg, GenerateRequest):
@@ -185,7 +210,8 @@ class SchedulerProcess:
             kv_slots_in_use=s.kv_tokens_in_use(),
             # Data parallel: the sum of the replicas' pools (kv_tokens_in_use sums them too).
             max_total_tokens=self.runner.total_kv_tokens,
-            evictable_tokens=s.tree_cache.evictable_size(), counters=dataclasses.replace(st))
+            evictable_tokens=s.tree_cache.evictable_size(), counters=dataclasses.replace(st),
+            loop=LoopSeconds(self.loop_iterations, *self.loop_seconds))
 
     def close(self) -> None:
         self.pull.close(0)

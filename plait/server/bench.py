@@ -299,6 +299,23 @@ def read_metrics(base_url: str) -> dict[str, float]:
     return out
 
 
+LOOP_PHASES = ("recv", "step", "collect", "send")
+
+
+def scheduler_loop_during(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The scheduler process's loop between two /metrics reads: iterations, seconds per phase
+    (``LoopSeconds``) and milliseconds per iteration. Set beside the run's duration, it says whether the
+    loop kept up: steps that wait for the device, or host work (detokenization, pickling) between them."""
+    def delta(name: str) -> float:
+        key = f"plait:scheduler_loop_{name}_total"
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    iterations = int(delta("iterations"))
+    seconds = {phase: delta(f"{phase}_seconds") for phase in LOOP_PHASES}
+    return {"iterations": iterations, **{f"{phase}_s": v for phase, v in seconds.items()},
+            "ms_per_iteration": {phase: 1e3 * v / iterations for phase, v in seconds.items()} if iterations else {}}
+
+
 def settled_metrics(base_url: str, timeout: float = 5.0) -> dict[str, float]:
     """/metrics once the server reports nothing running (the last snapshot trails the last response)."""
     deadline = time.monotonic() + timeout
@@ -425,6 +442,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
                                  args.seed)
         cached_before = triton_cache_kernels()
+        loop_before = read_metrics(base_url)
         results, duration = run_load_procs(base_url, served_name, requests, args.request_rate, args.max_concurrency,
                                            args.seed, args.request_timeout, args.client_procs)
         summary = summarize(results, duration)
@@ -434,6 +452,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         summary["kv_slots_in_use_after"] = int(after.get("plait:kv_slots_in_use", -1))
         summary["num_requests_running_after"] = int(after.get("plait:num_requests_running", -1))
         summary["num_retractions"] = int(after.get("plait:num_retractions_total", 0))
+        summary["scheduler_loop"] = scheduler_loop_during(loop_before, after)
         if args.workload == "serving-burst" and not args.no_peer and proc is not None:
             # After the server is gone (its GPU memory free, and the server met a Triton cache the
             # peer had not warmed); same model, options and requests.

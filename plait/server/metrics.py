@@ -74,6 +74,16 @@ class _SchedulerCollector(Collector):
             ("plait:grammar_compile_failures", "Grammars that failed to compile.", c.grammar_compile_failures),
             ("plait:grammar_cache_hits", "Constrained requests whose grammar was compiled (or compiling) already.",
              c.grammar_cache_hits),
+            ("plait:scheduler_loop_iterations", "Scheduler-process loop iterations that stepped the scheduler.",
+             s.loop.iterations),
+            ("plait:scheduler_loop_recv_seconds", "Scheduler-process loop: taking and handling requests (busy).",
+             s.loop.recv_s),
+            ("plait:scheduler_loop_step_seconds", "Scheduler-process loop: scheduler steps (with the wait for the "
+             "forward in flight).", s.loop.step_s),
+            ("plait:scheduler_loop_collect_seconds", "Scheduler-process loop: building updates (detokenization).",
+             s.loop.collect_s),
+            ("plait:scheduler_loop_send_seconds", "Scheduler-process loop: sending updates (pickling, ZMQ).",
+             s.loop.send_s),
         ]
         if self.metrics.sglang_names:
             gauges += [

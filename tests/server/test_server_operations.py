@@ -216,6 +216,23 @@ def test_the_prefix_cache_counts_queries_and_hits(server, model_name):
     assert 0 < counts[-1]["plait:prefix_cache_hit_rate"] <= 1
 
 
+LOOP = ("iterations", "recv_seconds", "step_seconds", "collect_seconds", "send_seconds")
+
+
+def test_the_scheduler_loop_times_its_phases_while_it_works_and_not_while_idle(server, model_name):
+    before = server.wait_idle()
+    r = server.post("/v1/completions", json=completion_body(model_name, max_tokens=12, ignore_eos=True))
+    assert r.status_code == 200
+    time.sleep(0.3)  # the loop's last busy iteration reaches the server in the next snapshot
+    after = server.wait_idle()
+    grew = {k: after[f"plait:scheduler_loop_{k}_total"] - before[f"plait:scheduler_loop_{k}_total"] for k in LOOP}
+    assert grew["iterations"] >= 12  # one step per generated token at least
+    assert grew["step_seconds"] > 0 and all(v >= 0 for v in grew.values())
+    time.sleep(0.3)  # idle: the loop adds nothing, so no snapshot changes them
+    idle = server.metrics()
+    assert all(idle[f"plait:scheduler_loop_{k}_total"] == after[f"plait:scheduler_loop_{k}_total"] for k in LOOP)
+
+
 def test_sglang_metric_names_are_exported_on_request(ops):
     r = post(ops, "/v1/completions", completion_body(ops.model, max_tokens=16, ignore_eos=True))
     assert r.status_code == 200
