@@ -125,13 +125,15 @@ class SchedulerProcess:
             updates += self._collect(rows)
             t3 = clock()
             stats = self._snapshot()
-            if updates or rows or stats != self.last_stats:
+            # The loop times change every busy iteration: they ride along with updates and other changes
+            # of the snapshot, and alone send nothing (a loop that steps without output, e.g. waiting
+            # for a grammar, would otherwise send a snapshot per spin).
+            last = self.last_stats
+            if updates or rows or last is None or dataclasses.replace(stats, loop=last.loop) != last:
                 # rows after updates: a request's acknowledgement (in updates) precedes its tokens.
                 self.push.send_pyobj(UpdateBatch(updates, stats, rows))
                 self.last_stats = stats
-            # Only iterations with work count: after the last one, one snapshot carries its times, and
-            # an idle loop then sends nothing.
-            if stepped or updates or rows:
+            if stepped or updates or rows:  # idle polls are not the loop's work
                 self._account(t0, t1, t2, t3, clock(), stepped)
 
     def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, stepped: bool) -> None:
