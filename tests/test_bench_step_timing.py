@@ -53,7 +53,7 @@ def test_device_gaps_sum_the_idle_time_between_forwards_by_the_next_batch_size()
     times = StepTimes()
     # (requests, start ms, end ms): gaps of 0.02 ms before the bs-200 forward, 0.5 before bs 3, 0.1 before bs 2.
     for bs, start, end in ((256, 0.0, 5.0), (200, 5.02, 9.0), (3, 9.5, 10.0), (2, 10.1, 10.5)):
-        times.forwards.append((bs, _DeviceClock(start), _DeviceClock(end)))
+        times.forwards.append(("decode", bs, _DeviceClock(start), _DeviceClock(end)))
     gaps = times.device_gaps()
     assert abs(gaps["total_s"] - 0.62e-3) < 1e-9
     assert {k: (v["gaps"], v["over_50us"]) for k, v in gaps["by_batch_size"].items()} == {

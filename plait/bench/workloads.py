@@ -261,9 +261,8 @@ class StepTimes:
 
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = {"prefill": [], "decode": []}
-        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"prefill": [], "decode": []}
-        # Every forward in launch order: (its batch's requests, start event, end event).
-        self.forwards: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        # Every forward in launch order: (its step's kind, its batch's requests, start event, end event).
+        self.forwards: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def summary(self, seconds: float) -> dict[str, Any]:
         """Call after the device finished the run (the events are read)."""
@@ -274,8 +273,8 @@ class StepTimes:
                 out[kind] = {"count": len(ts), "total_s": sum(ts), "mean_ms": 1e3 * sum(ts) / len(ts),
                              "median_ms": 1e3 * ordered[len(ts) // 2],
                              "p90_ms": 1e3 * ordered[min(len(ts) - 1, (9 * len(ts)) // 10)]}
-                if self.events[kind]:
-                    busy = [start.elapsed_time(end) / 1e3 for start, end in self.events[kind]]
+                busy = [start.elapsed_time(end) / 1e3 for k, _, start, end in self.forwards if k == kind]
+                if busy:
                     out[kind] |= {"device_busy_s": sum(busy), "device_busy_fraction": sum(busy) / sum(ts),
                                   "device_median_ms": 1e3 * sorted(busy)[len(busy) // 2]}
         out["outside_steps_s"] = seconds - sum(sum(ts) for ts in self.times.values())
@@ -290,7 +289,7 @@ class StepTimes:
         buckets = (1, 8, 32, 128, 1 << 30)
         by_bucket: dict[str, dict[str, float]] = {}
         gaps: list[tuple[float, int, int]] = []
-        for (bs_before, _, end), (bs, start, _) in zip(self.forwards, self.forwards[1:], strict=False):
+        for (_, bs_before, _, end), (_, bs, start, _) in zip(self.forwards, self.forwards[1:], strict=False):
             gap_ms = end.elapsed_time(start)
             gaps.append((gap_ms, bs_before, bs))
             lo = max(b for b in buckets if b <= max(1, bs))
@@ -354,8 +353,7 @@ def step_timing(scheduler: Any) -> Iterator[StepTimes]:
         start.record()
         out = forward(fb, *args, **kwargs)
         end.record()
-        times.events[kind].append((start, end))
-        times.forwards.append((fb.batch_size, start, end))
+        times.forwards.append((kind, fb.batch_size, start, end))
         return out
 
     scheduler.step = timed_step
