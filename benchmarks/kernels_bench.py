@@ -49,6 +49,9 @@ KV_LAYOUT = "random"
 # Decode contexts: 0, every request at ``ctx``; LO > 0, uniform in [LO, 2 * ctx - LO] per request (mean ctx),
 # as a batch of requests admitted at different lengths and decoding for different times holds them.
 RAGGED_LO = 0
+# Decode's split merge inside the split kernel (split counters given), as the Triton backend runs it
+# unless PLAIT_TRITON_DECODE_TWO_STAGE=1; False (--two-stage): the separate merge kernel.
+FUSED_MERGE = True
 ELEM = 2  # bytes per bf16
 
 
@@ -184,8 +187,11 @@ def bench_decode(
     def choose_splits() -> None:
         K.get_num_kv_splits(seq_lens, splits, max_kv_splits, num_sms, HKV, programs_per_sm, min_split_len)
 
+    counters = torch.zeros(bs * HQ, dtype=torch.int32, device="cuda") if FUSED_MERGE else None
+
     def run(kb: torch.Tensor = k_buf, vb: torch.Tensor = v_buf) -> None:
-        K.decode_attention_fwd(q, kb, vb, o, indptr, indices, logits, lse, splits, max_kv_splits, scale, config=config)
+        K.decode_attention_fwd(q, kb, vb, o, indptr, indices, logits, lse, splits, max_kv_splits, scale, config=config,
+                               split_counters=counters)
 
     choose_splits()
     eager_ms = timer(run)
@@ -315,14 +321,18 @@ def main() -> None:
                         help="only sweep extend launch configs at these shapes (e.g. 16x512+0)")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="random",
                         help="where the KV slots lie (see KV_LAYOUTS); default random")
+    parser.add_argument("--two-stage", action="store_true",
+                        help="decode with the separate split-merge kernel (default: the merge inside the split "
+                             "kernel, as the Triton backend runs it)")
     parser.add_argument("--ragged", type=int, default=0, metavar="LO",
                         help="decode contexts uniform in [LO, 2 x CTX - LO] per request instead of CTX each")
     parser.add_argument("--heads", default=None, metavar="HQ,HKV,D",
                         help=f"attention heads and head dim (default {HQ},{HKV},{D}: llama-3.1-8b; 32,8,64: 3.2-1b)")
     args = parser.parse_args()
-    global KV_LAYOUT, RAGGED_LO
+    global KV_LAYOUT, RAGGED_LO, FUSED_MERGE
     KV_LAYOUT = args.kv_layout
     RAGGED_LO = args.ragged
+    FUSED_MERGE = not args.two_stage
     if args.heads:
         HQ, HKV, D = (int(v) for v in args.heads.split(","))
     if not torch.cuda.is_available():
