@@ -201,15 +201,19 @@ if triton is not None:
 _TRITON_BLOCK = 1024
 
 
+def noise_in_triton(x: Tensor, use_triton: bool | None) -> bool:
+    """Whether noise over ``x`` runs in the Triton kernels: ``use_triton`` as given, or (None) on CUDA
+    when Triton is importable."""
+    return (x.is_cuda and triton is not None) if use_triton is None else use_triton
+
+
 def add_gumbel_noise_(x: Tensor, keys: Tensor, use_triton: bool | None = None) -> Tensor:
     """x += gumbel_noise_from_keys(keys, V), in place on a float32 [bs, V] tensor.
 
     use_triton: None picks the fused kernel on CUDA when Triton is importable; the result is the
     same either way.
     """
-    if use_triton is None:
-        use_triton = x.is_cuda and triton is not None
-    if not use_triton:
+    if not noise_in_triton(x, use_triton):
         return x.add_(gumbel_noise_from_keys(keys, x.shape[1]))
     if triton is None:
         raise RuntimeError("use_triton=True but triton is not installed; pass use_triton=None")

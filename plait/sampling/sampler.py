@@ -30,7 +30,7 @@ from torch import Tensor
 from plait import envs
 from plait.sampling.batch_info import SamplingBatchInfo
 from plait.sampling.penalties import apply_frequency_presence_penalty, apply_repetition_penalty
-from plait.sampling.rng import TRITON_AVAILABLE, add_gumbel_noise_, gumbel_max_sample
+from plait.sampling.rng import TRITON_AVAILABLE, add_gumbel_noise_, gumbel_max_sample, noise_in_triton
 
 # Temperature-only draws in one Triton pass (PLAIT_FUSED_GUMBEL_MAX; the same tokens either way).
 FUSED_GUMBEL_MAX = envs.FUSED_GUMBEL_MAX.get()
@@ -95,7 +95,7 @@ class Sampler:
             next_ids = greedy_ids(logits)
         else:
             filters = info.need_top_k or info.need_top_p or info.need_min_p
-            if FUSED_GUMBEL_MAX and not filters and self._triton(logits):
+            if FUSED_GUMBEL_MAX and not filters and noise_in_triton(logits, self.use_triton):
                 next_ids = gumbel_max_sample(logits, info.temperatures, info.noise_keys)
             else:
                 # warp returns a fresh tensor, so the noise can be added in place.
@@ -111,10 +111,6 @@ class Sampler:
                 k = min(info.top_logprobs_num, info.vocab_size)
                 out.top_logprobs_vals, out.top_logprobs_ids = logp.topk(k, dim=-1, sorted=True)
         return out
-
-    def _triton(self, logits: Tensor) -> bool:
-        """Whether this call's noise runs in Triton kernels (``use_triton``, or on CUDA by default)."""
-        return self.use_triton if self.use_triton is not None else (logits.is_cuda and TRITON_AVAILABLE)
 
     @staticmethod
     def _check_shape(logits: Tensor, info: SamplingBatchInfo) -> None:
