@@ -286,16 +286,14 @@ class StepTimes:
         """The device time between one forward's end and the next one's start (the step's own copies and
         scatters, and any wait for the host to launch), summed by the batch size of the forward after
         the gap (requests, in buckets), with the largest gaps: where a run's device idles."""
-        buckets = (1, 8, 32, 128, 1 << 30)
+        buckets = ((128, "bs >= 128"), (32, "bs 32-127"), (8, "bs 8-31"), (0, "bs 1-7"))
         by_bucket: dict[str, dict[str, float]] = {}
         gaps: list[tuple[float, int, int]] = []
         for (_, bs_before, _, end), (_, bs, start, _) in zip(self.forwards, self.forwards[1:], strict=False):
             gap_ms = end.elapsed_time(start)
             gaps.append((gap_ms, bs_before, bs))
-            lo = max(b for b in buckets if b <= max(1, bs))
-            hi = buckets[buckets.index(lo) + 1] - 1
-            row = by_bucket.setdefault(f"bs {lo}-{hi}" if hi < 1 << 29 else f"bs >= {lo}",
-                                       {"gaps": 0, "total_s": 0.0, "over_50us": 0})
+            label = next(name for lo, name in buckets if bs >= lo)
+            row = by_bucket.setdefault(label, {"gaps": 0, "total_s": 0.0, "over_50us": 0})
             row["gaps"] += 1
             row["total_s"] += gap_ms / 1e3
             row["over_50us"] += gap_ms > 0.05
