@@ -152,12 +152,11 @@ PDL = EnvVar(
     "1 (the default): the decode step's small Triton kernels launch with programmatic dependent launch "
     "(sm_90+; plait.layers.pdl): each may start while the one before it finishes. 0: plain launches (the "
     "A/B baseline).")
-FUSED_GUMBEL_MAX = _flag_var(
-    "PLAIT_FUSED_GUMBEL_MAX",
-    "1: the sampler draws a batch whose sampled rows use a temperature alone (no top-k, top-p or min-p) in one "
-    "Triton pass over the logits (plait.sampling.rng.gumbel_max_sample, the same tokens) instead of dividing, "
-    "adding the noise and taking the argmax in separate passes; unset (the default until a GPU run measures "
-    "it): separate passes. Read at import.")
+FUSED_GUMBEL_MAX = EnvVar(
+    "PLAIT_FUSED_GUMBEL_MAX", _flag, True,
+    "1 (the default): the sampler draws a batch whose sampled rows use a temperature alone (no top-k, top-p or "
+    "min-p) in one Triton pass over the logits (plait.sampling.rng.gumbel_max_sample, the same tokens); 0: "
+    "dividing, adding the noise and taking the argmax in separate passes (the A/B baseline). Read at import.")
 DECODE_PROGRAMS_PER_SM = _int_var(
     "PLAIT_DECODE_PROGRAMS_PER_SM",
     "The Triton decode attention's split planner target: stage-1 programs per SM over the whole batch, from "

@@ -238,6 +238,15 @@ def test_sampler_with_the_one_pass_draw_gives_the_tokens_it_gives_without_it() -
     assert (on["plain"], on["nucleus"]) == (off["plain"], off["nucleus"])
 
 
+def test_temperature_only_draws_take_the_one_pass_path_by_default(monkeypatch: pytest.MonkeyPatch):
+    from plait import envs
+
+    monkeypatch.delenv("PLAIT_FUSED_GUMBEL_MAX", raising=False)
+    assert envs.FUSED_GUMBEL_MAX.get() is True
+    monkeypatch.setenv("PLAIT_FUSED_GUMBEL_MAX", "0")
+    assert envs.FUSED_GUMBEL_MAX.get() is False
+
+
 # ---------------------------------------------------------------------------------------------------
 # Greedy
 # ---------------------------------------------------------------------------------------------------
