@@ -311,6 +311,10 @@ for stage in "$@"; do
     # The GPU tests of the long-extend tiles and of the speculative graphs (chained verifies by default).
     tests-extend-spec) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k extend \
         tests/gpu/test_spec_graphs_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-extend-spec.log" | tail -4 ;;
+    # Kernel variants that compiled on the request path: the split planner's one-variant test, then the
+    # nano-vllm audit with each variant's specialisations.
+    variant-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "split_planner or mixed or extend" \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-variants.log" | tail -4 ;;
     # Temperature-only draws in one Triton pass (PLAIT_FUSED_GUMBEL_MAX): the GPU test, then nano-vllm (temperature
     # 0.6) with the separate passes (0) and the one-pass draw (1), two rounds of the pair back to back.
     gumbel-tests) python -m pytest -q -m gpu tests/gpu/test_triton_ops_gpu.py -k "gumbel or argmax" -p no:cacheprovider \

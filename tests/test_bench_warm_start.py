@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from plait.bench.warm_start import TritonCompiles, measure
+from plait.bench.warm_start import TritonCompiles, describe_variant, measure
 from plait.cli import build_parser
 
 SMALL = {"ttft_prompt_len": 24, "num_requests": 3, "input_len": 8, "output_len": 3, "context_length": 256,
@@ -44,14 +44,24 @@ def test_triton_compiles_counts_by_kernel_and_restores_the_previous_hook():
     from triton import knobs
 
     before = knobs.runtime.jit_post_compile_hook
+    compile = {"signature": {"X": "*bf16"}, "constants": {}, "configs": [{}]}
     with TritonCompiles() as compiles:
         hook = knobs.runtime.jit_post_compile_hook
         for name in ("_extend_kernel", "_extend_kernel", "_rmsnorm_kernel"):
-            hook(key=None, repr=f"{name}[num_warps=4](X: *bf16)", fn=SimpleNamespace(name=name), compile={},
-                 is_manual_warmup=False, already_compiled=False)
+            hook(key=None, repr="", fn=SimpleNamespace(name=name), compile=compile, is_manual_warmup=False,
+                 already_compiled=False)
     assert compiles.names == {"_extend_kernel": 2, "_rmsnorm_kernel": 1} and compiles.total == 3
-    assert compiles.variants[-1] == "_rmsnorm_kernel[num_warps=4](X: *bf16)"
+    assert compiles.variants[-1] == "_rmsnorm_kernel(X: *bf16)"
     assert knobs.runtime.jit_post_compile_hook is before
+
+
+def test_a_variant_description_shows_what_triton_fixed_at_compile_time():
+    # As Triton hands them to its compile hooks: a pointer assumed 16-byte aligned, one that is not, an
+    # int specialised to 1 (a constant) and a constexpr.
+    signature = {"Q": "*bf16", "Indptr": "*i32", "bs": "constexpr", "BLOCK": "constexpr"}
+    constants = {(2,): 1, (3,): 256}
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): []}
+    assert describe_variant("_k", signature, constants, attrs) == "_k(Q: *bf16 %16, Indptr: *i32, bs=1, BLOCK=256)"
 
 
 def test_warm_start_command_writes_warmup_on_against_off(tmp_path, monkeypatch: pytest.MonkeyPatch):

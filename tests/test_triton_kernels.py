@@ -137,6 +137,7 @@ def test_get_num_kv_splits_matches_reference_and_bounds() -> None:
         ([640] * 256, 16),
         ([32768] + [100] * 255, 16),
         ([1, 0, 5000, 12000, 700], 8),
+        ([9000] + [300] * 299, 16),  # more requests than one pass of the planner covers
     ]
     for lens, max_splits in cases:
         seq_lens = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
@@ -607,16 +608,25 @@ def test_per_request_metadata_pointers_are_not_specialised_on_alignment():
     script = (
         "import json\n"
         "from plait.attention.triton import extend, indices\n"
-        "kernels = (extend._extend_kernel, indices._build_kv_indices_kernel, indices._verify_kv_rows_kernel)\n"
+        "from plait.attention.triton import decode\n"
+        "kernels = (extend._extend_kernel, indices._build_kv_indices_kernel, indices._verify_kv_rows_kernel,"
+        " decode._num_kv_splits_kernel)\n"
         "print(json.dumps({k.fn.__name__: sorted(p.name for p in k.params if p.do_not_specialize_on_alignment)"
         " for k in kernels}))\n"
+        "print(json.dumps([p.name for p in decode._num_kv_splits_kernel.params if p.do_not_specialize]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout) == {
-        "_extend_kernel": ["Kv_Indptr", "Mask_Indptr", "Qo_Indptr"],
+    alignment, split_planner_ints = (json.loads(line) for line in done.stdout.splitlines())
+    # The split planner runs once per decode step at that step's batch size: specialising on it (1,
+    # multiples of 16) would compile a variant per batch-size class on the request path.
+    assert split_planner_ints == ["bs"]
+    assert alignment == {
+        "_extend_kernel": ["Custom_Mask", "Kv_Indices", "Kv_Indptr", "Mask_Indptr", "Qo_Indptr"],
         "_build_kv_indices_kernel": ["Kv_Indptr", "Kv_Start_Idx", "Req_Pool_Indices", "Seq_Lens"],
         "_verify_kv_rows_kernel": ["Kv_Indptr", "Mask_Indptr", "Prefix_Lens", "Qo_Indptr", "Req_Pool_Indices",
                                    "Row_Lens"],
+        "_num_kv_splits_kernel": ["Out", "Seq_Lens"],
     }
+

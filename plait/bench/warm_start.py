@@ -52,9 +52,10 @@ class TritonCompiles:
 
         self._previous = knobs.runtime.jit_post_compile_hook
 
-        def hook(*, fn: Any, **kwargs: Any) -> bool:
+        def hook(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
             self.names[fn.name] += 1
-            self.variants.append(kwargs.get("repr", ""))
+            self.variants.append(describe_variant(fn.name, compile["signature"], compile["constants"],
+                                                  compile["configs"][0]))
             return False
 
         knobs.runtime.jit_post_compile_hook = hook
@@ -68,6 +69,23 @@ class TritonCompiles:
     @property
     def total(self) -> int:
         return sum(self.names.values())
+
+
+def describe_variant(name: str, signature: dict[str, Any], constants: dict[tuple[int, ...], Any],
+                     attrs: dict[tuple[int, ...], Any]) -> str:
+    """One compiled variant as ``name(arg: type, ...)``: a parameter Triton fixed at compile time (a
+    constexpr, or an int specialised to 1) shows as ``arg=value``, one it assumed 16-divisible (an int, or
+    a pointer's alignment) carries ``%16``. Triton's own description of a variant does not list these in
+    3.6. ``signature`` maps parameter names to types in order; ``constants`` and ``attrs`` are keyed by
+    parameter paths (index tuples), as Triton hands them to its compile hooks."""
+    parts = []
+    for i, (arg, ty) in enumerate(signature.items()):
+        if (i,) in constants:
+            parts.append(f"{arg}={constants[(i,)]}")
+        else:
+            divisible = any(attr[0] == "tt.divisibility" for attr in attrs.get((i,), ()))
+            parts.append(f"{arg}: {ty}{' %16' if divisible else ''}")
+    return f"{name}({', '.join(parts)})"
 
 
 def _compiles(stage: str, compiles: TritonCompiles, out: dict[str, Any]) -> None:

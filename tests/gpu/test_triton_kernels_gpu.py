@@ -431,3 +431,21 @@ def test_fresh_prompts_through_the_fused_kernels_match_torch_native(exts: list[i
         assert md is not None and (md.token_start, md.count, md.length) == (rows, len(exts), exts[0])
     want = run(TorchNativeAttnBackend(pool, kv), fb, q, k, v, lay)
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
+
+
+def test_the_split_planner_compiles_one_variant_for_all_batch_sizes_and_offsets() -> None:
+    """Serving meets every batch size and a mixed step's decode rows as a slice at any offset: after
+    its first launch, the split planner must not compile again for any of them."""
+    from plait.bench.warm_start import TritonCompiles
+
+    out = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    lens = torch.randint(1, 4096, (1024,), device="cuda")
+    K.get_num_kv_splits(lens[:7], out, MAX_KV_SPLITS, num_sms=132, num_kv_heads=HKV)
+    with TritonCompiles() as compiles:
+        for bs, offset in [(1, 0), (1, 3), (16, 0), (17, 5), (64, 1), (256, 0), (300, 2), (1000, 7)]:
+            got = out[offset:offset + bs]
+            K.get_num_kv_splits(lens[offset:offset + bs], got, MAX_KV_SPLITS, num_sms=132, num_kv_heads=HKV)
+            ref = torch.zeros_like(got)
+            R.get_num_kv_splits(lens[offset:offset + bs], ref, MAX_KV_SPLITS, num_sms=132, num_kv_heads=HKV)
+            assert torch.equal(got, ref), (bs, offset)
+    assert compiles.names.get("_num_kv_splits_kernel", 0) == 0, compiles.variants

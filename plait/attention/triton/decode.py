@@ -497,7 +497,10 @@ def decode_attention_fwd(
     )
 
 
-@triton.jit
+# Launched once per decode step with the step's batch size: an int argument or a block size that
+# followed it would make each batch-size class (1, a multiple of 16, each power of two) a variant of
+# its own, compiled on the request path the first time serving meets it. One variant serves all.
+@triton.jit(do_not_specialize=["bs"], do_not_specialize_on_alignment=["Seq_Lens", "Out"])
 def _num_kv_splits_kernel(
     Seq_Lens,  # [bs] int
     Out,  # [bs] int32
@@ -528,6 +531,9 @@ def _num_kv_splits_kernel(
         tl.store(Out + offs, n.to(tl.int32), mask=mask)
 
 
+_NUM_KV_SPLITS_BLOCK = 256  # requests per pass of the split planner; larger batches loop
+
+
 def get_num_kv_splits(
     seq_lens: torch.Tensor,
     num_kv_splits_out: torch.Tensor,
@@ -554,6 +560,6 @@ def get_num_kv_splits(
         max(1, num_sms * programs_per_sm),
         max_kv_splits,
         max(1, min_split_len),
-        BLOCK=min(1024, next_pow2(bs)),
+        BLOCK=_NUM_KV_SPLITS_BLOCK,
         num_warps=4,
     )

@@ -117,7 +117,7 @@ def _attend_tile(
 # step's extend part starts after its decode rows, a verify's indptrs share one packed buffer), and a
 # pointer's 16-byte alignment is otherwise part of the compiled variant, so each new offset class would
 # compile on the request path.
-@triton.jit(do_not_specialize_on_alignment=["Qo_Indptr", "Kv_Indptr", "Mask_Indptr"])
+@triton.jit(do_not_specialize_on_alignment=["Qo_Indptr", "Kv_Indptr", "Kv_Indices", "Custom_Mask", "Mask_Indptr"])
 def _extend_kernel(
     Q,  # [T, Hq, D] new tokens' queries
     K_Ext,  # [T, Hkv, D]
