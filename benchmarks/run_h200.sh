@@ -313,7 +313,7 @@ for stage in "$@"; do
         tests/gpu/test_spec_graphs_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-extend-spec.log" | tail -4 ;;
     # Kernel variants that compiled on the request path: the split planner's one-variant test, then the
     # nano-vllm audit with each variant's specialisations.
-    variant-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "split_planner or mixed or extend" \
+    variant-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "split_planner or mixed or extend or decode" \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-variants.log" | tail -4 ;;
     # Temperature-only draws in one Triton pass (PLAIT_FUSED_GUMBEL_MAX): the GPU test, then nano-vllm (temperature
     # 0.6) with the separate passes (0) and the one-pass draw (1), two rounds of the pair back to back.

@@ -610,7 +610,7 @@ def test_per_request_metadata_pointers_are_not_specialised_on_alignment():
         "from plait.attention.triton import extend, indices\n"
         "from plait.attention.triton import decode\n"
         "kernels = (extend._extend_kernel, indices._build_kv_indices_kernel, indices._verify_kv_rows_kernel,"
-        " decode._num_kv_splits_kernel)\n"
+        " decode._num_kv_splits_kernel, decode._decode_stage1_kernel)\n"
         "print(json.dumps({k.fn.__name__: sorted(p.name for p in k.params if p.do_not_specialize_on_alignment)"
         " for k in kernels}))\n"
         "print(json.dumps([p.name for p in decode._num_kv_splits_kernel.params if p.do_not_specialize]))\n"
@@ -623,10 +623,11 @@ def test_per_request_metadata_pointers_are_not_specialised_on_alignment():
     # multiples of 16) would compile a variant per batch-size class on the request path.
     assert split_planner_ints == ["bs"]
     assert alignment == {
-        "_extend_kernel": ["Custom_Mask", "Kv_Indices", "Kv_Indptr", "Mask_Indptr", "Qo_Indptr"],
+        "_extend_kernel": ["Custom_Mask", "Kv_Indices", "Kv_Indptr", "Mask_Indptr", "Qo_Indptr", "Sinks"],
         "_build_kv_indices_kernel": ["Kv_Indptr", "Kv_Start_Idx", "Req_Pool_Indices", "Seq_Lens"],
         "_verify_kv_rows_kernel": ["Kv_Indptr", "Mask_Indptr", "Prefix_Lens", "Qo_Indptr", "Req_Pool_Indices",
                                    "Row_Lens"],
         "_num_kv_splits_kernel": ["Out", "Seq_Lens"],
+        "_decode_stage1_kernel": ["Kv_Indices", "Kv_Indptr", "Num_Kv_Splits", "Sinks"],
     }
 

@@ -449,3 +449,37 @@ def test_the_split_planner_compiles_one_variant_for_all_batch_sizes_and_offsets(
             R.get_num_kv_splits(lens[offset:offset + bs], ref, MAX_KV_SPLITS, num_sms=132, num_kv_heads=HKV)
             assert torch.equal(got, ref), (bs, offset)
     assert compiles.names.get("_num_kv_splits_kernel", 0) == 0, compiles.variants
+
+
+def test_the_extend_kernel_compiles_no_variant_for_metadata_at_other_offsets() -> None:
+    """A mixed step hands the extend kernel its requests' indptrs as slices after the decode rows, at any
+    offset: once a long extend has launched, the same launch with its metadata elsewhere in a buffer
+    must not compile again, and gives the same output."""
+    from plait.attention.triton.extend import extend_attention_fwd
+    from plait.bench.warm_start import TritonCompiles
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    exts, slots = [100, 200], 512
+    t = sum(exts)
+    q = torch.randn(t, HQ, D, device="cuda", dtype=DTYPE, generator=g)
+    k = torch.randn(t, HKV, D, device="cuda", dtype=DTYPE, generator=g)
+    v = torch.randn(t, HKV, D, device="cuda", dtype=DTYPE, generator=g)
+    k_buffer = torch.zeros(slots, HKV, D, device="cuda", dtype=DTYPE)
+    v_buffer = torch.zeros_like(k_buffer)
+    qo = [0, exts[0], t]
+
+    def launch(offset: int) -> torch.Tensor:
+        meta = torch.zeros(offset + 8, dtype=torch.int32, device="cuda")
+        meta[offset:offset + 3] = torch.tensor(qo, dtype=torch.int32)
+        kv_indptr = torch.zeros(offset + 8, dtype=torch.int32, device="cuda")[offset:offset + 3]
+        indices = torch.zeros(offset + 8, dtype=torch.int32, device="cuda")[offset:]
+        o = torch.empty_like(q)
+        extend_attention_fwd(q, k, v, o, k_buffer, v_buffer, meta[offset:offset + 3], kv_indptr, indices, None,
+                             None, max(exts), D ** -0.5)
+        return o
+
+    first = launch(0)
+    with TritonCompiles() as compiles:
+        for offset in (1, 2, 3, 5):
+            assert torch.equal(launch(offset), first), offset
+    assert compiles.names.get("_extend_kernel", 0) == 0, compiles.variants

@@ -92,7 +92,9 @@ def decode_config(q: torch.Tensor, head_dim: int, num_kv_heads: int) -> tuple[La
     return LaunchConfig(block_n=128, num_warps=4, num_stages=2, kv_pack=KV_PACK_OVERRIDE or 1), 64
 
 
-@triton.jit
+# Metadata read at runtime offsets, and Sinks (without sinks, a stand-in pointer): their alignment must
+# not pick the variant, or a mixed step's slices compile new ones on the request path.
+@triton.jit(do_not_specialize_on_alignment=["Kv_Indptr", "Kv_Indices", "Num_Kv_Splits", "Sinks"])
 def _decode_stage1_kernel(
     Q,  # [bs, Hq, D]
     K_Buffer,  # [num_slots, Hkv, D]

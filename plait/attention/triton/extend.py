@@ -113,11 +113,13 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-# Per-request metadata read one scalar at a time: a step may pass it as a slice at any offset (a mixed
-# step's extend part starts after its decode rows, a verify's indptrs share one packed buffer), and a
+# Per-request metadata and index lists read at runtime offsets: a step may pass them as slices at any
+# offset (a mixed step's extend part starts after its decode rows, a verify's indptrs share one packed
+# buffer), and without a mask or sinks Custom_Mask, Mask_Indptr and Sinks are stand-ins for Qo_Indptr. A
 # pointer's 16-byte alignment is otherwise part of the compiled variant, so each new offset class would
 # compile on the request path.
-@triton.jit(do_not_specialize_on_alignment=["Qo_Indptr", "Kv_Indptr", "Kv_Indices", "Custom_Mask", "Mask_Indptr"])
+@triton.jit(do_not_specialize_on_alignment=["Qo_Indptr", "Kv_Indptr", "Kv_Indices", "Custom_Mask", "Mask_Indptr",
+                                            "Sinks"])
 def _extend_kernel(
     Q,  # [T, Hq, D] new tokens' queries
     K_Ext,  # [T, Hkv, D]
