@@ -1,14 +1,14 @@
 """The warm-up at engine start: every launch-shape class serving meets, run once before the first request.
 
 Triton compiles a kernel variant per launch-shape class on its first launch: integer arguments are
-specialised (== 1, divisible by 16), and plait picks tile sizes, block widths and GQA packing by size
-class (the extend kernel's short and long configs, the decode kernel's large-batch tiles, the split
-planner's block over the batch). Unwarmed, those compiles land on the first requests' path (seconds
-for the first long prompt). CUDA graph capture already compiles decode at the captured batch sizes;
-this covers the rest, through the real scheduler and runner: prefill of each token-count class up to
-the chunked-prefill size, a prompt longer than a chunk, batched prefill, a radix-cache hit, mixed
-prefill + decode steps, decode at the batch sizes outside the graphs, the sampling variants and, when
-configured, speculative verify.
+specialised (== 1, divisible by 16), and plait picks tile sizes, block widths and GQA packing by
+size class (the extend kernel's short and long configs, the decode kernel's large-batch tiles).
+Unwarmed, those compiles land on the first requests' path (seconds for the first long prompt). CUDA
+graph capture already compiles decode at the captured batch sizes; this covers the rest, through the
+real scheduler and runner: prefill of each token-count class up to the chunked-prefill size, a
+prompt longer than a chunk, batched prefill, a radix-cache hit, mixed prefill + decode steps, decode
+at the batch sizes outside the graphs, the sampling variants and, when configured, speculative
+verify.
 
 The set is fixed and small (lengths at the class boundaries, not a sweep): ``warmup_plan`` derives it
 from the config and the runner's sizes. ``run_warmup`` issues it, then puts the scheduler back in its
@@ -160,10 +160,6 @@ def should_warm_up(config: EngineConfig) -> bool:
     return config.resolved_device() == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def prefill_lengths(chunk: int) -> list[int]:
     """Prompt lengths at the class boundaries up to one chunk: 1 token, an odd short extend, the
     short-extend limit and one past it (the extend kernel's two configs), powers of
@@ -188,10 +184,10 @@ def gemv_token_classes() -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-def decode_class(bs: int, large_bs: int | None) -> tuple[int, bool, bool, bool]:
-    """What a decode launch specialises on for ``bs`` requests: the split planner's block (the next
-    power of two), Triton's integer classes (== 1, divisible by 16) and the large-batch tiles."""
-    return _pow2(bs), bs == 1, bs % 16 == 0, large_bs is not None and bs >= large_bs
+def decode_class(bs: int, large_bs: int | None) -> tuple[bool, bool, bool]:
+    """What a decode launch specialises on for ``bs`` requests: Triton's integer classes (== 1,
+    divisible by 16, for the kernels that take the batch size) and the large-batch tiles."""
+    return bs == 1, bs % 16 == 0, large_bs is not None and bs >= large_bs
 
 
 def eager_decode_sizes(max_running: int, graph_max_bs: int | None, large_bs: int | None) -> list[int]:
@@ -206,7 +202,7 @@ def eager_decode_sizes(max_running: int, graph_max_bs: int | None, large_bs: int
         candidates.add(b)
         b *= 2
     sizes: list[int] = []
-    seen: set[tuple[int, bool, bool, bool]] = set()
+    seen: set[tuple[bool, bool, bool]] = set()
     for bs in sorted(candidates):
         if not floor < bs <= max_running:
             continue
