@@ -84,3 +84,38 @@ def test_deferred_tokens_read_at_once_give_the_same_text_as_reading_each(tokeniz
     assert once.final_text() == each.final_text()
     if cut is None:
         assert once.final_text() == text
+
+
+def test_finishing_a_text_that_keeps_ending_inside_a_character_decodes_one_window(tokenizer):
+    # A lone lead byte, then ids the tokenizer decodes to nothing: a text that ends inside a character
+    # for hundreds of tokens. The flush decodes the unfolded ids once, not once per token.
+    lead = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd")
+    empty = next(i for i in range(len(tokenizer), 2 * len(tokenizer) + 1000) if tokenizer.decode([i]) == "")
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    ids = tokenizer.encode(" ok", add_special_tokens=False) + [lead] + [empty] * 500
+    detok = IncrementalDetokenizer(tokenizer, prompt, ())
+    detok.add_tokens(ids)
+    calls = []
+    decode = detok._decode_fn
+    detok._decode_fn = lambda ids, **kw: calls.append(len(ids)) or decode(ids, **kw)
+    detok.finish()
+    assert len(calls) <= 2
+    assert detok.final_text() == tokenizer.decode(prompt[-5:] + ids)[len(tokenizer.decode(prompt[-5:])):]
+    assert detok.final_text() == " ok\ufffd"
+
+
+@pytest.mark.parametrize("cut", [None, -1])
+def test_finishing_after_some_tokens_were_read_gives_the_text_of_reading_each(tokenizer, cut):
+    text = " héllo 你好世界 🙂🚀 naïve café"
+    ids = tokenizer.encode(text, add_special_tokens=False)[:cut]
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    each, partly = IncrementalDetokenizer(tokenizer, prompt, ()), IncrementalDetokenizer(tokenizer, prompt, ())
+    for n, i in enumerate(ids):
+        each.add_token(i)
+        _ = each.text
+        partly.add_token(i)
+        if n % 7 == 0:
+            _ = partly.text
+    each.finish()
+    partly.finish()
+    assert partly.final_text() == each.final_text()

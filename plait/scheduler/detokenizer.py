@@ -163,13 +163,18 @@ class IncrementalDetokenizer:
         return next((s for s in self.stop if self.text.startswith(s, self.stopped_at)), None)
 
     def finish(self) -> None:
-        """Flush: decode incomplete trailing bytes too (with replacement characters)."""
-        text = self.text
-        if self.stopped_at is None and self._read_offset < len(self._ids):
+        """Flush: decode every id not yet folded, incomplete trailing bytes too (with replacement
+        characters), in one window. Catching them up through ``text`` first would go token by token
+        wherever the window ends inside a character, each step decoding the whole unfolded run: quadratic
+        in an output whose text keeps ending inside a character (a lone byte followed by ids that decode
+        to nothing), tens of milliseconds at a thousand tokens, on the scheduler's path."""
+        if self.stopped_at is not None:
+            return  # the text ends at the stop string, which find_stop decoded up to
+        if self._read_offset < len(self._ids):
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             tail = self._decode(self._ids[self._prefix_offset :])
-            self._text = text + tail[len(prefix_text) :]
-            self._read_offset = len(self._ids)
+            self._text += tail[len(prefix_text) :]
+            self._read_offset = self._decoded = len(self._ids)
 
     def final_text(self) -> str:
         return self.text if self.stopped_at is None else self.text[: self.stopped_at]
