@@ -311,6 +311,10 @@ for stage in "$@"; do
     # The GPU tests of the long-extend tiles and of the speculative graphs (chained verifies by default).
     tests-extend-spec) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k extend \
         tests/gpu/test_spec_graphs_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-extend-spec.log" | tail -4 ;;
+    # The NGRAM verify loop's host stages and the device's idle gaps inside chains and across scheduler
+    # steps (llama-3.1-8b, dummy weights, spec-ngram-repeat's pattern), bs 1 then bs 16.
+    spec-host) for bs in 1 16; do python benchmarks/spec_host.py $bs --shape llama-3.1-8b --rounds 2 2>&1 \
+        | grep -v " INFO " | tee "$OUT/spec-host-bs$bs.log" | tail -22; done ;;
     # Kernel variants that compiled on the request path: the split planner's one-variant test, then the
     # nano-vllm audit with each variant's specialisations.
     variant-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "split_planner or mixed or extend or decode" \

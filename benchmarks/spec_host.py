@@ -1,7 +1,8 @@
-"""Host time of NGRAM speculative steps, without a GPU: the tiny llama (one layer) on the CPU, 16 prompts
-x 64 tokens repeated (the spec-ngram-repeat pattern; BS requests at once), with the worker's stages timed
-around their calls. The forward is the CPU model's compute and says nothing about a GPU; the other stages
-are host work, split by where it runs on a GPU:
+"""Host time of NGRAM speculative steps, with the worker's stages timed around their calls: 16 prompts x
+64 tokens repeated (the spec-ngram-repeat pattern; BS requests at once).
+
+Without ``--shape``, the tiny llama (one layer) on the CPU: the forward is the CPU model's compute and
+says nothing about a GPU; the other stages are host work, split by where it runs on a GPU:
 
 - critical: between a verify's result and the next launch (or the scheduler's return), the time the GPU
   waits for: ``propose`` (a chain's first step), ``next_verify`` (a chained step: the outcome's prepared
@@ -12,7 +13,13 @@ are host work, split by where it runs on a GPU:
 - hidden: while a verify forward is queued (launched, its result not read): ``premap_chains`` (a
   chain batch's KV map), ``deferred_work``, ``predraft`` and ``commit_tokens`` of the step before it.
 
-    PYTHONPATH=$PWD python benchmarks/spec_host_cpu.py [BS] [--rounds R] [--profile]
+With ``--shape`` (a GPU; the named shape with dummy weights in bf16, as ``plait bench spec`` runs it),
+the same stages (``accept`` then includes the wait for the verify's result), and the device's side from
+CUDA events around each forward: its time, and the device's idle time between consecutive forwards,
+split into gaps inside a chain (both verifies launched by one scheduler step) and gaps across scheduler
+steps (a chain's end, the engine's loop, admission, a plain decode step between).
+
+    PYTHONPATH=$PWD python benchmarks/spec_host.py [BS] [--rounds R] [--profile] [--shape SHAPE]
 
 Per stage: total, mean per verify step, and the median call (robust to a shared machine's pauses).
 ``--rounds``: timed repeat passes (more verify steps, steadier means); ``--profile``: a cProfile of the
@@ -31,6 +38,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import torch
+
 from plait import Engine
 from plait.bench.spec import NGRAM, random_prompts
 from plait.testing import make_tiny_model
@@ -43,12 +52,17 @@ EITHER = ("commit_tokens",)  # hidden when a verify is queued behind it, else cr
 class Timer:
     """Wraps methods and records each call's seconds under its stage name."""
 
-    def __init__(self, prof: cProfile.Profile | None) -> None:
+    def __init__(self, prof: cProfile.Profile | None, cuda: bool = False) -> None:
         self.calls: dict[str, list[float]] = defaultdict(list)
         self.prof = prof
         self.in_step = False  # inside decode_step
         self.queued = False  # a verify forward is launched and its result not read yet
         self.nested = 0.0  # seconds of timed stages (and forwards) inside decode_step
+        self.cuda = cuda
+        self.steps = 0  # decode_step calls so far
+        # On a GPU, every forward in launch order: (its decode_step's number, whether it verifies,
+        # start event, end event).
+        self.forwards: list[tuple[int, bool, torch.cuda.Event, torch.cuda.Event]] = []
 
     def wrap(self, obj: Any, name: str) -> None:
         inner = getattr(obj, name)
@@ -56,6 +70,7 @@ class Timer:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if name == "decode_step":
                 self.in_step, self.nested = True, 0.0
+                self.steps += 1
                 t0 = time.perf_counter()
                 try:
                     return inner(*args, **kwargs)
@@ -68,11 +83,18 @@ class Timer:
             profiled = self.prof is not None and name != "forward"
             if profiled:
                 self.prof.enable()
+            events = None
+            if self.cuda and name == "forward":
+                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                events[0].record()
             t0 = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 dt = time.perf_counter() - t0
+                if events is not None:
+                    events[1].record()
+                    self.forwards.append((self.steps, args[0].forward_mode.is_target_verify(), *events))
                 if profiled:
                     self.prof.disable()
                 self.calls[stage].append(dt)
@@ -86,20 +108,48 @@ class Timer:
         setattr(obj, name, wrapper)
 
 
+def device_report(timer: Timer) -> None:
+    """The device's side of a GPU run (call after it finished): forward times and the idle gaps
+    between consecutive forwards, inside a chain and across scheduler steps, in microseconds."""
+    verify_us = [a.elapsed_time(b) * 1e3 for _, verify, a, b in timer.forwards if verify]
+    gaps: dict[str, list[float]] = defaultdict(list)
+    for (step, _, _, end), (next_step, verify, start, _) in zip(timer.forwards, timer.forwards[1:], strict=False):
+        kind = "inside a chain" if next_step == step else "across scheduler steps"
+        gaps[kind if verify else "before a plain forward"].append(end.elapsed_time(start) * 1e3)
+    print(f"  device: {len(verify_us)} verify forwards, median {statistics.median(verify_us):.1f} us")
+    for kind, values in sorted(gaps.items()):
+        print(f"  idle {kind:24s} {len(values):5d} gaps, total {sum(values) / 1e3:8.2f} ms, "
+              f"median {statistics.median(values):7.1f} us, per verify {sum(values) / len(verify_us):7.1f} us")
+
+
+def make_engine_for(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
+    """(engine, prompts): the tiny llama on the CPU, or ``--shape`` with dummy weights on the GPU."""
+    if args.shape is None:
+        path = make_tiny_model(tempfile.mkdtemp(), "llama", num_hidden_layers=1)
+        engine = Engine(model=str(path), max_running_requests=args.bs, attention_backend="torch_native", **NGRAM)
+        return engine, random_prompts(16, 128, 400, seed=7)
+    from plait.bench.shapes import SHAPES, write_shape_dir
+    from plait.bench.workloads import make_engine
+
+    shape_dir = str(write_shape_dir(tempfile.mkdtemp(prefix="plait-shapes-"), args.shape))
+    engine = make_engine(shape_dir, max_running_requests=args.bs, **NGRAM)
+    return engine, random_prompts(16, 128, SHAPES[args.shape]["vocab_size"], seed=7)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bs", type=int, nargs="?", default=16)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--shape", default=None, help="a bench shape (e.g. llama-3.1-8b) with dummy weights, on the GPU")
     args = ap.parse_args()
-    path = make_tiny_model(tempfile.mkdtemp(), "llama", num_hidden_layers=1)
-    engine = Engine(model=str(path), max_running_requests=args.bs, attention_backend="torch_native", **NGRAM)
-    prompts = random_prompts(16, 128, 400, seed=7)
+    engine, prompts = make_engine_for(args)
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 64}
     for _ in range(2):
         engine.generate(prompts, params)  # fills the n-gram and prefix caches
     worker = engine.scheduler.spec_worker
-    timer = Timer(cProfile.Profile() if args.profile else None)
+    on_gpu = args.shape is not None and torch.cuda.is_available()
+    timer = Timer(cProfile.Profile() if args.profile else None, cuda=on_gpu)
     stages = [n for n in (*CRITICAL, *HIDDEN, *EITHER) if hasattr(worker, n)]  # older commits lack some
     for name in stages:
         timer.wrap(worker, name)
@@ -112,6 +162,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(args.rounds):
         engine.generate(prompts, params)
+    if timer.cuda:
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     steps = max(1, worker.stats.verify_steps - steps0)
     calls = timer.calls
@@ -138,6 +190,8 @@ def main() -> None:
     print(f"  all host time outside forwards, less the hidden stages: {rest / steps * 1e6:.1f} us/step")
     if stats is not None:
         print(f"  proposals pre-drafted during the verify (hit), drafted anew (miss, unprepared): {dict(stats)}")
+    if timer.cuda:
+        device_report(timer)
     engine.shutdown()
     if timer.prof is not None:
         out = io.StringIO()
