@@ -87,12 +87,14 @@ def test_deferred_tokens_read_at_once_give_the_same_text_as_reading_each(tokeniz
 
 
 def test_finishing_a_text_that_keeps_ending_inside_a_character_decodes_one_window(tokenizer):
-    # A lone lead byte, then ids the tokenizer decodes to nothing: a text that ends inside a character
-    # for hundreds of tokens. The flush decodes the unfolded ids once, not once per token.
+    # A lone lead byte, then special tokens (skipped, so they decode to nothing): a text that ends
+    # inside a character for hundreds of tokens. The flush decodes the unfolded ids once, not once per
+    # token.
     lead = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd")
-    empty = next(i for i in range(len(tokenizer), 2 * len(tokenizer) + 1000) if tokenizer.decode([i]) == "")
+    special = tokenizer.eos_token_id
+    assert tokenizer.decode([special], skip_special_tokens=True) == ""
     prompt = tokenizer.encode("Say:", add_special_tokens=False)
-    ids = tokenizer.encode(" ok", add_special_tokens=False) + [lead] + [empty] * 500
+    ids = tokenizer.encode(" ok", add_special_tokens=False) + [lead] + [special] * 500
     detok = IncrementalDetokenizer(tokenizer, prompt, ())
     detok.add_tokens(ids)
     calls = []
@@ -100,8 +102,45 @@ def test_finishing_a_text_that_keeps_ending_inside_a_character_decodes_one_windo
     detok._decode_fn = lambda ids, **kw: calls.append(len(ids)) or decode(ids, **kw)
     detok.finish()
     assert len(calls) <= 2
-    assert detok.final_text() == tokenizer.decode(prompt[-5:] + ids)[len(tokenizer.decode(prompt[-5:])):]
     assert detok.final_text() == " ok\ufffd"
+
+
+def _out_of_vocabulary(tokenizer, n: int) -> list[int]:
+    return [len(tokenizer) + 1000 + 7 * k for k in range(n)]
+
+
+def test_ids_without_a_token_leave_the_streamed_text_unchanged(tokenizer):
+    # A model's vocabulary may be padded past its tokenizer's; such ids decode to nothing.
+    text = " héllo 你好世界 🙂🚀 naïve"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    unknown = iter(_out_of_vocabulary(tokenizer, 4 * len(ids)))
+    mixed = [t for i in ids for t in (i, next(unknown), next(unknown))]
+    deltas = {}
+    for name, stream in (("plain", ids), ("mixed", mixed)):
+        detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:", add_special_tokens=False), ())
+        out = []
+        for i in stream:
+            detok.add_token(i)
+            out.append(detok.take_delta(finished=False))
+        detok.finish()
+        out.append(detok.take_delta(finished=True))
+        deltas[name] = ("".join(out), detok.final_text())
+    assert deltas["mixed"] == deltas["plain"] == (text, text)
+
+
+def test_ids_without_a_token_cost_no_decode(tokenizer):
+    lead = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd")
+    detok = IncrementalDetokenizer(tokenizer, [], (), fast_path=False)
+    detok.add_token(lead)
+    assert detok.text == ""  # incomplete: held back, the window stays open
+    calls = []
+    decode = detok._decode_fn
+    detok._decode_fn = lambda ids, **kw: calls.append(len(ids)) or decode(ids, **kw)
+    for i in _out_of_vocabulary(tokenizer, 200):
+        detok.add_token(i)
+        assert detok.text == ""
+    detok.add_tokens(_out_of_vocabulary(tokenizer, 50))
+    assert detok.text == "" and calls == []
 
 
 @pytest.mark.parametrize("cut", [None, -1])

@@ -72,6 +72,13 @@ class IncrementalDetokenizer:
                         if fast_path else None)
         self._stream_ok = self._stream is not None
         self._stream_at = len(self._ids)
+        # Ids the tokenizer has no token for (a model's vocabulary padded past its tokenizer's) are
+        # dropped by the Rust backend's decode before anything else, so they are never stored: a
+        # window of them would add nothing to the text, yet every decode of the window (and the
+        # DecodeStream's, which grows while the text does not) would read them again.
+        rust_decode = self._backend is not None and getattr(tokenizer, "is_fast", False) and self._decode_fn in (
+            getattr(self._backend, "decode", None), getattr(tokenizer, "_decode", None))
+        self._id_to_token: Callable[[int], str | None] | None = self._backend.id_to_token if rust_decode else None
 
     @property
     def uses_fast_path(self) -> bool:
@@ -83,12 +90,15 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> None:
         """O(1): decoding is deferred until text is asked for (stop strings, streaming, the end), so a
-        batch of requests nobody reads mid-flight costs no tokenizer calls per step."""
-        self._ids.append(token_id)
+        batch of requests nobody reads mid-flight costs no tokenizer calls per step. An id without a
+        token adds nothing to the text and is not kept."""
+        if self._id_to_token is None or self._id_to_token(token_id) is not None:
+            self._ids.append(token_id)
 
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         """``add_token`` for each of ``token_ids``."""
-        self._ids.extend(token_ids)
+        known = self._id_to_token
+        self._ids.extend(token_ids if known is None else [t for t in token_ids if known(t) is not None])
 
     @property
     def text(self) -> str:
