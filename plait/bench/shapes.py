@@ -96,7 +96,10 @@ def expected_distinct_experts(shape: str, tokens: int) -> float:
 
 
 def write_shape_dir(root: str | pathlib.Path, shape: str) -> pathlib.Path:
-    """config.json of the shape plus the tiny test tokenizer (prompts are given as token ids)."""
+    """config.json of the shape plus the tiny test tokenizer with its vocabulary extended to the
+    shape's (prompts are given as token ids; every id the random weights sample decodes to a short
+    word, so detokenizing a stream costs what it does with a real checkpoint's tokenizer, where a
+    500-token vocabulary would decode almost every id to nothing)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
     from plait.models.tiny import save_tokenizer
@@ -104,7 +107,7 @@ def write_shape_dir(root: str | pathlib.Path, shape: str) -> pathlib.Path:
     path = pathlib.Path(root) / shape
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
-    save_tokenizer(path, uses_bos=False)
+    save_tokenizer(path, uses_bos=False, cover_vocab=SHAPES[shape]["vocab_size"])
     return path
 
 

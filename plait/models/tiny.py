@@ -325,11 +325,37 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def save_tokenizer(path: pathlib.Path, uses_bos: bool) -> dict[str, int]:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return special ids."""
+@functools.cache
+def _covering_tokenizer_json(vocab_size: int) -> str:
+    """The trained tokenizer with its vocabulary extended to ``vocab_size`` ids: each id past the
+    trained ones decodes to a space and two or more lowercase letters (a word of its own), so
+    every id a model of that vocabulary samples decodes to text, as with a real checkpoint's tokenizer.
+    Encoding is unchanged (no merge reaches the added entries)."""
+    spec = json.loads(_tokenizer_json())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in spec["added_tokens"]}
+    next_id = max([*vocab.values(), *(t["id"] for t in spec["added_tokens"])]) + 1
+    n = 27  # bijective base 26 from here: "aa", "ab", ..., "zz", "aaa", ...: distinct words
+    while next_id < vocab_size:
+        word, k = "", n
+        while k:
+            k, r = divmod(k - 1, 26)
+            word = chr(ord("a") + r) + word
+        n += 1
+        token = "\u0120" + word  # the byte-level alphabet's space
+        if token not in taken:
+            vocab[token] = next_id
+            taken.add(token)
+            next_id += 1
+    return json.dumps(spec)
+
+
+def save_tokenizer(path: pathlib.Path, uses_bos: bool, cover_vocab: int | None = None) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return special ids.
+    ``cover_vocab``: extend the vocabulary to that many ids (``_covering_tokenizer_json``)."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer.from_str(_tokenizer_json())
+    tok = Tokenizer.from_str(_tokenizer_json() if cover_vocab is None else _covering_tokenizer_json(cover_vocab))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     special: dict[str, str] = {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
     if uses_bos:
