@@ -94,7 +94,8 @@ class Timer:
                 dt = time.perf_counter() - t0
                 if events is not None:
                     events[1].record()
-                    self.forwards.append((self.steps, args[0].forward_mode.is_target_verify(), *events))
+                    fb = args[0] if args else kwargs["fb"]
+                    self.forwards.append((self.steps, fb.forward_mode.is_target_verify(), *events))
                 if profiled:
                     self.prof.disable()
                 self.calls[stage].append(dt)
