@@ -192,7 +192,8 @@ def decode_class(bs: int, large_bs: int | None) -> tuple[bool, bool, bool]:
 
 def eager_decode_sizes(max_running: int, graph_max_bs: int | None, large_bs: int | None) -> list[int]:
     """One decode batch size per launch class the graphs do not hold (every size when there are none),
-    up to ``max_running`` requests."""
+    up to ``max_running`` requests, and ``max_running`` itself: launch choices that follow the token
+    count past Triton's integer classes (the rotary kernel's heads per program) are met at both ends."""
     floor = graph_max_bs if graph_max_bs is not None else 0
     candidates = {1, 2, 16, 17, max_running, floor + 1}
     if large_bs is not None:
@@ -207,7 +208,7 @@ def eager_decode_sizes(max_running: int, graph_max_bs: int | None, large_bs: int
         if not floor < bs <= max_running:
             continue
         key = decode_class(bs, large_bs)
-        if key not in seen:
+        if key not in seen or bs == max_running:
             seen.add(key)
             sizes.append(bs)
     return sizes
