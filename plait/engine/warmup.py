@@ -160,6 +160,10 @@ def should_warm_up(config: EngineConfig) -> bool:
     return config.resolved_device() == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def prefill_lengths(chunk: int) -> list[int]:
     """Prompt lengths at the class boundaries up to one chunk: 1 token, an odd short extend, the
     short-extend limit and one past it (the extend kernel's two configs), powers of
@@ -184,16 +188,17 @@ def gemv_token_classes() -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-def decode_class(bs: int, large_bs: int | None) -> tuple[bool, bool, bool]:
-    """What a decode launch specialises on for ``bs`` requests: Triton's integer classes (== 1,
-    divisible by 16, for the kernels that take the batch size) and the large-batch tiles."""
-    return bs == 1, bs % 16 == 0, large_bs is not None and bs >= large_bs
+def decode_class(bs: int, large_bs: int | None) -> tuple[int, bool, bool, bool]:
+    """What a decode launch specialises on for ``bs`` requests: its power-of-two size class (launch
+    choices that follow the token count, such as MoE tiles by the nearest tuned bucket and the rotary
+    kernel's heads per program), Triton's integer classes (== 1, divisible by 16) and the large-batch
+    tiles."""
+    return _pow2(bs), bs == 1, bs % 16 == 0, large_bs is not None and bs >= large_bs
 
 
 def eager_decode_sizes(max_running: int, graph_max_bs: int | None, large_bs: int | None) -> list[int]:
     """One decode batch size per launch class the graphs do not hold (every size when there are none),
-    up to ``max_running`` requests, and ``max_running`` itself: launch choices that follow the token
-    count past Triton's integer classes (the rotary kernel's heads per program) are met at both ends."""
+    up to ``max_running`` requests."""
     floor = graph_max_bs if graph_max_bs is not None else 0
     candidates = {1, 2, 16, 17, max_running, floor + 1}
     if large_bs is not None:
@@ -203,12 +208,12 @@ def eager_decode_sizes(max_running: int, graph_max_bs: int | None, large_bs: int
         candidates.add(b)
         b *= 2
     sizes: list[int] = []
-    seen: set[tuple[bool, bool, bool]] = set()
+    seen: set[tuple[int, bool, bool, bool]] = set()
     for bs in sorted(candidates):
         if not floor < bs <= max_running:
             continue
         key = decode_class(bs, large_bs)
-        if key not in seen or bs == max_running:
+        if key not in seen:
             seen.add(key)
             sizes.append(bs)
     return sizes
