@@ -125,13 +125,13 @@ class SchedulerProcess:
             updates += self._collect(rows)
             t3 = clock()
             stats = self._snapshot()
-            # The loop times change every busy iteration: they ride along with updates and other changes
-            # of the snapshot, and alone send nothing (a loop that steps without output, e.g. waiting
-            # for a grammar, would otherwise send a snapshot per spin).
-            last = self.last_stats
-            if updates or rows or last is None or dataclasses.replace(stats, loop=last.loop) != last:
-                # rows after updates: a request's acknowledgement (in updates) precedes its tokens.
-                self.push.send_pyobj(UpdateBatch(updates, stats, rows))
+            if updates or rows or stats != self.last_stats:
+                # rows after updates: a request's acknowledgement (in updates) precedes its tokens. The
+                # loop times change every busy iteration, so they are not part of the comparison: they
+                # ride along with what is sent (a loop that steps without output, e.g. waiting for a
+                # grammar, would otherwise send a snapshot per spin).
+                loop = LoopSeconds(self.loop_iterations, *self.loop_seconds)
+                self.push.send_pyobj(UpdateBatch(updates, dataclasses.replace(stats, loop=loop), rows))
                 self.last_stats = stats
             if stepped or updates or rows:  # idle polls are not the loop's work
                 self._account(t0, t1, t2, t3, clock(), stepped)
@@ -212,8 +212,7 @@ class SchedulerProcess:
             kv_slots_in_use=s.kv_tokens_in_use(),
             # Data parallel: the sum of the replicas' pools (kv_tokens_in_use sums them too).
             max_total_tokens=self.runner.total_kv_tokens,
-            evictable_tokens=s.tree_cache.evictable_size(), counters=dataclasses.replace(st),
-            loop=LoopSeconds(self.loop_iterations, *self.loop_seconds))
+            evictable_tokens=s.tree_cache.evictable_size(), counters=dataclasses.replace(st))
 
     def close(self) -> None:
         self.pull.close(0)
