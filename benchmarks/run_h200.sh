@@ -315,6 +315,10 @@ for stage in "$@"; do
     # steps (llama-3.1-8b, dummy weights, spec-ngram-repeat's pattern), bs 1 then bs 16.
     spec-host) for bs in 1 16; do python benchmarks/spec_host.py $bs --shape llama-3.1-8b --rounds 2 2>&1 \
         | grep -v " INFO " | tee "$OUT/spec-host-bs$bs.log" | tail -22; done ;;
+    # The same at bs 16 with a cProfile of the timed host stages (the forward excluded): which calls
+    # make the critical path between a verify's result and the next launch.
+    spec-host-profile) python benchmarks/spec_host.py 16 --shape llama-3.1-8b --rounds 3 --profile 2>&1 \
+        | grep -v " INFO " | tee "$OUT/spec-host-bs16-profile.log" | tail -60 ;;
     # Kernel variants that compiled on the request path: the split planner's one-variant test, then the
     # nano-vllm audit with each variant's specialisations.
     variant-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "split_planner or mixed or extend or decode" \
