@@ -175,7 +175,10 @@ class EngineConfig:
     schedule_conservativeness: float = 1.0
     # Streaming (SGLang's --stream-interval): a running request's progress is reported every this many
     # output tokens (its first token and its end at once); the tokens and text are the same, in fewer pieces.
-    stream_interval: int = 1
+    # None: adaptive (plait.engine.core.adaptive_stream_interval): every token while at most 64 requests
+    # are live in the server's scheduler, then fewer updates per stream as more are, so the per-update
+    # work of both processes stays bounded per step; a number fixes it.
+    stream_interval: int | None = None
     # Parallelism. tp_size ranks, one process each (rank 0 is the engine's process).
     # dp_size alone: dp_size independent replicas (each tp_size ranks, its own KV cache and
     # scheduler) behind a shortest-queue balancer (plait.parallel.data_parallel). dp_size with
@@ -274,7 +277,8 @@ class EngineConfig:
             self.max_running_requests >= 1,
             f"max_running_requests must be >= 1, got {self.max_running_requests}",
         )
-        _check(self.stream_interval >= 1, f"stream_interval must be >= 1 output token, got {self.stream_interval}")
+        _check(self.stream_interval is None or self.stream_interval >= 1,
+               f"stream_interval must be >= 1 output token (or unset: adaptive), got {self.stream_interval}")
         _check(
             self.context_length is None or self.context_length >= 2,
             f"context_length must be >= 2 (or unset to use the model's), got {self.context_length}",

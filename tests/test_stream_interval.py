@@ -3,12 +3,22 @@ form of UpdateBatch, and the merging of a request's queued updates in the HTTP p
 
 from __future__ import annotations
 
+import pathlib
 import pickle
 
 import pytest
 
 from plait.config import EngineConfig
-from plait.engine.messages import RequestUpdate, SchedulerSnapshot, UpdateBatch, coalesce_updates, merge_updates
+from plait.engine.core import LiveRequest, adaptive_stream_interval
+from plait.engine.messages import (
+    PlainRow,
+    RequestUpdate,
+    SchedulerSnapshot,
+    UpdateBatch,
+    coalesce_updates,
+    merge_updates,
+)
+from plait.engine.scheduler_process import SchedulerProcess
 from tests.helpers import make_engine
 
 PROMPT = [5, 17, 99, 240, 31]
@@ -38,8 +48,48 @@ def test_stream_interval_streams_the_tokens_and_text_of_the_whole_output(fourth)
 
 
 def test_stream_interval_below_one_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="stream_interval must be >= 1 output token, got 0"):
+    with pytest.raises(ValueError, match=r"stream_interval must be >= 1 output token \(or unset: adaptive\), got 0"):
         EngineConfig(model="m", stream_interval=0)
+
+
+def test_the_adaptive_interval_is_one_token_up_to_64_live_requests_then_grows_to_at_most_eight():
+    assert [adaptive_stream_interval(n) for n in (0, 1, 64, 65, 128, 129, 256, 512, 4096)] == [
+        1, 1, 1, 2, 2, 3, 4, 8, 8]
+
+
+def _rows_per_step(model: pathlib.Path, tmp_path: pathlib.Path, streams: int, steps: int,
+                   stream_interval: int | None) -> list[list[int]]:
+    """A scheduler process's ``_collect`` over ``streams`` live streaming requests that each get one token
+    per step (appended as the scheduler's step does): per step, the token counts of the rows it reports."""
+    proc = SchedulerProcess(EngineConfig(model=str(model), device="cpu", stream_interval=stream_interval),
+                            f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", None)
+    with make_engine(model) as engine:
+        for _ in range(streams):
+            req = engine.make_request(PROMPT, {**PARAMS, "max_new_tokens": 100})
+            proc.live[req.rid] = LiveRequest(req)
+        per_step = []
+        for s in range(steps):
+            for live in proc.live.values():
+                live.req.output_ids.append(7 + s)
+                live.req.detokenizer.add_token(7 + s)
+            rows: list[PlainRow] = []
+            assert proc._collect(rows) == []  # nothing finished, nothing but plain rows
+            per_step.append([len(row[1]) for row in rows])
+    proc.close()
+    return per_step
+
+
+def test_the_scheduler_process_streams_every_token_while_64_requests_are_live(one_layer, tmp_path):
+    assert _rows_per_step(one_layer, tmp_path, 64, 3, None) == [[1] * 64] * 3
+
+
+def test_the_scheduler_process_sends_every_second_token_to_65_live_requests(one_layer, tmp_path):
+    # The first token at once, then two per update.
+    assert _rows_per_step(one_layer, tmp_path, 65, 5, None) == [[1] * 65, [], [2] * 65, [], [2] * 65]
+
+
+def test_a_fixed_stream_interval_holds_whatever_the_load(one_layer, tmp_path):
+    assert _rows_per_step(one_layer, tmp_path, 65, 3, 1) == [[1] * 65] * 3
 
 
 def _mixed_updates() -> list[RequestUpdate]:

@@ -33,7 +33,7 @@ def _run(engine, params: dict, into: bool) -> list[RequestUpdate]:
             engine.scheduler.step()
         if into:
             rows: list = []
-            rich = live.take_update_into(rows)
+            rich = live.take_update_into(rows, 1)
             batch = UpdateBatch([rich] if rich else [], SchedulerSnapshot(), rows)
             updates += pickle.loads(pickle.dumps(batch)).updates
         elif (update := live.take_update()) is not None:
@@ -54,13 +54,13 @@ def test_a_running_request_without_logprobs_goes_to_rows_and_its_finish_is_an_ob
     while not live.req.output_ids:
         engine.scheduler.step()
     rows: list = []
-    assert live.take_update_into(rows) is None and len(rows) == 1
+    assert live.take_update_into(rows, 1) is None and len(rows) == 1
     rid, token_ids, text, prompt, completion, cached = rows[0]
     assert (rid, token_ids, prompt, completion) == (live.req.rid, live.req.output_ids, 3, len(token_ids))
     assert not live.req.finished
     while not live.req.finished:
         engine.scheduler.step()
-    final = live.take_update_into(rows)
+    final = live.take_update_into(rows, 1)
     assert final is not None and final.finish_reason == "length" and len(rows) == 1
     engine.scheduler.flush()
 

@@ -131,6 +131,21 @@ def grammar_backend(tokenizer: Any, model_config: ModelConfig) -> GrammarBackend
     return GrammarBackend(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
 
+# The adaptive stream interval (EngineConfig.stream_interval None): each stream gets every token while
+# at most STREAMS_PER_INTERVAL requests are live, then one update per ceil(live / STREAMS_PER_INTERVAL)
+# tokens, at most MAX_ADAPTIVE_INTERVAL. Every update costs the scheduler process its text delta and
+# pickling and the HTTP process an event (tens of microseconds each): at hundreds of streams a step's
+# updates take longer than the step, and the HTTP process merges a lagging stream's tokens into one event
+# anyway, so they are merged here, before either process pays for them.
+STREAMS_PER_INTERVAL = 64
+MAX_ADAPTIVE_INTERVAL = 8
+
+
+def adaptive_stream_interval(live_requests: int) -> int:
+    """Output tokens per streamed update at ``live_requests`` requests in flight (at least 1)."""
+    return min(MAX_ADAPTIVE_INTERVAL, max(1, -(-live_requests // STREAMS_PER_INTERVAL)))
+
+
 @dataclass
 class LiveRequest:
     """A request a front end reports on, and how much of it was reported.
@@ -144,8 +159,8 @@ class LiveRequest:
 
     req: Req
     stream: bool = True
-    # Report a running request once this many output tokens are unreported (its first token and
-    # its end at once): EngineConfig.stream_interval.
+    # take_update's interval: report a running request once this many output tokens are unreported (its
+    # first token and its end at once); take_update_into is given its interval each step.
     stream_interval: int = 1
     sent_tokens: int = 0
     sent_input_logprobs: int = 0
@@ -154,14 +169,14 @@ class LiveRequest:
         """What the request produced since the previous call (the finishing update carries the finish
         reason), or None when it produced nothing and is not finished, or while fewer than
         ``stream_interval`` tokens wait after its first."""
-        taken = self._take()
+        taken = self._take(self.stream_interval)
         return None if taken is None else self._update(*taken)
 
-    def take_update_into(self, rows: list[PlainRow]) -> RequestUpdate | None:
-        """``take_update``, but a plain update (new tokens and text of a running request, nothing
-        else) is appended to ``rows`` (``UpdateBatch.rows``) instead of returned: what the
+    def take_update_into(self, rows: list[PlainRow], interval: int) -> RequestUpdate | None:
+        """``take_update`` at ``interval``, but a plain update (new tokens and text of a running request,
+        nothing else) is appended to ``rows`` (``UpdateBatch.rows``) instead of returned: what the
         scheduler process does for every running request every step."""
-        taken = self._take()
+        taken = self._take(interval)
         if taken is None:
             return None
         start, n, in_start, n_in, finished, text = taken
@@ -171,7 +186,7 @@ class LiveRequest:
         rows.append((req.rid, req.output_ids[start:n], text, len(req.origin_input_ids), n, req.cached_tokens))
         return None
 
-    def _take(self) -> tuple[int, int, int, int, bool, str] | None:
+    def _take(self, interval: int) -> tuple[int, int, int, int, bool, str] | None:
         """Mark what the request produced since the previous call as reported: (first and end output
         token, first and end prompt logprob, finished, the text delta), or None (nothing to report)."""
         req = self.req
@@ -179,7 +194,7 @@ class LiveRequest:
         start = self.sent_tokens
         n_in, in_start = len(req.input_token_logprobs), self.sent_input_logprobs
         finished = req.finished  # read once: this runs for every live request every step
-        if not finished and (n == start and n_in == in_start or 0 < start and n - start < self.stream_interval):
+        if not finished and (n == start and n_in == in_start or 0 < start and n - start < interval):
             return None
         text = req.detokenizer.take_delta(finished) if self.stream or finished else ""
         self.sent_tokens, self.sent_input_logprobs = n, n_in

@@ -127,7 +127,7 @@ class Engine:
         return self._stream(req, start, token_text)
 
     def _stream(self, req: Req, start: float, token_text: TokenText) -> Iterator[StreamChunk]:
-        live = LiveRequest(req, stream_interval=self.config.stream_interval)
+        live = LiveRequest(req, stream_interval=self.config.stream_interval or 1)  # one stream: adaptive is 1
         self.scheduler.add_request(req)
         text = ""
         try:

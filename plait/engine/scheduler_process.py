@@ -34,7 +34,7 @@ import traceback
 
 from plait import envs
 from plait.config import EngineConfig
-from plait.engine.core import EngineCore, LiveRequest, build_engine_core
+from plait.engine.core import EngineCore, LiveRequest, adaptive_stream_interval, build_engine_core
 from plait.engine.heap import freeze_startup_heap
 from plait.engine.messages import (
     AbortRequest,
@@ -179,7 +179,7 @@ class SchedulerProcess:
             logger.exception("request %s failed before scheduling", msg.rid)
             return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=500,
                                   error=f"internal error: {type(e).__name__}: {e}")]
-        self.live[msg.rid] = LiveRequest(req, msg.stream, self.config.stream_interval)
+        self.live[msg.rid] = LiveRequest(req, msg.stream)
         self.scheduler.add_request(req)
         # An empty update acknowledges admission to the queue, so the server can commit to a 200
         # (streaming headers) before the first token, knowing the request was not refused.
@@ -193,8 +193,9 @@ class SchedulerProcess:
         # one step later; take_update is exact in either case. O(live) per step.
         out: list[RequestUpdate] = []
         done: list[str] = []
+        interval = self.config.stream_interval or adaptive_stream_interval(len(self.live))
         for rid, live in self.live.items():
-            update = live.take_update_into(rows)
+            update = live.take_update_into(rows, interval)
             if update is None:
                 continue
             if update.finished:
