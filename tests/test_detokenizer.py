@@ -125,6 +125,15 @@ def test_ids_without_a_token_leave_the_streamed_text_unchanged(tokenizer):
     assert detok.final_text() == plain_detok.final_text() == text
 
 
+def test_the_highest_id_with_a_token_is_kept_and_the_one_past_it_dropped(tokenizer):
+    top = max(tokenizer.get_vocab().values())
+    detok = IncrementalDetokenizer(tokenizer, [], (), skip_special_tokens=False)
+    detok.add_tokens([top, top + 1])
+    detok.add_token(top + 1)
+    assert detok._ids == [top]
+    assert detok.final_text() == tokenizer.decode([top], skip_special_tokens=False) != ""
+
+
 def test_ids_without_a_token_cost_no_decode(tokenizer):
     lead = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd")
     detok = IncrementalDetokenizer(tokenizer, [], (), fast_path=False)

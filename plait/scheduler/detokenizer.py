@@ -48,6 +48,22 @@ def _decode_stream(tokenizer: Any, decode_fn: Callable[..., str], context: list[
     return stream
 
 
+# Per Rust tokenizer (held here, so the id stays its own): one past its highest token id.
+_TOKEN_ID_BOUNDS: dict[int, tuple[Any, int]] = {}
+
+
+def _token_id_bound(backend: Any) -> int:
+    """One past the highest id that ``backend`` (a Rust ``tokenizers.Tokenizer``) has a token for, read
+    from its whole vocabulary once per tokenizer (tens of milliseconds at 150k tokens), not per request."""
+    hit = _TOKEN_ID_BOUNDS.get(id(backend))
+    if hit is None or hit[0] is not backend:
+        if len(_TOKEN_ID_BOUNDS) >= 16:  # a process keeps one or two tokenizers; tests make many
+            _TOKEN_ID_BOUNDS.clear()
+        hit = (backend, 1 + max(backend.get_vocab(with_added_tokens=True).values(), default=-1))
+        _TOKEN_ID_BOUNDS[id(backend)] = hit
+    return hit[1]
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...],
                  skip_special_tokens: bool = True, fast_path: bool = True) -> None:
@@ -72,13 +88,15 @@ class IncrementalDetokenizer:
                         if fast_path else None)
         self._stream_ok = self._stream is not None
         self._stream_at = len(self._ids)
-        # Ids the tokenizer has no token for (a model's vocabulary padded past its tokenizer's) are
+        # Ids past the tokenizer's last token (a model's vocabulary padded past its tokenizer's) are
         # dropped by the Rust backend's decode before anything else, so they are never stored: a
         # window of them would add nothing to the text, yet every decode of the window (and the
-        # DecodeStream's, which grows while the text does not) would read them again.
+        # DecodeStream's, which grows while the text does not) would read them again. The test is one
+        # integer comparison per token: this runs for every request every step. An id below the bound
+        # without a token (a hole in the vocabulary) is kept, which leaves the text the same.
         rust_decode = self._backend is not None and getattr(tokenizer, "is_fast", False) and self._decode_fn in (
             getattr(self._backend, "decode", None), getattr(tokenizer, "_decode", None))
-        self._id_to_token: Callable[[int], str | None] | None = self._backend.id_to_token if rust_decode else None
+        self._known_below: int | None = _token_id_bound(self._backend) if rust_decode else None
 
     @property
     def uses_fast_path(self) -> bool:
@@ -92,13 +110,18 @@ class IncrementalDetokenizer:
         """O(1): decoding is deferred until text is asked for (stop strings, streaming, the end), so a
         batch of requests nobody reads mid-flight costs no tokenizer calls per step. An id without a
         token adds nothing to the text and is not kept."""
-        if self._id_to_token is None or self._id_to_token(token_id) is not None:
+        if self._known_below is None or token_id < self._known_below:
             self._ids.append(token_id)
 
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         """``add_token`` for each of ``token_ids``."""
-        known = self._id_to_token
-        self._ids.extend(token_ids if known is None else [t for t in token_ids if known(t) is not None])
+        bound = self._known_below
+        if bound is not None:
+            for t in token_ids:  # almost always one or a few known ids: no list built
+                if t >= bound:
+                    token_ids = [t for t in token_ids if t < bound]
+                    break
+        self._ids.extend(token_ids)
 
     @property
     def text(self) -> str:
