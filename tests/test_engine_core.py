@@ -119,6 +119,14 @@ def test_updates_add_up_to_the_output_and_only_the_last_one_finishes(engine):
     assert updates[-1].completion_tokens == len(req.output_ids) == 4
 
 
+def test_a_request_that_does_not_stream_reports_its_first_token_then_the_rest_at_the_finish(engine):
+    live = LiveRequest(engine.make_request([1, 2, 3], {**GREEDY4, "max_new_tokens": 9}), stream=False)
+    updates = _updates_until_finished(engine, live)
+    assert [len(u.token_ids) for u in updates] == [1, 8]
+    assert [u.token_ids for u in updates] == [live.req.output_ids[:1], live.req.output_ids[1:]]
+    assert [u.finish_reason for u in updates] == [None, "length"]
+
+
 def test_a_request_that_does_not_stream_gets_its_text_once_at_the_finish(engine):
     live = LiveRequest(engine.make_request([1, 2, 3], GREEDY4), stream=False)
     updates = _updates_until_finished(engine, live)

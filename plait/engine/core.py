@@ -150,11 +150,11 @@ def adaptive_stream_interval(live_requests: int) -> int:
 class LiveRequest:
     """A request a front end reports on, and how much of it was reported.
 
-    ``stream``: text deltas at every update; otherwise the text comes once, in the finishing update
-    (stop strings are still checked as tokens arrive). ``sent_tokens`` counts the output tokens
-    already reported, so an update is exact whatever a step delivered (several tokens under
-    speculative decoding, one step late under overlap scheduling, none for a request aborted while
-    waiting).
+    ``stream``: text deltas at every update; otherwise one update with the first token and then the
+    finishing one, which carries the rest and the whole text (stop strings are still checked as tokens
+    arrive). ``sent_tokens`` counts the output tokens already reported, so an update is exact whatever
+    a step delivered (several tokens under speculative decoding, one step late under overlap
+    scheduling, none for a request aborted while waiting).
     """
 
     req: Req
@@ -194,7 +194,9 @@ class LiveRequest:
         start = self.sent_tokens
         n_in, in_start = len(req.input_token_logprobs), self.sent_input_logprobs
         finished = req.finished  # read once: this runs for every live request every step
-        if not finished and (n == start and n_in == in_start or 0 < start and n - start < interval):
+        # A request that does not stream reports its first token (the front end's time to first token)
+        # and then only its end: nobody reads its tokens before, and each update costs both processes.
+        if not finished and (n == start and n_in == in_start or 0 < start and (n - start < interval or not self.stream)):
             return None
         text = req.detokenizer.take_delta(finished) if self.stream or finished else ""
         self.sent_tokens, self.sent_input_logprobs = n, n_in
