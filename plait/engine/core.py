@@ -196,7 +196,8 @@ class LiveRequest:
         finished = req.finished  # read once: this runs for every live request every step
         # A request that does not stream reports its first token (the front end's time to first token)
         # and then only its end: nobody reads its tokens before, and each update costs both processes.
-        if not finished and (n == start and n_in == in_start or 0 < start and (n - start < interval or not self.stream)):
+        held = 0 < start and (n - start < interval or not self.stream)
+        if not finished and (n == start and n_in == in_start or held):
             return None
         text = req.detokenizer.take_delta(finished) if self.stream or finished else ""
         self.sent_tokens, self.sent_input_logprobs = n, n_in
