@@ -6,12 +6,13 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from plait.sampling.params import SamplingParams, seed_to_int64
 from plait.sampling.penalties import build_logit_bias, build_seen_mask, build_token_counts
-from plait.sampling.rng import row_keys_host
+from plait.sampling.rng import row_keys_from_seed_keys, seed_keys_host
 from plait.transfer import to_device
 
 # Temperatures this small turn logits into +-inf after scaling (softmax NaNs in top_p); sampling at
@@ -59,6 +60,7 @@ class SamplingBatchInfo:
     need_logprobs: bool = False
     top_logprobs_num: int = 0
     seeds_host: tuple[int, ...] = ()  # int64-wrapped seeds, kept to re-key the draws (with_steps)
+    seed_keys: np.ndarray | None = None  # seed_keys_host(seeds_host): with_steps re-keys from it
     # Constrained decoding: xgrammar's token bitmask of this step, int32 [bs, ceil(V / 32)] on the
     # device (bit set = allowed; unconstrained rows all ones). Filled per step by the scheduler from
     # the requests' matchers, after build (never reused by with_steps); None when no row is constrained.
@@ -85,9 +87,12 @@ class SamplingBatchInfo:
         if not self.reusable_next_step or len(steps) != self.batch_size:
             raise ValueError("with_steps needs a reusable info (no penalties, no min_new_tokens mask) "
                              f"and one step per row ({self.batch_size}), got {len(steps)}")
-        ints = to_device(torch.tensor([list(steps), row_keys_host(self.seeds_host, steps)], dtype=torch.int64),
-                         self.temperatures.device)
-        return dataclasses.replace(self, steps=ints[0], noise_keys=ints[1], vocab_mask=None)
+        seed_keys = self.seed_keys if self.seed_keys is not None else seed_keys_host(self.seeds_host)
+        host = np.empty((2, len(steps)), dtype=np.int64)  # steps, then their keys: one copy
+        host[0] = steps
+        host[1] = row_keys_from_seed_keys(seed_keys, host[0])
+        ints = to_device(torch.from_numpy(host), self.temperatures.device)
+        return dataclasses.replace(self, steps=ints[0], noise_keys=ints[1], vocab_mask=None, seed_keys=seed_keys)
 
     @classmethod
     def build(
@@ -133,7 +138,8 @@ class SamplingBatchInfo:
         press = [p.presence_penalty for p in params]
         steps = [len(out) for out in output_ids]
         seeds64 = [seed_to_int64(s) for s in seeds]
-        keys = row_keys_host(seeds64, steps)
+        seed_keys = seed_keys_host(seeds64)
+        keys = row_keys_from_seed_keys(seed_keys, np.array(steps, dtype=np.int64)).tolist()
 
         # Two copies (one float, one int) instead of one per field.
         floats = torch.tensor([temps, top_ps, min_ps, reps, freqs, press], dtype=torch.float32)
@@ -163,6 +169,7 @@ class SamplingBatchInfo:
             need_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
             top_logprobs_num=max((p.top_logprobs for p in params), default=0),
             seeds_host=tuple(seeds64),
+            seed_keys=seed_keys,
         )
 
         if any(r != 1.0 for r in reps):

@@ -73,14 +73,26 @@ def _mix64_np(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def seed_keys_host(seeds: Sequence[int]) -> np.ndarray:
+    """The seeds' part of their rows' keys (uint64 ``[n]``, read-only): a batch's seeds do not change
+    from step to step, so this is computed once per batch of requests."""
+    with np.errstate(over="ignore"):
+        k = _mix64_np(np.array([x & _MASK64 for x in seeds], dtype=np.uint64) ^ np.uint64(_SEED_SALT_U))
+    k.flags.writeable = False
+    return k
+
+
+def row_keys_from_seed_keys(seed_keys: np.ndarray, steps: np.ndarray, stream: int = 0) -> np.ndarray:
+    """``row_keys_host`` from ``seed_keys_host(seeds)`` and the steps (int ``[n]``), as int64 ``[n]``."""
+    with np.errstate(over="ignore"):
+        k = _mix64_np(seed_keys + steps.astype(np.uint64) * np.uint64(_GOLDEN_U))
+        k = _mix64_np(k + np.uint64((stream * _STREAM_SALT_U) & _MASK64))
+    return k.view(np.int64)
+
+
 def row_keys_host(seeds: Sequence[int], steps: Sequence[int], stream: int = 0) -> list[int]:
     """``row_key_host`` for many rows at once (numpy uint64 wraps modulo 2**64 like the exact form)."""
-    with np.errstate(over="ignore"):
-        s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)
-        k = _mix64_np(s ^ np.uint64(_SEED_SALT_U))
-        k = _mix64_np(k + np.array(steps, dtype=np.uint64) * np.uint64(_GOLDEN_U))
-        k = _mix64_np(k + np.uint64((stream * _STREAM_SALT_U) & _MASK64))
-    return k.view(np.int64).tolist()
+    return row_keys_from_seed_keys(seed_keys_host(seeds), np.array(steps, dtype=np.uint64), stream).tolist()
 
 
 def _lsr(x: Tensor, shift: int) -> Tensor:

@@ -401,11 +401,12 @@ class Scheduler:
         assert batch.token_rows is not None
         self.map_kv_slots(batch.token_rows, fb.positions, batch.out_cache_loc)
         sampled = batch.sampled
+        reqs = [e.req for e in sampled]
         prev = self._last_sampling
-        if sampled and prev is not None and prev.info.reusable_next_step and len(prev.reqs) == len(sampled) and all(
-                a is e.req for a, e in zip(prev.reqs, sampled, strict=True)):
+        # Req compares by identity (eq=False): the list comparison checks the same requests in order.
+        if reqs and prev is not None and prev.info.reusable_next_step and prev.reqs == reqs:
             # Steady decode: the same requests sample again; only their step index moved.
-            fb.sampling_info = prev.info.with_steps([e.req.num_generated for e in sampled])
+            fb.sampling_info = prev.info.with_steps([r.num_generated for r in reqs])
         elif sampled:
             fb.sampling_info = SamplingBatchInfo.build(
                 [e.req.sampling_params for e in sampled],
@@ -422,9 +423,9 @@ class Scheduler:
             )
         # Sampling info depends only on each request's params, seed and step count: the next step of the
         # same requests (compared by identity, in order) reuses it.
-        self._last_sampling = _LastSampling([e.req for e in sampled], fb.sampling_info) if sampled else None
+        self._last_sampling = _LastSampling(reqs, fb.sampling_info) if sampled else None
         # A constrained batch samples later (_sample), once its masks can be filled.
-        constrained = any(e.req.grammar is not None for e in sampled)
+        constrained = any(r.grammar is not None for r in reqs)
         out = self.runner.forward_batch(fb, sample=not constrained)  # forward (+ sampler, host copy): no sync
         if out.input_logprobs is not None:
             assert fb.input_logprobs is not None
@@ -493,28 +494,29 @@ class Scheduler:
         if done.results is None:
             return
         next_ids, logprobs, top_ids, top_vals = done.results.wait()
-        for i, e in enumerate(done.sampled):
+        append, updated = self._append_token, self._updated
+        for i, (e, token) in enumerate(zip(done.sampled, next_ids, strict=True)):
             req = e.req
             req.pending -= 1
-            if req.future_token is not None and req.pending == 0:
+            if req.pending == 0:
                 req.future_token = None
-            if req.finished:
+            if req.finish_reason is not None:
                 # Finished while this batch was in flight (stop token, abort): drop the extra token.
                 if req.pending == 0 and req in self._draining:
                     self._draining.remove(req)
                     self.kv.release(req)
                 continue
-            self._append_token(req, next_ids[i])
-            if req.sampling_params.logprobs and logprobs is not None:
+            append(req, token)
+            if logprobs is not None and req.sampling_params.logprobs:
                 req.output_logprobs.append(logprobs[i])
                 if top_ids is not None and top_vals is not None and req.sampling_params.top_logprobs:
                     k = req.sampling_params.top_logprobs
                     # A grammar can leave fewer than k tokens possible: the impossible (-inf) are not listed.
                     req.output_top_logprobs.append([(t, v) for t, v in zip(top_ids[i][:k], top_vals[i][:k], strict=True)
                                                     if v != -math.inf])
-            if req.finished:
+            if req.finish_reason is not None:
                 self._retire(req)
-            self._updated.append(req)
+            updated.append(req)
 
     def _append_plain_tokens(self, req: Req, tokens: Sequence[int]) -> None:
         """``_append_token`` for each of ``tokens`` until one finishes the request, for a request
@@ -549,19 +551,23 @@ class Scheduler:
             kind = req.sampling_params.grammar[0] if req.sampling_params.grammar else "grammar"
             self._finish(req, FinishReason.ABORT, f"token {token} is not allowed by the request's {kind}")
             return
-        req.output_ids.append(token)
+        # The decode step's per-request path at hundreds of requests: locals over repeated attribute
+        # and property reads.
+        out = req.output_ids
+        out.append(token)
         self.stats.generation_tokens += 1
-        req.detokenizer.add_token(token)
+        detok = req.detokenizer
+        detok.add_token(token)
         sp = req.sampling_params
-        n = len(req.output_ids)
+        n = len(out)
         if n >= sp.min_new_tokens:
             if self._is_stop_token(sp, token):
                 self._finish(req, FinishReason.STOP, f"stop token {token}")
                 return
-            if req.detokenizer.find_stop():
+            if detok.stop and detok.find_stop():
                 self._finish(req, FinishReason.STOP, "stop string")
                 return
-        if n >= sp.max_new_tokens or req.fill_len >= self.runner.max_context_len:
+        if n >= sp.max_new_tokens or len(req.origin_input_ids) + n >= self.runner.max_context_len:
             self._finish(req, FinishReason.LENGTH, None)
 
     def _finish(self, req: Req, reason: FinishReason, message: str | None) -> None:
