@@ -495,7 +495,7 @@ class Scheduler:
             return
         next_ids, logprobs, top_ids, top_vals = done.results.wait()
         append, updated = self._append_token, self._updated
-        for i, (e, token) in enumerate(zip(done.sampled, next_ids, strict=True)):
+        for i, e in enumerate(done.sampled):
             req = e.req
             req.pending -= 1
             if req.pending == 0:
@@ -506,7 +506,7 @@ class Scheduler:
                     self._draining.remove(req)
                     self.kv.release(req)
                 continue
-            append(req, token)
+            append(req, next_ids[i])
             if logprobs is not None and req.sampling_params.logprobs:
                 req.output_logprobs.append(logprobs[i])
                 if top_ids is not None and top_vals is not None and req.sampling_params.top_logprobs:
