@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -60,7 +60,8 @@ class SamplingBatchInfo:
     need_logprobs: bool = False
     top_logprobs_num: int = 0
     seeds_host: tuple[int, ...] = ()  # int64-wrapped seeds, kept to re-key the draws (with_steps)
-    seed_keys: np.ndarray | None = None  # seed_keys_host(seeds_host): with_steps re-keys from it
+    # seed_keys_host(seeds_host), which with_steps re-keys from (derived from seeds_host: not compared).
+    seed_keys: np.ndarray | None = field(default=None, compare=False)
     # Constrained decoding: xgrammar's token bitmask of this step, int32 [bs, ceil(V / 32)] on the
     # device (bit set = allowed; unconstrained rows all ones). Filled per step by the scheduler from
     # the requests' matchers, after build (never reused by with_steps); None when no row is constrained.
