@@ -63,19 +63,21 @@ def _rows_per_step(model: pathlib.Path, tmp_path: pathlib.Path, streams: int, st
     per step (appended as the scheduler's step does): per step, the token counts of the rows it reports."""
     proc = SchedulerProcess(EngineConfig(model=str(model), device="cpu", stream_interval=stream_interval),
                             f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", None)
-    with make_engine(model) as engine:
-        for _ in range(streams):
-            req = engine.make_request(PROMPT, {**PARAMS, "max_new_tokens": 100})
-            proc.live[req.rid] = LiveRequest(req)
-        per_step = []
-        for s in range(steps):
-            for live in proc.live.values():
-                live.req.output_ids.append(7 + s)
-                live.req.detokenizer.add_token(7 + s)
-            rows: list[PlainRow] = []
-            assert proc._collect(rows) == []  # nothing finished, nothing but plain rows
-            per_step.append([len(row[1]) for row in rows])
-    proc.close()
+    try:
+        with make_engine(model) as engine:
+            for _ in range(streams):
+                req = engine.make_request(PROMPT, {**PARAMS, "max_new_tokens": 100})
+                proc.live[req.rid] = LiveRequest(req)
+            per_step = []
+            for s in range(steps):
+                for live in proc.live.values():
+                    live.req.output_ids.append(7 + s)
+                    live.req.detokenizer.add_token(7 + s)
+                rows: list[PlainRow] = []
+                assert proc._collect(rows) == []  # nothing finished, nothing but plain rows
+                per_step.append([len(row[1]) for row in rows])
+    finally:
+        proc.close()
     return per_step
 
 

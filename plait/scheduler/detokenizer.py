@@ -108,8 +108,8 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> None:
         """O(1): decoding is deferred until text is asked for (stop strings, streaming, the end), so a
-        batch of requests nobody reads mid-flight costs no tokenizer calls per step. An id without a
-        token adds nothing to the text and is not kept."""
+        batch of requests nobody reads mid-flight costs no tokenizer calls per step. An id past the
+        tokenizer's last token adds nothing to the text and is not kept."""
         if self._known_below is None or token_id < self._known_below:
             self._ids.append(token_id)
 
