@@ -19,8 +19,8 @@ GREEDY8 = {"temperature": 0.0, "max_new_tokens": 8}
 
 
 @pytest.fixture
-def engine(tiny_model_dir):
-    return make_engine(tiny_model_dir("llama"), attention_backend="triton", max_total_tokens=1024)
+def engine(one_layer):
+    return make_engine(one_layer, attention_backend="triton", max_total_tokens=1024)
 
 
 @pytest.fixture
@@ -82,12 +82,12 @@ def test_can_run_decode_batches_up_to_max_bs_only(graph_runner):
     assert not graph_runner.can_run(batch(ForwardMode.EXTEND, 2))
 
 
-def test_replay_greedy_tokens_equal_eager(engine, graph_runner, tiny_model_dir):
+def test_replay_greedy_tokens_equal_eager(engine, graph_runner, one_layer):
     prompts = prompt_ids(3)
     replays_before = sum(g.replays for g in graph_runner.graphs.values())
     with_graph = [o.token_ids for o in engine.generate(prompts, GREEDY8)]
     assert sum(g.replays for g in graph_runner.graphs.values()) > replays_before
-    eager = make_engine(tiny_model_dir("llama"), attention_backend="triton", max_total_tokens=1024)
+    eager = make_engine(one_layer, attention_backend="triton", max_total_tokens=1024)
     assert [o.token_ids for o in eager.generate(prompts, GREEDY8)] == with_graph
 
 

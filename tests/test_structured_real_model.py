@@ -6,14 +6,12 @@ in one batch of one engine, once per test session."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 from typing import NamedTuple
 
 import jsonschema
 import pytest
-from filelock import FileLock
 
 import plait
 from plait.bench.grammars import EBNF_GRAMMARS, JSON_SCHEMAS, REGEXES
@@ -71,19 +69,10 @@ def _run_batch(real_model_dir: pathlib.Path) -> dict[str, Result]:
 
 
 @pytest.fixture(scope="module")
-def outputs(real_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
-    """The batch's results. Under pytest-xdist the module's tests can land on both workers: the first
-    worker to get here runs the batch and leaves its results in the session's shared temporary
-    directory, the other waits for them and reads them (the batch runs once per session)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process
-        return _run_batch(real_model_dir)
-    shared = tmp_path_factory.getbasetemp().parent / "structured_real_model.json"
-    with FileLock(str(shared) + ".lock"):
-        if shared.is_file():
-            return {key: Result(*r) for key, r in json.loads(shared.read_text()).items()}
-        results = _run_batch(real_model_dir)
-        shared.write_text(json.dumps(results))
-        return results
+def outputs(real_model_dir: pathlib.Path) -> dict[str, Result]:
+    """The batch's results (the suite runs with ``--dist loadscope``: the module's tests share one
+    worker, so the batch runs once per session)."""
+    return _run_batch(real_model_dir)
 
 
 def test_corpus_has_30_schemas_10_regexes_5_ebnf() -> None:
