@@ -16,6 +16,15 @@ import plait
 from plait.distributed.parallel_state import TPGroup
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not reaped by its parent, does not)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 # Eight prompts of different lengths (as token ids so they do not depend on the tokenizer).
 def prompt_ids(n: int = 8, vocab_hi: int = 400, seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)

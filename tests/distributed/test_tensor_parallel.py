@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +18,7 @@ import pytest
 from plait.config import EngineConfig
 from plait.parallel.ranks import TensorParallelError
 from plait.testing import TINY_ARCHS
-from tests.helpers import assert_no_leaks, make_engine, prompt_ids
+from tests.helpers import assert_no_leaks, make_engine, pid_alive, prompt_ids
 
 GREEDY16 = {"temperature": 0.0, "max_new_tokens": 16}
 PROMPTS = prompt_ids(8)
@@ -113,6 +115,36 @@ def test_workers_exit_cleanly_on_shutdown(tiny_model_dir):
     assert [p.is_alive() for p in procs] == [True]
     engine.shutdown()
     assert [p.exitcode for p in procs] == [0]
+
+
+RANK0_SCRIPT = """
+import sys
+from plait import Engine
+if __name__ == "__main__":
+    engine = Engine(model=sys.argv[1], device="cpu", tp_size=2, max_total_tokens=1024)
+    print(*[p.pid for p in engine.runner.procs.values()], flush=True)
+    sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_ranks_exit_when_rank_0_is_killed(tiny_model_dir, tmp_path):
+    """SIGKILL gives rank 0 no chance to shut its ranks down: they go with it (the parent-death signal,
+    whether a rank was spawned or forked from the CPU's forkserver)."""
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0_SCRIPT)
+    rank0 = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir("llama"))], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in rank0.stdout.readline().split()]
+        assert len(pids) == 1 and pid_alive(pids[0])
+        rank0.kill()
+        rank0.wait(10)
+        deadline = time.monotonic() + 10
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(pid_alive(p) for p in pids)
+    finally:
+        rank0.kill()
 
 
 def test_killed_rank_ends_the_engine_with_an_error(tiny_model_dir):

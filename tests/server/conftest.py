@@ -57,14 +57,6 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
 class Server:
     """One `plait serve` subprocess."""
 

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server.conftest import HTTP_TIMEOUT, pid_alive
+from tests.helpers import pid_alive
+from tests.server.conftest import HTTP_TIMEOUT
 
 LONG = 2000  # tokens: several seconds of decoding on the CPU, so the request is surely in flight
 
