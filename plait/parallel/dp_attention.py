@@ -43,6 +43,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from plait.config import EngineConfig
 from plait.distributed.copy_engine_rows import CopyEngineRows, copy_engine_rows
@@ -55,7 +56,7 @@ from plait.layers.overlap import run_overlapped
 from plait.mem.radix_cache import RadixCache
 from plait.models.llama import LogitsOutput
 from plait.models.loader import ModelConfig
-from plait.parallel.ranks import DistGroups, SpawnedRanks, TensorParallelError
+from plait.parallel.ranks import DistGroups, RankProcesses, SpawnedRanks, TensorParallelError
 from plait.parallel.roles import LogitsObserver
 from plait.sampling.params import SamplingParams
 from plait.scheduler.interface import SpecWorker
@@ -426,8 +427,8 @@ class DPAttentionRunner(ModelRunner):
 class DPAttentionLeader(DPAttentionRunner):
     """Rank 0's runner: also watches the spawned ranks and tells them to stop."""
 
-    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: DistGroups, store: Any,
-                 procs: dict[int, Any]) -> None:
+    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: DistGroups, store: dist.Store,
+                 procs: RankProcesses) -> None:
         super().__init__(config, mc, groups)
         self.store = store
         self.ranks = SpawnedRanks("DP-attention", procs, store)

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from plait.parallel.ranks import (
     JOIN_POLL_S,
     JOINED_KEY,
     DistGroups,
+    RankProcesses,
     SpawnedRanks,
     TensorParallelError,
     stop_processes,
@@ -100,7 +102,7 @@ def validate_tp_size(mc: ModelConfig, tp_size: int, dp_attention: bool = False) 
 
 
 # --- groups ----------------------------------------------------------------------------------------
-def build_groups(store: Any, rank: int, world: int, device: str, timeout: timedelta) -> DistGroups:
+def build_groups(store: dist.Store, rank: int, world: int, device: str, timeout: timedelta) -> DistGroups:
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("plait/gloo", store), rank, world, timeout)
     control = TPGroup(rank, world, gloo)
     if device != "cuda":
@@ -157,7 +159,7 @@ def worker_loop(runner: ModelRunner, groups: DistGroups) -> None:
         runner.forward(msg.fb)  # logits are identical on every rank; only rank 0 samples
 
 
-def run_worker(rank: int, world: int, config: EngineConfig, store: Any, local_world: int) -> None:
+def run_worker(rank: int, world: int, config: EngineConfig, store: dist.Store, local_world: int) -> None:
     device = config.resolved_device()
     timeout = timedelta(seconds=config.dist_timeout)
     try:
@@ -212,8 +214,8 @@ def _spawned_worker(rank: int, world: int, config: EngineConfig, host: str, port
 class TPLeaderRunner(ModelRunner):
     """Rank 0's ModelRunner: broadcasts each step to the other ranks before running it."""
 
-    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: DistGroups, store: Any,
-                 procs: dict[int, Any]) -> None:
+    def __init__(self, config: EngineConfig, mc: ModelConfig, groups: DistGroups, store: dist.Store,
+                 procs: RankProcesses) -> None:
         super().__init__(config, mc, groups.tp)
         self.groups = groups
         self.store = store
@@ -266,7 +268,7 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def rank_process_context(device: str) -> Any:
+def rank_process_context(device: str) -> BaseContext:
     """How rank processes start. On CUDA, ``spawn``: a fresh interpreter, since a process forked after
     the CUDA driver was initialised cannot use the GPU. On the CPU, ``forkserver`` with this module
     preloaded: ranks fork from one helper process that imported torch and plait once, instead of
@@ -278,9 +280,9 @@ def rank_process_context(device: str) -> Any:
     return ctx
 
 
-def spawn_ranks(config: EngineConfig, ranks: range, host: str, port: int) -> dict[int, Any]:
+def spawn_ranks(config: EngineConfig, ranks: range, host: str, port: int) -> RankProcesses:
     ctx = rank_process_context(config.resolved_device())
-    procs: dict[int, Any] = {}
+    procs: RankProcesses = {}
     for rank in ranks:
         if rank == 0:
             continue
@@ -294,7 +296,7 @@ def spawn_ranks(config: EngineConfig, ranks: range, host: str, port: int) -> dic
     return procs
 
 
-def _wait_joined(store: Any, procs: dict[int, Any], world: int, timeout_s: float) -> None:
+def _wait_joined(store: dist.Store, procs: RankProcesses, world: int, timeout_s: float) -> None:
     """Wait for every rank to reach the store, failing fast when a spawned one dies on the way."""
     pending = [r for r in range(1, world)]
     deadline = time.monotonic() + timeout_s

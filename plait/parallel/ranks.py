@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.process import BaseProcess
+
+import torch.distributed as dist
 
 from plait.distributed.parallel_state import TPGroup
 
 ERROR_KEY = "plait/error/{rank}"
 JOINED_KEY = "plait/joined/{rank}"
 JOIN_POLL_S = 0.05  # how often rank 0 polls the store and its processes
+
+RankProcesses = dict[int, BaseProcess]  # rank -> the process this engine process started for it
 
 
 @dataclass(frozen=True)
@@ -28,14 +32,14 @@ class DistGroups:
 
     tp: TPGroup  # model collectives and the device payload of each step
     control: TPGroup  # gloo, host tensors: step headers (may be ``tp`` itself on the CPU)
-    store: Any = None  # the rendezvous store (DP attention's symmetric buffers rendezvous through it)
+    store: dist.Store | None = None  # the rendezvous store (DP attention's symmetric buffers rendezvous through it)
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died, hung past the collective timeout, or failed to start."""
 
 
-def worker_error(store: Any, rank: int) -> str | None:
+def worker_error(store: dist.Store, rank: int) -> str | None:
     """The startup traceback rank ``rank`` left in the store, if any."""
     key = ERROR_KEY.format(rank=rank)
     try:
@@ -46,7 +50,7 @@ def worker_error(store: Any, rank: int) -> str | None:
     return None
 
 
-def dead_rank(procs: dict[int, Any], store: Any) -> str | None:
+def dead_rank(procs: RankProcesses, store: dist.Store) -> str | None:
     """A message naming the first spawned rank that is no longer alive (None: all alive)."""
     for rank, proc in procs.items():
         if not proc.is_alive():
@@ -56,7 +60,7 @@ def dead_rank(procs: dict[int, Any], store: Any) -> str | None:
     return None
 
 
-def stop_processes(procs: dict[int, Any], grace_s: float = 10.0) -> None:
+def stop_processes(procs: RankProcesses, grace_s: float = 10.0) -> None:
     """Join every process within ``grace_s`` in all, then kill the ones still alive."""
     deadline = time.monotonic() + grace_s
     for proc in procs.values():
@@ -71,7 +75,7 @@ class SpawnedRanks:
     """A leader's view of the ranks it spawned (``procs``: rank -> process) and of the engine's
     failure: once a rank is found dead or a collective fails, every later step raises at once."""
 
-    def __init__(self, what: str, procs: dict[int, Any], store: Any) -> None:
+    def __init__(self, what: str, procs: RankProcesses, store: dist.Store) -> None:
         self.what = what  # "tensor-parallel" / "DP-attention": how errors name the engine
         self.procs = procs
         self.store = store
