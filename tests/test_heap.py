@@ -64,11 +64,18 @@ def test_garbage_made_inside_the_block_is_collected_inside_it(unfrozen: None) ->
 
 
 def test_a_heap_frozen_by_the_caller_stays_frozen(unfrozen: None) -> None:
+    """The block neither unfreezes the caller's heap (the count would drop to 0) nor freezes again
+    (the count would take the objects made since). The bounds leave room for a few frozen objects
+    that another thread of the process (pytest-xdist's I/O) frees meanwhile."""
     gc.freeze()
     frozen = gc.get_freeze_count()
+    made_since = [_Node() for _ in range(1000)]  # tracked, not frozen: a second freeze would take them
     with startup_heap_frozen():
-        assert gc.get_freeze_count() == frozen
-    assert gc.get_freeze_count() == frozen
+        inside = gc.get_freeze_count()
+    after = gc.get_freeze_count()
+    del made_since  # alive through the block
+    assert frozen - 100 < inside <= frozen
+    assert frozen - 100 < after <= frozen
 
 
 def _freeze_counts_while_generating(model: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
