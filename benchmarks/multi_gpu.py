@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import sys
 import tempfile
@@ -101,12 +102,14 @@ def _isolated(fn: Any, *args: Any, **kwargs: Any) -> Any:
     proc.join()
     if not ok:
         raise RuntimeError(f"{fn.__name__} failed in its process:\n{value}")
-    return value
+    return pickle.loads(value)
 
 
 def _put_result(results: Any, fn: Any, args: tuple, kwargs: dict) -> None:
     try:
-        results.put((True, fn(*args, **kwargs)))
+        # Pickled here, by value: the queue's own pickler would send a tensor as a shared-memory handle,
+        # which the parent can no longer open once this process has exited.
+        results.put((True, pickle.dumps(fn(*args, **kwargs))))
     except BaseException:
         results.put((False, traceback.format_exc()))
         raise
