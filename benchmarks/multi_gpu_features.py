@@ -1,10 +1,11 @@
 """Two GPUs (nvidia-h200-x2): speculative decoding under TP and DP attention, two-batch overlap, and a
 mixture of experts at tp 2 and ep 2, each against one GPU in the same call.
 
-    PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py correctness OUT_DIR
+    PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py correctness OUT_DIR [PART ...]
     PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py speed OUT_DIR [PART ...]
 
-correctness (bf16, random weights; every layout in a process of its own, as ``multi_gpu.py`` runs them):
+correctness (PART: ``spec``, ``moe``; both by default. bf16, random weights; every layout in a process of its
+own, as ``multi_gpu.py`` runs them):
 greedy decoding of the same prompts on one GPU, plain, with each step's logits kept, then
 
 - NGRAM and EAGLE3 (a random head) at tp 2 and under DP attention dp 2 (llama-3.2-1b shape): the logits
@@ -173,12 +174,19 @@ def compare(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
             "ok": max_rel <= REL_TOL and clear_mismatch == 0 and compared > 0}
 
 
-def correctness(out_dir: str) -> dict[str, Any]:
+NEW_TOKENS = 32 if CUDA else 8
+
+
+def _correctness_prompts(vocab: int) -> list[list[int]]:
+    return random_prompts(8, 64, vocab, seed=11) if CUDA else [[5 + i, 7, 9 + i, 11] for i in range(8)]
+
+
+def correctness_spec(out_dir: str) -> None:
+    """NGRAM and EAGLE3 at tp 2 and dp 2 against one GPU's plain run (llama-3.2-1b shape)."""
     report: dict[str, Any] = {"rel_tol": REL_TOL}
-    new = 32 if CUDA else 8
-    # Dense: the speculative algorithms under each layout.
+    new = NEW_TOKENS
     path, vocab = _model("llama-3.2-1b")
-    prompts = random_prompts(8, 64, vocab, seed=11) if CUDA else [[5 + i, 7, 9 + i, 11] for i in range(8)]
+    prompts = _correctness_prompts(vocab)
     head = str(make_eagle_head(tempfile.mkdtemp(), path, "EAGLE3"))
     eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": head, "speculative_num_steps": 3,
               "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
@@ -192,8 +200,15 @@ def correctness(out_dir: str) -> dict[str, Any]:
                             "config": layout_config(options)}
             report[name]["ok"] = report[name]["ok"] and run["verify_steps"] > 0
             print(name, report[name])
-    # MoE: tensor and expert parallelism, eager (routing read per layer call).
+    _write_report(out_dir, "spec", report)
+
+
+def correctness_moe(out_dir: str) -> None:
+    """qwen3-30b-a3b at tp 2 and ep 2 against one GPU, eager (each layer call's routing is read)."""
+    report: dict[str, Any] = {"rel_tol": REL_TOL}
+    new = NEW_TOKENS
     path, vocab = _model("qwen3-30b-a3b", cpu_arch="qwen3-moe")
+    prompts = _correctness_prompts(vocab)
     eager = {"disable_cuda_graph": True}
     ref = _isolated(_layout_run, path, prompts, new, eager, routing=True)
     for name, layout in (("moe-tp2", LAYOUTS["tp2"]), ("moe-ep2", EP2)):
@@ -202,10 +217,13 @@ def correctness(out_dir: str) -> dict[str, Any]:
         report[name] = {**compare(ref, run), "routing": routing_flips(ref["routing"], run["routing"]),
                         "config": layout_config(options)}
         print(name, report[name])
+    _write_report(out_dir, "moe", report)
+
+
+def _write_report(out_dir: str, part: str, report: dict[str, Any]) -> None:
     if CUDA:
-        with open(f"{out_dir}/multi-gpu-features-correctness.json", "w") as f:
+        with open(f"{out_dir}/multi-gpu-features-correctness-{part}.json", "w") as f:
             json.dump(report, f, indent=2)
-    return report
 
 
 def _offline_workload(shape: str, cpu_arch: str = "llama") -> tuple[str, list[list[int]], list[dict[str, Any]], int]:
@@ -282,11 +300,10 @@ def speed_moe(out_dir: str) -> None:
                      floor_definition="two GPUs: 2 x the one-GPU offline floor of the shape")
 
 
-SPEED_PARTS = {"spec": speed_spec, "tbo": speed_tbo, "moe": speed_moe}
+PARTS = {"correctness": {"spec": correctness_spec, "moe": correctness_moe},
+         "speed": {"spec": speed_spec, "tbo": speed_tbo, "moe": speed_moe}}
 
 if __name__ == "__main__":
-    if sys.argv[1] == "speed":
-        for part in sys.argv[3:] or list(SPEED_PARTS):
-            SPEED_PARTS[part](sys.argv[2])
-    else:
-        correctness(sys.argv[2])
+    parts = PARTS[sys.argv[1]]
+    for part in sys.argv[3:] or list(parts):
+        parts[part](sys.argv[2])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU work of one step, on the device machine, from the checkout (no pip there):
 #   bash benchmarks/run_h200.sh tests|latency-1b|latency-8b|offline|nano|fused|fp8-tests|fp8|moe-kernel|profile-moe|profile-graph|profile-host|profile-spec|
-#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|moe|x2|x2-profile|x2-moe-ep|x2-features|x2-spec-tbo|x2-moe (x2*: on nvidia-h200-x2)|...
+#                               backends-tests|backends|spec-tests|spec|spec-ngram-full|moe|x2|x2-profile|x2-moe-ep|x2-features|x2-moe-correctness|x2-spec|x2-tbo|x2-moe (x2*: on nvidia-h200-x2)|...
 # moe: decode-bs1 and offline-throughput for qwen3-30b-a3b and gpt-oss-20b (random weights of the real
 # shapes) against transformers generate / generate_batch in the same run; generate_batch runs the first
 # 16 of the 256 offline requests (same lengths; the JSON's peer_requests / peer_note say so).
@@ -355,14 +355,15 @@ for stage in "$@"; do
     x2-moe-ep) python -m pytest -q -m gpu tests/gpu/test_moe_a2a_gpu.py -p no:cacheprovider 2>&1 | tail -3
         NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py moe-ep "$OUT" 2>&1 | grep -v " INFO " | tail -8 ;;
     # nvidia-h200-x2: speculation (NGRAM, EAGLE3) at tp 2 and DP attention dp 2, two-batch overlap, and
-    # qwen3-30b-a3b at tp 2 and ep 2, against one GPU (benchmarks/multi_gpu_features.py), in three stages
-    # that each fit one call: x2-features (their two-GPU tests, then correctness: teacher-forced logits and
-    # routing flips), x2-spec-tbo (spec-ngram-repeat at tp 2, offline-throughput with two-batch overlap on
-    # and off at tp 2 and dp 2) and x2-moe (qwen3-30b-a3b offline-throughput at one GPU, tp 2 and ep 2).
+    # qwen3-30b-a3b at tp 2 and ep 2, against one GPU (benchmarks/multi_gpu_features.py), in stages of a
+    # few minutes each (staged_h200.sh puts several in one call): x2-features (their two-GPU tests, then
+    # the speculative layouts' teacher-forced logits), x2-moe-correctness (the MoE layouts' logits and
+    # routing flips), x2-spec (spec-ngram-repeat at tp 2), x2-tbo (offline-throughput with two-batch
+    # overlap on and off at tp 2 and dp 2) and x2-moe (qwen3-30b-a3b offline-throughput at 1 GPU, tp 2, ep 2).
     x2-features) python -m pytest -q -m gpu tests/gpu/test_spec_dp_gpu.py tests/gpu/test_tbo_dp_gpu.py -p no:cacheprovider 2>&1 | tail -3
-        NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py correctness "$OUT" 2>&1 | grep -v " INFO " | tail -8 ;;
-    x2-spec-tbo) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py speed "$OUT" spec tbo 2>&1 | grep -v " INFO " | tail -12 ;;
-    x2-moe) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py speed "$OUT" moe 2>&1 | grep -v " INFO " | tail -8 ;;
+        NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py correctness "$OUT" spec 2>&1 | grep -v " INFO " | tail -6 ;;
+    x2-moe-correctness) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py correctness "$OUT" moe 2>&1 | grep -v " INFO " | tail -4 ;;
+    x2-spec|x2-tbo|x2-moe) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu_features.py speed "$OUT" "${stage#x2-}" 2>&1 | grep -v " INFO " | tail -8 ;;
     # nvidia-h200-x2: where DP attention's offline time goes (rounds by kind, control plane, kernels).
     x2-profile) NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py profile-dp2 "$OUT" 2>&1 | grep -v " INFO " | tail -40 ;;
     # offline-throughput 1b with the offline Engine's startup heap frozen during generate off (0) and on (1,
