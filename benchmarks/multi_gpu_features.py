@@ -40,11 +40,22 @@ from typing import Any
 import torch
 
 # Run as a script: this folder is on sys.path.
-from multi_gpu import CUDA, HOST, LAYOUTS, REL_TOL, _engine, _isolated  # noqa: E402
+from multi_gpu import (  # noqa: E402
+    CUDA,
+    HOST,
+    LAYOUTS,
+    REL_TOL,
+    PositionLogits,
+    _engine,
+    _greedy_with_logits,
+    _isolated,
+    compare_greedy,
+    correctness_prompts,
+)
+from multi_gpu import _model as mg_model  # noqa: E402
 
 from plait.bench.cli import measure_limits
 from plait.bench.results import write_result
-from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.bench.spec import NGRAM, spec_ngram_repeat
 from plait.bench.workloads import plait_throughput, random_prompts, release, throughput_floor_seconds
 from plait.layers.moe.routing_stats import RoutedExpertCounter, sparse_blocks
@@ -63,13 +74,8 @@ def layout_config(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model(shape: str, cpu_arch: str = "llama") -> tuple[str, int]:
-    """The shape with random weights on CUDA; on a CPU a tiny model (three layers: the fewest EAGLE3's
-    captured target layers allow)."""
-    if CUDA:
-        return str(write_shape_dir(tempfile.mkdtemp(), shape)), SHAPES[shape]["vocab_size"]
-    from plait.testing import make_tiny_model
-
-    return str(make_tiny_model(tempfile.mkdtemp(), cpu_arch, num_hidden_layers=3)), 500
+    """``multi_gpu._model`` with three layers on a CPU: the fewest EAGLE3's captured target layers allow."""
+    return mg_model(shape, cpu_arch, cpu_layers=3)
 
 
 class RoutingRecorder(RoutedExpertCounter):
@@ -105,20 +111,11 @@ def _layout_run(path: str, prompts: list[list[int]], new: int, options: dict[str
     worker's acceptance. ``routing``: every sparse layer call's expert sets (rank 0 routes every token
     under TP and EP)."""
     engine = _engine(path, **options)
-    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": new}
     # A first, unrecorded pass: NGRAM's global cache then holds its outputs, so the recorded pass
     # drafts (and verifies) from its first steps on, as in spec-ngram-repeat; every layout runs it alike.
-    engine.generate(prompts, params)
-    sched = getattr(engine.scheduler, "local", engine.scheduler)  # DP attention: rank 0's own scheduler
-    seen: dict[str, dict[int, torch.Tensor]] = {}
-
-    def keep(rid: str, position: int, row: torch.Tensor) -> None:
-        seen.setdefault(rid, {}).setdefault(position, row.float().cpu())
-
-    # At launch, before the request's pending count takes this step: the row predicts output num_generated.
-    sched.on_logits = lambda reqs, logits: [keep(r.rid, r.num_generated, row) for r, row in zip(reqs, logits,
-                                                                                               strict=True)]
-    worker = sched.spec_worker
+    engine.generate(prompts, {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": new})
+    log = PositionLogits()
+    worker = getattr(engine.scheduler, "local", engine.scheduler).spec_worker  # DP attention: rank 0's
     if worker is not None:
         accept = worker.accept
 
@@ -130,7 +127,7 @@ def _layout_run(path: str, prompts: list[list[int]], new: int, options: dict[str
                 # The previous verify's tokens are committed before this acceptance: node path[k]
                 # predicts output position len(output_ids) + k.
                 for k, node in enumerate(path_nodes):
-                    keep(req.rid, len(req.output_ids) + k, logits[start + node])
+                    log.keep(req.rid, len(req.output_ids) + k, logits[start + node])
                 start += width
             return results
 
@@ -142,43 +139,19 @@ def _layout_run(path: str, prompts: list[list[int]], new: int, options: dict[str
         for block in blocks:
             block.routing_counter = recorder
     before = worker.stats.verify_steps if worker is not None else 0
-    outs = engine.generate(prompts, params)
+    tokens, logits = _greedy_with_logits(engine, prompts, new, log)
     verify_steps = worker.stats.verify_steps - before if worker is not None else 0
     release(engine)
-    return {"tokens": [o.token_ids for o in outs],
-            "logits": {i: seen[o.rid] for i, o in enumerate(outs) if o.rid in seen},
-            "verify_steps": verify_steps, "routing": recorder.sets if recorder is not None else None}
-
-
-def compare(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """``run`` against the one-GPU ``ref``, request by request up to its first differing token: the
-    largest logit difference (relative to the reference row's largest magnitude) at the positions rank
-    0 computed, and the differing tokens where the reference's top-2 margin was clear."""
-    max_rel, compared, clear_mismatch, agree = 0.0, 0, 0, 0
-    for i, ref_tokens in enumerate(ref["tokens"]):
-        got = run["logits"].get(i, {})
-        for t, (a, b) in enumerate(zip(ref_tokens, run["tokens"][i], strict=True)):
-            ref_row = ref["logits"][i][t]
-            scale = float(ref_row.abs().max())
-            if t in got:
-                max_rel = max(max_rel, float((got[t] - ref_row).abs().max()) / scale)
-                compared += 1
-            if a != b:
-                top2 = torch.topk(ref_row, 2).values
-                clear_mismatch += float(top2[0] - top2[1]) / scale > 2 * REL_TOL
-                break  # later positions have other inputs: no longer comparable
-            agree += 1
-    total = sum(len(t) for t in ref["tokens"])
-    return {"max_rel_logit_diff": max_rel, "positions_compared": compared, "positions_tokens_agree": agree,
-            "positions_total": total, "mismatches_at_a_clear_margin": clear_mismatch,
-            "ok": max_rel <= REL_TOL and clear_mismatch == 0 and compared > 0}
+    return {"tokens": tokens, "logits": logits, "verify_steps": verify_steps,
+            "routing": recorder.sets if recorder is not None else None}
 
 
 NEW_TOKENS = 32 if CUDA else 8
 
 
-def _correctness_prompts(vocab: int) -> list[list[int]]:
-    return random_prompts(8, 64, vocab, seed=11) if CUDA else [[5 + i, 7, 9 + i, 11] for i in range(8)]
+def _compare(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """Two ``_layout_run`` results, the first the one-GPU reference (``multi_gpu.compare_greedy``)."""
+    return compare_greedy(ref["tokens"], ref["logits"], run["tokens"], run["logits"])
 
 
 def correctness_spec(out_dir: str) -> None:
@@ -186,7 +159,7 @@ def correctness_spec(out_dir: str) -> None:
     report: dict[str, Any] = {"rel_tol": REL_TOL}
     new = NEW_TOKENS
     path, vocab = _model("llama-3.2-1b")
-    prompts = _correctness_prompts(vocab)
+    prompts = correctness_prompts(vocab)
     head = str(make_eagle_head(tempfile.mkdtemp(), path, "EAGLE3"))
     eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": head, "speculative_num_steps": 3,
               "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
@@ -196,7 +169,7 @@ def correctness_spec(out_dir: str) -> None:
             options = {**LAYOUTS[layout], **spec}
             run = _isolated(_layout_run, path, prompts, new, options)
             name = f"{algo.lower()}-{layout}"
-            report[name] = {**compare(ref, run), "verify_steps": run["verify_steps"],
+            report[name] = {**_compare(ref, run), "verify_steps": run["verify_steps"],
                             "config": layout_config(options)}
             report[name]["ok"] = report[name]["ok"] and run["verify_steps"] > 0
             print(name, report[name])
@@ -208,13 +181,13 @@ def correctness_moe(out_dir: str) -> None:
     report: dict[str, Any] = {"rel_tol": REL_TOL}
     new = NEW_TOKENS
     path, vocab = _model("qwen3-30b-a3b", cpu_arch="qwen3-moe")
-    prompts = _correctness_prompts(vocab)
+    prompts = correctness_prompts(vocab)
     eager = {"disable_cuda_graph": True}
     ref = _isolated(_layout_run, path, prompts, new, eager, routing=True)
     for name, layout in (("moe-tp2", LAYOUTS["tp2"]), ("moe-ep2", EP2)):
         options = {**eager, **layout}
         run = _isolated(_layout_run, path, prompts, new, options, routing=True)
-        report[name] = {**compare(ref, run), "routing": routing_flips(ref["routing"], run["routing"]),
+        report[name] = {**_compare(ref, run), "routing": routing_flips(ref["routing"], run["routing"]),
                         "config": layout_config(options)}
         print(name, report[name])
     _write_report(out_dir, "moe", report)
