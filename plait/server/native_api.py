@@ -360,9 +360,7 @@ class NativeServing:
 
     # --- tokenizer routes -------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.config.model):
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+        protocol.resolve_model(model, self.model_name, self.config.model)
 
     async def tokenize(self, request: Request) -> Response:
         req = parse_body(TokenizeRequest, await request.body())

@@ -133,11 +133,9 @@ class OpenAIServing:
             self._renderer = LogprobsRenderer(self.client.tokenizer)
         return self._renderer
 
-    def check_model(self, name: str) -> None:
-        """404 unless ``name`` is the served model name or the model path."""
-        if name not in (self.model_name, self.config.model):
-            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str:
+        """The model name a response carries (see ``protocol.resolve_model``)."""
+        return protocol.resolve_model(name, self.model_name, self.config.model)
 
     def _sampling(self, req: protocol.GenerationRequest, max_new: int, logprobs: bool, top: int,
                   max_name: str, logprob_start_len: int = -1, tool_plan: ToolPlan | None = None) -> SamplingParams:
@@ -196,7 +194,7 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         req = protocol.parse_request(protocol.CompletionRequest, await request.body())
         protocol.check_completion(req)
-        self.check_model(req.model)
+        model = self.check_model(req.model)
         self.client.check_accepting()
         max_new = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         top = req.logprobs or 0
@@ -209,7 +207,7 @@ class OpenAIServing:
         for ids in prompt_ids:
             self._check_length(ids, sp, "prompt")
         echo_texts = self._echo_texts(req.prompt, prompt_ids) if req.echo else None
-        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, prompt_ids, req.n,
+        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, prompt_ids, req.n,
                    self._fan_out(prompt_ids, sp, req.n), req.logprobs is not None, top, req.return_token_ids,
                    bool(req.stream_options and req.stream_options.include_usage), echo_texts)
         return await self._respond(request, job, req.stream)
@@ -253,7 +251,7 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         req = protocol.parse_request(protocol.ChatCompletionRequest, await request.body())
         protocol.check_chat(req)
-        self.check_model(req.model)
+        model = self.check_model(req.model)
         self.client.check_accepting()
         tool_plan = plan_tools(req, self.chat_options)
         ids = await self.prompt_work.run(self._chat_prompt, req, tool_plan)
@@ -266,7 +264,7 @@ class OpenAIServing:
         top = req.top_logprobs or 0
         sp = self._sampling(req, max_new, req.logprobs, top, max_name, tool_plan=tool_plan)
         self._check_length(ids, sp, "messages")
-        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, [ids], req.n,
+        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, [ids], req.n,
                    self._fan_out([ids], sp, req.n), req.logprobs, top, req.return_token_ids,
                    bool(req.stream_options and req.stream_options.include_usage), tool_plan=tool_plan,
                    chat_options=self.chat_options)

@@ -32,6 +32,23 @@ MAX_STOP_SEQUENCES = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 
+# The model name SGLang's requests carry when the client names none.
+SGLANG_DEFAULT_MODEL = "default"
+
+
+def resolve_model(name: str | None, served_name: str, model_path: str) -> str:
+    """The model name a response carries for a request naming ``name``.
+
+    Absent or SGLang's ``default`` mean the served model; otherwise 404 unless ``name`` is the served
+    name or the model path (vLLM's rule: a typo'd model must not be answered by another one)."""
+    if name is None or name == SGLANG_DEFAULT_MODEL:
+        return served_name
+    if name not in (served_name, model_path):
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{served_name}`.",
+                       param="model", code="model_not_found")
+    return name
+
+
 # OpenAI fields that plait accepts and ignores (they do not change the tokens produced).
 IGNORED_FIELDS: frozenset[str] = frozenset({
     "user", "store", "metadata", "service_tier", "prompt_cache_key",
@@ -52,7 +69,8 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str
+    # Optional as in SGLang and vLLM: omitted (or SGLang's "default") means the served model.
+    model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1

@@ -138,7 +138,6 @@ def test_malformed_json_is_a_400(server, model_name, completion, raw, param, con
 
 
 WRONG_TYPES = [
-    ({"model": None}, "model", "field required"),
     ({"prompt": None}, "prompt", "field required"),
     ({"model": 7}, "model", "valid string"),
     ({"temperature": "hot"}, "temperature", "valid number"),
@@ -205,6 +204,13 @@ def test_unknown_model_is_a_404(server, model_name, completion):
     err = assert_error(completion({"model": "gpt-4"}), 404, param="model", contains="gpt-4")
     assert err["code"] == "model_not_found"
     assert_serves(server, model_name)
+
+
+@pytest.mark.parametrize("fields", [{"model": None}, {"model": "default"}], ids=["omitted", "sglang-default"])
+def test_omitted_or_sglang_default_model_means_the_served_model(model_name, completion, chat, fields):
+    for r in (completion(fields), chat(fields)):
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model_name
 
 
 def test_payload_over_the_limit_is_a_413(server, model_name, completion):
