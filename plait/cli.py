@@ -24,6 +24,7 @@ from plait.config import (
     MOE_A2A_BACKENDS,
     QUANTIZATIONS,
     SAMPLING_DEFAULTS,
+    SCHEDULE_POLICIES,
     WARMUP_MODES,
     EngineConfig,
 )
@@ -54,6 +55,7 @@ FLAG_CHOICES: dict[str, tuple[str, ...]] = {name: ATTENTION_BACKENDS for name in
 FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 FLAG_CHOICES["warmup"] = WARMUP_MODES
 FLAG_CHOICES["moe_a2a_backend"] = MOE_A2A_BACKENDS
+FLAG_CHOICES["schedule_policy"] = SCHEDULE_POLICIES
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:

@@ -21,7 +21,7 @@ from plait.config import WARMUP_MODES
 # from the dataclass by plait.cli.add_dataclass_flags.
 ALIASED_FIELDS: tuple[str, ...] = (
     "tokenizer", "dtype", "mem_fraction_static", "max_running_requests", "context_length",
-    "chunked_prefill_size", "tp_size", "dp_size", "warmup",
+    "chunked_prefill_size", "tp_size", "dp_size", "warmup", "cuda_graph_bs",
 )
 
 # --dtype: vLLM's and SGLang's names -> EngineConfig.dtype.
@@ -104,6 +104,12 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
                        help="warm every launch-shape class at start (auto: on a GPU only)")
     group.add_argument("--skip-warmup", "--skip-server-warmup", dest="warmup", action="store_const", const="off",
                        help="start without the warm-up (the first requests then pay Triton's compiles)")
+    group.add_argument("--cuda-graph-bs", dest="cuda_graph_bs", type=int, nargs="+", default=None, metavar="BS",
+                       help="batch sizes to capture CUDA graphs for, ascending (default: 1 2 4 8, then steps of 8 "
+                       "up to --cuda-graph-max-bs); a larger batch runs eagerly")
+    group.add_argument("--enable-mixed-chunk", action="store_true", default=False,
+                       help="accepted for SGLang commands: plait's steps always carry the running requests' decode "
+                       "tokens beside a prefill chunk")
     group.add_argument("--trust-remote-code", action="store_true", default=False,
                        help="accepted for SGLang / vLLM commands; plait runs no code from checkpoints, and one "
                        "that needs it (auto_map, an architecture plait does not implement) is refused")

@@ -38,6 +38,10 @@ WARMUP_MODES: tuple[str, ...] = ("auto", "on", "off")
 # "all_to_all": each rank routes its own tokens and sends each (token, expert) pair to the rank holding
 # the expert (plait.layers.moe.all_to_all). docs/moe.md says which layouts take which.
 MOE_A2A_BACKENDS: tuple[str, ...] = ("none", "all_to_all")
+# --schedule-policy (SGLang's names): the order admission takes waiting requests in
+# (plait.scheduler.policy). "fcfs": arrival; "lpm": longest cached prefix first; "lof": longest
+# output (max_new_tokens) first; "random".
+SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "lof", "random")
 
 
 def auto_backends(device_type: str) -> tuple[str, str]:
@@ -172,6 +176,10 @@ class EngineConfig:
     # Prefill tokens per step (decode tokens of running requests come on top); longer prompts are
     # split into chunks of at most this many tokens. -1 (SGLang's): no chunking, see prefill_token_budget.
     chunked_prefill_size: int = 8192
+    # SGLang's --max-prefill-tokens: prefill tokens one step may carry over every admitted request
+    # (the chunk size bounds it too). A prompt longer than it still runs, alone or in chunks.
+    max_prefill_tokens: int | None = None
+    schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     # Streaming (SGLang's --stream-interval): a running request's progress is reported every this many
     # output tokens (its first token and its end at once); the tokens and text are the same, in fewer pieces.
@@ -219,6 +227,9 @@ class EngineConfig:
     # GPU fast path; accepted on the CPU and ignored there.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # SGLang's --cuda-graph-bs: the batch sizes captured (ascending; the largest is the graph limit,
+    # so it replaces cuda_graph_max_bs). Unset: 1, 2, 4, 8, then steps of 8 (graph_utils).
+    cuda_graph_bs: tuple[int, ...] | None = None
     # EXTEND and MIXED steps of at most piecewise_cuda_graph_max_tokens tokens as breakable graphs,
     # one per token bucket, cut at every attention call (plait.executor.piecewise_graph_runner).
     enable_piecewise_cuda_graph: bool = False
@@ -287,6 +298,18 @@ class EngineConfig:
             self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1,
             f"chunked_prefill_size must be >= 1 token (or -1 to turn chunking off), got {self.chunked_prefill_size}",
         )
+        _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
+               f"max_prefill_tokens must be >= 1 token (or unset: the chunk size alone), got {self.max_prefill_tokens}")
+        _check(self.schedule_policy in SCHEDULE_POLICIES,
+               f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.cuda_graph_bs is not None:
+            sizes = tuple(self.cuda_graph_bs)
+            _check(len(sizes) > 0 and all(isinstance(b, int) and b >= 1 for b in sizes)
+                   and list(sizes) == sorted(set(sizes)),
+                   f"cuda_graph_bs must be distinct batch sizes >= 1 in ascending order, got {list(sizes)}")
+            _check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs == sizes[-1],
+                   f"cuda_graph_max_bs ({self.cuda_graph_max_bs}) and cuda_graph_bs (largest {sizes[-1]}) disagree: "
+                   "give one of the two")
         _check(
             self.schedule_conservativeness > 0,
             f"schedule_conservativeness must be > 0, got {self.schedule_conservativeness}",
@@ -377,9 +400,18 @@ class EngineConfig:
         return (auto[0] if prefill == "auto" else prefill, auto[1] if decode == "auto" else decode)
 
     def prefill_token_budget(self, max_context_len: int) -> int:
-        """Prefill tokens one step may carry: ``chunked_prefill_size``, or with -1 (chunking off) the
-        whole context, so that every prompt is prefilled in one step."""
+        """Prefill tokens one step may carry at most: ``chunked_prefill_size``, or with -1 (chunking
+        off) the whole context, so that every prompt is prefilled in one step."""
         return max_context_len if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    def prefill_room(self, max_context_len: int, taken: int) -> int:
+        """Prefill tokens a step that carries ``taken`` already may add. A step's first prompt may
+        fill the whole budget; with ``max_prefill_tokens`` the ones after it stop at that many tokens
+        in all (SGLang's rule: one prompt longer than it still runs, alone)."""
+        budget = self.prefill_token_budget(max_context_len)
+        if taken == 0 or self.max_prefill_tokens is None:
+            return budget - taken
+        return min(budget, self.max_prefill_tokens) - taken
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -405,6 +437,8 @@ class EngineConfig:
         values = {**defaults, **kwargs}
         # resolve_speculative returns a given number as it is and a default for an unset one.
         derived: dict[str, Any] = dict(resolve_speculative(values))
+        if values["cuda_graph_bs"] is not None:  # argparse and a JSON round trip give a list
+            derived["cuda_graph_bs"] = tuple(values["cuda_graph_bs"])
         if "enable_piecewise_cuda_graph" not in kwargs and envs.PIECEWISE_CUDA_GRAPH.get():
             derived["enable_piecewise_cuda_graph"] = piecewise_graphs_fit(values)
         return cls(**{**kwargs, **derived})

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from plait.attention.decisions import DECISION_MODULES  # noqa: E402
 from plait.attention.hybrid import HybridAttnBackend  # noqa: E402
 from plait.executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
-from plait.executor.graph_utils import EagerGraph  # noqa: E402
+from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
 from plait.executor.verify_graph_runner import VerifyGraphRunner  # noqa: E402
 from tests.helpers import make_engine, prompt_ids  # noqa: E402
 
@@ -43,12 +43,13 @@ def test_runner_builds_and_logs_the_pair(one_layer, caplog, flags, pair):
 def test_decode_graphs_follow_the_decode_half(one_layer):
     """cuda_graph_runner: graphs are built when the decode half can run them, whatever the prefill half."""
     with_triton_decode = make_engine(one_layer, **ONLY_DECODE)
-    graphs = CudaGraphRunner(with_triton_decode.runner.capture_target(), max_bs=2, graph_factory=EagerGraph)
+    graphs = CudaGraphRunner(with_triton_decode.runner.capture_target(), capture_batch_sizes(2),
+                             graph_factory=EagerGraph)
     decode_half = with_triton_decode.runner.attn_backend.decode_backend
     assert graphs.fill_value == decode_half.get_cuda_graph_seq_len_fill_value()
     with_native_decode = make_engine(one_layer, **ONLY_PREFILL)
     with pytest.raises(RuntimeError, match="cannot run under CUDA graphs"):
-        CudaGraphRunner(with_native_decode.runner.capture_target(), max_bs=2, graph_factory=EagerGraph)
+        CudaGraphRunner(with_native_decode.runner.capture_target(), capture_batch_sizes(2), graph_factory=EagerGraph)
 
 
 @pytest.mark.parametrize(("spec_mode", "flags", "ok"), [
@@ -61,10 +62,12 @@ def test_verify_graphs_follow_the_half_the_speculative_mode_selects(one_layer, s
     """verify_graph_runner: graph state on the half that serves TARGET_VERIFY, and on the decode half."""
     engine = make_engine(one_layer, **flags, speculative_algorithm="NGRAM", speculative_attention_mode=spec_mode)
     if ok:
-        assert VerifyGraphRunner(engine.runner.capture_target(), 2, [2, 3], graph_factory=EagerGraph).widths == [2, 3]
+        runner = VerifyGraphRunner(engine.runner.capture_target(), capture_batch_sizes(2), [2, 3],
+                                   graph_factory=EagerGraph)
+        assert runner.widths == [2, 3]
     else:
         with pytest.raises(RuntimeError, match="cannot run under CUDA graphs"):
-            VerifyGraphRunner(engine.runner.capture_target(), 2, [2, 3], graph_factory=EagerGraph)
+            VerifyGraphRunner(engine.runner.capture_target(), capture_batch_sizes(2), [2, 3], graph_factory=EagerGraph)
 
 
 @pytest.mark.parametrize(("flags", "extend_stores", "decode_stores"), [

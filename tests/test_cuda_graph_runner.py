@@ -25,7 +25,7 @@ def engine(one_layer):
 
 @pytest.fixture
 def graph_runner(engine):
-    runner = CudaGraphRunner(engine.runner.capture_target(), max_bs=4, graph_factory=EagerGraph)
+    runner = CudaGraphRunner(engine.runner.capture_target(), capture_batch_sizes(4), graph_factory=EagerGraph)
     engine.runner.graph_runner = runner
     return runner
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from plait.bench.workloads import make_engine, release, timed
+from plait.executor.graph_utils import capture_batch_sizes
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.sampling import SamplingParams
 from plait.speculative.tree import DraftTree
@@ -261,7 +262,8 @@ def eagle3_draft_step(shape_dir: str, context: int = 512, bs: int = 1, topks: tu
                          speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head_dir),
                          speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3)
     runner, worker = engine.runner, engine.scheduler.spec_worker
-    graphs = worker.draft_graphs if graph_factory is None else worker.build_draft_graphs(rows_max, graph_factory)
+    graphs = (worker.draft_graphs if graph_factory is None
+              else worker.build_draft_graphs(capture_batch_sizes(rows_max), graph_factory))
     assert graphs is not None, "draft-loop graphs need a GPU with graphs enabled"
     device = runner.device
     rows = [runner.req_to_token_pool.alloc() for _ in range(rows_max)]

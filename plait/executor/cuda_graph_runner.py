@@ -15,6 +15,7 @@ rows.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +25,6 @@ from plait.executor.graph_utils import (
     Graph,
     GraphFactory,
     bucket_for,
-    capture_batch_sizes,
     dp_graph_batch_size,
     stage,
     warm_and_capture,
@@ -37,11 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 class CudaGraphRunner:
-    def __init__(self, target: CaptureTarget, max_bs: int, graph_factory: GraphFactory = CudaGraph) -> None:
+    def __init__(self, target: CaptureTarget, batch_sizes: Sequence[int], graph_factory: GraphFactory = CudaGraph
+                 ) -> None:
         self.target = target
         self.backend = target.backend
-        self.max_bs = max_bs
-        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.batch_sizes = list(batch_sizes)  # ascending (graph_utils.graph_batch_sizes)
+        self.max_bs = max_bs = self.batch_sizes[-1]
         self.fill_value = self.backend.get_cuda_graph_seq_len_fill_value()
         i64 = dict(dtype=torch.int64, device=target.device)
         # Static inputs: every captured graph reads prefixes of these.

@@ -21,6 +21,7 @@ import torch
 
 from plait import envs
 from plait.attention.base import AttentionBackend
+from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch
 from plait.layers.hidden_capture import HiddenCapture
 from plait.models.llama import LogitsOutput
@@ -127,6 +128,15 @@ def bucket_for(batch_sizes: list[int], bs: int) -> int:
     """The smallest captured batch size that holds ``bs`` (``batch_sizes`` ascending, as
     ``capture_batch_sizes`` returns them; callers check ``bs <= batch_sizes[-1]`` first)."""
     return batch_sizes[bisect.bisect_left(batch_sizes, bs)]
+
+
+def graph_batch_sizes(config: EngineConfig) -> list[int]:
+    """The batch sizes decode-shaped graphs (decode, verify, draft loops) are captured for:
+    ``cuda_graph_bs`` as given, else ``capture_batch_sizes`` up to ``cuda_graph_max_bs`` (default by
+    GPU memory). A larger batch runs eagerly; a smaller one replays the next size up, padded."""
+    if config.cuda_graph_bs is not None:
+        return list(config.cuda_graph_bs)
+    return capture_batch_sizes(config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests))
 
 
 def default_cuda_graph_max_bs(max_running_requests: int) -> int:

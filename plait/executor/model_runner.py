@@ -27,7 +27,7 @@ from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner
 from plait.executor.forward_output import ForwardOutput, HostCopy, InputLogprobs, score_prompt_rows
-from plait.executor.graph_utils import CaptureTarget, default_cuda_graph_max_bs, graph_factory_for
+from plait.executor.graph_utils import CaptureTarget, graph_batch_sizes, graph_factory_for
 from plait.executor.piecewise_graph_runner import (
     PiecewiseCudaGraphRunner,
     PiecewiseModel,
@@ -122,16 +122,17 @@ class ModelRunner:
             logger.info("moe_a2a_backend all_to_all: prefill steps (DP attention: SUM_LEN rounds) dispatch experts by "
                         "all-to-all; decode and verify steps (DP attention: MAX_LEN rounds), which CUDA graphs are "
                         "captured for, keep the all-gather path")
-        max_bs = config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
+        batch_sizes = graph_batch_sizes(config)
+        max_bs = batch_sizes[-1]
         widths = verify_graph_widths(config)
         # Sized for the largest graph before any capture (replays write into it; never reallocated).
         self.hidden_capture = eagle_hidden_capture(config, mc, max_bs * max([1, *widths]) if graphs else 0,
                                                    self.device)
         if graphs:
             target = self.capture_target()
-            self.graph_runner = CudaGraphRunner(target, max_bs, graph_factory)
+            self.graph_runner = CudaGraphRunner(target, batch_sizes, graph_factory)
             if widths:
-                self.verify_graph_runner = VerifyGraphRunner(target, max_bs, widths, graph_factory)
+                self.verify_graph_runner = VerifyGraphRunner(target, batch_sizes, widths, graph_factory)
         self.piecewise_runner = self.build_piecewise_runner()
         log_device_memory("graph capture", self.device)
         logger.info(

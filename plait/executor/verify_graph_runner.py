@@ -32,7 +32,6 @@ from plait.executor.graph_utils import (
     Graph,
     GraphFactory,
     bucket_for,
-    capture_batch_sizes,
     dp_graph_batch_size,
     stage,
     warm_and_capture,
@@ -65,15 +64,15 @@ def uniform_width(fb: ForwardBatch) -> int | None:
 
 
 class VerifyGraphRunner:
-    def __init__(self, target: CaptureTarget, max_bs: int, widths: Sequence[int],
+    def __init__(self, target: CaptureTarget, batch_sizes: Sequence[int], widths: Sequence[int],
                  graph_factory: GraphFactory = CudaGraph) -> None:
         if not widths or min(widths) < 2:
             raise ValueError(f"verify widths count the root and a guess, so each is >= 2: got {list(widths)}")
         self.target = target
         self.backend = target.backend
-        self.max_bs = max_bs
+        self.batch_sizes = list(batch_sizes)  # ascending (graph_utils.graph_batch_sizes)
+        self.max_bs = max_bs = self.batch_sizes[-1]
         self.widths = sorted(set(widths))
-        self.batch_sizes = capture_batch_sizes(max_bs)
         max_w = self.widths[-1]
         device = target.device
         i64 = dict(dtype=torch.int64, device=device)

@@ -167,6 +167,24 @@ class RadixCache:
         kv = torch.cat(values) if values else self._empty()
         return MatchResult(kv, node)
 
+    def prefix_len(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` are cached: ``match_prefix``'s length without
+        its side effects (no split, no LRU refresh), for ordering requests that may not run yet."""
+        if self.disable or len(token_ids) == 0:
+            return 0
+        key = _as_key(token_ids)
+        node, pos, n = self.root, 0, len(key)
+        while pos < n:
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            k = _common_prefix_len(child.key, key[pos : pos + len(child.key)])
+            pos += k
+            if k < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
         """Insert the whole sequence ``token_ids`` whose KV lives in slots ``kv_indices``.
 

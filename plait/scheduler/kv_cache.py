@@ -9,6 +9,8 @@ cache; ``tokens_in_use`` counts the slots live requests hold (0 when idle).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from plait.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator
@@ -49,6 +51,9 @@ class KVCacheManager:
 
     def match_prefix(self, ids: list[int]) -> MatchResult:
         return self.tree_cache.match_prefix(ids)
+
+    def cached_prefix_len(self, ids: Sequence[int]) -> int:
+        return self.tree_cache.prefix_len(ids)
 
     def admit(self, req: Req, match: MatchResult) -> bool:
         """Give ``req`` a request-pool row holding the matched prefix, and lock that prefix in the

@@ -33,6 +33,7 @@ from plait.sampling import SamplingBatchInfo, SamplingParams
 from plait.scheduler.in_flight import InFlight
 from plait.scheduler.interface import SpecWorker
 from plait.scheduler.kv_cache import KVCacheManager
+from plait.scheduler.policy import SchedulePolicy
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.schedule_batch import BatchEntry, ScheduleBatch
 from plait.scheduler.stats import BucketCounts, SchedulerStats
@@ -78,6 +79,7 @@ class Scheduler:
         self.eos_token_ids = runner.model_config.eos_token_ids
         self.vocab_size = runner.model_config.vocab_size
         self.waiting: deque[Req] = deque()
+        self.policy = SchedulePolicy(config.schedule_policy, config.seed)
         self.prefilling: list[Req] = []  # admitted, prefill not complete (chunked)
         self.running: list[Req] = []  # decoding
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
@@ -283,7 +285,6 @@ class Scheduler:
         decode_slots = self.alloc_kv_slots(len(decodes)) if decodes else None
         entries = [BatchEntry(r, r.kv_len, 1, sample=True, is_decode=True) for r in decodes]
         locs = [decode_slots] if decode_slots is not None else []
-        budget = self.config.prefill_token_budget(self.runner.max_context_len)
         self.admit()
         if skip and not entries and self.spec_worker is not None and all(
                 self.spec_worker.joins_next_verify(r) for r in self.prefilling):
@@ -292,15 +293,17 @@ class Scheduler:
             # of their own now. Never a wait for nothing: the next step verifies them, or, when it
             # does not speculate, schedules them here with an empty ``skip``.
             return None
+        taken = 0  # prefill tokens in this step
         for req in self.prefilling:
-            if budget <= 0:
+            room = self.config.prefill_room(self.runner.max_context_len, taken)
+            if room <= 0:
                 break
             remaining = req.fill_len - req.kv_len
-            n = min(remaining, budget)
+            n = min(remaining, room)
             slots = self.alloc_kv_slots(n)
             if slots is None:
                 break  # admission reserved this; only eviction races can land here: retry next step
-            budget -= n
+            taken += n
             entries.append(BatchEntry(req, req.kv_len, n, sample=(n == remaining), is_decode=False))
             locs.append(slots)
         if not entries:
@@ -347,15 +350,18 @@ class Scheduler:
         """Move waiting requests to ``prefilling`` while rows, budget and reserved KV allow."""
         if not self.waiting or self.num_running() >= self.config.max_running_requests:
             return  # the common steady-decode step: no tallies to build
+        ordered = self.policy.order(self.waiting, self.kv)
+        if ordered is not None:
+            self.waiting.clear()
+            self.waiting.extend(ordered)
         # Running tallies over running + prefilling, each admission adding its own share: rescanning
         # every admitted request per admission made a step of many admissions quadratic.
         pending_prefill = sum(r.fill_len - r.kv_len for r in self.prefilling)
         reserved = self._reserved_tokens()
-        budget = self.config.prefill_token_budget(self.runner.max_context_len)
         while self.waiting and self.num_running() < self.config.max_running_requests:
-            if pending_prefill >= budget:
+            if self.config.prefill_room(self.runner.max_context_len, pending_prefill) <= 0:
                 break  # this step's prefill budget is already spoken for
-            # The first request in arrival order that can run (one whose grammar still compiles waits).
+            # The first request in the policy's order that can run (one whose grammar still compiles waits).
             req = next((r for r in self.waiting if r.grammar_future is None), None)
             if req is None:
                 break

@@ -41,6 +41,9 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
                        "characters of prompt and output, 3 + all of them (default 0: prompts never reach the log)")
     group.add_argument("--enable-metrics", action="store_true",
                        help="accepted for SGLang commands: /metrics is always on")
+    group.add_argument("--enable-cache-report", action="store_true",
+                       help="accepted for SGLang commands: usage.prompt_tokens_details.cached_tokens is "
+                       "always reported")
     group.add_argument("--sglang-metrics", action="store_true",
                        help="also export SGLang's metric names (sglang:num_running_reqs, sglang:token_usage, ...)")
     group.add_argument("--trust-request-chat-template", action="store_true",

@@ -18,12 +18,13 @@ draft forward; ``hidden_dim`` sizes the static hidden input of step 0 (EAGLE; No
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from plait.executor.graph_utils import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
+from plait.config import EngineConfig
+from plait.executor.graph_utils import CudaGraph, Graph, bucket_for, graph_batch_sizes, warm_and_capture
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from plait.speculative.draft_backend import MultiStepDraftBackend
@@ -33,28 +34,26 @@ logger = logging.getLogger(__name__)
 StepFn = Callable[[ForwardBatch, Any, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
-def draft_graph_max_bs(config: Any, device: str) -> int | None:
-    """The draft loop's largest captured batch (the decode graphs' bound), or None: no draft graphs
-    (not on a GPU, or graphs disabled)."""
-    from plait.executor.graph_utils import default_cuda_graph_max_bs
-
+def draft_graph_batch_sizes(config: EngineConfig, device: str) -> list[int] | None:
+    """The draft loop's captured batch sizes (the decode graphs'), or None: no draft graphs (not on a
+    GPU, or graphs disabled)."""
     if device != "cuda" or config.disable_cuda_graph:
         return None
-    return config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests)
+    return graph_batch_sizes(config)
 
 
 class DraftLoopGraphRunner:
-    def __init__(self, multi: MultiStepDraftBackend, step_fn: StepFn, max_bs: int, num_steps: int,
+    def __init__(self, multi: MultiStepDraftBackend, step_fn: StepFn, batch_sizes: Sequence[int], num_steps: int,
                  position_offset: int, device: torch.device | str, hidden_dim: int | None = None,
                  hidden_dtype: torch.dtype = torch.float32, graph_factory: Callable[[], Graph] = CudaGraph) -> None:
         if len(multi.children) < num_steps:
             raise ValueError(f"{num_steps} draft steps but {len(multi.children)} per-step backends")
         self.multi = multi
         self.step_fn = step_fn
-        self.max_bs = max_bs
+        self.batch_sizes = list(batch_sizes)  # ascending (graph_utils.graph_batch_sizes)
+        self.max_bs = max_bs = self.batch_sizes[-1]
         self.num_steps = num_steps
         self.position_offset = position_offset
-        self.batch_sizes = capture_batch_sizes(max_bs)
         i64 = dict(dtype=torch.int64, device=device)
         k = num_steps
         self.tokens = torch.zeros(k + 1, max_bs, **i64)  # row 0: roots; row s + 1: step s's argmax

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from abc import abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +32,7 @@ from plait.mem.pools import MHATokenToKVPool
 from plait.scheduler.interface import SchedulerAPI
 from plait.scheduler.req import Req
 from plait.speculative.draft_backend import DraftBackendFactory
-from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_max_bs
+from plait.speculative.draft_graph import DraftLoopGraphRunner, draft_graph_batch_sizes
 from plait.speculative.draft_tree import expand_on_device, trees_from_packed
 from plait.speculative.tree import DraftTree
 from plait.speculative.tree_draft_graph import TreeDraftGraphRunner, TreeDraftInputs, TreeStep
@@ -62,11 +63,11 @@ class DraftModelWorker(BaseSpecWorker):
         self.decode_backend = factory.create_decode_backend(self.num_steps)
         self.draft_graphs: DraftLoopGraphRunner | None = None  # the chain loop (topk 1)
         self.tree_graphs: TreeDraftGraphRunner | None = None  # the tree expansion (topk > 1)
-        max_bs = draft_graph_max_bs(config, runner.device)
-        if max_bs is not None and self.topk == 1:
-            self.draft_graphs = self.build_draft_graphs(max_bs)
-        elif max_bs is not None:
-            self.tree_graphs = self.build_tree_graphs(max_bs)
+        batch_sizes = draft_graph_batch_sizes(config, runner.device)
+        if batch_sizes is not None and self.topk == 1:
+            self.draft_graphs = self.build_draft_graphs(batch_sizes)
+        elif batch_sizes is not None:
+            self.tree_graphs = self.build_tree_graphs(batch_sizes)
 
     # --- what a draft model provides ----------------------------------------------------------------
     @abstractmethod
@@ -92,19 +93,19 @@ class DraftModelWorker(BaseSpecWorker):
         return None
 
     # --- graphs -------------------------------------------------------------------------------------
-    def build_draft_graphs(self, max_bs: int, graph_factory: Any = None) -> DraftLoopGraphRunner:
+    def build_draft_graphs(self, batch_sizes: Sequence[int], graph_factory: Any = None) -> DraftLoopGraphRunner:
         """Capture the chain draft loop per (steps, batch bucket); tests pass an EagerGraph factory."""
         extra = {} if graph_factory is None else {"graph_factory": graph_factory}
-        return DraftLoopGraphRunner(self.decode_backend, self.chain_step, max_bs, self.num_steps,
+        return DraftLoopGraphRunner(self.decode_backend, self.chain_step, batch_sizes, self.num_steps,
                                     position_offset=self.position_offset, device=self.runner.device,
                                     hidden_dim=self.hidden_in_dim, hidden_dtype=self.runner.model_config.dtype,
                                     **extra)
 
-    def build_tree_graphs(self, max_bs: int, graph_factory: Any = None) -> TreeDraftGraphRunner:
+    def build_tree_graphs(self, batch_sizes: Sequence[int], graph_factory: Any = None) -> TreeDraftGraphRunner:
         """Capture the top-k tree expansion per (steps, batch bucket) on the per-step draft backends;
         tests pass an EagerGraph factory."""
         extra = {} if graph_factory is None else {"graph_factory": graph_factory}
-        return TreeDraftGraphRunner(self.decode_backend, self._tree_step, max_bs, self.num_steps, self.topk,
+        return TreeDraftGraphRunner(self.decode_backend, self._tree_step, batch_sizes, self.num_steps, self.topk,
                                     self.runner.max_context_len, self.runner.device, hidden_dim=self.hidden_in_dim,
                                     hidden_dtype=self.runner.model_config.dtype, **extra)
 

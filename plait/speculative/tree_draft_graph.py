@@ -33,13 +33,13 @@ draft forward over one step's batch (the same function the eager path calls, so 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from plait.executor.graph_utils import CudaGraph, Graph, bucket_for, capture_batch_sizes, warm_and_capture
+from plait.executor.graph_utils import CudaGraph, Graph, bucket_for, warm_and_capture
 from plait.executor.verify_graph_runner import StaticVerifyInfo
 from plait.forward_batch import ExtendInfo, ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW
@@ -67,17 +67,18 @@ class TreeDraftInputs:
 
 
 class TreeDraftGraphRunner:
-    def __init__(self, multi: MultiStepDraftBackend, make_step: MakeTreeStep, max_bs: int, num_steps: int,
-                 topk: int, max_context_len: int, device: torch.device | str, hidden_dim: int | None = None,
-                 hidden_dtype: torch.dtype = torch.float32, graph_factory: Callable[[], Graph] = CudaGraph) -> None:
+    def __init__(self, multi: MultiStepDraftBackend, make_step: MakeTreeStep, batch_sizes: Sequence[int],
+                 num_steps: int, topk: int, max_context_len: int, device: torch.device | str,
+                 hidden_dim: int | None = None, hidden_dtype: torch.dtype = torch.float32,
+                 graph_factory: Callable[[], Graph] = CudaGraph) -> None:
         if len(multi.children) < num_steps:
             raise ValueError(f"{num_steps} draft steps but {len(multi.children)} per-step backends")
         self.multi = multi
         self.make_step = make_step
-        self.max_bs = max_bs
+        self.batch_sizes = list(batch_sizes)  # ascending (graph_utils.graph_batch_sizes)
+        self.max_bs = max_bs = self.batch_sizes[-1]
         self.num_steps = num_steps
         self.topk = topk
-        self.batch_sizes = capture_batch_sizes(max_bs)
         self.widths = [1 + s * topk for s in range(num_steps)]  # step s runs over w_s nodes per request
         w_last = self.widths[-1]
         i64 = dict(dtype=torch.int64, device=device)

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from plait.executor.graph_utils import EagerGraph  # noqa: E402
+from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
 from plait.testing import (
     make_eagle_head,  # noqa: E402
     make_tiny_model,  # noqa: E402
@@ -37,7 +37,7 @@ def _run(target, graphs: bool, **spec):
                          max_total_tokens=1024, **spec)
     worker = engine.scheduler.spec_worker
     if graphs:
-        worker.draft_graphs = worker.build_draft_graphs(MAX_BS, EagerGraph)
+        worker.draft_graphs = worker.build_draft_graphs(capture_batch_sizes(MAX_BS), EagerGraph)
     outs = engine.generate(PROMPTS, SHORT)
     return engine, worker, [o.token_ids for o in outs]
 
@@ -50,7 +50,7 @@ def test_capture_plans_and_marks_every_step_on_its_stamped_child(one_layer):
     engine = make_engine(one_layer, attention_backend="triton", max_total_tokens=1024,
                          speculative_algorithm="STANDALONE", speculative_draft_model_path=str(one_layer))
     worker = engine.scheduler.spec_worker
-    graphs = worker.build_draft_graphs(MAX_BS, EagerGraph)
+    graphs = worker.build_draft_graphs(capture_batch_sizes(MAX_BS), EagerGraph)
     assert sorted(graphs.capture_batches) == [(k, b) for k in (1, 2, 3) for b in (1, 2)]
     children = worker.decode_backend.children
     for (k, bs), batches in graphs.capture_batches.items():
@@ -79,9 +79,9 @@ def test_standalone_with_draft_and_verify_graphs_accepts_everything_from_itself(
     engine = make_engine(one_layer, attention_backend="triton", max_total_tokens=1024,
                          speculative_algorithm="STANDALONE", speculative_draft_model_path=str(one_layer))
     worker = engine.scheduler.spec_worker
-    worker.draft_graphs = worker.build_draft_graphs(MAX_BS, EagerGraph)
-    engine.runner.verify_graph_runner = VerifyGraphRunner(engine.runner.capture_target(), MAX_BS, [4],
-                                                          graph_factory=EagerGraph)
+    worker.draft_graphs = worker.build_draft_graphs(capture_batch_sizes(MAX_BS), EagerGraph)
+    engine.runner.verify_graph_runner = VerifyGraphRunner(engine.runner.capture_target(),
+                                                          capture_batch_sizes(MAX_BS), [4], graph_factory=EagerGraph)
     outs = engine.generate(PROMPTS, SHORT)
     assert [o.token_ids for o in outs] == reference
     assert _replays(worker) > 0

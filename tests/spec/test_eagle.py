@@ -174,8 +174,8 @@ def test_target_graphs_write_the_hidden_states_the_head_reads(tmp_path):
     # What the runner builds on a GPU: a static buffer for the largest graph, then the graphs.
     # (One bucket, two widths: every capture runs the model three times under the interpreter.)
     runner.hidden_capture = worker.capture = HiddenCapture(cap.layers, cap.hidden_size, 4, cap.static.dtype, "cpu")
-    runner.graph_runner = CudaGraphRunner(runner.capture_target(), 1, graph_factory=EagerGraph)
-    runner.verify_graph_runner = VerifyGraphRunner(runner.capture_target(), 1, (2, 4), graph_factory=EagerGraph)
+    runner.graph_runner = CudaGraphRunner(runner.capture_target(), [1], graph_factory=EagerGraph)
+    runner.verify_graph_runner = VerifyGraphRunner(runner.capture_target(), [1], (2, 4), graph_factory=EagerGraph)
     outs = engine.generate(PROMPTS[:1], {**GREEDY, "max_new_tokens": 8})
     assert [o.token_ids for o in outs] == reference
     assert sum(g.replays for g in runner.graph_runner.graphs.values()) > 0

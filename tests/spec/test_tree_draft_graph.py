@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from plait.attention.plan_check import PlanCheckingBackend  # noqa: E402
-from plait.executor.graph_utils import EagerGraph  # noqa: E402
+from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
 from plait.testing import (
     make_eagle_head,  # noqa: E402
     make_tiny_model,  # noqa: E402
@@ -43,7 +43,7 @@ def _engine_with_tree_graphs(target, spec: dict, max_bs: int = MAX_BS, target_ba
                          max_total_tokens=1024, **spec)
     worker = engine.scheduler.spec_worker
     assert worker.tree_graphs is None  # not on a GPU: the test installs what a GPU engine builds
-    worker.tree_graphs = worker.build_tree_graphs(max_bs, EagerGraph)
+    worker.tree_graphs = worker.build_tree_graphs(capture_batch_sizes(max_bs), EagerGraph)
     return engine, worker
 
 

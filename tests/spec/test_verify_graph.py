@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from plait.config import EngineConfig  # noqa: E402
-from plait.executor.graph_utils import EagerGraph  # noqa: E402
+from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
 from plait.executor.sizing import verify_graph_widths  # noqa: E402
 from plait.executor.verify_graph_runner import VerifyGraphRunner, uniform_width  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
@@ -30,7 +30,8 @@ def reference(one_layer):
 
 
 def _with_verify_graphs(engine, max_bs: int = 4, widths=(2, 3, 4)) -> VerifyGraphRunner:
-    runner = VerifyGraphRunner(engine.runner.capture_target(), max_bs, widths, graph_factory=EagerGraph)
+    runner = VerifyGraphRunner(engine.runner.capture_target(), capture_batch_sizes(max_bs), widths,
+                               graph_factory=EagerGraph)
     engine.runner.verify_graph_runner = runner
     return runner
 
