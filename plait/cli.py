@@ -17,9 +17,16 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from plait.cli_aliases import ALIASED_FIELDS, PlaitArgumentParser, add_engine_alias_flags
+from plait.cli_aliases import (
+    ALIASED_FIELDS,
+    PlaitArgumentParser,
+    add_engine_alias_flags,
+    add_unused_sglang_flags,
+    unused_flag_warnings,
+)
 from plait.config import (
     ATTENTION_BACKENDS,
+    GRAMMAR_BACKENDS,
     KV_CACHE_DTYPES,
     MOE_A2A_BACKENDS,
     QUANTIZATIONS,
@@ -56,6 +63,7 @@ FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 FLAG_CHOICES["warmup"] = WARMUP_MODES
 FLAG_CHOICES["moe_a2a_backend"] = MOE_A2A_BACKENDS
 FLAG_CHOICES["schedule_policy"] = SCHEDULE_POLICIES
+FLAG_CHOICES["grammar_backend"] = GRAMMAR_BACKENDS
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
@@ -90,6 +98,7 @@ def _engine_parser(parser: argparse.ArgumentParser) -> None:
     # --model and the fields with SGLang / vLLM spellings (plait.cli_aliases); the rest come from the
     # dataclass. EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
     add_engine_alias_flags(parser)
+    add_unused_sglang_flags(parser)
     add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP + ALIASED_FIELDS)
     parser.add_argument("--random-seed", type=int, default=None, help="EngineConfig.seed (dummy weights, "
                         "seeds of unseeded requests)")
@@ -219,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = getattr(args, "log_level", None) or "warning"
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for warning in unused_flag_warnings(args):
+        logger.warning(warning)
     try:
         return int(args.func(args))
     except ValueError as e:

@@ -115,6 +115,28 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
                        "that needs it (auto_map, an architecture plait does not implement) is refused")
 
 
+# SGLang flags that tune SGLang's own kernels and have no counterpart here: accepted, so that an SGLang
+# command runs as it is, with a warning that says what plait does instead. dest -> that sentence.
+UNUSED_SGLANG_FLAGS: dict[str, str] = {
+    "enable_torch_compile": "--enable-torch-compile is not used: plait's decode runs its own fused Triton kernels "
+    "under CUDA graphs",
+    "torch_compile_max_bs": "--torch-compile-max-bs is not used: plait does not run torch.compile",
+    "page_size": "--page-size is not used: plait's KV cache and prefix cache work per token (page size 1)",
+}
+
+
+def add_unused_sglang_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("accepted for SGLang commands, not used (a warning says so)")
+    group.add_argument("--enable-torch-compile", action="store_true", default=False)
+    group.add_argument("--torch-compile-max-bs", type=int, default=None)
+    group.add_argument("--page-size", type=int, default=None)
+
+
+def unused_flag_warnings(args: argparse.Namespace) -> list[str]:
+    """One sentence per UNUSED_SGLANG_FLAGS flag the command line set."""
+    return [why for dest, why in UNUSED_SGLANG_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
+
+
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
     # argparse has no public list of a parser's flags; its actions are the one source.
     return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]

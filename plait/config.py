@@ -42,6 +42,9 @@ MOE_A2A_BACKENDS: tuple[str, ...] = ("none", "all_to_all")
 # (plait.scheduler.policy). "fcfs": arrival; "lpm": longest cached prefix first; "lof": longest
 # output (max_new_tokens) first; "random".
 SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "lof", "random")
+# --grammar-backend (SGLang's): "xgrammar" compiles json_schema / regex / ebnf / structural_tag
+# requests; "none" turns constrained decoding off (such requests are refused naming the field).
+GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
 
 
 def auto_backends(device_type: str) -> tuple[str, str]:
@@ -180,6 +183,7 @@ class EngineConfig:
     # (the chunk size bounds it too). A prompt longer than it still runs, alone or in chunks.
     max_prefill_tokens: int | None = None
     schedule_policy: str = "fcfs"
+    grammar_backend: str = "xgrammar"
     schedule_conservativeness: float = 1.0
     # Streaming (SGLang's --stream-interval): a running request's progress is reported every this many
     # output tokens (its first token and its end at once); the tokens and text are the same, in fewer pieces.
@@ -239,6 +243,12 @@ class EngineConfig:
     # Triton's compiles happen before the first request. "auto": on a GPU only; "off": --skip-warmup.
     warmup: str = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # The server's scheduler process (SGLang's flags): a step running longer than watchdog_timeout
+    # seconds ends the process, so the server fails instead of hanging (None: no watchdog); every
+    # decode_log_interval steps it logs the running and queued requests, the KV use and the
+    # generation throughput (0: never).
+    watchdog_timeout: float | None = 300.0
+    decode_log_interval: int = 40
     # Defaults of sampling parameters a request leaves unset (plait.engine.generation_config):
     # SGLang's sampling_defaults ("model": the checkpoint's generation_config.json, "openai": plait's
     # own) and vLLM's generation_config ("auto": the model directory, "vllm": none, or a directory).
@@ -300,6 +310,12 @@ class EngineConfig:
         )
         _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
                f"max_prefill_tokens must be >= 1 token (or unset: the chunk size alone), got {self.max_prefill_tokens}")
+        _check(self.watchdog_timeout is None or self.watchdog_timeout > 0,
+               f"watchdog_timeout must be > 0 seconds (or unset: no watchdog), got {self.watchdog_timeout}")
+        _check(self.decode_log_interval >= 0,
+               f"decode_log_interval must be >= 0 steps (0: never), got {self.decode_log_interval}")
+        _check(self.grammar_backend in GRAMMAR_BACKENDS,
+               f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         _check(self.schedule_policy in SCHEDULE_POLICIES,
                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.cuda_graph_bs is not None:

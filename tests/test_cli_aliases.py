@@ -9,7 +9,7 @@ import json
 import pytest
 
 from plait.cli import build_parser, engine_options
-from plait.cli_aliases import parse_token_count
+from plait.cli_aliases import parse_token_count, unused_flag_warnings
 from plait.config import EngineConfig
 from plait.server.launch import server_args_from
 
@@ -30,6 +30,11 @@ ALIASES = [
     (["--dtype", "float"], ["--dtype", "float32"]),
     (["--trust-remote-code"], []),
     (["--enable-metrics"], []),
+    (["--enable-cache-report"], []),
+    (["--enable-mixed-chunk"], []),
+    (["--grammar-backend", "xgrammar"], []),
+    (["--page-size", "16"], []),
+    (["--enable-torch-compile", "--torch-compile-max-bs", "8"], []),
 ]
 
 
@@ -50,6 +55,30 @@ def test_aliases_change_the_field_they_name():
     assert (config.model, config.tokenizer, config.tp_size, config.context_length, config.dtype) == (
         "/m", "/t", 2, 2000, "float16")
     assert config.chunked_prefill_size == -1
+
+
+def test_sglang_scheduling_and_server_process_flags_set_their_fields():
+    config, sargs = parse_serve(["--schedule-policy", "lpm", "--max-prefill-tokens", "16384", "--cuda-graph-bs", "1",
+                                 "2", "4", "--watchdog-timeout", "600", "--decode-log-interval", "10",
+                                 "--grammar-backend", "none", "--log-level-http", "warning"])
+    assert (config.schedule_policy, config.max_prefill_tokens, config.cuda_graph_bs) == ("lpm", 16384, (1, 2, 4))
+    assert (config.watchdog_timeout, config.decode_log_interval, config.grammar_backend) == (600.0, 10, "none")
+    assert sargs.log_level_http == "warning"
+
+
+@pytest.mark.parametrize("flag", ["--schedule-policy=dfs-weight", "--grammar-backend=outlines",
+                                  "--log-level-http=loud"])
+def test_a_value_plait_does_not_have_fails_listing_the_choices(flag, capsys):
+    with pytest.raises(SystemExit):
+        parse_serve([flag])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_sglang_kernel_flags_plait_does_not_use_are_accepted_with_a_warning_each():
+    args = build_parser().parse_args(["serve", "--page-size", "16", "--enable-torch-compile"])
+    warnings = unused_flag_warnings(args)
+    assert [w.split()[0] for w in warnings] == ["--enable-torch-compile", "--page-size"]
+    assert unused_flag_warnings(build_parser().parse_args(["serve"])) == []
 
 
 def test_generate_takes_the_engine_aliases_too():

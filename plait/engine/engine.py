@@ -61,7 +61,8 @@ class Engine:
         self.scheduler = self.core.scheduler
         # Tokenization and validation are shared with the HTTP server (plait.engine.frontend).
         self.frontend = Frontend(self.tokenizer, self.core.limits, seed=self.config.seed,
-                                 sampling_defaults=sampling_defaults(self.config))
+                                 sampling_defaults=sampling_defaults(self.config),
+                                 constrained=self.config.grammar_backend != "none")
         self._closed = False
 
     # --- requests ---------------------------------------------------------------------------------

@@ -78,9 +78,10 @@ class Frontend:
     """Tokenization and validation; raises ``ValueError`` naming the field and the limit."""
 
     def __init__(self, tokenizer: Any, limits: RequestLimits, seed: int = 0,
-                 sampling_defaults: Mapping[str, Any] | None = None) -> None:
+                 sampling_defaults: Mapping[str, Any] | None = None, constrained: bool = True) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.constrained = constrained  # False: a grammar request is refused (EngineConfig.grammar_backend none)
         # What unset sampling parameters of a mapping (or of no params) default to: the checkpoint's
         # generation_config.json values (plait.engine.generation_config). A SamplingParams is taken as is.
         self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
@@ -116,6 +117,8 @@ class Frontend:
             params = {**self.sampling_defaults, **given}
         sp = to_sampling_params(params)
         sp.validate_against(self.limits.vocab_size)
+        if sp.grammar is not None and not self.constrained:
+            raise ValueError(f"{sp.grammar[0]}: constrained decoding is off in this engine (grammar_backend none)")
         return sp
 
     def check_length(self, num_prompt_tokens: int, sp: SamplingParams) -> None:

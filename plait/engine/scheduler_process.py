@@ -36,6 +36,7 @@ from plait import envs
 from plait.config import EngineConfig
 from plait.engine.core import EngineCore, LiveRequest, adaptive_stream_interval, build_engine_core
 from plait.engine.heap import freeze_startup_heap
+from plait.engine.loop_monitor import DecodeLog, StepWatchdog
 from plait.engine.messages import (
     AbortRequest,
     Fatal,
@@ -81,6 +82,8 @@ class SchedulerProcess:
         # LoopSeconds' fields, accumulated here: iterations, then recv, step, collect, send seconds.
         self.loop_iterations = 0
         self.loop_seconds = [0.0, 0.0, 0.0, 0.0]
+        self.decode_log = DecodeLog(config.decode_log_interval)
+        self.watchdog: StepWatchdog | None = None  # started once loaded: loading is not a step
 
     def load(self) -> None:
         """Build the engine core (this process is rank 0 of its layout), then tell the server the
@@ -100,6 +103,8 @@ class SchedulerProcess:
         import zmq
 
         clock = time.perf_counter
+        if self.config.watchdog_timeout is not None:
+            self.watchdog = StepWatchdog(self.config.watchdog_timeout)
         while self.running:
             busy = self.scheduler.has_work()
             t0 = clock()
@@ -119,12 +124,18 @@ class SchedulerProcess:
             t1 = clock()
             stepped = self.scheduler.has_work()
             if stepped:
+                if self.watchdog is not None:
+                    self.watchdog.begin()
                 self.scheduler.step()
+                if self.watchdog is not None:
+                    self.watchdog.end()
             t2 = clock()
             rows: list[PlainRow] = []
             updates += self._collect(rows)
             t3 = clock()
             stats = self._snapshot()
+            if stepped and (line := self.decode_log.after_step(stats)) is not None:
+                logger.info(line)
             if updates or rows or stats != self.last_stats:
                 # rows after updates: a request's acknowledgement (in updates) precedes its tokens. The
                 # loop times change every busy iteration, so they are not part of the comparison: they
@@ -216,6 +227,8 @@ class SchedulerProcess:
             evictable_tokens=s.tree_cache.evictable_size(), counters=dataclasses.replace(st))
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.pull.close(0)
         self.push.close()  # LINGER lets the last messages (final updates, Fatal) go out
         self.ctx.term()
@@ -260,8 +273,9 @@ def run(config: EngineConfig, requests_addr: str, outputs_addr: str, max_queued_
     _die_with_parent()
     # SIGINT goes to the whole process group on Ctrl-C; the server decides when this process ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # force: the CLI's entry configured logging already (at its default level, before this config was read).
     logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s scheduler %(name)s %(levelname)s %(message)s")
+                        format="%(asctime)s scheduler %(name)s %(levelname)s %(message)s", force=True)
     leave_a_core_for_the_server(config)
     proc = SchedulerProcess(config, requests_addr, outputs_addr, max_queued_requests)
     code = 0

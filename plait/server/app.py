@@ -58,6 +58,7 @@ class ServerArgs:
     allowed_origins: tuple[str, ...] | None = None  # None: every origin
     log_requests: bool = False
     log_requests_level: int = 0
+    log_level_http: str | None = None  # uvicorn's loggers (None: --log-level's)
     sglang_metrics: bool = False
     trust_request_chat_template: bool = False
     max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER

@@ -96,6 +96,8 @@ def server_args_from(args: argparse.Namespace) -> ServerArgs:
 
 def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
     holder: dict[str, PlaitServer] = {}
+    if sargs.log_level_http is not None:
+        logging.getLogger("uvicorn").setLevel(sargs.log_level_http.upper())
     app = build_app(config, sargs, on_fatal=lambda reason: holder["server"].fail(reason))
     uv_config = uvicorn.Config(app, host=sargs.host, port=sargs.port, log_config=None, access_log=False,
                                lifespan="on", timeout_graceful_shutdown=sargs.shutdown_timeout + _UVICORN_GRACE_S)

@@ -12,6 +12,7 @@ import json
 # the client has not read on top of this).
 DEFAULT_MAX_STREAM_BUFFER = 1024
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def origins_type(raw: str) -> list[str]:
@@ -39,6 +40,9 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-requests-level", type=int, choices=LOG_REQUESTS_LEVELS, default=0,
                        help="what those lines carry: 0 metadata, 1 + sampling parameters, 2 + the first 2048 "
                        "characters of prompt and output, 3 + all of them (default 0: prompts never reach the log)")
+    group.add_argument("--log-level-http", choices=LOG_LEVELS, default=None,
+                       help="level of uvicorn's own log lines (default: --log-level's); request lines come "
+                       "from --log-requests")
     group.add_argument("--enable-metrics", action="store_true",
                        help="accepted for SGLang commands: /metrics is always on")
     group.add_argument("--enable-cache-report", action="store_true",

@@ -1,6 +1,6 @@
-"""SGLang's scheduling flags: --schedule-policy orders admission, --max-prefill-tokens caps a step's
-prefill over its admissions, --cuda-graph-bs names the captured batch sizes. Each changes when a
-request runs, never its tokens."""
+"""SGLang launch flags beyond plait's own: --schedule-policy orders admission, --max-prefill-tokens
+caps a step's prefill over its admissions, --cuda-graph-bs names the captured batch sizes (each
+changes when a request runs, never its tokens); --grammar-backend none refuses constrained requests."""
 
 from __future__ import annotations
 
@@ -136,7 +136,16 @@ def test_cuda_graph_bs_names_the_captured_sizes_and_the_limit():
     assert graph_batch_sizes(EngineConfig(model="m", cuda_graph_max_bs=20)) == capture_batch_sizes(20)
 
 
+def test_grammar_backend_none_refuses_a_constrained_request_naming_its_field(model_path):
+    engine = make_engine(model_path, grammar_backend="none")
+    with pytest.raises(ValueError, match="^regex: constrained decoding is off"):
+        engine.generate(PROMPTS[0], {**GREEDY, "regex": "[ab]+"})
+    assert len(engine.generate(PROMPTS[0], GREEDY).token_ids) == GREEDY["max_new_tokens"]
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize(("fields", "message"), [
+    ({"grammar_backend": "outlines"}, "grammar_backend must be one of"),
     ({"cuda_graph_bs": (4, 2)}, "ascending"),
     ({"cuda_graph_bs": (2, 2)}, "distinct"),
     ({"cuda_graph_bs": (0, 2)}, ">= 1"),
