@@ -21,12 +21,11 @@ from plait.cli_aliases import (
     ALIASED_FIELDS,
     PlaitArgumentParser,
     add_engine_alias_flags,
-    add_unused_sglang_flags,
+    add_unused_flags,
     unused_flag_warnings,
 )
 from plait.config import (
     ATTENTION_BACKENDS,
-    GRAMMAR_BACKENDS,
     KV_CACHE_DTYPES,
     MOE_A2A_BACKENDS,
     QUANTIZATIONS,
@@ -63,7 +62,6 @@ FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 FLAG_CHOICES["warmup"] = WARMUP_MODES
 FLAG_CHOICES["moe_a2a_backend"] = MOE_A2A_BACKENDS
 FLAG_CHOICES["schedule_policy"] = SCHEDULE_POLICIES
-FLAG_CHOICES["grammar_backend"] = GRAMMAR_BACKENDS
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
@@ -98,7 +96,7 @@ def _engine_parser(parser: argparse.ArgumentParser) -> None:
     # --model and the fields with SGLang / vLLM spellings (plait.cli_aliases); the rest come from the
     # dataclass. EngineConfig.seed is --random-seed: --seed is the per-request sampling seed.
     add_engine_alias_flags(parser)
-    add_unused_sglang_flags(parser)
+    add_unused_flags(parser)
     add_dataclass_flags(parser, EngineConfig, skip=ENGINE_SKIP + ALIASED_FIELDS)
     parser.add_argument("--random-seed", type=int, default=None, help="EngineConfig.seed (dummy weights, "
                         "seeds of unseeded requests)")
@@ -111,6 +109,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = collect(args, EngineConfig, skip=ENGINE_SKIP)
     if args.random_seed is not None:
         options["seed"] = args.random_seed
+    if args.enable_expert_parallel and "ep_size" not in options:
+        options["ep_size"] = options.get("tp_size", 1)
     return options
 
 

@@ -15,13 +15,14 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from plait.config import WARMUP_MODES
+from plait.config import GRAMMAR_BACKENDS, WARMUP_MODES
 
 # EngineConfig fields whose flags are declared here (with their aliases) instead of being generated
 # from the dataclass by plait.cli.add_dataclass_flags.
 ALIASED_FIELDS: tuple[str, ...] = (
     "tokenizer", "dtype", "mem_fraction_static", "max_running_requests", "context_length",
-    "chunked_prefill_size", "tp_size", "dp_size", "warmup", "cuda_graph_bs",
+    "chunked_prefill_size", "tp_size", "dp_size", "warmup", "cuda_graph_bs", "disable_cuda_graph",
+    "disable_radix_cache", "decode_log_interval", "grammar_backend",
 )
 
 # --dtype: vLLM's and SGLang's names -> EngineConfig.dtype.
@@ -97,9 +98,32 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--context-length", "--max-model-len", dest="context_length",
                        type=token_count_type("--context-length"), default=None,
                        help="longest prompt + output in tokens (32k = 32000, 32K = 32768; default: the model's)")
-    group.add_argument("--chunked-prefill-size", dest="chunked_prefill_size", type=int, default=None,
-                       help="prefill tokens per step; longer prompts are split (-1: no chunking, a prompt is "
-                       "prefilled in one step)")
+    group.add_argument("--chunked-prefill-size", "--max-num-batched-tokens", dest="chunked_prefill_size", type=int,
+                       default=None, help="prefill tokens per step (the running requests' decode tokens come on "
+                       "top); longer prompts are split (-1: no chunking, a prompt is prefilled in one step)")
+    group.add_argument("--no-enable-chunked-prefill", dest="chunked_prefill_size", action="store_const", const=-1,
+                       help="vLLM's spelling of --chunked-prefill-size -1")
+    group.add_argument("--enable-chunked-prefill", action="store_true", default=False,
+                       help="accepted for vLLM commands: chunked prefill is on unless --chunked-prefill-size -1")
+    group.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", dest="disable_radix_cache",
+                       action="store_true", default=None, help="no prefix cache: every prompt is prefilled whole")
+    group.add_argument("--enable-prefix-caching", action="store_true", default=False,
+                       help="accepted for vLLM commands: the prefix cache is on unless --disable-radix-cache")
+    group.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true",
+                       default=None, help="run every step eagerly (no CUDA graphs)")
+    group.add_argument("--pipeline-parallel-size", "--pp-size", type=pipeline_size_type, default=1,
+                       help="accepted as 1 only: plait has no pipeline parallelism (use --tp-size)")
+    group.add_argument("--enable-expert-parallel", action="store_true", default=False,
+                       help="vLLM's: the experts of a mixture-of-experts model spread over the tensor-parallel "
+                       "ranks (--ep-size equal to --tp-size)")
+    group.add_argument("--grammar-backend", "--guided-decoding-backend", dest="grammar_backend",
+                       choices=GRAMMAR_BACKENDS, default=None,
+                       help="xgrammar compiles constrained requests; none refuses them")
+    group.add_argument("--decode-log-interval", dest="decode_log_interval", type=int, default=None,
+                       help="plait serve: the scheduler process logs its load and throughput every this many "
+                       "steps (0: never)")
+    group.add_argument("--disable-log-stats", dest="decode_log_interval", action="store_const", const=0,
+                       help="vLLM's spelling of --decode-log-interval 0")
     group.add_argument("--warmup", dest="warmup", choices=WARMUP_MODES, default=None,
                        help="warm every launch-shape class at start (auto: on a GPU only)")
     group.add_argument("--skip-warmup", "--skip-server-warmup", dest="warmup", action="store_const", const="off",
@@ -115,26 +139,38 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
                        "that needs it (auto_map, an architecture plait does not implement) is refused")
 
 
-# SGLang flags that tune SGLang's own kernels and have no counterpart here: accepted, so that an SGLang
-# command runs as it is, with a warning that says what plait does instead. dest -> that sentence.
-UNUSED_SGLANG_FLAGS: dict[str, str] = {
+def pipeline_size_type(raw: str) -> int:
+    if raw.strip() != "1":
+        raise argparse.ArgumentTypeError(
+            f"plait has no pipeline parallelism: it must be 1 (split a model over GPUs with --tp-size); got {raw!r}")
+    return 1
+
+
+# SGLang and vLLM flags that tune their own kernels or memory and have no counterpart here: accepted,
+# so that such a command runs as it is, with a warning that says what plait does instead.
+# dest -> that sentence.
+UNUSED_FLAGS: dict[str, str] = {
     "enable_torch_compile": "--enable-torch-compile is not used: plait's decode runs its own fused Triton kernels "
     "under CUDA graphs",
     "torch_compile_max_bs": "--torch-compile-max-bs is not used: plait does not run torch.compile",
     "page_size": "--page-size is not used: plait's KV cache and prefix cache work per token (page size 1)",
+    "block_size": "--block-size is not used: plait's KV cache and prefix cache work per token (block size 1)",
+    "swap_space": "--swap-space is not used: a retracted request recomputes its KV instead of swapping it to the CPU",
 }
 
 
-def add_unused_sglang_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("accepted for SGLang commands, not used (a warning says so)")
+def add_unused_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("accepted for SGLang / vLLM commands, not used (a warning says so)")
     group.add_argument("--enable-torch-compile", action="store_true", default=False)
     group.add_argument("--torch-compile-max-bs", type=int, default=None)
     group.add_argument("--page-size", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=None)
+    group.add_argument("--swap-space", type=float, default=None)
 
 
 def unused_flag_warnings(args: argparse.Namespace) -> list[str]:
-    """One sentence per UNUSED_SGLANG_FLAGS flag the command line set."""
-    return [why for dest, why in UNUSED_SGLANG_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
+    """One sentence per UNUSED_FLAGS flag the command line set."""
+    return [why for dest, why in UNUSED_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:

@@ -35,6 +35,25 @@ ALIASES = [
     (["--grammar-backend", "xgrammar"], []),
     (["--page-size", "16"], []),
     (["--enable-torch-compile", "--torch-compile-max-bs", "8"], []),
+    # vLLM's
+    (["--enforce-eager"], ["--disable-cuda-graph"]),
+    (["--no-enable-prefix-caching"], ["--disable-radix-cache"]),
+    (["--enable-prefix-caching"], []),
+    (["--max-num-batched-tokens", "4096"], ["--chunked-prefill-size", "4096"]),
+    (["--no-enable-chunked-prefill"], ["--chunked-prefill-size", "-1"]),
+    (["--enable-chunked-prefill"], []),
+    (["--disable-log-stats"], ["--decode-log-interval", "0"]),
+    (["--guided-decoding-backend", "none"], ["--grammar-backend", "none"]),
+    (["--pipeline-parallel-size", "1"], []),
+    (["--seed", "7"], ["--random-seed", "7"]),
+    (["--enable-expert-parallel", "--tp", "2"], ["--ep-size", "2", "--tp", "2"]),
+    (["--block-size", "16", "--swap-space", "4"], []),
+    (["--uvicorn-log-level", "warning"], ["--log-level-http", "warning"]),
+    (["--tool-call-parser", "llama3_json"], ["--tool-call-parser", "llama3"]),
+    (["--tool-call-parser", "openai"], ["--tool-call-parser", "gpt-oss"]),
+    (["--reasoning-parser", "deepseek_r1"], ["--reasoning-parser", "deepseek-r1"]),
+    (["--disable-log-requests"], []),
+    (["--enable-auto-tool-choice"], []),
 ]
 
 
@@ -72,6 +91,12 @@ def test_a_value_plait_does_not_have_fails_listing_the_choices(flag, capsys):
     with pytest.raises(SystemExit):
         parse_serve([flag])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_pipeline_parallelism_over_one_stage_fails_saying_plait_has_none(capsys):
+    with pytest.raises(SystemExit):
+        parse_serve(["--pipeline-parallel-size", "2"])
+    assert "plait has no pipeline parallelism" in capsys.readouterr().err
 
 
 def test_sglang_kernel_flags_plait_does_not_use_are_accepted_with_a_warning_each():

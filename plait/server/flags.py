@@ -11,6 +11,12 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 # The keys of plait.server.function_call.TOOL_CALL_PARSERS and plait.server.reasoning.REASONING_PARSERS.
 TOOL_CALL_PARSER_NAMES = ("llama3", "hermes", "qwen25", "mistral", "pythonic", "gpt-oss")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek-r1", "gpt-oss")
+# vLLM's names of the same parsers.
+VLLM_PARSER_NAMES = {"llama3_json": "llama3", "openai": "gpt-oss", "deepseek_r1": "deepseek-r1"}
+
+
+def parser_name(raw: str) -> str:
+    return VLLM_PARSER_NAMES.get(raw, raw)
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -26,11 +32,17 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     # Names listed here, not imported: this module must not need the server extra.
-    group.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
+    group.add_argument("--tool-call-parser", default=None, type=parser_name, choices=TOOL_CALL_PARSER_NAMES,
                        help="find tool calls in the output of chat requests with tool_choice 'auto' "
-                       "(docs/tool-calling.md)")
-    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
-                       help="move the thinking span of chat outputs into reasoning_content")
+                       "(docs/tool-calling.md; vLLM's llama3_json and openai are llama3 and gpt-oss)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM commands: tool_choice 'auto' works whenever --tool-call-parser is "
+                       "given")
+    group.add_argument("--reasoning-parser", default=None, type=parser_name, choices=REASONING_PARSER_NAMES,
+                       help="move the thinking span of chat outputs into reasoning_content (vLLM's deepseek_r1 "
+                       "is deepseek-r1)")
+    group.add_argument("--seed", dest="random_seed", type=int, default=None,
+                       help="vLLM's spelling of --random-seed")
     group.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template that replaces the checkpoint's (e.g. a tools-aware one)")
     add_operator_flags(parser)

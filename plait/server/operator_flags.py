@@ -40,7 +40,9 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-requests-level", type=int, choices=LOG_REQUESTS_LEVELS, default=0,
                        help="what those lines carry: 0 metadata, 1 + sampling parameters, 2 + the first 2048 "
                        "characters of prompt and output, 3 + all of them (default 0: prompts never reach the log)")
-    group.add_argument("--log-level-http", choices=LOG_LEVELS, default=None,
+    group.add_argument("--disable-log-requests", dest="log_requests", action="store_false", default=False,
+                       help="accepted for vLLM commands: no request log lines (plait's default)")
+    group.add_argument("--log-level-http", "--uvicorn-log-level", choices=LOG_LEVELS, default=None,
                        help="level of uvicorn's own log lines (default: --log-level's); request lines come "
                        "from --log-requests")
     group.add_argument("--enable-metrics", action="store_true",
