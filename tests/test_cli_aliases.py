@@ -176,6 +176,13 @@ def test_server_flags_reach_the_server_args():
     assert default.api_key is None and default.allowed_origins is None and not default.log_requests
 
 
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queued-requests", "0"], ["--max-payload-bytes", "0"],
+                                  ["--shutdown-timeout", "-1"], ["--max-stream-buffer", "0"]], ids=lambda a: a[0])
+def test_a_server_flag_out_of_range_fails_naming_the_flag_and_its_limit(argv):
+    with pytest.raises(ValueError, match=f"^{argv[0]} must be"):
+        parse_serve(argv)
+
+
 def test_a_checkpoint_that_needs_remote_code_is_refused_naming_its_architecture(tiny_model_dir, tmp_path):
     import shutil
 

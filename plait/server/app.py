@@ -63,6 +63,19 @@ class ServerArgs:
     trust_request_chat_template: bool = False
     max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER
 
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}"),
+            (self.max_queued_requests is None or self.max_queued_requests >= 1,
+             f"--max-queued-requests must be >= 1 (or unset: unlimited), got {self.max_queued_requests}"),
+            (self.max_payload_bytes >= 1, f"--max-payload-bytes must be >= 1, got {self.max_payload_bytes}"),
+            (self.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"),
+            (self.max_stream_buffer >= 1, f"--max-stream-buffer must be >= 1 update, got {self.max_stream_buffer}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
 
 def build_app(config: EngineConfig, args: ServerArgs,
               on_fatal: Callable[[str], None] | None = None) -> FastAPI:

@@ -124,5 +124,6 @@ def cmd_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         demo = demo_model()
         model = str(demo.path)
         logger.info("no --model given: serving the built-in demo model, %s, at %s", demo.description, model)
+    sargs = server_args_from(args)  # checked before the model loads
     config = EngineConfig.from_kwargs(model=model, **engine_options)
-    return run_server(config, server_args_from(args))
+    return run_server(config, sargs)
