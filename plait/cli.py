@@ -26,6 +26,7 @@ from plait.cli_aliases import (
 )
 from plait.config import (
     ATTENTION_BACKENDS,
+    DEVICES,
     KV_CACHE_DTYPES,
     MOE_A2A_BACKENDS,
     QUANTIZATIONS,
@@ -62,6 +63,7 @@ FLAG_CHOICES["sampling_defaults"] = SAMPLING_DEFAULTS
 FLAG_CHOICES["warmup"] = WARMUP_MODES
 FLAG_CHOICES["moe_a2a_backend"] = MOE_A2A_BACKENDS
 FLAG_CHOICES["schedule_policy"] = SCHEDULE_POLICIES
+FLAG_CHOICES["device"] = DEVICES
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:

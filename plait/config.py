@@ -24,6 +24,9 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "triton", "torch_
 # graph-safe.
 AUTO_BACKENDS: dict[str, tuple[str, str]] = {"cuda": ("triton", "triton"), "cpu": ("torch_native", "torch_native")}
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+# EngineConfig.device: "auto" takes CUDA when torch sees a GPU, else the CPU. A GPU is chosen by
+# base_gpu_id (and the rank), not by "cuda:N".
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
 # --quantization: the weight formats plait runs (plait.layers.quantization). ``fp8`` quantizes a
 # bf16/fp16 checkpoint at load and is implied by an FP8 checkpoint's quantization_config.
@@ -271,6 +274,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(bool(self.model), "model must be a checkpoint directory path, got an empty value")
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.device in DEVICES, f"device must be one of {DEVICES} (pick a GPU with base_gpu_id), got "
+               f"{self.device!r}")
         _check(
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",

@@ -56,3 +56,17 @@ def test_the_config_module_never_writes_attributes_around_the_frozen_dataclass()
     calls = [node for node in ast.walk(ast.parse(CONFIG_SOURCE.read_text()))
              if isinstance(node, ast.Attribute) and node.attr == "__setattr__"]
     assert calls == []
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "gpu", "mps", ""])
+def test_a_device_plait_does_not_run_on_fails_listing_the_devices(device):
+    with pytest.raises(ValueError, match="device must be one of"):
+        EngineConfig(model="m", device=device)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_device_cuda_without_a_gpu_fails_at_start_saying_what_to_use(tiny_model_dir):
+    import plait
+
+    with pytest.raises(RuntimeError, match="torch sees no CUDA device.*--device cpu"):
+        plait.Engine(model=str(tiny_model_dir("llama")), device="cuda", max_total_tokens=256)

@@ -87,6 +87,9 @@ def eagle_hidden_capture(config: EngineConfig, mc: ModelConfig, static_rows: int
 def use_rank_device(config: EngineConfig, tp: TPGroup) -> str:
     """The device rank ``tp.rank`` runs on; on CUDA its GPU is made current (idempotent)."""
     device = config.resolved_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda: torch sees no CUDA device here (a CPU build of torch, no driver, or an "
+                           "empty CUDA_VISIBLE_DEVICES); use --device cpu, or --device auto to take what there is")
     if device == "cuda":
         # A node's ranks are consecutive: the local GPU is the rank modulo the node's GPU count.
         # Rank r of this engine (or data-parallel replica) uses GPU base_gpu_id + r.
