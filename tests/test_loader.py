@@ -79,6 +79,37 @@ def test_missing_directory_says_plait_never_downloads(tmp_path):
         load_model_config(str(tmp_path / "meta-llama/Llama-3.1-8B"))
 
 
+def damaged_copy(tmp_path, tiny_model_dir, damage) -> str:
+    import shutil
+
+    copy = tmp_path / "damaged"
+    shutil.copytree(tiny_model_dir("llama"), copy)
+    damage(copy)
+    return str(copy)
+
+
+def test_a_config_that_is_not_json_fails_naming_the_file(tmp_path, tiny_model_dir):
+    path = damaged_copy(tmp_path, tiny_model_dir, lambda d: (d / "config.json").write_text("{not json"))
+    with pytest.raises(ValueError, match=r"damaged/config.json is not valid JSON"):
+        load_model_config(path)
+
+
+def test_a_truncated_weights_file_fails_naming_the_file(tmp_path, tiny_model_dir):
+    def truncate(d):
+        with open(d / "model.safetensors", "r+b") as f:
+            f.truncate(1000)
+
+    path = damaged_copy(tmp_path, tiny_model_dir, truncate)
+    with pytest.raises(ValueError, match=r"damaged/model.safetensors is not a readable safetensors file"):
+        make_engine(path)
+
+
+def test_a_checkpoint_without_a_tokenizer_fails_saying_to_pass_one(tmp_path, tiny_model_dir):
+    path = damaged_copy(tmp_path, tiny_model_dir, lambda d: [f.unlink() for f in d.glob("tokenizer*")])
+    with pytest.raises(ValueError, match=r"no usable tokenizer in .*damaged.*pass --tokenizer DIR"):
+        make_engine(path)
+
+
 def test_context_length_above_model_maximum_is_rejected(tiny_model_dir):
     with pytest.raises(ValueError, match="max_position_embeddings 2048"):
         load_model_config(str(tiny_model_dir("llama")), context_length=4096)

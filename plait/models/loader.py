@@ -98,7 +98,11 @@ def _refuse_remote_code(root: Path) -> None:
     """A checkpoint whose architecture plait does not implement and that ships its own modelling code
     (``auto_map``) fails here, naming the architecture: plait never runs a checkpoint's code, with
     ``--trust-remote-code`` or without (read before transformers, which would ask for that flag)."""
-    raw = json.loads((root / "config.json").read_text())
+    config_file = root / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON ({e}): the checkpoint's config is damaged") from None
     archs = list(raw.get("architectures") or [])
     if raw.get("auto_map") and not any(a in MODEL_REGISTRY for a in archs):
         raise ValueError(
@@ -165,7 +169,12 @@ def load_tokenizer(path: str) -> Any:
         return load_gguf_tokenizer(gguf_file, cache_root() / "gguf-tokenizers")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"no usable tokenizer in {path!r} (tokenizer.json, or tokenizer_config.json with its "
+                         f"vocabulary files): pass --tokenizer DIR; transformers said: {str(e).splitlines()[0]}"
+                         ) from None
 
 
 def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -181,7 +190,12 @@ def iter_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, torch
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r}; use load_format='dummy' for random weights")
     for name in files:
-        with safe_open(str(root / name), framework="pt") as f:
+        try:
+            handle = safe_open(str(root / name), framework="pt")
+        except Exception as e:  # SafetensorError is not importable from the package's public names
+            raise ValueError(f"{root / name} is not a readable safetensors file ({e}): the checkpoint is damaged "
+                             "or incomplete") from None
+        with handle as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield key, (LazySlice(f.get_slice(key)) if lazy else f.get_tensor(key))  # type: ignore[misc]
 
