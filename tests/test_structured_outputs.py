@@ -243,7 +243,7 @@ def test_request_waits_for_its_grammar_while_others_are_scheduled(engine):
     ({"json_schema": {"type": "frobnicate"}}, "json_schema", "frobnicate"),
     ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
     ({"structural_tag": '{"type": "structural_tag", "format": {"type": "bogus"}}'}, "structural_tag", "bogus"),
-    ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one", "regex, ebnf"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "regex", "regex is set with ebnf: at most one of"),
 ], ids=["regex", "ebnf", "schema_type", "schema_json", "structural_tag", "two_fields"])
 def test_bad_grammar_raises_value_error_before_scheduling(engine, params, field, message):
     with pytest.raises(ValueError, match=field) as err:

@@ -156,7 +156,10 @@ def grammar_spec(json_schema: Any = None, regex: str | None = None, ebnf: str | 
     given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf),
                                ("structural_tag", structural_tag)) if v is not None}
     if len(given) > 1:
-        raise GrammarError(f"at most one of {', '.join(GRAMMAR_FIELDS)} may be set, got {', '.join(given)}")
+        # The first field leads the message: the server names it as the request's faulty parameter.
+        first, *rest = given
+        raise GrammarError(f"{first} is set with {', '.join(rest)}: at most one of {', '.join(GRAMMAR_FIELDS)} may "
+                           "be set")
     if not given:
         return None
     (kind, value), = given.items()

@@ -50,7 +50,6 @@ _REQUEST_LEVEL = frozenset({"logprobs", "top_logprobs", "logprob_start_len"})
 NATIVE_SAMPLING_KEYS: frozenset[str] = frozenset(
     set(SamplingParams.field_names()) - _REQUEST_LEVEL
     | {"n", "sampling_seed", "spaces_between_special_tokens", "no_stop_trim"})
-_STRUCTURED = ("json_schema", "regex", "ebnf", "structural_tag")
 
 T = TypeVar("T")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -178,15 +177,14 @@ def _per_item(name: str, value: T | list[T] | None, count: int, default: T) -> l
 
 def native_sampling_dict(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], int]:
     """SGLang's sampling_params -> plait's SamplingParams fields, and ``n``."""
-    for name in _STRUCTURED:
-        if raw.get(name) is not None:
-            raise unsupported(f"{where}.{name} (structured output)", f"{where}.{name}")
-    unknown = sorted(set(raw) - NATIVE_SAMPLING_KEYS - set(_STRUCTURED))
+    unknown = sorted(set(raw) - NATIVE_SAMPLING_KEYS)
     if unknown:
         raise bad_request(f"{where}: unknown sampling parameter(s) {', '.join(map(repr, unknown))}; accepted: "
                           f"{', '.join(sorted(NATIVE_SAMPLING_KEYS))}", f"{where}.{unknown[0]}")
+    # json_schema, regex, ebnf and structural_tag pass as they are: SamplingParams checks them (at most
+    # one, a grammar xgrammar compiles) like the offline Engine's.
     out = {k: v for k, v in raw.items() if k not in ("n", "sampling_seed", "spaces_between_special_tokens",
-                                                      "no_stop_trim") and k not in _STRUCTURED}
+                                                      "no_stop_trim")}
     if raw.get("spaces_between_special_tokens") is False:
         raise unsupported(f"{where}.spaces_between_special_tokens=false", f"{where}.spaces_between_special_tokens")
     if raw.get("no_stop_trim"):

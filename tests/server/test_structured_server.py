@@ -49,6 +49,19 @@ def test_regex_and_ebnf_extensions_constrain_the_output(post, path):
     assert _text(choice) in ("A", "BC") and choice["finish_reason"] == "stop"
 
 
+def test_native_generate_takes_sglangs_grammar_fields(server):
+    schema = server.post("/generate", json={"text": "Pick one:", "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "json_schema": json.dumps(COLOR)}})
+    assert schema.status_code == 200, schema.text
+    assert json.loads(schema.json()["text"]) in COLOR["enum"]
+    assert schema.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    batch = server.post("/generate", json={"text": ["Yes or no?", "Say a word."], "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0.8, "n": 2, "regex": r"(yes|no)-[0-9]"}})
+    assert batch.status_code == 200, batch.text
+    assert len(batch.json()) == 4
+    assert all(re.fullmatch(r"(yes|no)-[0-9]", item["text"]) for item in batch.json())
+
+
 def test_json_object_starts_an_object_and_a_length_cut_says_length(post):
     choice = post("/v1/chat/completions", {"response_format": {"type": "json_object"}, "max_tokens": 5})
     assert _text(choice).lstrip().startswith("{")
