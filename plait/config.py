@@ -187,6 +187,9 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     schedule_policy: str = "fcfs"
     grammar_backend: str = "xgrammar"
+    # SGLang's --allow-auto-truncate: a request over the context limit is cut to fit instead of refused
+    # (plait.engine.frontend.Frontend.fit says how).
+    allow_auto_truncate: bool = False
     schedule_conservativeness: float = 1.0
     # Streaming (SGLang's --stream-interval): a running request's progress is reported every this many
     # output tokens (its first token and its end at once); the tokens and text are the same, in fewer pieces.

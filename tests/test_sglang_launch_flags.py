@@ -144,6 +144,20 @@ def test_grammar_backend_none_refuses_a_constrained_request_naming_its_field(mod
     assert_no_leaks(engine)
 
 
+def test_allow_auto_truncate_keeps_a_long_prompts_end_and_shrinks_max_new_tokens(model_path):
+    engine = make_engine(model_path, allow_auto_truncate=True, context_length=32)
+    plain = make_engine(model_path, context_length=32)
+    long_prompt = PROMPTS[4] + PROMPTS[2] + PROMPTS[1]  # 39 tokens
+    out = engine.generate(long_prompt, GREEDY)
+    assert out.meta_info["prompt_tokens"] == 31 and len(out.token_ids) == 1
+    assert out.token_ids == plain.generate(long_prompt[-31:], {**GREEDY, "max_new_tokens": 1}).token_ids
+    short = engine.generate(PROMPTS[4], {**GREEDY, "min_new_tokens": 20})  # 20 + 32 over 32: 12 new tokens
+    assert short.token_ids == plain.generate(PROMPTS[4], {**GREEDY, "max_new_tokens": 12}).token_ids
+    with pytest.raises(ValueError, match="exceeds the limit of 32 tokens"):
+        plain.generate(long_prompt, GREEDY)
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"grammar_backend": "outlines"}, "grammar_backend must be one of"),
     ({"cuda_graph_bs": (4, 2)}, "ascending"),

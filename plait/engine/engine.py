@@ -62,7 +62,8 @@ class Engine:
         # Tokenization and validation are shared with the HTTP server (plait.engine.frontend).
         self.frontend = Frontend(self.tokenizer, self.core.limits, seed=self.config.seed,
                                  sampling_defaults=sampling_defaults(self.config),
-                                 constrained=self.config.grammar_backend != "none")
+                                 constrained=self.config.grammar_backend != "none",
+                                 auto_truncate=self.config.allow_auto_truncate)
         self._closed = False
 
     # --- requests ---------------------------------------------------------------------------------

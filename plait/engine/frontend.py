@@ -8,6 +8,8 @@ the HTTP server gets those from the scheduler process once it has sized its KV p
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +19,9 @@ from plait.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
 ParamsLike = SamplingParams | Mapping[str, Any] | None
+
+
+logger = logging.getLogger(__name__)
 
 
 def to_sampling_params(params: ParamsLike) -> SamplingParams:
@@ -78,10 +83,12 @@ class Frontend:
     """Tokenization and validation; raises ``ValueError`` naming the field and the limit."""
 
     def __init__(self, tokenizer: Any, limits: RequestLimits, seed: int = 0,
-                 sampling_defaults: Mapping[str, Any] | None = None, constrained: bool = True) -> None:
+                 sampling_defaults: Mapping[str, Any] | None = None, constrained: bool = True,
+                 auto_truncate: bool = False) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.constrained = constrained  # False: a grammar request is refused (EngineConfig.grammar_backend none)
+        self.auto_truncate = auto_truncate  # EngineConfig.allow_auto_truncate: see fit
         # What unset sampling parameters of a mapping (or of no params) default to: the checkpoint's
         # generation_config.json values (plait.engine.generation_config). A SamplingParams is taken as is.
         self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
@@ -121,9 +128,23 @@ class Frontend:
             raise ValueError(f"{sp.grammar[0]}: constrained decoding is off in this engine (grammar_backend none)")
         return sp
 
-    def check_length(self, num_prompt_tokens: int, sp: SamplingParams) -> None:
-        if num_prompt_tokens + sp.max_new_tokens > self.limits.max_request_tokens:
-            raise ContextLengthError(num_prompt_tokens, sp.max_new_tokens, self.limits)
+    def fit(self, ids: list[int], sp: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompt and parameters a request runs with: as given when prompt + max_new_tokens fit
+        the limit; else ContextLengthError, or with ``auto_truncate`` (SGLang's --allow-auto-truncate)
+        a prompt over the limit keeps its last ``limit - 1`` tokens (the end holds the question and a
+        chat template's assistant header) and max_new_tokens (min_new_tokens with it) shrinks to the
+        room left."""
+        limit = self.limits.max_request_tokens
+        if len(ids) + sp.max_new_tokens <= limit:
+            return ids, sp
+        if not self.auto_truncate:
+            raise ContextLengthError(len(ids), sp.max_new_tokens, self.limits)
+        if len(ids) >= limit:
+            logger.warning("a prompt of %d tokens is over the limit of %d: keeping its last %d", len(ids), limit,
+                           limit - 1)
+            ids = ids[len(ids) - (limit - 1):]
+        room = limit - len(ids)
+        return ids, dataclasses.replace(sp, max_new_tokens=room, min_new_tokens=min(sp.min_new_tokens, room))
 
     @staticmethod
     def check_logprob_start(num_prompt_tokens: int, sp: SamplingParams) -> None:
@@ -139,6 +160,6 @@ class Frontend:
         """Validate parameters, tokenize, check the length and pick the seed, in that order."""
         sp = self.sampling_params(params)
         ids = self.tokenize(prompt)
-        self.check_length(len(ids), sp)
+        ids, sp = self.fit(ids, sp)
         self.check_logprob_start(len(ids), sp)
         return PreparedRequest(ids, sp, self.draw_seed(sp))

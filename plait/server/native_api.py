@@ -272,7 +272,7 @@ class NativeServing:
             except ValueError as e:
                 raise bad_request(str(e).replace("prompt", field_name, 1), field_name) from None
             try:
-                frontend.check_length(len(ids), sp)
+                ids, sp = frontend.fit(ids, sp)
                 frontend.check_logprob_start(len(ids), sp)
             except ContextLengthError as e:
                 raise bad_request(str(e), f"{where}.max_new_tokens", "context_length_exceeded") from None

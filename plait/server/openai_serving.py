@@ -147,16 +147,16 @@ class OpenAIServing:
         except ValueError as e:
             raise protocol.value_error_to_api(e, max_name) from None
 
-    def _check_length(self, ids: list[int], sp: SamplingParams, noun: str) -> None:
+    def _fit(self, ids: list[int], sp: SamplingParams, noun: str) -> tuple[list[int], SamplingParams]:
         try:
-            self.frontend.check_length(len(ids), sp)
+            return self.frontend.fit(ids, sp)
         except ContextLengthError as e:
             raise bad_request(e.openai_message(noun), "messages" if noun == "messages" else "prompt",
                               "context_length_exceeded") from None
 
-    def _fan_out(self, prompt_ids: list[list[int]], sp: SamplingParams, n: int) -> list[PreparedRequest]:
+    def _fan_out(self, fitted: list[tuple[list[int], SamplingParams]], n: int) -> list[PreparedRequest]:
         out = []
-        for ids in prompt_ids:
+        for ids, sp in fitted:
             for j in range(n):
                 # n choices of one seeded request: seed, seed+1, ... so they differ yet reproduce.
                 seed = seed_to_int64(sp.seed + j) if sp.seed is not None else self.frontend.draw_seed(sp)
@@ -204,11 +204,11 @@ class OpenAIServing:
             prompt_ids = self._completion_prompts(req.prompt)
         else:
             prompt_ids = await self.prompt_work.run(self._completion_prompts, req.prompt)
-        for ids in prompt_ids:
-            self._check_length(ids, sp, "prompt")
+        fitted = [self._fit(ids, sp, "prompt") for ids in prompt_ids]
+        prompt_ids = [ids for ids, _ in fitted]
         echo_texts = self._echo_texts(req.prompt, prompt_ids) if req.echo else None
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, prompt_ids, req.n,
-                   self._fan_out(prompt_ids, sp, req.n), req.logprobs is not None, top, req.return_token_ids,
+                   self._fan_out(fitted, req.n), req.logprobs is not None, top, req.return_token_ids,
                    bool(req.stream_options and req.stream_options.include_usage), echo_texts)
         return await self._respond(request, job, req.stream)
 
@@ -263,9 +263,9 @@ class OpenAIServing:
             max_name, max_new = "max_completion_tokens", max(1, self.frontend.limits.max_request_tokens - len(ids))
         top = req.top_logprobs or 0
         sp = self._sampling(req, max_new, req.logprobs, top, max_name, tool_plan=tool_plan)
-        self._check_length(ids, sp, "messages")
+        ids, sp = self._fit(ids, sp, "messages")
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, [ids], req.n,
-                   self._fan_out([ids], sp, req.n), req.logprobs, top, req.return_token_ids,
+                   self._fan_out([(ids, sp)], req.n), req.logprobs, top, req.return_token_ids,
                    bool(req.stream_options and req.stream_options.include_usage), tool_plan=tool_plan,
                    chat_options=self.chat_options)
         return await self._respond(request, job, req.stream)

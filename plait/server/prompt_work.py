@@ -51,7 +51,7 @@ def encode_bounded(frontend: Frontend, text: str, add_special_tokens: bool) -> l
     limit = frontend.limits.max_request_tokens
     tok = frontend.tokenizer
     cut = limit * PREFIX_CHARS_PER_TOKEN
-    if len(text) > cut:
+    if len(text) > cut and not frontend.auto_truncate:  # a truncated prompt keeps its end: encode it all
         head = tok.encode(text[:cut], add_special_tokens=add_special_tokens)
         if len(head) > limit + CUT_MARGIN_TOKENS:
             raise PromptTooLong(len(head) - CUT_MARGIN_TOKENS, cut, limit)

@@ -171,7 +171,8 @@ class SchedulerClient:
         self.frontend = Frontend(self.tokenizer, RequestLimits(ready.vocab_size, ready.max_context_len,
                                                                ready.max_total_tokens), seed=self.config.seed,
                                  sampling_defaults=sampling_defaults(self.config),
-                                 constrained=self.config.grammar_backend != "none")
+                                 constrained=self.config.grammar_backend != "none",
+                                 auto_truncate=self.config.allow_auto_truncate)
         self._tasks.append(asyncio.create_task(self._recv_loop()))
         self._tasks.append(asyncio.create_task(self._watchdog()))
         if self.state == State.STARTING:

@@ -1,0 +1,52 @@
+"""SGLang launch flags that change what `plait serve` does with a request or writes to its log, on a
+server of their own: --allow-auto-truncate, --decode-log-interval and --schedule-policy lpm."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import HTTP_TIMEOUT
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def srv(start_server):
+    return start_server("sglang-flags", allow_auto_truncate=True, context_length=CONTEXT, decode_log_interval=2,
+                        schedule_policy="lpm", watchdog_timeout=120)
+
+
+def completion(srv, prompt, max_tokens: int) -> dict:
+    r = httpx.post(srv.url + "/v1/completions", json={"model": srv.model, "prompt": prompt, "max_tokens": max_tokens,
+                                                      "temperature": 0}, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_prompt_over_the_context_keeps_its_last_tokens_and_gets_one(srv, offline_engine):
+    prompt = [(7 * i) % 400 + 4 for i in range(100)]
+    out = completion(srv, prompt, 5)
+    assert out["usage"]["prompt_tokens"] == CONTEXT - 1
+    assert out["usage"]["completion_tokens"] == 1
+    assert out["choices"][0]["finish_reason"] == "length"
+    expected = offline_engine.generate(prompt[-(CONTEXT - 1):], {"max_new_tokens": 1, "temperature": 0}).text
+    assert out["choices"][0]["text"] == expected
+
+
+def test_max_tokens_over_the_room_left_shrinks_to_it(srv):
+    out = completion(srv, list(range(4, 14)), 500)
+    assert out["usage"]["completion_tokens"] == CONTEXT - 10
+
+
+def test_native_generate_truncates_too(srv):
+    r = httpx.post(srv.url + "/generate", json={"input_ids": list(range(4, 104)),
+                                                "sampling_params": {"max_new_tokens": 3}}, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert (r.json()["meta_info"]["prompt_tokens"], r.json()["meta_info"]["completion_tokens"]) == (CONTEXT - 1, 1)
+
+
+def test_the_scheduler_process_logs_its_load_and_throughput(srv):
+    completion(srv, "Hello there", 8)
+    assert "gen throughput" in srv.log()
+    assert "tok/s" in srv.log().split("gen throughput", 1)[1].splitlines()[0]
