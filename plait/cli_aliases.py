@@ -111,8 +111,16 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
                        help="accepted for vLLM commands: the prefix cache is on unless --disable-radix-cache")
     group.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true",
                        default=None, help="run every step eagerly (no CUDA graphs)")
-    group.add_argument("--pipeline-parallel-size", "--pp-size", type=pipeline_size_type, default=1,
-                       help="accepted as 1 only: plait has no pipeline parallelism (use --tp-size)")
+    group.add_argument("--pipeline-parallel-size", "--pp-size", default="1", help="accepted as 1 only",
+                       type=only_value("1", "plait has no pipeline parallelism (split a model over GPUs with "
+                                       "--tp-size)"))
+    group.add_argument("--cpu-offload-gb", default="0", help="accepted as 0 only",
+                       type=only_value("0", "plait keeps every weight on the device"))
+    group.add_argument("--tokenizer-mode", default="auto", help="accepted as auto only (the fast tokenizer)",
+                       type=only_value("auto", "plait loads the fast (Rust) tokenizer"))
+    group.add_argument("--num-scheduler-steps", default="1", help="accepted as 1 only",
+                       type=only_value("1", "plait schedules every step (it overlaps the next step's scheduling "
+                                       "with the forward instead)"))
     group.add_argument("--enable-expert-parallel", action="store_true", default=False,
                        help="vLLM's: the experts of a mixture-of-experts model spread over the tensor-parallel "
                        "ranks (--ep-size equal to --tp-size)")
@@ -139,11 +147,16 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
                        "that needs it (auto_map, an architecture plait does not implement) is refused")
 
 
-def pipeline_size_type(raw: str) -> int:
-    if raw.strip() != "1":
-        raise argparse.ArgumentTypeError(
-            f"plait has no pipeline parallelism: it must be 1 (split a model over GPUs with --tp-size); got {raw!r}")
-    return 1
+def only_value(value: str, why: str) -> Callable[[str], str]:
+    """argparse type of a flag plait takes at one value only (what it always does): that value, else
+    an error saying ``why``."""
+
+    def parse(raw: str) -> str:
+        if raw.strip() != value:
+            raise argparse.ArgumentTypeError(f"{why}: it must be {value}; got {raw!r}")
+        return value
+
+    return parse
 
 
 # SGLang and vLLM flags that tune their own kernels or memory and have no counterpart here: accepted,

@@ -45,6 +45,7 @@ ALIASES = [
     (["--disable-log-stats"], ["--decode-log-interval", "0"]),
     (["--guided-decoding-backend", "none"], ["--grammar-backend", "none"]),
     (["--pipeline-parallel-size", "1"], []),
+    (["--cpu-offload-gb", "0", "--tokenizer-mode", "auto", "--num-scheduler-steps", "1"], []),
     (["--seed", "7"], ["--random-seed", "7"]),
     (["--enable-expert-parallel", "--tp", "2"], ["--ep-size", "2", "--tp", "2"]),
     (["--block-size", "16", "--swap-space", "4"], []),
@@ -93,10 +94,16 @@ def test_a_value_plait_does_not_have_fails_listing_the_choices(flag, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_pipeline_parallelism_over_one_stage_fails_saying_plait_has_none(capsys):
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--pipeline-parallel-size", "2"], "plait has no pipeline parallelism (split a model over GPUs with --tp-size): "
+     "it must be 1"),
+    (["--cpu-offload-gb", "4"], "plait keeps every weight on the device: it must be 0"),
+    (["--tokenizer-mode", "slow"], "plait loads the fast (Rust) tokenizer: it must be auto"),
+], ids=lambda v: v[0] if isinstance(v, list) else "")
+def test_a_flag_plait_takes_at_one_value_only_fails_at_another_saying_why(argv, message, capsys):
     with pytest.raises(SystemExit):
-        parse_serve(["--pipeline-parallel-size", "2"])
-    assert "plait has no pipeline parallelism" in capsys.readouterr().err
+        parse_serve(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_sglang_kernel_flags_plait_does_not_use_are_accepted_with_a_warning_each():
@@ -181,6 +188,13 @@ def test_server_flags_reach_the_server_args():
 def test_a_server_flag_out_of_range_fails_naming_the_flag_and_its_limit(argv):
     with pytest.raises(ValueError, match=f"^{argv[0]} must be"):
         parse_serve(argv)
+
+
+def test_https_needs_both_the_key_and_the_certificate_and_they_must_exist(tmp_path):
+    with pytest.raises(ValueError, match="--ssl-keyfile and --ssl-certfile go together"):
+        parse_serve(["--ssl-keyfile", str(tmp_path / "key.pem")])
+    with pytest.raises(ValueError, match="--ssl-keyfile .*key.pem' is not a file"):
+        parse_serve(["--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem")])
 
 
 def test_a_checkpoint_that_needs_remote_code_is_refused_naming_its_architecture(tiny_model_dir, tmp_path):

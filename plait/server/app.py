@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,8 @@ class ServerArgs:
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get a 503
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    ssl_keyfile: str | None = None  # both set: HTTPS
+    ssl_certfile: str | None = None
     # Chat completions (plait.server.tool_calling): parser names and a template file path.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
@@ -71,7 +74,12 @@ class ServerArgs:
             (self.max_payload_bytes >= 1, f"--max-payload-bytes must be >= 1, got {self.max_payload_bytes}"),
             (self.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"),
             (self.max_stream_buffer >= 1, f"--max-stream-buffer must be >= 1 update, got {self.max_stream_buffer}"),
+            ((self.ssl_keyfile is None) == (self.ssl_certfile is None),
+             "--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither"),
         ]
+        checks += [(os.path.isfile(path), f"--{name.replace('_', '-')} {path!r} is not a file")
+                   for name, path in (("ssl_keyfile", self.ssl_keyfile), ("ssl_certfile", self.ssl_certfile))
+                   if path is not None]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

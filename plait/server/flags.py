@@ -43,6 +43,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        "is deepseek-r1)")
     group.add_argument("--seed", dest="random_seed", type=int, default=None,
                        help="vLLM's spelling of --random-seed")
+    group.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key "
+                       "(PEM), together with --ssl-certfile")
+    group.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the certificate (PEM) of --ssl-keyfile")
     group.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template that replaces the checkpoint's (e.g. a tools-aware one)")
     add_operator_flags(parser)

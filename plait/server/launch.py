@@ -100,7 +100,8 @@ def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
         logging.getLogger("uvicorn").setLevel(sargs.log_level_http.upper())
     app = build_app(config, sargs, on_fatal=lambda reason: holder["server"].fail(reason))
     uv_config = uvicorn.Config(app, host=sargs.host, port=sargs.port, log_config=None, access_log=False,
-                               lifespan="on", timeout_graceful_shutdown=sargs.shutdown_timeout + _UVICORN_GRACE_S)
+                               lifespan="on", timeout_graceful_shutdown=sargs.shutdown_timeout + _UVICORN_GRACE_S,
+                               ssl_keyfile=sargs.ssl_keyfile, ssl_certfile=sargs.ssl_certfile)
     server = PlaitServer(uv_config, app.state.client, sargs.shutdown_timeout)
     holder["server"] = server
     try:
