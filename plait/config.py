@@ -240,6 +240,9 @@ class EngineConfig:
     # SGLang's --cuda-graph-bs: the batch sizes captured (ascending; the largest is the graph limit,
     # so it replaces cuda_graph_max_bs). Unset: 1, 2, 4, 8, then steps of 8 (graph_utils).
     cuda_graph_bs: tuple[int, ...] | None = None
+    # SGLang's --disable-cuda-graph-padding: a batch between two captured sizes runs eagerly instead
+    # of replaying the larger graph on padding rows.
+    disable_cuda_graph_padding: bool = False
     # EXTEND and MIXED steps of at most piecewise_cuda_graph_max_tokens tokens as breakable graphs,
     # one per token bucket, cut at every attention call (plait.executor.piecewise_graph_runner).
     enable_piecewise_cuda_graph: bool = False

@@ -71,15 +71,22 @@ def test_every_graph_writes_its_logits_into_the_one_shared_buffer(graph_runner):
         assert logits.shape[0] == bs and logits.data_ptr() == base.data_ptr()
 
 
-def test_can_run_decode_batches_up_to_max_bs_only(graph_runner):
-    def batch(mode, bs):
-        z = torch.zeros(bs, dtype=torch.long)
-        return ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=z, req_pool_indices=z, seq_lens=z,
-                            out_cache_loc=z, positions=z)
+def batch(mode, bs):
+    z = torch.zeros(bs, dtype=torch.long)
+    return ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=z, req_pool_indices=z, seq_lens=z,
+                        out_cache_loc=z, positions=z)
 
+
+def test_can_run_decode_batches_up_to_max_bs_only(graph_runner):
     assert graph_runner.can_run(batch(ForwardMode.DECODE, 4))
     assert not graph_runner.can_run(batch(ForwardMode.DECODE, 5))
     assert not graph_runner.can_run(batch(ForwardMode.EXTEND, 2))
+
+
+def test_without_padding_only_a_captured_batch_size_replays(engine):
+    runner = CudaGraphRunner(engine.runner.capture_target(), [1, 2, 4], graph_factory=EagerGraph, pad=False)
+    assert [runner.can_run(batch(ForwardMode.DECODE, bs)) for bs in (1, 2, 3, 4, 5)] == [
+        True, True, False, True, False]
 
 
 def test_replay_greedy_tokens_equal_eager(engine, graph_runner, one_layer):

@@ -26,6 +26,7 @@ from plait.executor.graph_utils import (
     GraphFactory,
     bucket_for,
     dp_graph_batch_size,
+    holds,
     stage,
     warm_and_capture,
 )
@@ -37,9 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 class CudaGraphRunner:
-    def __init__(self, target: CaptureTarget, batch_sizes: Sequence[int], graph_factory: GraphFactory = CudaGraph
-                 ) -> None:
+    def __init__(self, target: CaptureTarget, batch_sizes: Sequence[int], graph_factory: GraphFactory = CudaGraph,
+                 pad: bool = True) -> None:
         self.target = target
+        self.pad = pad  # False: only a captured batch size replays (graph_utils.holds)
         self.backend = target.backend
         self.batch_sizes = list(batch_sizes)  # ascending (graph_utils.graph_batch_sizes)
         self.max_bs = max_bs = self.batch_sizes[-1]
@@ -104,8 +106,8 @@ class CudaGraphRunner:
             # DP attention: the graphs hold the MLP collectives, so every rank must decide alike, from
             # the global counts only. A rank with no requests (IDLE) replays the bucket on padding rows.
             return (fb.mlp_sync.can_run_dp_cuda_graph and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle())
-                    and 0 < self.max_dp_batch_size(fb) <= self.max_bs)
-        return fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs
+                    and holds(self.batch_sizes, self.max_dp_batch_size(fb), self.pad))
+        return fb.forward_mode.is_decode() and holds(self.batch_sizes, fb.batch_size, self.pad)
 
     def bucket(self, bs: int) -> int:
         return bucket_for(self.batch_sizes, bs)

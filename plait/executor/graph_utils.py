@@ -130,6 +130,13 @@ def bucket_for(batch_sizes: list[int], bs: int) -> int:
     return batch_sizes[bisect.bisect_left(batch_sizes, bs)]
 
 
+def holds(batch_sizes: list[int], bs: int, pad: bool) -> bool:
+    """Whether graphs captured at ``batch_sizes`` (ascending) replay a batch of ``bs`` rows: any size
+    up to the largest, padded to the next captured one; without ``pad`` (SGLang's
+    --disable-cuda-graph-padding) a captured size exactly."""
+    return 0 < bs <= batch_sizes[-1] and (pad or bs in batch_sizes)
+
+
 def graph_batch_sizes(config: EngineConfig) -> list[int]:
     """The batch sizes decode-shaped graphs (decode, verify, draft loops) are captured for:
     ``cuda_graph_bs`` as given, else ``capture_batch_sizes`` up to ``cuda_graph_max_bs`` (default by

@@ -130,9 +130,10 @@ class ModelRunner:
                                                    self.device)
         if graphs:
             target = self.capture_target()
-            self.graph_runner = CudaGraphRunner(target, batch_sizes, graph_factory)
+            pad = not config.disable_cuda_graph_padding
+            self.graph_runner = CudaGraphRunner(target, batch_sizes, graph_factory, pad=pad)
             if widths:
-                self.verify_graph_runner = VerifyGraphRunner(target, batch_sizes, widths, graph_factory)
+                self.verify_graph_runner = VerifyGraphRunner(target, batch_sizes, widths, graph_factory, pad=pad)
         self.piecewise_runner = self.build_piecewise_runner()
         log_device_memory("graph capture", self.device)
         logger.info(

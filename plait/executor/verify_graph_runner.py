@@ -33,6 +33,7 @@ from plait.executor.graph_utils import (
     GraphFactory,
     bucket_for,
     dp_graph_batch_size,
+    holds,
     stage,
     warm_and_capture,
 )
@@ -65,13 +66,14 @@ def uniform_width(fb: ForwardBatch) -> int | None:
 
 class VerifyGraphRunner:
     def __init__(self, target: CaptureTarget, batch_sizes: Sequence[int], widths: Sequence[int],
-                 graph_factory: GraphFactory = CudaGraph) -> None:
+                 graph_factory: GraphFactory = CudaGraph, pad: bool = True) -> None:
         if not widths or min(widths) < 2:
             raise ValueError(f"verify widths count the root and a guess, so each is >= 2: got {list(widths)}")
         self.target = target
         self.backend = target.backend
         self.batch_sizes = list(batch_sizes)  # ascending (graph_utils.graph_batch_sizes)
         self.max_bs = max_bs = self.batch_sizes[-1]
+        self.pad = pad  # False: only a captured batch size replays (graph_utils.holds)
         self.widths = sorted(set(widths))
         max_w = self.widths[-1]
         device = target.device
@@ -147,7 +149,7 @@ class VerifyGraphRunner:
             return self._can_run_dp(fb)
         if not fb.forward_mode.is_target_verify():
             return False
-        if fb.logits_indices is not None or not 0 < fb.batch_size <= self.max_bs:
+        if fb.logits_indices is not None or not holds(self.batch_sizes, fb.batch_size, self.pad):
             return False
         width = uniform_width(fb)
         return width in self.widths and fb.num_tokens == width * fb.batch_size
@@ -161,7 +163,7 @@ class VerifyGraphRunner:
             return False
         width = uniform_width(fb)
         if not (fb.mlp_sync.can_run_dp_cuda_graph and width in self.widths
-                and 0 < dp_graph_batch_size(fb) <= self.max_bs):
+                and holds(self.batch_sizes, dp_graph_batch_size(fb), self.pad)):
             return False
         # What every rank's batch of such a round is (one padded width, all logits rows): a rank whose
         # batch were not would leave the others waiting in the collectives, so it fails loudly here.
