@@ -22,7 +22,7 @@ from plait.config import GRAMMAR_BACKENDS, WARMUP_MODES
 ALIASED_FIELDS: tuple[str, ...] = (
     "tokenizer", "dtype", "mem_fraction_static", "max_running_requests", "context_length",
     "chunked_prefill_size", "tp_size", "dp_size", "warmup", "cuda_graph_bs", "disable_cuda_graph",
-    "disable_radix_cache", "decode_log_interval", "grammar_backend",
+    "disable_radix_cache", "decode_log_interval", "grammar_backend", "json_model_override_args",
 )
 
 # --dtype: vLLM's and SGLang's names -> EngineConfig.dtype.
@@ -127,6 +127,9 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grammar-backend", "--guided-decoding-backend", dest="grammar_backend",
                        choices=GRAMMAR_BACKENDS, default=None,
                        help="xgrammar compiles constrained requests; none refuses them")
+    group.add_argument("--json-model-override-args", "--hf-overrides", dest="json_model_override_args", default=None,
+                       metavar="JSON", help="config.json fields to replace, as a JSON object (e.g. a YaRN "
+                       "rope_scaling with a larger max_position_embeddings)")
     group.add_argument("--decode-log-interval", dest="decode_log_interval", type=int, default=None,
                        help="plait serve: the scheduler process logs its load and throughput every this many "
                        "steps (0: never)")

@@ -10,6 +10,7 @@ new config with ``EngineConfig.replace``.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
@@ -65,6 +66,13 @@ DEFAULT_SPECULATIVE_EAGLE_TOPK = 1
 # The speculative numbers an algorithm fills in when they are unset.
 SPECULATIVE_DERIVED_FIELDS: tuple[str, ...] = (
     "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _check(cond: bool, message: str) -> None:
@@ -164,6 +172,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    # SGLang's --json-model-override-args: a JSON object of config.json fields to replace, e.g.
+    # '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, ...}, "max_position_embeddings": 131072}'.
+    json_model_override_args: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     seed: int = 0
@@ -280,6 +291,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(bool(self.model), "model must be a checkpoint directory path, got an empty value")
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.json_model_override_args is None or _is_json_object(self.json_model_override_args),
+               f"json_model_override_args must be a JSON object of config.json fields, got "
+               f"{self.json_model_override_args!r}")
         _check(self.device in DEVICES, f"device must be one of {DEVICES} (pick a GPU with base_gpu_id), got "
                f"{self.device!r}")
         _check(

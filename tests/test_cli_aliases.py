@@ -55,6 +55,7 @@ ALIASES = [
     (["--reasoning-parser", "deepseek_r1"], ["--reasoning-parser", "deepseek-r1"]),
     (["--disable-log-requests"], []),
     (["--enable-auto-tool-choice"], []),
+    (["--hf-overrides", '{"rope_theta": 5e5}'], ["--json-model-override-args", '{"rope_theta": 5e5}']),
 ]
 
 
@@ -81,10 +82,11 @@ def test_sglang_scheduling_and_server_process_flags_set_their_fields():
     config, sargs = parse_serve(["--schedule-policy", "lpm", "--max-prefill-tokens", "16384", "--cuda-graph-bs", "1",
                                  "2", "4", "--watchdog-timeout", "600", "--decode-log-interval", "10",
                                  "--grammar-backend", "none", "--log-level-http", "warning",
-                                 "--disable-cuda-graph-padding"])
+                                 "--disable-cuda-graph-padding", "--json-model-override-args", '{"rope_theta": 5e5}'])
     assert (config.schedule_policy, config.max_prefill_tokens, config.cuda_graph_bs) == ("lpm", 16384, (1, 2, 4))
     assert (config.watchdog_timeout, config.decode_log_interval, config.grammar_backend) == (600.0, 10, "none")
     assert sargs.log_level_http == "warning" and config.disable_cuda_graph_padding
+    assert config.json_model_override_args == '{"rope_theta": 5e5}'
 
 
 @pytest.mark.parametrize("flag", ["--schedule-policy=dfs-weight", "--grammar-backend=outlines",

@@ -158,7 +158,47 @@ def test_allow_auto_truncate_keeps_a_long_prompts_end_and_shrinks_max_new_tokens
     assert_no_leaks(engine)
 
 
+def overridden_copy(model_path, tmp_path, rope: dict, **fields):
+    """The checkpoint with its config.json edited as transformers 5 writes it: the reference."""
+    import json
+    import shutil
+
+    copy = tmp_path / "overridden"
+    shutil.copytree(model_path, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["rope_parameters"] = rope
+    cfg.update(fields)
+    (copy / "config.json").write_text(json.dumps(cfg))
+    return copy
+
+
+def test_a_rope_theta_override_gives_transformers_tokens_on_the_edited_config(model_path, hf_reference, tmp_path):
+    import json
+
+    reference = overridden_copy(model_path, tmp_path, {"rope_type": "default", "rope_theta": 50.0})
+    engine = make_engine(model_path, json_model_override_args=json.dumps({"rope_theta": 50.0}))
+    out = engine.generate(PROMPTS[4], GREEDY)
+    assert out.token_ids == hf_reference(reference, PROMPTS[4], GREEDY["max_new_tokens"]).tokens
+    assert out.token_ids != make_engine(model_path).generate(PROMPTS[4], GREEDY).token_ids
+
+
+def test_a_yarn_override_extends_the_context_and_matches_transformers(model_path, hf_reference, tmp_path):
+    import json
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 2048"):
+        make_engine(model_path, context_length=8192)
+    overrides = {"rope_scaling": yarn, "max_position_embeddings": 8192}
+    engine = make_engine(model_path, context_length=8192, max_total_tokens=8192,
+                         json_model_override_args=json.dumps(overrides))
+    reference = overridden_copy(model_path, tmp_path, {**yarn, "rope_theta": 10000.0}, max_position_embeddings=8192)
+    out = engine.generate(PROMPTS[4], GREEDY)
+    assert out.token_ids == hf_reference(reference, PROMPTS[4], GREEDY["max_new_tokens"]).tokens
+
+
 @pytest.mark.parametrize(("fields", "message"), [
+    ({"json_model_override_args": "[1, 2]"}, "json_model_override_args must be a JSON object"),
+    ({"json_model_override_args": "{rope"}, "json_model_override_args must be a JSON object"),
     ({"grammar_backend": "outlines"}, "grammar_backend must be one of"),
     ({"cuda_graph_bs": (4, 2)}, "ascending"),
     ({"cuda_graph_bs": (2, 2)}, "distinct"),

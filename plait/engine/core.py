@@ -19,7 +19,7 @@ from plait.engine.frontend import RequestLimits
 from plait.engine.messages import PlainRow, RequestUpdate
 from plait.engine.warmup import WarmupReport, run_warmup, should_warm_up
 from plait.executor.model_runner import ModelRunner
-from plait.models.loader import ModelConfig, load_model_config, load_tokenizer
+from plait.models.loader import ModelConfig, load_target_config, load_tokenizer
 from plait.parallel.roles import EngineRunner, EngineScheduler
 from plait.sampling.params import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
@@ -81,8 +81,7 @@ class EngineCore:
 def build_engine_core(config: EngineConfig) -> EngineCore:
     """Load the model's config and tokenizer and build the runner and the scheduler for ``config``'s
     layout. The one place either is constructed for a front end."""
-    model_config = load_model_config(config.model, config.dtype, config.resolved_device(), config.context_length,
-                                     config.quantization)
+    model_config = load_target_config(config, config.resolved_device())
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     from plait.parallel.data_parallel import is_plain_data_parallel
 

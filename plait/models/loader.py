@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.distributed.sharded_load import LazySlice
 from plait.layers.moe.fp8 import quantize_moe_layers
@@ -111,8 +112,35 @@ def _refuse_remote_code(root: Path) -> None:
         )
 
 
+def load_target_config(config: EngineConfig, device: str) -> ModelConfig:
+    """The served model's config as ``config`` asks for it (dtype, context, quantization, overrides)."""
+    overrides = json.loads(config.json_model_override_args) if config.json_model_override_args else None
+    return load_model_config(config.model, config.dtype, device, config.context_length, config.quantization,
+                             overrides)
+
+
+def with_overrides(hf_config: Any, overrides: Mapping[str, Any]) -> Any:
+    """``hf_config`` rebuilt through its class with ``overrides`` replacing its fields, so derived
+    fields follow. The rope's legacy keys (``rope_theta``, ``rope_scaling``: what SGLang commands and
+    most config.json files use) are folded into transformers' ``rope_parameters``, which would
+    otherwise win over them."""
+    merged = {**hf_config.to_dict(), **overrides}
+    legacy = {"rope_theta", "rope_scaling"} & set(overrides)
+    if legacy and merged.get("rope_parameters") is not None and "rope_parameters" not in overrides:
+        rope = dict(merged["rope_parameters"])
+        if "rope_scaling" in overrides:
+            rope = {"rope_theta": rope.get("rope_theta"), **(overrides["rope_scaling"] or {"rope_type": "default"})}
+        if "rope_theta" in overrides:
+            rope["rope_theta"] = overrides["rope_theta"]
+        merged["rope_parameters"] = rope
+    return type(hf_config).from_dict(merged)
+
+
 def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
-                      context_length: int | None = None, quantization: str | None = None) -> ModelConfig:
+                      context_length: int | None = None, quantization: str | None = None,
+                      overrides: Mapping[str, Any] | None = None) -> ModelConfig:
+    """``overrides``: config.json fields replaced before anything reads them (SGLang's
+    --json-model-override-args), e.g. ``rope_scaling`` with a larger ``max_position_embeddings``."""
     from transformers import AutoConfig
 
     gguf_file = find_gguf(path)
@@ -127,6 +155,8 @@ def load_model_config(path: str, dtype: str = "auto", device: str = "cpu",
     else:
         _refuse_remote_code(root)
         hf_config = AutoConfig.from_pretrained(root)
+    if overrides:
+        hf_config = with_overrides(hf_config, overrides)
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in MODEL_REGISTRY), None)
     if arch is None:

@@ -44,7 +44,7 @@ from plait.executor.model_runner import ModelRunner
 from plait.executor.sizing import use_rank_device
 from plait.forward_batch import ForwardBatch
 from plait.models.llama import LogitsOutput
-from plait.models.loader import ModelConfig, load_model_config
+from plait.models.loader import ModelConfig, load_target_config
 from plait.parallel.ranks import (
     ERROR_KEY,
     JOIN_POLL_S,
@@ -168,7 +168,7 @@ def run_worker(rank: int, world: int, config: EngineConfig, store: dist.Store, l
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         store.set(JOINED_KEY.format(rank=rank), "1")
         groups = build_groups(store, rank, world, device, startup_timeout(config))
-        mc = load_model_config(config.model, config.dtype, device, config.context_length, config.quantization)
+        mc = load_target_config(config, device)
         runner: ModelRunner
         serve: Callable[[], None]
         if config.enable_dp_attention:
