@@ -9,7 +9,7 @@ from plait.server.operator_flags import add_operator_flags
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 # The keys of plait.server.function_call.TOOL_CALL_PARSERS and plait.server.reasoning.REASONING_PARSERS.
-TOOL_CALL_PARSER_NAMES = ("llama3", "hermes", "qwen25", "mistral", "pythonic", "gpt-oss")
+TOOL_CALL_PARSER_NAMES = ("llama3", "hermes", "qwen25", "mistral", "pythonic", "gpt-oss", "qwen3_coder")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek-r1", "gpt-oss")
 # vLLM's names of the same parsers.
 VLLM_PARSER_NAMES = {"llama3_json": "llama3", "openai": "gpt-oss", "deepseek_r1": "deepseek-r1"}

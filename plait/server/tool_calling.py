@@ -36,6 +36,7 @@ from plait.server.function_call import (
     ParseDelta,
     ToolParser,
     make_tool_call_parser,
+    parameter_schemas,
 )
 from plait.server.reasoning import REASONING_PARSERS, HarmonyReasoningParser, Reasoner, make_reasoning_parser
 
@@ -145,7 +146,8 @@ class ToolPlan:
             return JsonArrayParser(self.names, max_calls=None if self.parallel_tool_calls else 1)
         if self.mode == "auto" and self.tools:
             assert self.parser is not None
-            return make_tool_call_parser(self.parser, self.names, self.parallel_tool_calls)
+            return make_tool_call_parser(self.parser, self.names, self.parallel_tool_calls,
+                                         parameter_schemas(self.tools))
         return None
 
 

@@ -64,6 +64,18 @@ SAMPLES: dict[str, list[tuple[str, str, list[ToolCall]]]] = {
          [ToolCall("get_weather", '{"city": "Rome", "days": [1, 2], "extra": {"a": null, "b": true}}')]),
         ("A list [1, 2] and a [note] stay text.", "A list [1, 2] and a [note] stay text.", []),
     ],
+    # Qwen3-Coder's XML: without schemas every value is a string.
+    "qwen3_coder": [
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n"
+         "</parameter>\n</function>\n</tool_call>", "", [ToolCall("get_weather", PARIS)]),
+        ("Both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>\n"
+         "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "Both.",
+         [ToolCall("get_weather", ROME), ToolCall("get_time", "{}")]),
+        # An unclosed value ends at the next parameter or at </function>, as the model sometimes writes it.
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=unit>\nK\n</function>\n</tool_call>",
+         "", [ToolCall("get_weather", '{"city": "Rome", "unit": "K"}')]),
+        ("Use <b>bold</b> and a <function=x> in prose.", "Use <b>bold</b> and a <function=x> in prose.", []),
+    ],
 }
 CASES = [(name, *sample) for name, samples in SAMPLES.items() for sample in samples]
 
@@ -86,6 +98,29 @@ def test_parser_finds_the_calls_and_streams_them_identically_at_every_split(pars
     assert got_calls == calls
     for call in got_calls:
         assert isinstance(json.loads(call.arguments), dict)
+
+
+def test_qwen3_coder_values_take_the_type_their_tools_schema_declares():
+    schemas = {"get_weather": {"city": {"type": "string"}, "days": {"type": "integer"}, "lat": {"type": "number"},
+                               "hot": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+                               "note": {"type": ["string", "null"]}}}
+    params = {"city": "007", "days": "3", "lat": "48.85", "hot": "True", "opts": '{"a": 1}', "tags": "['x', 2]",
+              "note": "null"}
+    text = "<tool_call>\n<function=get_weather>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items()) + "</function>\n</tool_call>"
+    normal, calls = streamed_every_way(lambda: make_tool_call_parser("qwen3_coder", TOOLS, schemas=schemas), text)
+    assert normal == ""
+    assert json.loads(calls[0].arguments) == {"city": "007", "days": 3, "lat": 48.85, "hot": True, "opts": {"a": 1},
+                                              "tags": ["x", 2], "note": None}
+
+
+def test_qwen3_coder_streams_each_parameter_once_complete():
+    p = make_tool_call_parser("qwen3_coder", TOOLS)
+    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    first = p.feed(head)
+    assert [(d.name, d.arguments) for d in first.calls] == [("get_weather", ""), (None, "{")]
+    assert p.feed("is\n</parameter>\n").calls[0].arguments == '"city": "Paris"'
+    assert p.feed("</function>\n</tool_call>").calls[0].arguments == "}"
 
 
 def test_flag_choices_are_the_registered_parsers():
