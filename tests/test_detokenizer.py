@@ -13,13 +13,14 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
 
 
-def _stream(tokenizer, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], IncrementalDetokenizer]:
-    return _stream_ids(tokenizer, tokenizer.encode(text, add_special_tokens=False), stop)
+def _stream(tokenizer, text: str, stop: tuple[str, ...] = (), **options) -> tuple[list[str], IncrementalDetokenizer]:
+    return _stream_ids(tokenizer, tokenizer.encode(text, add_special_tokens=False), stop, **options)
 
 
-def _stream_ids(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+def _stream_ids(tokenizer, ids: list[int], stop: tuple[str, ...] = (), **options
+                ) -> tuple[list[str], IncrementalDetokenizer]:
     """Each id streamed after "Say:" until a stop string, then the flush: (the deltas, the detokenizer)."""
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:", add_special_tokens=False), stop)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:", add_special_tokens=False), stop, **options)
     deltas = []
     for i in ids:
         detok.add_token(i)
@@ -45,6 +46,12 @@ def test_stop_string_is_trimmed_and_never_streamed(tokenizer):
     deltas, detok = _stream(tokenizer, " The quick brown fox jumps", stop=("fox",))
     assert detok.final_text() == " The quick brown "
     assert "".join(deltas) == " The quick brown "
+
+
+def test_no_stop_trim_keeps_the_stop_string_in_the_text_and_the_stream(tokenizer):
+    deltas, detok = _stream(tokenizer, " The quick brown fox jumps", stop=("fox",), no_stop_trim=True)
+    assert detok.final_text() == " The quick brown fox"
+    assert "".join(deltas) == " The quick brown fox"
 
 
 def test_partial_stop_string_is_held_back_then_released(tokenizer):

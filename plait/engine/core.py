@@ -59,8 +59,7 @@ class EngineCore:
     def new_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, seed: int) -> Req:
         """A scheduler request for validated input, with the detokenizer that follows its text (stop
         strings included). Nothing is scheduled here."""
-        detok = IncrementalDetokenizer(self.tokenizer, input_ids, sampling_params.stop,
-                                       sampling_params.skip_special_tokens)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, input_ids, sampling_params)
         return Req(rid=rid, origin_input_ids=input_ids, sampling_params=sampling_params, seed=seed,
                    detokenizer=detok)
 

@@ -622,7 +622,7 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
             if rank != control.rank:
                 continue
             sp = new.sampling_params
-            detok = IncrementalDetokenizer(tokenizer, new.input_ids, sp.stop, sp.skip_special_tokens)
+            detok = IncrementalDetokenizer.for_request(tokenizer, new.input_ids, sp)
             req = Req(rid=new.rid, origin_input_ids=new.input_ids, sampling_params=sp, seed=new.seed,
                       detokenizer=detok)
             live[new.rid] = (req, 0)

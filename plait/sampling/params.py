@@ -82,6 +82,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # SGLang's no_stop_trim (vLLM's include_stop_str_in_output): the text keeps the stop string that
+    # ended it instead of ending before it.
+    no_stop_trim: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
@@ -149,7 +152,7 @@ class SamplingParams:
         set_("stop", _normalize_stop(self.stop))
         set_("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
 
-        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
+        for name in ("ignore_eos", "no_stop_trim", "logprobs", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
 
         set_("logit_bias", _normalize_logit_bias(self.logit_bias))

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from plait.sampling.params import SamplingParams
+
 # Prompt tokens kept as left context so the first output token decodes with correct spacing.
 _CONTEXT_TOKENS = 5
 
@@ -66,10 +68,12 @@ def _token_id_bound(backend: Any) -> int:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...],
-                 skip_special_tokens: bool = True, fast_path: bool = True) -> None:
+                 skip_special_tokens: bool = True, fast_path: bool = True, no_stop_trim: bool = False) -> None:
         """``fast_path`` False: every token through the general path (``_advance``), whose deltas the
-        fast path reproduces exactly."""
+        fast path reproduces exactly. ``no_stop_trim``: the text ends after the stop string that ended
+        it, not before."""
         self.tokenizer = tokenizer
+        self.no_stop_trim = no_stop_trim
         self._decode_fn = decode_function(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -97,6 +101,11 @@ class IncrementalDetokenizer:
         rust_decode = self._backend is not None and getattr(tokenizer, "is_fast", False) and self._decode_fn in (
             getattr(self._backend, "decode", None), getattr(tokenizer, "_decode", None))
         self._known_below: int | None = _token_id_bound(self._backend) if rust_decode else None
+
+    @classmethod
+    def for_request(cls, tokenizer: Any, prompt_ids: list[int], sp: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of a request with sampling parameters ``sp`` (its stop strings and text options)."""
+        return cls(tokenizer, prompt_ids, sp.stop, sp.skip_special_tokens, no_stop_trim=sp.no_stop_trim)
 
     @property
     def uses_fast_path(self) -> bool:
@@ -209,14 +218,23 @@ class IncrementalDetokenizer:
             self._text += tail[len(prefix_text) :]
             self._read_offset = self._decoded = len(self._ids)
 
+    def _end(self) -> int | None:
+        """Where the output text ends: None (not stopped: all of it), at the stop string, or after it."""
+        if self.stopped_at is None or not self.no_stop_trim:
+            return self.stopped_at
+        matched = self.matched_stop()
+        return self.stopped_at + (len(matched) if matched is not None else 0)
+
     def final_text(self) -> str:
-        return self.text if self.stopped_at is None else self.text[: self.stopped_at]
+        end = self._end()
+        return self.text if end is None else self.text[:end]
 
     def take_delta(self, finished: bool) -> str:
         """New text for a streaming client. While running, hold back a suffix that could begin a
         stop string; when finished, everything up to the (trimmed) end."""
         text = self.text  # decodes what waits, once
-        end = len(text) if self.stopped_at is None else min(len(text), self.stopped_at)
+        stop_end = self._end()
+        end = len(text) if stop_end is None else min(len(text), stop_end)
         if not finished and self.stop:
             end = min(end, len(text) - self._stop_prefix_overlap())
         if end <= self.sent:

@@ -49,7 +49,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 _REQUEST_LEVEL = frozenset({"logprobs", "top_logprobs", "logprob_start_len"})
 NATIVE_SAMPLING_KEYS: frozenset[str] = frozenset(
     set(SamplingParams.field_names()) - _REQUEST_LEVEL
-    | {"n", "sampling_seed", "spaces_between_special_tokens", "no_stop_trim"})
+    | {"n", "sampling_seed", "spaces_between_special_tokens"})
 
 T = TypeVar("T")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -183,12 +183,9 @@ def native_sampling_dict(raw: dict[str, Any], where: str) -> tuple[dict[str, Any
                           f"{', '.join(sorted(NATIVE_SAMPLING_KEYS))}", f"{where}.{unknown[0]}")
     # json_schema, regex, ebnf and structural_tag pass as they are: SamplingParams checks them (at most
     # one, a grammar xgrammar compiles) like the offline Engine's.
-    out = {k: v for k, v in raw.items() if k not in ("n", "sampling_seed", "spaces_between_special_tokens",
-                                                      "no_stop_trim")}
+    out = {k: v for k, v in raw.items() if k not in ("n", "sampling_seed", "spaces_between_special_tokens")}
     if raw.get("spaces_between_special_tokens") is False:
         raise unsupported(f"{where}.spaces_between_special_tokens=false", f"{where}.spaces_between_special_tokens")
-    if raw.get("no_stop_trim"):
-        raise unsupported(f"{where}.no_stop_trim", f"{where}.no_stop_trim")
     if raw.get("sampling_seed") is not None:
         out["seed"] = raw["sampling_seed"]
     n = raw.get("n", 1)

@@ -90,6 +90,9 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    # Keep the stop string that ended the text: SGLang's name, and vLLM's.
+    no_stop_trim: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # vLLM's name: add prompt_token_ids / token_ids to each choice (tests and benchmarks count tokens).
     return_token_ids: bool = False
     # Structured outputs (plait.server.structured): OpenAI's response_format, SGLang's regex and ebnf.
@@ -273,6 +276,7 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
         "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
         "ignore_eos": req.ignore_eos,
+        "no_stop_trim": req.no_stop_trim or req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,

@@ -97,6 +97,9 @@ def test_generate_stop_finish_reasons_name_what_matched(server):
     by_str = generate(server, text="Once upon a time", sampling_params={**params, "stop": [stop]}).json()
     assert by_str["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert by_str["text"] == full["text"][: full["text"].index(stop)]
+    kept = generate(server, text="Once upon a time", sampling_params={**params, "stop": [stop],
+                                                                       "no_stop_trim": True}).json()
+    assert kept["text"] == full["text"][: full["text"].index(stop) + len(stop)]
 
 
 def test_generate_stream_sends_cumulative_text_then_done(server):

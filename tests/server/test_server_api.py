@@ -130,6 +130,16 @@ def test_stop_string_ends_the_completion_before_it(client, model_name):
     assert out.text == full[: full.index(stop)]
 
 
+@pytest.mark.parametrize("field", ["include_stop_str_in_output", "no_stop_trim"])  # vLLM's name, SGLang's
+def test_a_kept_stop_string_ends_the_completion_after_it(client, model_name, field):
+    full = client.completions.create(model=model_name, prompt="Hello, my name is", max_tokens=24,
+                                     extra_body={"ignore_eos": True}, **GREEDY).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    chunks = client.completions.create(model=model_name, prompt="Hello, my name is", max_tokens=24, stop=[stop],
+                                       stream=True, extra_body={"ignore_eos": True, field: True}, **GREEDY)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[: full.index(stop) + len(stop)]
+
+
 def test_stop_token_ids_end_the_completion_at_that_token(client, model_name):
     first = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=8, **GREEDY,
                                       extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
