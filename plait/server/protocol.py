@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from plait.sampling.params import MAX_TOP_LOGPROBS
 from plait.server.errors import APIError, bad_request, unsupported
-from plait.server.structured import grammar_fields
+from plait.server.structured import grammar_fields, guided_fields
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,13 @@ class GenerationRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # vLLM's: structured_outputs {json | regex | choice | grammar | json_object | structural_tag}, and
+    # its older guided_* fields (plait.server.structured.guided_fields).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -258,6 +265,17 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def request_grammar(req: GenerationRequest) -> dict[str, Any]:
+    """The request's one output constraint, from OpenAI's / SGLang's fields or vLLM's."""
+    ours = grammar_fields(req.response_format, req.regex, req.ebnf)
+    vllm = guided_fields(req.structured_outputs, {"json": req.guided_json, "regex": req.guided_regex,
+                                                  "choice": req.guided_choice, "grammar": req.guided_grammar})
+    if ours and vllm:
+        raise bad_request("vLLM's structured_outputs / guided_* cannot be combined with response_format, regex or "
+                          "ebnf: give one output constraint", "structured_outputs")
+    return ours or vllm
+
+
 def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, top_logprobs: int,
                   logprob_start_len: int = -1) -> dict[str, Any]:
     """SamplingParams fields; None values mean "default" (the model's generation_config.json or
@@ -280,7 +298,7 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
-        **grammar_fields(req.response_format, req.regex, req.ebnf),
+        **request_grammar(req),
         "logit_bias": req.logit_bias,
         "logprob_start_len": logprob_start_len if logprobs else -1,
     }

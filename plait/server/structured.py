@@ -22,6 +22,50 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
+# vLLM's structured_outputs keys (and its older guided_* fields) -> how each becomes a grammar field.
+GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def choice_grammar(choices: Any, where: str) -> str:
+    """The EBNF grammar whose outputs are exactly the strings of ``choices`` (vLLM's guided_choice)."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise bad_request(f"{where} must be a non-empty list of non-empty strings", where)
+    # A JSON string literal is an EBNF string literal with the same escapes.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def guided_fields(structured_outputs: dict[str, Any] | None, guided: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams' grammar fields for vLLM's ``structured_outputs`` object or its older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` fields (``guided``:
+    those given, by their suffix); at most one constraint among them."""
+    given = {f"guided_{k}": (k, v) for k, v in guided.items() if v is not None}
+    if structured_outputs is not None:
+        if not isinstance(structured_outputs, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(set(structured_outputs) - set(GUIDED_KINDS))
+        if unknown:
+            raise bad_request(f"structured_outputs: unknown key(s) {unknown}; accepted: {', '.join(GUIDED_KINDS)}",
+                              "structured_outputs")
+        given |= {f"structured_outputs.{k}": (k, v) for k, v in structured_outputs.items()
+                  if v is not None and v is not False}
+    if len(given) > 1:
+        raise bad_request(f"{' and '.join(given)} are all set: give one output constraint", next(iter(given)))
+    if not given:
+        return {}
+    (where, (kind, value)), = given.items()
+    if kind == "json":
+        if not isinstance(value, dict | str):
+            raise bad_request(f"{where} must be a JSON schema (an object, or its JSON text)", where)
+        return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind == "choice":
+        return {"ebnf": choice_grammar(value, where)}
+    if not isinstance(value, str):
+        raise bad_request(f"{where} must be a string", where)
+    return {{"regex": "regex", "grammar": "ebnf", "structural_tag": "structural_tag"}[kind]: value}
+
+
 def grammar_fields(response_format: dict[str, Any] | None, regex: str | None, ebnf: str | None) -> dict[str, Any]:
     """SamplingParams' grammar fields for a request (empty when unconstrained)."""
     out: dict[str, Any] = {}

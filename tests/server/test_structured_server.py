@@ -49,6 +49,48 @@ def test_regex_and_ebnf_extensions_constrain_the_output(post, path):
     assert _text(choice) in ("A", "BC") and choice["finish_reason"] == "stop"
 
 
+CHOICES = ["yes", "no", 'say "hi"', "back\\slash"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("fields", [
+    {"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}},
+], ids=["guided_choice", "structured_outputs.choice"])
+def test_vllms_choice_constraint_gives_one_of_the_choices(post, path, fields):
+    choice = post(path, {**fields, "temperature": 1.0, "seed": 3})
+    assert _text(choice) in CHOICES and choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("fields", [
+    {"guided_json": COLOR}, {"structured_outputs": {"json": COLOR}}, {"guided_regex": r"(yes|no)-[0-9]"},
+    {"structured_outputs": {"regex": r"(yes|no)-[0-9]"}}, {"guided_grammar": 'root ::= "A" | "B" "C"'},
+    {"structured_outputs": {"json_object": True}},
+], ids=["guided_json", "so.json", "guided_regex", "so.regex", "guided_grammar", "so.json_object"])
+def test_vllms_structured_output_fields_constrain_the_output(post, fields):
+    text = _text(post("/v1/chat/completions", fields))
+    if "guided_json" in fields or "json" in fields.get("structured_outputs", {}):
+        assert json.loads(text) in COLOR["enum"]
+    elif "json_object" in fields.get("structured_outputs", {}):
+        assert text.lstrip().startswith("{")
+    elif "guided_grammar" in fields:
+        assert text in ("A", "BC")
+    else:
+        assert re.fullmatch(r"(yes|no)-[0-9]", text)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+    ({"guided_regex": "a", "regex": "b"}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"lark": "x"}}, "structured_outputs"),
+], ids=["two_guided", "guided_and_regex", "empty_choice", "unknown_key"])
+def test_a_bad_or_doubled_vllm_constraint_is_a_400_naming_the_field(server, model_name, fields, param):
+    r = server.post("/v1/chat/completions", json={"model": model_name, "max_tokens": 4,
+                                                  "messages": [{"role": "user", "content": "Hi"}], **fields})
+    assert_error(r, 400, param=param)
+    assert_serves(server, model_name)
+
+
 def test_native_generate_takes_sglangs_grammar_fields(server):
     schema = server.post("/generate", json={"text": "Pick one:", "sampling_params": {
         "max_new_tokens": 24, "temperature": 0, "json_schema": json.dumps(COLOR)}})
