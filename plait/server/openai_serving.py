@@ -87,7 +87,9 @@ class _Job:
     top_logprobs: int
     return_token_ids: bool
     include_usage: bool
-    echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its choices
+    echo_texts: list[str] | None = None
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far.
+    continuous_usage: bool = False  # completions with echo: each prompt's text, put before its choices
     # Chat: turns a choice's text into content, reasoning_content and tool_calls.
     tool_plan: ToolPlan | None = None
     chat_options: ChatOptions = field(default_factory=ChatOptions)
@@ -209,7 +211,8 @@ class OpenAIServing:
         echo_texts = self._echo_texts(req.prompt, prompt_ids) if req.echo else None
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, prompt_ids, req.n,
                    self._fan_out(fitted, req.n), req.logprobs is not None, top, req.return_token_ids,
-                   bool(req.stream_options and req.stream_options.include_usage), echo_texts)
+                   bool(req.stream_options and req.stream_options.include_usage), echo_texts,
+                   continuous_usage=protocol.continuous_usage(req))
         return await self._respond(request, job, req.stream)
 
     # --- /v1/chat/completions ---
@@ -267,6 +270,7 @@ class OpenAIServing:
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, [ids], req.n,
                    self._fan_out([(ids, sp)], req.n), req.logprobs, top, req.return_token_ids,
                    bool(req.stream_options and req.stream_options.include_usage), tool_plan=tool_plan,
+                   continuous_usage=protocol.continuous_usage(req),
                    chat_options=self.chat_options)
         return await self._respond(request, job, req.stream)
 
@@ -338,7 +342,7 @@ class OpenAIServing:
                 choice["token_ids"] = upd.token_ids if upd is not None else []
                 if first or (not chat and upd is not None and c.completion_tokens == len(upd.token_ids)):
                     choice["prompt_token_ids"] = job.prompt_ids[i // job.n]
-            return sse({**head, "choices": [choice]})
+            return sse({**head, "choices": [choice], **({"usage": job.usage(choices)} if job.continuous_usage else {})})
 
         try:
             if chat:

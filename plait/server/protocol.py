@@ -250,6 +250,12 @@ def check_chat(req: ChatCompletionRequest) -> None:
                           "continue_final_message")
 
 
+def continuous_usage(req: GenerationRequest) -> bool:
+    """vLLM's rule: stream_options.continuous_usage_stats takes effect with include_usage."""
+    options = req.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: text parts joined into one string."""
     out: list[dict[str, Any]] = []

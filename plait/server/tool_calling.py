@@ -233,6 +233,10 @@ def template_messages(req: protocol.ChatCompletionRequest) -> list[dict[str, Any
             if not isinstance(calls, list):
                 raise bad_request(f"messages[{i}].tool_calls must be an array", f"messages[{i}].tool_calls")
             msg["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(calls)]
+            if msg["content"] is None:
+                # OpenAI clients send null content beside tool calls; templates that know nothing of
+                # tool calls still read the content (as a string).
+                msg["content"] = ""
         if m.role == "tool":
             call_id = extra.get("tool_call_id")
             if not isinstance(call_id, str):

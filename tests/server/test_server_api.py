@@ -112,6 +112,15 @@ def test_streamed_completion_concatenates_to_the_non_streamed_one(client, model_
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model_name):
+    chunks = list(client.completions.create(
+        model=model_name, prompt="Once upon a time", max_tokens=12, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
 def test_stream_ends_with_done_and_sends_usage_only_when_asked(server, model_name):
     body = {"model": model_name, "prompt": "Hello", "max_tokens": 4, "stream": True, **GREEDY}
     lines = [ln for ln in server.post("/v1/completions", json=body).text.split("\n") if ln]

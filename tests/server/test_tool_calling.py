@@ -117,3 +117,16 @@ def test_chat_output_without_parsers_is_plain_content():
     assert out.finish() == []
     assert out.finish_reason("stop") == "stop"
     assert ChatOutput(None, None).message("Hi") == {"role": "assistant", "content": "Hi"}
+
+
+def test_a_history_call_with_null_content_reaches_the_template_with_empty_content():
+    from plait.server.tool_calling import template_messages
+
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "Add."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}]}
+    messages = template_messages(protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(body).encode()))
+    assert messages[1]["content"] == ""
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1, "b": 2}}
