@@ -220,6 +220,8 @@ class OpenAIServing:
         tok = self.client.tokenizer
         kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
                                   "continue_final_message": req.continue_final_message}
+        if req.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = req.reasoning_effort
         kwargs.update(req.chat_template_kwargs or {})
         if req.chat_template is not None:
             kwargs["chat_template"] = req.chat_template

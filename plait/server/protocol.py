@@ -144,6 +144,9 @@ class ChatCompletionRequest(GenerationRequest):
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's; refused unless --trust-request-chat-template
+    # OpenAI's: reaches the chat template as ``reasoning_effort`` (gpt-oss's harmony templates read it),
+    # as vLLM passes it; chat_template_kwargs may still set it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 

@@ -120,3 +120,23 @@ def test_history_with_a_call_and_its_result_renders_in_harmony(harmony_server, h
             "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny, 21 C<|end|>"
             "<|start|>assistant") in rendered
     assert "type get_weather = (_: " in rendered
+
+
+def test_reasoning_effort_reaches_the_harmony_template(harmony_server, harmony_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+
+    def rendered_ids(effort: str) -> list[int]:
+        text = tok.apply_chat_template(ASK, chat_template=TEMPLATE.read_text(), tokenize=False,
+                                       add_generation_prompt=True, reasoning_effort=effort)
+        assert f"Reasoning: {effort}" in text
+        return tok.encode(text, add_special_tokens=False)
+
+    def prompt_ids(**fields: Any) -> list[int]:
+        r = create(harmony_server.openai(), harmony_server.model, max_tokens=1,
+                   extra_body={"return_token_ids": True}, **fields)
+        return r.choices[0].model_extra["prompt_token_ids"]
+
+    assert prompt_ids(reasoning_effort="high") == rendered_ids("high") != rendered_ids("medium")
+    assert prompt_ids() == rendered_ids("medium")  # the template's default

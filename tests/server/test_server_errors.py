@@ -167,6 +167,7 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]", "not supported"),
     ({"top_logprobs": 2}, "top_logprobs", "requires logprobs"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "'low', 'medium' or 'high'"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
     ({"n": 0}, "n", "n must be in"),
 ]
