@@ -23,6 +23,7 @@ from plait.cli_aliases import (
     add_engine_alias_flags,
     add_unused_flags,
     unused_flag_warnings,
+    vllm_speculative_options,
 )
 from plait.config import (
     ATTENTION_BACKENDS,
@@ -113,6 +114,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["seed"] = args.random_seed
     if args.enable_expert_parallel and "ep_size" not in options:
         options["ep_size"] = options.get("tp_size", 1)
+    if args.speculative_config is not None:
+        vllm = vllm_speculative_options(args.speculative_config)
+        both = sorted(k for k in vllm if k in options)
+        if both:
+            raise ValueError(f"--speculative-config and --{both[0].replace('_', '-')} both set it: give one")
+        options |= vllm
     return options
 
 

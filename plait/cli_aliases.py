@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -114,6 +115,10 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-parallel-size", "--pp-size", default="1", help="accepted as 1 only",
                        type=only_value("1", "plait has no pipeline parallelism (split a model over GPUs with "
                                        "--tp-size)"))
+    group.add_argument("--speculative-config", type=json_object_type("--speculative-config"), default=None,
+                       metavar="JSON", help="vLLM's speculative decoding config ({\"method\": \"ngram\" | \"eagle\" | "
+                       "\"eagle3\" | \"draft_model\", \"model\", \"num_speculative_tokens\", \"prompt_lookup_min\", "
+                       "\"prompt_lookup_max\"}), as plait's --speculative-* flags")
     group.add_argument("--cpu-offload-gb", default="0", help="accepted as 0 only",
                        type=only_value("0", "plait keeps every weight on the device"))
     group.add_argument("--tokenizer-mode", default="auto", help="accepted as auto only (the fast tokenizer)",
@@ -148,6 +153,52 @@ def add_engine_alias_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-remote-code", action="store_true", default=False,
                        help="accepted for SGLang / vLLM commands; plait runs no code from checkpoints, and one "
                        "that needs it (auto_map, an architecture plait does not implement) is refused")
+
+
+# vLLM's --speculative-config methods -> plait's speculative algorithms.
+VLLM_SPECULATIVE_METHODS: dict[str, str] = {"ngram": "NGRAM", "eagle": "EAGLE", "eagle3": "EAGLE3",
+                                            "draft_model": "STANDALONE"}
+VLLM_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def json_object_type(flag: str) -> Callable[[str], dict[str, Any]]:
+    def parse(raw: str) -> dict[str, Any]:
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, got {raw!r}")
+        return value
+
+    return parse
+
+
+def vllm_speculative_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's --speculative-config as plait's speculative EngineConfig fields: ``num_speculative_tokens``
+    k is a chain of k guesses (k steps, top-k 1, k + 1 draft tokens with the root); ``prompt_lookup_*``
+    are the n-gram match windows; a method-less config with a ``model`` is a draft model."""
+    unknown = sorted(set(spec) - set(VLLM_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown key(s) {unknown}; plait takes "
+                         f"{', '.join(VLLM_SPECULATIVE_KEYS)}")
+    method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+    if method not in VLLM_SPECULATIVE_METHODS:
+        raise ValueError(f"--speculative-config: method {method!r} is not one plait runs; choose one of "
+                         f"{', '.join(VLLM_SPECULATIVE_METHODS)}")
+    out: dict[str, Any] = {"speculative_algorithm": VLLM_SPECULATIVE_METHODS[method]}
+    if spec.get("model") is not None:
+        out["speculative_draft_model_path"] = spec["model"]
+    k = spec.get("num_speculative_tokens")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        out |= {"speculative_num_steps": k, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1}
+    for key, field in (("prompt_lookup_min", "speculative_ngram_min_match_window_size"),
+                       ("prompt_lookup_max", "speculative_ngram_max_match_window_size")):
+        if spec.get(key) is not None:
+            out[field] = spec[key]
+    return out
 
 
 def only_value(value: str, why: str) -> Callable[[str], str]:

@@ -56,6 +56,16 @@ ALIASES = [
     (["--disable-log-requests"], []),
     (["--enable-auto-tool-choice"], []),
     (["--hf-overrides", '{"rope_theta": 5e5}'], ["--json-model-override-args", '{"rope_theta": 5e5}']),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, '
+      '"prompt_lookup_max": 4}'],
+     ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "5", "--speculative-eagle-topk", "1",
+      "--speculative-num-draft-tokens", "6", "--speculative-ngram-min-match-window-size", "2",
+      "--speculative-ngram-max-match-window-size", "4"]),
+    (["--speculative-config", '{"method": "eagle3", "model": "/draft", "num_speculative_tokens": 3}'],
+     ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/draft", "--speculative-num-steps", "3",
+      "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]),
+    (["--speculative-config", '{"model": "/draft"}'],
+     ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "/draft"]),
 ]
 
 
@@ -107,6 +117,18 @@ def test_a_flag_plait_takes_at_one_value_only_fails_at_another_saying_why(argv, 
     with pytest.raises(SystemExit):
         parse_serve(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("spec", "extra", "message"), [
+    ('{"method": "medusa"}', [], "method 'medusa' is not one plait runs"),
+    ('{"method": "ngram", "draft_tensor_parallel_size": 1}', [], r"unknown key\(s\) \['draft_tensor_parallel_size'\]"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', [], "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 3}', ["--speculative-num-steps", "2"],
+     "--speculative-config and --speculative-num-steps both set it"),
+], ids=["method", "key", "tokens", "both"])
+def test_a_vllm_speculative_config_plait_cannot_run_fails_saying_why(spec, extra, message):
+    with pytest.raises(ValueError, match=message):
+        parse_serve(["--speculative-config", spec, *extra])
 
 
 def test_sglang_kernel_flags_plait_does_not_use_are_accepted_with_a_warning_each():
