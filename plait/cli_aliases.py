@@ -223,6 +223,10 @@ UNUSED_FLAGS: dict[str, str] = {
     "page_size": "--page-size is not used: plait's KV cache and prefix cache work per token (page size 1)",
     "block_size": "--block-size is not used: plait's KV cache and prefix cache work per token (block size 1)",
     "swap_space": "--swap-space is not used: a retracted request recomputes its KV instead of swapping it to the CPU",
+    "enable_reasoning": "--enable-reasoning is not needed: --reasoning-parser alone splits the reasoning out",
+    "max_seq_len_to_capture": "--max-seq-len-to-capture is not used: plait's decode graphs hold every context length",
+    "disable_frontend_multiprocessing": "--disable-frontend-multiprocessing is not used: plait's HTTP front end "
+    "always runs in its own process, apart from the scheduler's",
 }
 
 
@@ -233,6 +237,9 @@ def add_unused_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--page-size", type=int, default=None)
     group.add_argument("--block-size", type=int, default=None)
     group.add_argument("--swap-space", type=float, default=None)
+    group.add_argument("--enable-reasoning", action="store_true", default=False)
+    group.add_argument("--max-seq-len-to-capture", type=int, default=None)
+    group.add_argument("--disable-frontend-multiprocessing", action="store_true", default=False)
 
 
 def unused_flag_warnings(args: argparse.Namespace) -> list[str]:
