@@ -73,7 +73,7 @@ def test_dp_cuda_graph_batch_size_uses_raw_request_counts():
 def test_graph_runner_can_run_and_replay_share_the_dp_batch_size():
     # Only the sizing logic is under test: a runner with buckets and no captured graphs.
     runner = CudaGraphRunner.__new__(CudaGraphRunner)
-    runner.max_bs, runner.batch_sizes = 8, [1, 2, 4, 8]
+    runner.max_bs, runner.batch_sizes, runner.pad = 8, [1, 2, 4, 8], True
     fb = _batch(ForwardMode.DECODE, 2)
     fb.init_mlp_sync_metadata(SyncedBatch([2, 5], [2, 5]), "cpu")
     assert runner.graph_batch_size(fb) == 5  # every rank replays the bucket of the largest rank

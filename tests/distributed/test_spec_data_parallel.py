@@ -237,7 +237,7 @@ def test_dp_verify_graph_eligibility_reads_the_raw_request_counts():
     """The verify graph runner decides from the DP graph batch size (the largest rank's requests),
     the same helper replay pads with; an idle rank of the round decides alike."""
     runner = VerifyGraphRunner.__new__(VerifyGraphRunner)  # only the decision: no captured graphs
-    runner.max_bs, runner.batch_sizes, runner.widths = 4, [1, 2, 4], [4]
+    runner.max_bs, runner.batch_sizes, runner.widths, runner.pad = 4, [1, 2, 4], [4], True
     fb = _verify_batch(3, 4)
     MLPCountSync(TwoRankControl(RankCounts(4, 16, 4, False)), "cpu", None).sync(fb)
     assert fb.mlp_sync.global_num_tokens_cpu == [12, 16]  # 16 tokens, but 4 requests: within max_bs
