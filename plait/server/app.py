@@ -65,6 +65,7 @@ class ServerArgs:
     sglang_metrics: bool = False
     trust_request_chat_template: bool = False
     max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER
+    incremental_streaming_output: bool = False  # /generate's stream events: new text and ids only
 
     def __post_init__(self) -> None:
         checks = [
@@ -157,7 +158,7 @@ def build_app(config: EngineConfig, args: ServerArgs,
         return JSONResponse(_server_info(client, serving, args))
 
     native = NativeServing(client, config, serving.model_name, lambda: _server_info(client, serving, args),
-                           serving.prompt_work)
+                           serving.prompt_work, incremental_stream=args.incremental_streaming_output)
     add_native_routes(app, native, guarded)
 
     @app.exception_handler(RequestValidationError)

@@ -43,6 +43,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        "is deepseek-r1)")
     group.add_argument("--seed", dest="random_seed", type=int, default=None,
                        help="vLLM's spelling of --random-seed")
+    group.add_argument("--incremental-streaming-output", "--stream-output", action="store_true",
+                       help="/generate's stream events carry the new text and output_ids only (SGLang's; "
+                       "default: the text and ids so far)")
     group.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key "
                        "(PEM), together with --ssl-certfile")
     group.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the certificate (PEM) of --ssl-keyfile")

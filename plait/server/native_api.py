@@ -200,8 +200,11 @@ class NativeServing:
     """SGLang's native routes over the server's SchedulerClient."""
 
     def __init__(self, client: SchedulerClient, config: EngineConfig, model_name: str,
-                 server_info: Callable[[], dict[str, Any]], prompt_work: PromptWork) -> None:
+                 server_info: Callable[[], dict[str, Any]], prompt_work: PromptWork,
+                 incremental_stream: bool = False) -> None:
         self.client = client
+        # SGLang's --incremental-streaming-output: stream events carry the new text and ids only.
+        self.incremental_stream = incremental_stream
         self.prompt_work = prompt_work  # tokenization runs there, off the event loop
         self.config = config
         self.model_name = model_name
@@ -343,6 +346,8 @@ class NativeServing:
                 out.add(upd)
                 if upd.text or upd.token_ids or upd.finish_reason is not None:
                     event = out.result(text)
+                    if self.incremental_stream:
+                        event["text"], event["output_ids"] = upd.text, list(upd.token_ids)
                     if not single:
                         event["index"] = i
                     yield sse(event)

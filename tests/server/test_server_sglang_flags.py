@@ -1,7 +1,10 @@
 """SGLang launch flags that change what `plait serve` does with a request or writes to its log, on a
-server of their own: --allow-auto-truncate, --decode-log-interval and --schedule-policy lpm."""
+server of their own: --allow-auto-truncate, --decode-log-interval, --schedule-policy lpm and
+--incremental-streaming-output."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -14,7 +17,7 @@ CONTEXT = 64
 @pytest.fixture(scope="module")
 def srv(start_server):
     return start_server("sglang-flags", allow_auto_truncate=True, context_length=CONTEXT, decode_log_interval=2,
-                        schedule_policy="lpm", watchdog_timeout=120)
+                        schedule_policy="lpm", watchdog_timeout=120, incremental_streaming_output=True)
 
 
 def completion(srv, prompt, max_tokens: int) -> dict:
@@ -50,3 +53,14 @@ def test_the_scheduler_process_logs_its_load_and_throughput(srv):
     completion(srv, "Hello there", 8)
     assert "gen throughput" in srv.log()
     assert "tok/s" in srv.log().split("gen throughput", 1)[1].splitlines()[0]
+
+
+def test_incremental_streaming_events_carry_only_the_new_text_and_ids(srv):
+    body = {"input_ids": list(range(4, 14)), "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                 "ignore_eos": True}}
+    whole = httpx.post(srv.url + "/generate", json=body, timeout=HTTP_TIMEOUT).json()
+    with httpx.stream("POST", srv.url + "/generate", json={**body, "stream": True}, timeout=HTTP_TIMEOUT) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(events) > 1
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
