@@ -227,6 +227,11 @@ UNUSED_FLAGS: dict[str, str] = {
     "max_seq_len_to_capture": "--max-seq-len-to-capture is not used: plait's decode graphs hold every context length",
     "disable_frontend_multiprocessing": "--disable-frontend-multiprocessing is not used: plait's HTTP front end "
     "always runs in its own process, apart from the scheduler's",
+    "sampling_backend": "--sampling-backend is not used: plait samples with its own batched sampler",
+    "enable_p2p_check": "--enable-p2p-check is not used: plait's symmetric-memory collectives fall back to NCCL "
+    "where the build lacks them",
+    "show_time_cost": "--show-time-cost is not used: the scheduler process's decode line (--decode-log-interval) "
+    "and /metrics report the timings",
 }
 
 
@@ -240,6 +245,9 @@ def add_unused_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-reasoning", action="store_true", default=False)
     group.add_argument("--max-seq-len-to-capture", type=int, default=None)
     group.add_argument("--disable-frontend-multiprocessing", action="store_true", default=False)
+    group.add_argument("--sampling-backend", default=None)
+    group.add_argument("--enable-p2p-check", action="store_true", default=False)
+    group.add_argument("--show-time-cost", action="store_true", default=False)
 
 
 def unused_flag_warnings(args: argparse.Namespace) -> list[str]:

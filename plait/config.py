@@ -274,6 +274,8 @@ class EngineConfig:
     # own) and vLLM's generation_config ("auto": the model directory, "vllm": none, or a directory).
     sampling_defaults: str = "model"
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: a JSON object of sampling defaults over the file's.
+    override_generation_config: str | None = None
     # Speculative decoding (SGLang's flag names). ``from_kwargs`` fills the unset numbers of
     # SPECULATIVE_DERIVED_FIELDS with the algorithm's defaults (resolve_speculative, which also
     # validates every combination); a constructed config with an algorithm has all three set.
@@ -291,6 +293,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(bool(self.model), "model must be a checkpoint directory path, got an empty value")
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.override_generation_config is None or _is_json_object(self.override_generation_config),
+               f"override_generation_config must be a JSON object of sampling defaults, got "
+               f"{self.override_generation_config!r}")
         _check(self.json_model_override_args is None or _is_json_object(self.json_model_override_args),
                f"json_model_override_args must be a JSON object of config.json fields, got "
                f"{self.json_model_override_args!r}")

@@ -254,6 +254,29 @@ def test_generation_config_defaults_can_be_turned_off(model_with_defaults, optio
     assert sampling_defaults(EngineConfig(model=str(model_with_defaults), **option)) == {}
 
 
+def test_override_generation_config_goes_over_the_files_defaults(model_with_defaults):
+    config = EngineConfig(model=str(model_with_defaults), generation_config="auto",
+                          override_generation_config='{"top_k": 5, "max_new_tokens": 3}')
+    assert sampling_defaults(config) == {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_new_tokens": 3}
+    off = EngineConfig(model=str(model_with_defaults), generation_config="vllm",
+                       override_generation_config='{"temperature": 0.0}')
+    assert sampling_defaults(off) == {"temperature": 0.0}
+
+
+def test_override_generation_config_reaches_requests_that_omit_the_fields(one_layer, engine):
+    with make_engine(one_layer, max_total_tokens=1024,
+                     override_generation_config='{"temperature": 0, "max_new_tokens": 4}') as eng:
+        out = eng.generate(PROMPTS[1], {"ignore_eos": True})
+    assert out.token_ids == engine.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 4, "ignore_eos": True}).token_ids
+
+
+@pytest.mark.parametrize(("raw", "message"), [("[1]", "must be a JSON object"),
+                                              ('{"do_sample": true}', r"unknown field\(s\) \['do_sample'\]")])
+def test_a_bad_override_generation_config_fails_at_start_naming_it(one_layer, raw, message):
+    with pytest.raises(ValueError, match=message):
+        sampling_defaults(EngineConfig(model=str(one_layer), override_generation_config=raw))
+
+
 def test_generation_config_can_come_from_another_directory(model_with_defaults, one_layer):
     config = EngineConfig(model=str(one_layer), generation_config=str(model_with_defaults))
     assert sampling_defaults(config)["top_k"] == 1

@@ -62,13 +62,23 @@ def read_sampling_defaults(directory: Path) -> dict[str, Any]:
     return out
 
 
+# vLLM's --override-generation-config takes these on top of generation_config.json's fields.
+OVERRIDE_FIELDS: tuple[str, ...] = (*DEFAULT_FIELDS, "max_new_tokens", "frequency_penalty", "presence_penalty")
+
+
 def sampling_defaults(config: EngineConfig) -> dict[str, Any]:
-    """What an unset sampling parameter defaults to under ``config`` (empty: plait's own defaults)."""
+    """What an unset sampling parameter defaults to under ``config`` (empty: plait's own defaults):
+    generation_config.json's values, then ``override_generation_config``'s (vLLM's flag) over them."""
     directory = generation_config_dir(config)
-    if directory is None:
-        return {}
-    defaults = read_sampling_defaults(directory)
+    defaults = read_sampling_defaults(directory) if directory is not None else {}
     if defaults:
         logger.info("sampling defaults from %s: %s (a request's own values win; --sampling-defaults openai "
                     "ignores them)", directory / GENERATION_CONFIG_FILE, defaults)
+    if config.override_generation_config:
+        overrides = json.loads(config.override_generation_config)
+        unknown = sorted(set(overrides) - set(OVERRIDE_FIELDS))
+        if unknown:
+            raise ValueError(f"override_generation_config: unknown field(s) {unknown}; accepted: "
+                             f"{', '.join(OVERRIDE_FIELDS)}")
+        defaults = {**defaults, **overrides}
     return defaults
