@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] | None = None  # the first names the model; the others are accepted too
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get a 503
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
@@ -88,14 +88,15 @@ class ServerArgs:
 
 def build_app(config: EngineConfig, args: ServerArgs,
               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
-    model_name = args.served_model_name or config.model
+    model_name, *aliases = args.served_model_name or (config.model,)
     metrics = ServerMetrics(model_name, sglang_names=args.sglang_metrics)
     client = SchedulerClient(config, metrics, args.max_queued_requests, on_fatal,
                              RequestLog(args.log_requests_level) if args.log_requests else None,
                              args.max_stream_buffer)
     chat_options = ChatOptions.from_flags(args.tool_call_parser, args.reasoning_parser, args.chat_template)
     serving = OpenAIServing(client, model_name, config, trust_request_chat_template=args.trust_request_chat_template,
-                            max_rendered_chars=args.max_payload_bytes, chat_options=chat_options)
+                            max_rendered_chars=args.max_payload_bytes, chat_options=chat_options,
+                            model_aliases=tuple(aliases))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -158,7 +159,8 @@ def build_app(config: EngineConfig, args: ServerArgs,
         return JSONResponse(_server_info(client, serving, args))
 
     native = NativeServing(client, config, serving.model_name, lambda: _server_info(client, serving, args),
-                           serving.prompt_work, incremental_stream=args.incremental_streaming_output)
+                           serving.prompt_work, incremental_stream=args.incremental_streaming_output,
+                           model_aliases=serving.model_aliases)
     add_native_routes(app, native, guarded)
 
     @app.exception_handler(RequestValidationError)

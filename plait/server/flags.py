@@ -23,8 +23,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=30000)
-    group.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: the --model path)")
+    group.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                       help="the model name clients send (default: the --model path); more names (vLLM's) are "
+                       "accepted too, the first is the one responses carry")
     group.add_argument("--max-queued-requests", type=int, default=None,
                        help="waiting requests beyond which new ones get a 503 (default: unlimited)")
     group.add_argument("--max-payload-bytes", type=int, default=DEFAULT_MAX_PAYLOAD_BYTES,

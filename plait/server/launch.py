@@ -91,7 +91,9 @@ class PlaitServer(uvicorn.Server):
 def server_args_from(args: argparse.Namespace) -> ServerArgs:
     # Every ServerArgs field is the flag of the same name (a field without a flag keeps its default).
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs) if hasattr(args, f.name)}
-    return ServerArgs(**{**values, "allowed_origins": flatten_origins(args.allowed_origins)})
+    names = args.served_model_name
+    return ServerArgs(**{**values, "allowed_origins": flatten_origins(args.allowed_origins),
+                         "served_model_name": tuple(names) if names else None})
 
 
 def run_server(config: EngineConfig, sargs: ServerArgs) -> int:

@@ -201,13 +201,14 @@ class NativeServing:
 
     def __init__(self, client: SchedulerClient, config: EngineConfig, model_name: str,
                  server_info: Callable[[], dict[str, Any]], prompt_work: PromptWork,
-                 incremental_stream: bool = False) -> None:
+                 incremental_stream: bool = False, model_aliases: tuple[str, ...] = ()) -> None:
         self.client = client
         # SGLang's --incremental-streaming-output: stream events carry the new text and ids only.
         self.incremental_stream = incremental_stream
         self.prompt_work = prompt_work  # tokenization runs there, off the event loop
         self.config = config
         self.model_name = model_name
+        self.model_aliases = model_aliases
         self.server_info = server_info
         self._token_texts: dict[int, str] = {}
         # SGLang rid -> the scheduler rids of its samples, while in flight (/abort_request).
@@ -360,7 +361,7 @@ class NativeServing:
 
     # --- tokenizer routes -------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        protocol.resolve_model(model, self.model_name, self.config.model)
+        protocol.resolve_model(model, self.model_name, self.config.model, self.model_aliases)
 
     async def tokenize(self, request: Request) -> Response:
         req = parse_body(TokenizeRequest, await request.body())

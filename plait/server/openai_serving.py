@@ -111,9 +111,10 @@ class OpenAIServing:
 
     def __init__(self, client: SchedulerClient, model_name: str, config: EngineConfig, *,
                  trust_request_chat_template: bool = False, max_rendered_chars: int = 16 * 2**20,
-                 chat_options: ChatOptions | None = None) -> None:
+                 chat_options: ChatOptions | None = None, model_aliases: tuple[str, ...] = ()) -> None:
         self.client = client
         self.model_name = model_name
+        self.model_aliases = model_aliases  # other names requests may use (vLLM's further --served-model-name)
         self.config = config
         self.trust_request_chat_template = trust_request_chat_template
         self.max_rendered_chars = max_rendered_chars
@@ -137,7 +138,7 @@ class OpenAIServing:
 
     def check_model(self, name: str | None) -> str:
         """The model name a response carries (see ``protocol.resolve_model``)."""
-        return protocol.resolve_model(name, self.model_name, self.config.model)
+        return protocol.resolve_model(name, self.model_name, self.config.model, self.model_aliases)
 
     def _sampling(self, req: protocol.GenerationRequest, max_new: int, logprobs: bool, top: int,
                   max_name: str, logprob_start_len: int = -1, tool_plan: ToolPlan | None = None) -> SamplingParams:

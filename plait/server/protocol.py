@@ -15,6 +15,7 @@ extra fields:
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -36,17 +37,17 @@ MAX_STOP_TOKEN_IDS = 1024
 SGLANG_DEFAULT_MODEL = "default"
 
 
-def resolve_model(name: str | None, served_name: str, model_path: str) -> str:
-    """The model name a response carries for a request naming ``name``.
-
-    Absent or SGLang's ``default`` mean the served model; otherwise 404 unless ``name`` is the served
-    name or the model path (vLLM's rule: a typo'd model must not be answered by another one)."""
+def resolve_model(name: str | None, served_name: str, model_path: str, aliases: Collection[str] = ()) -> str:
+    """The model name a response carries (the served name, as vLLM answers) for a request naming
+    ``name``: absent or SGLang's ``default`` mean the served model; otherwise 404 unless ``name`` is
+    the served name, one of its ``aliases`` (vLLM's further --served-model-name values) or the model
+    path (vLLM's rule: a typo'd model must not be answered by another one)."""
     if name is None or name == SGLANG_DEFAULT_MODEL:
         return served_name
-    if name not in (served_name, model_path):
+    if name != served_name and name != model_path and name not in aliases:
         raise APIError(404, f"The model `{name}` does not exist. This server serves `{served_name}`.",
                        param="model", code="model_not_found")
-    return name
+    return served_name
 
 
 # OpenAI fields that plait accepts and ignores (they do not change the tokens produced).

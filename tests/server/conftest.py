@@ -71,6 +71,8 @@ class Server:
             flag = "--" + key.replace("_", "-")
             if value is True:
                 cmd.append(flag)
+            elif isinstance(value, list | tuple):
+                cmd += [flag, *map(str, value)]
             elif value is not None and value is not False:
                 cmd += [flag, str(value)]
         self.log_path = log_dir / f"{name}.log"

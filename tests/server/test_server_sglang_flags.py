@@ -17,11 +17,12 @@ CONTEXT = 64
 @pytest.fixture(scope="module")
 def srv(start_server):
     return start_server("sglang-flags", allow_auto_truncate=True, context_length=CONTEXT, decode_log_interval=2,
-                        schedule_policy="lpm", watchdog_timeout=120, incremental_streaming_output=True)
+                        schedule_policy="lpm", watchdog_timeout=120, incremental_streaming_output=True,
+                        served_model_name=["plait-tiny", "tiny-alias"])
 
 
 def completion(srv, prompt, max_tokens: int) -> dict:
-    r = httpx.post(srv.url + "/v1/completions", json={"model": srv.model, "prompt": prompt, "max_tokens": max_tokens,
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "plait-tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                       "temperature": 0}, timeout=HTTP_TIMEOUT)
     assert r.status_code == 200, r.text
     return r.json()
@@ -64,3 +65,14 @@ def test_incremental_streaming_events_carry_only_the_new_text_and_ids(srv):
     assert len(events) > 1
     assert "".join(e["text"] for e in events) == whole["text"]
     assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
+
+
+@pytest.mark.parametrize("name", ["plait-tiny", "tiny-alias", None])
+def test_every_served_name_is_accepted_and_responses_carry_the_first(srv, name):
+    body = {"prompt": [5, 6], "max_tokens": 1, **({"model": name} if name else {})}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "plait-tiny"
+    assert httpx.get(srv.url + "/v1/models", timeout=HTTP_TIMEOUT).json()["data"][0]["id"] == "plait-tiny"
+    other = httpx.post(srv.url + "/v1/completions", json={**body, "model": "gpt-4"}, timeout=HTTP_TIMEOUT)
+    assert other.status_code == 404
