@@ -46,6 +46,15 @@ def test_tp2_greedy_output_equals_tp1(arch, tiny_model_dir):
         assert_no_leaks(engine)
 
 
+def test_a_model_config_override_reaches_every_rank(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    override = '{"rope_theta": 50.0}'
+    with make_engine(path, json_model_override_args=override) as single:
+        expected = _greedy(single, PROMPTS[:3])
+    with make_engine(path, json_model_override_args=override, tp_size=2, dist_timeout=60) as engine:
+        assert _greedy(engine, PROMPTS[:3]) == expected  # a rank without it would compute another model
+
+
 def test_tp2_prompt_logprobs_and_logit_bias_equal_tp1(tiny_model_dir):
     """Scored prompt positions travel to the other rank with the batch's logits rows; rank 0 splits
     them from the sampled rows."""
