@@ -186,13 +186,16 @@ class OpenAIServing:
                 raise bad_request(str(e), "prompt") from None
         return out
 
-    def _echo_texts(self, prompt: Any, prompt_ids: list[list[int]]) -> list[str]:
-        """What echo puts before each prompt's completions: the prompt as sent, or its tokens' text."""
+    def _echo_texts(self, prompt: Any, prompt_ids: list[list[int]], truncated: list[bool]) -> list[str]:
+        """What echo puts before each prompt's completions: the prompt as sent, or its tokens' text
+        (always for a prompt --allow-auto-truncate cut: the text the model saw)."""
+        texts: list[str | None] = [None] * len(prompt_ids)  # token-id prompts: their tokens' text
         if isinstance(prompt, str):
-            return [prompt]
-        if prompt and isinstance(prompt[0], str):
-            return list(prompt)
-        return [self.client.tokenizer.decode(ids) for ids in prompt_ids]
+            texts = [prompt]
+        elif prompt and isinstance(prompt[0], str):
+            texts = list(prompt)
+        return [text if text is not None and not cut else self.client.tokenizer.decode(ids)
+                for text, ids, cut in zip(texts, prompt_ids, truncated, strict=True)]
 
     async def completions(self, request: Request) -> Response:
         req = protocol.parse_request(protocol.CompletionRequest, await request.body())
@@ -208,8 +211,9 @@ class OpenAIServing:
         else:
             prompt_ids = await self.prompt_work.run(self._completion_prompts, req.prompt)
         fitted = [self._fit(ids, sp, "prompt") for ids in prompt_ids]
+        truncated = [len(kept) < len(ids) for (kept, _), ids in zip(fitted, prompt_ids, strict=True)]
         prompt_ids = [ids for ids, _ in fitted]
-        echo_texts = self._echo_texts(req.prompt, prompt_ids) if req.echo else None
+        echo_texts = self._echo_texts(req.prompt, prompt_ids, truncated) if req.echo else None
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, prompt_ids, req.n,
                    self._fan_out(fitted, req.n), req.logprobs is not None, top, req.return_token_ids,
                    bool(req.stream_options and req.stream_options.include_usage), echo_texts,

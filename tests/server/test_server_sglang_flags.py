@@ -76,3 +76,12 @@ def test_every_served_name_is_accepted_and_responses_carry_the_first(srv, name):
     assert httpx.get(srv.url + "/v1/models", timeout=HTTP_TIMEOUT).json()["data"][0]["id"] == "plait-tiny"
     other = httpx.post(srv.url + "/v1/completions", json={**body, "model": "gpt-4"}, timeout=HTTP_TIMEOUT)
     assert other.status_code == 404
+
+
+def test_echo_of_a_cut_prompt_is_the_text_the_model_saw(srv, offline_engine):
+    long_text = " ".join(["word"] * 200)
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "plait-tiny", "prompt": long_text, "max_tokens": 2,
+                                                      "echo": True, "temperature": 0}, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    kept = offline_engine.tokenizer.encode(long_text)[-(CONTEXT - 1):]
+    assert r.json()["choices"][0]["text"].startswith(offline_engine.tokenizer.decode(kept))
