@@ -167,18 +167,20 @@ class RadixCache:
         kv = torch.cat(values) if values else self._empty()
         return MatchResult(kv, node)
 
-    def prefix_len(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens of ``token_ids`` are cached: ``match_prefix``'s length without
-        its side effects (no split, no LRU refresh), for ordering requests that may not run yet."""
-        if self.disable or len(token_ids) == 0:
+    def prefix_len(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` (plain ints) are cached: ``match_prefix``'s length
+        without its side effects (no split, no LRU refresh), for ordering requests that may not run
+        yet. The list is read in place: only the matched span is copied, never the whole prompt."""
+        if self.disable or not token_ids:
             return 0
-        key = _as_key(token_ids)
-        node, pos, n = self.root, 0, len(key)
+        node, pos, n = self.root, 0, len(token_ids)
         while pos < n:
-            child = node.children.get(key[pos])
+            child = node.children.get(token_ids[pos])
             if child is None:
                 break
-            k = _common_prefix_len(child.key, key[pos : pos + len(child.key)])
+            span = token_ids[pos : pos + len(child.key)]
+            # A whole node matches by one C-level comparison; only the last, partial node is walked.
+            k = len(span) if tuple(span) == child.key else _common_prefix_len(child.key, span)
             pos += k
             if k < len(child.key):
                 break

@@ -9,8 +9,6 @@ cache; ``tokens_in_use`` counts the slots live requests hold (0 when idle).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from plait.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator
@@ -52,7 +50,7 @@ class KVCacheManager:
     def match_prefix(self, ids: list[int]) -> MatchResult:
         return self.tree_cache.match_prefix(ids)
 
-    def cached_prefix_len(self, ids: Sequence[int]) -> int:
+    def cached_prefix_len(self, ids: list[int]) -> int:
         return self.tree_cache.prefix_len(ids)
 
     def admit(self, req: Req, match: MatchResult) -> bool:

@@ -26,7 +26,7 @@ LPM_MAX_QUEUE = 128
 
 
 class PrefixMatcher(Protocol):
-    def cached_prefix_len(self, ids: Sequence[int]) -> int: ...
+    def cached_prefix_len(self, ids: list[int]) -> int: ...
 
 
 class SchedulePolicy:
