@@ -94,10 +94,12 @@ def _as_key(token_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(t) for t in token_ids)
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case (a whole node matches): one C-level comparison
+        return n
     i = 0
-    while i < n and a[i] == b[i]:
+    while a[i] == b[i]:  # stops before n: the spans differ
         i += 1
     return i
 
@@ -178,9 +180,7 @@ class RadixCache:
             child = node.children.get(token_ids[pos])
             if child is None:
                 break
-            span = token_ids[pos : pos + len(child.key)]
-            # A whole node matches by one C-level comparison; only the last, partial node is walked.
-            k = len(span) if tuple(span) == child.key else _common_prefix_len(child.key, span)
+            k = _common_prefix_len(child.key, tuple(token_ids[pos : pos + len(child.key)]))
             pos += k
             if k < len(child.key):
                 break
