@@ -297,3 +297,10 @@ def test_sampling_default_flags_parse_to_the_config(one_layer):
     assert (config.sampling_defaults, config.generation_config) == ("openai", "vllm")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--sampling-defaults", "hf"])
+
+
+def test_flush_cache_empties_the_prefix_cache_so_a_repeat_hits_nothing(engine):
+    engine.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 2})
+    assert engine.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 2}).meta_info["cached_tokens"] > 0
+    assert engine.flush_cache()
+    assert engine.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 2}).meta_info["cached_tokens"] == 0

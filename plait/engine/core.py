@@ -56,6 +56,14 @@ class EngineCore:
         return RequestLimits(self.model_config.vocab_size, self.runner.max_context_len,
                              self.runner.max_total_tokens)
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (SGLang's flush_cache); False, and nothing changed, while requests
+        run or wait (their prefixes are locked in it)."""
+        if self.scheduler.has_work():
+            return False
+        self.scheduler.tree_cache.reset()
+        return True
+
     def new_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, seed: int) -> Req:
         """A scheduler request for validated input, with the detokenizer that follows its text (stop
         strings included). Nothing is scheduled here."""

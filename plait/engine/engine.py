@@ -160,6 +160,11 @@ class Engine:
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort(rid)
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache, as SGLang's Engine.flush_cache does (benchmarks call it between
+        runs); False while requests run or wait."""
+        return self.core.flush_cache()
+
     def load(self) -> EngineLoad:
         """Running and waiting requests and the KV slots they hold, now."""
         s = self.scheduler

@@ -172,9 +172,8 @@ class SchedulerProcess:
             logger.error("unknown message %r", type(msg).__name__)
 
     def _flush_cache(self) -> FlushCacheReply:
-        if self.scheduler.has_work():
+        if not self.core.flush_cache():
             return FlushCacheReply(False, "requests are running or waiting; the prefix cache was not flushed")
-        self.scheduler.tree_cache.reset()
         return FlushCacheReply(True, "Cache flushed.")
 
     def _add(self, msg: GenerateRequest) -> list[RequestUpdate]:
