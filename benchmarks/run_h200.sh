@@ -334,6 +334,15 @@ for stage in "$@"; do
       python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3 ;;
     attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
+    # The burst (1b, 256 x 512/128) with the scheduler detokenizing every request (0) and the HTTP process
+    # detokenizing those without stop strings (1, the default), alternated after one run that fills the
+    # Triton cache; each run's JSON under $OUT/frontend-detok-<round>-<value>/.
+    serving-burst-detok-ab)
+      for run in warmup-1 r1-0 r1-1 r2-0 r2-1; do
+        PLAIT_FRONTEND_DETOKENIZE=${run##*-} python -m plait bench serve --workload serving-burst --shape llama-3.2-1b \
+          --num-prompts 256 --input-len 512 --output-len 128 --client-procs 4 --out "$OUT/frontend-detok-$run" 2>&1 \
+          | grep -E '^\{"workload|Error' | cut -c1-400
+      done ;;
     # The n-gram pair alone, shortened as in `spec`.
     spec-ngram)
       for w in spec-ngram-repeat spec-ngram-miss; do

@@ -167,6 +167,11 @@ DECODE_KV_PACK = _int_var(
     "KV heads per program of the Triton decode attention kernel (a power of two dividing the KV heads; "
     "1: one per program). Unset (the default): the kernel's own choice by head dim and batch size "
     "(plait.attention.triton.decode.decode_config). Read at import.")
+FRONTEND_DETOKENIZE = EnvVar(
+    "PLAIT_FRONTEND_DETOKENIZE", _flag, True,
+    "1 (the default): the HTTP process makes the text of requests without stop strings from their token ids "
+    "(plait.engine.messages.front_end_detokenizes), off the scheduler loop; 0: the scheduler process "
+    "detokenizes every request (the A/B baseline). Read when the server starts.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
@@ -175,4 +180,5 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
                                     SPEC_CHAIN_VERIFIES,
-                                    ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE)
+                                    ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE,
+                                    FRONTEND_DETOKENIZE)

@@ -64,10 +64,16 @@ class EngineCore:
         self.scheduler.tree_cache.reset()
         return True
 
-    def new_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, seed: int) -> Req:
+    def new_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, seed: int,
+                    detokenize: bool = True) -> Req:
         """A scheduler request for validated input, with the detokenizer that follows its text (stop
-        strings included). Nothing is scheduled here."""
-        detok = IncrementalDetokenizer.for_request(self.tokenizer, input_ids, sampling_params)
+        strings included). ``detokenize`` False (a front end that makes the text itself, for a request
+        without stop strings): no detokenizer, the updates carry token ids and no text. Nothing is
+        scheduled here."""
+        if not detokenize and sampling_params.stop:
+            raise ValueError(f"request {rid}: stop strings are matched on the scheduler's text, so it must "
+                             "detokenize (detokenize=True)")
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, input_ids, sampling_params) if detokenize else None
         return Req(rid=rid, origin_input_ids=input_ids, sampling_params=sampling_params, seed=seed,
                    detokenizer=detok)
 
@@ -205,7 +211,8 @@ class LiveRequest:
         held = 0 < start and (n - start < interval or not self.stream)
         if not finished and (n == start and n_in == in_start or held):
             return None
-        text = req.detokenizer.take_delta(finished) if self.stream or finished else ""
+        detok = req.detokenizer
+        text = detok.take_delta(finished) if detok is not None and (self.stream or finished) else ""
         self.sent_tokens, self.sent_input_logprobs = n, n_in
         return start, n, in_start, n_in, finished, text
 
@@ -234,7 +241,7 @@ def matched_stop(req: Req) -> int | str | None:
     stop token or EOS the scheduler stopped at); None for other finishes."""
     if req.finish_reason != FinishReason.STOP:
         return None
-    string = req.detokenizer.matched_stop()
+    string = req.detokenizer.matched_stop() if req.detokenizer is not None else None
     if string is not None:
         return string
     return req.output_ids[-1] if req.output_ids else None

@@ -27,6 +27,17 @@ class GenerateRequest:
     # A client that reads text only at the end: detokenize once, when the request finishes (stop
     # strings still decode as they need to), instead of every step.
     stream: bool = True
+    # False: the HTTP process makes the text from the updates' token ids (``front_end_detokenizes``),
+    # and the updates carry none.
+    detokenize: bool = True
+
+
+def front_end_detokenizes(sampling_params: SamplingParams) -> bool:
+    """Whether the HTTP process, not the scheduler, turns a request's tokens into text: when no stop
+    string has to be matched, which only the scheduler can do as the tokens arrive (it ends the request).
+    Detokenizing is then off the scheduler loop, whose time per step sets the server's token rate, and
+    on the HTTP process, which has a core of its own (vLLM's split between engine core and front end)."""
+    return not sampling_params.stop
 
 
 @dataclass

@@ -184,7 +184,7 @@ class SchedulerProcess:
         try:
             if self.fault_token is not None and self.fault_token in msg.input_ids:
                 raise RuntimeError(f"injected fault ({envs.FAULT_INJECT_TOKEN.name}={self.fault_token})")
-            req = self.core.new_request(msg.rid, msg.input_ids, msg.sampling_params, msg.seed)
+            req = self.core.new_request(msg.rid, msg.input_ids, msg.sampling_params, msg.seed, msg.detokenize)
         except Exception as e:  # one bad request must not take the scheduler down
             logger.exception("request %s failed before scheduling", msg.rid)
             return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=500,

@@ -502,7 +502,8 @@ class DPAttentionScheduler:
                 _, req = self.remote.pop(rid)
                 self._adds = [(rank, new) for rank, new in self._adds if new.rid != rid]
                 req.finish_reason, req.finish_message = FinishReason.ABORT, "aborted by the client"
-                req.detokenizer.finish()
+                if req.detokenizer is not None:
+                    req.detokenizer.finish()
             else:
                 self._aborts.append(rid)
             return True
@@ -580,20 +581,22 @@ class DPAttentionScheduler:
 
     def _apply(self, p: Progress) -> Req:
         _, req = self.remote[p.rid]
-        for token in p.token_ids:
-            req.output_ids.append(token)
-            req.detokenizer.add_token(token)
+        detok = req.detokenizer
+        req.output_ids.extend(p.token_ids)
+        if detok is not None:
+            detok.add_tokens(p.token_ids)
         req.output_logprobs += p.logprobs
         req.output_top_logprobs += p.top_logprobs
         req.cached_tokens, req.num_retractions = p.cached_tokens, p.num_retractions
         req.input_token_logprobs += p.input_token_logprobs
         req.input_top_logprobs += p.input_top_logprobs
         if p.finish_reason is not None:
-            if p.finish_message == "stop string":
-                req.detokenizer.find_stop()
+            if detok is not None and p.finish_message == "stop string":
+                detok.find_stop()
             req.finish_reason = FinishReason(p.finish_reason)
             req.finish_message = p.finish_message
-            req.detokenizer.finish()
+            if detok is not None:
+                detok.finish()
             del self.remote[p.rid]
         return req
 
@@ -622,7 +625,8 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
             if rank != control.rank:
                 continue
             sp = new.sampling_params
-            detok = IncrementalDetokenizer.for_request(tokenizer, new.input_ids, sp)
+            # Rank 0 makes the text from the progress reports: this rank decodes only to match stop strings.
+            detok = IncrementalDetokenizer.for_request(tokenizer, new.input_ids, sp) if sp.stop else None
             req = Req(rid=new.rid, origin_input_ids=new.input_ids, sampling_params=sp, seed=new.seed,
                       detokenizer=detok)
             live[new.rid] = (req, 0)

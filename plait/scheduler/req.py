@@ -30,7 +30,9 @@ class Req:
     origin_input_ids: list[int]
     sampling_params: SamplingParams
     seed: int  # every request has one: its own, or drawn at creation (draws never depend on the batch)
-    detokenizer: IncrementalDetokenizer
+    # None: a front end makes the text from the token ids (a request without stop strings), so the
+    # scheduler decodes nothing for it.
+    detokenizer: IncrementalDetokenizer | None
     output_ids: list[int] = field(default_factory=list)
     # Memory: the request-pool row and how many positions of fill_ids have KV in req_to_token.
     req_pool_idx: int | None = None

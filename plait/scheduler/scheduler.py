@@ -241,7 +241,7 @@ class Scheduler:
         self.kv.map(rows, positions, slots)
 
     def commit_tokens(self, req: Req, tokens: Sequence[int]) -> None:
-        if req.grammar is None and not req.detokenizer.stop:
+        if req.grammar is None and (req.detokenizer is None or not req.detokenizer.stop):
             self._append_plain_tokens(req, tokens)
         else:  # a matcher or stop strings look at every token
             for token in tokens:
@@ -543,7 +543,8 @@ class Scheduler:
         new = tokens[:take]
         req.output_ids.extend(new)
         self.stats.generation_tokens += take
-        req.detokenizer.add_tokens(new)
+        if req.detokenizer is not None:
+            req.detokenizer.add_tokens(new)
         if reason is not None:
             self._finish(req, reason, message)
 
@@ -563,14 +564,15 @@ class Scheduler:
         out.append(token)
         self.stats.generation_tokens += 1
         detok = req.detokenizer
-        detok.add_token(token)
+        if detok is not None:
+            detok.add_token(token)
         sp = req.sampling_params
         n = len(out)
         if n >= sp.min_new_tokens:
             if self._is_stop_token(sp, token):
                 self._finish(req, FinishReason.STOP, f"stop token {token}")
                 return
-            if detok.stop and detok.find_stop():
+            if detok is not None and detok.stop and detok.find_stop():
                 self._finish(req, FinishReason.STOP, "stop string")
                 return
         if n >= sp.max_new_tokens or len(req.origin_input_ids) + n >= self.runner.max_context_len:
@@ -579,7 +581,8 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason, message: str | None) -> None:
         req.finish_reason = reason
         req.finish_message = message
-        req.detokenizer.finish()
+        if req.detokenizer is not None:
+            req.detokenizer.finish()
         if self.spec_worker is not None:
             self.spec_worker.on_finish(req)
         if reason == FinishReason.ABORT:

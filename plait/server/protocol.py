@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from plait.sampling.params import MAX_TOP_LOGPROBS
 from plait.server.errors import APIError, bad_request, unsupported
@@ -109,8 +109,14 @@ class GenerationRequest(BaseModel):
     guided_grammar: str | None = None
 
 
+# A completion prompt: text, texts, token ids or lists of them. Token ids are tried first and strictly
+# (JSON integers only), then the alternatives in pydantic's lax order: a 512-id prompt validates in a
+# fifth of the smart union's time (which tries every alternative), with the same value for every input.
+Prompt = Annotated[list[StrictInt] | str | list[str] | list[int] | list[list[int]], Field(union_mode="left_to_right")]
+
+
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None  # number of top logprobs per token (OpenAI: 0..5)
     echo: bool = False
     suffix: str | None = None
@@ -177,7 +183,9 @@ def describe_errors(errors: list[Any]) -> tuple[str, str | None]:
             depth += 1
         tags = list(dict.fromkeys(lc[depth] for lc in locs))
         path = ".".join(locs[0][:depth])
-        value = first.get("input")
+        # The value the union was given: the input of an alternative that failed as a whole (an error
+        # inside one, at an element, has that element as its input).
+        value = min(same_field, key=lambda e: len(e["loc"])).get("input")
         got = _JSON_TYPES.get(type(value), type(value).__name__)
         return f"{path}: expected one of {', '.join(tags)}; got {got}", field
     return f"{'.'.join(loc)}: {first['msg']}", field

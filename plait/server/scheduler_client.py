@@ -36,6 +36,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from plait import envs
 from plait.config import EngineConfig
 from plait.engine.frontend import Frontend, PreparedRequest, RequestLimits
 from plait.engine.generation_config import sampling_defaults
@@ -52,7 +53,9 @@ from plait.engine.messages import (
     UpdateBatch,
     coalesce_updates,
     config_to_json,
+    front_end_detokenizes,
 )
+from plait.scheduler.detokenizer import IncrementalDetokenizer
 from plait.server.errors import APIError
 from plait.server.metrics import ServerMetrics
 from plait.server.request_log import RequestLog, RequestRecord
@@ -92,6 +95,8 @@ class SchedulerClient:
         self.on_fatal = on_fatal
         self.request_log = request_log
         self.max_stream_buffer = max_stream_buffer
+        # Make the text of requests without stop strings here, from their token ids (off the scheduler loop).
+        self.detokenize_here = envs.FRONTEND_DETOKENIZE.get()
         self._buffer_limits: dict[str, int] = {}  # rid -> most queued updates (streams only)
         self.state = State.STARTING
         self.dead_reason = ""
@@ -367,9 +372,14 @@ class SchedulerClient:
             if stream and self.max_stream_buffer is not None:
                 # Every choice of this request shares the queue.
                 self._buffer_limits[rid] = self.max_stream_buffer * len(rids)
+        # The requests whose text this process makes from their tokens (the scheduler sends none).
+        detoks = {rid: IncrementalDetokenizer.for_request(self.tokenizer, req.input_ids, req.sampling_params)
+                  for rid, req in zip(rids, requests, strict=True)
+                  if self.detokenize_here and front_end_detokenizes(req.sampling_params)}
         try:
             for rid, req in zip(rids, requests, strict=True):
-                self._send(GenerateRequest(rid, req.input_ids, req.sampling_params, req.seed, stream))
+                self._send(GenerateRequest(rid, req.input_ids, req.sampling_params, req.seed, stream,
+                                           detokenize=rid not in detoks))
             ready: collections.deque[RequestUpdate] = collections.deque()
             while pending:
                 if not ready:
@@ -381,6 +391,9 @@ class SchedulerClient:
                         batch.append(queue.get_nowait())
                     ready.extend(coalesce_updates(batch) if len(batch) > 1 else batch)
                 upd = ready.popleft()
+                detok = detoks.get(upd.rid)
+                if detok is not None and upd.error is None:
+                    upd.text = _text_of(detok, upd, stream)
                 if records is not None:
                     self._record(records[index[upd.rid]], upd)
                 if upd.error is not None:
@@ -428,3 +441,12 @@ class SchedulerClient:
         if upd.finished:
             self.metrics.e2e.observe(now - t.arrival)
 
+
+def _text_of(detok: IncrementalDetokenizer, upd: RequestUpdate, stream: bool) -> str:
+    """The text an update of a request that this process detokenizes carries: what the scheduler's
+    ``take_update`` would have put there (its tokens folded in, flushed at the finish; a non-streamed
+    request's text only at its end)."""
+    detok.add_tokens(upd.token_ids)
+    if upd.finished:
+        detok.finish()
+    return detok.take_delta(upd.finished) if stream or upd.finished else ""

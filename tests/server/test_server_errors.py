@@ -99,6 +99,19 @@ def test_empty_token_prompt_is_a_400(server, model_name, completion):
     assert_serves(server, model_name)
 
 
+def test_a_prompt_of_mixed_types_is_a_400_naming_the_alternatives_and_the_array(server, model_name, completion):
+    assert_error(completion({"prompt": ["a", 1]}), 400, param="prompt",
+                 contains="prompt: expected one of list[int], str, list[str], list[list[int]]; got an array")
+    assert_serves(server, model_name)
+
+
+def test_a_prompt_of_numeric_strings_is_two_text_prompts_not_token_ids():
+    from plait.server.protocol import CompletionRequest, parse_request
+
+    assert parse_request(CompletionRequest, b'{"prompt": ["1", "2"]}').prompt == ["1", "2"]
+    assert parse_request(CompletionRequest, b'{"prompt": [1, 2]}').prompt == [1, 2]
+
+
 def test_token_ids_outside_the_vocabulary_are_a_400(server, model_name, completion):
     assert_error(completion({"prompt": [1, 2, 512]}), 400, param="prompt", contains="input_ids must be in [0, 512)")
     assert_error(completion({"prompt": [1, -1, 3]}), 400, param="prompt", contains="input_ids")
