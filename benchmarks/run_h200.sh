@@ -140,6 +140,16 @@ for stage in "$@"; do
         PLAIT_FP8_GEMV_W8A8=${on#table} PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python -m plait bench quant \
           --workload decode-bs1 --out "$OUT/fp8-w8a8-$on" 2>&1 | grep -E '^\{"workload|Error'
       done ;;
+    gemv-wide)  # the tensor-core GEMV at 2..16 tokens searched wider (tune_gemv.py --wide: bf16, the 8b shapes, over the
+      # shipped table), then spec-ngram (a bs-1 verify is 5 rows) on the shipped table and on the fresh one
+      mkdir -p "$OUT/gemv-configs" && cp plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/" 2>/dev/null
+      python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --shapes llama-3.1-8b --kinds bf16 --m 2,4,8,16 --wide \
+        --budget-s "${GEMV_TUNE_S:-120}" 2>&1 | tee "$OUT/gemv-wide-tune.log" | grep -E 'M= ?[0-9]+:|precompiled|budget|wrote|Error'
+      for table in shipped wide; do
+        PLAIT_GEMV_CONFIG_DIR=$([ $table = wide ] && echo "$OUT/gemv-configs") python -m plait bench spec \
+          --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
+          --out "$OUT/gemv-wide-$table" 2>&1 | tail -2
+      done ;;
     gemv-moe)  # tune the bf16 GEMV at the MoE shapes' attention projections and routers (M 1-8) over the shipped table
       mkdir -p "$OUT/gemv-configs" && cp -n plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/"
       python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --shapes qwen3-30b-a3b,gpt-oss-20b --kinds bf16 \

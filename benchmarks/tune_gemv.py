@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
                     help="processes that precompile the candidates (1: compile in the timing loop)")
     ap.add_argument("--report", help="per-case timings (JSON); default: tune_gemv_report.json in --out")
+    ap.add_argument("--wide", action="store_true",
+                    help="at 2..16 tokens also try WIDE_DOT_TILES (plait.bench.gemv_tune): a longer search")
     ap.add_argument("--compare", action="store_true",
                     help="after tuning: FP8 weight-only vs W8A8 per shape and --m on the tables in force")
     args = ap.parse_args()
@@ -85,7 +87,7 @@ def main() -> None:
         report.write_text(json.dumps({"device": device, "rows": rows}, indent=1) + "\n")
 
     table, rows = tune(_csv(args.shapes), _csv(args.kinds), tuple(int(m) for m in _csv(args.m)), args.budget_s,
-                       args.jobs, save)
+                       args.jobs, save, wide=args.wide)
     save(table, rows)
     print(f"wrote {path} ({sum(len(b) for s in table.values() for b in s.values())} entries) and {report}")
     if args.compare:

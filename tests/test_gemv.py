@@ -247,3 +247,17 @@ def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_load
     for r in results:
         assert r["stack"] == 0 and r["regs"] <= 128, r  # no spills; >= 4 programs of 4 warps fit an SM
         assert r["pipelined_loads"] > 0, r  # num_stages turned the weight loads into async copies
+
+
+def test_wide_search_tiles_compile_for_sm90_without_spills():
+    """``tune_gemv.py --wide``'s extra tensor-core tiles, built for an H200 as the GPU launches them."""
+    import tests.gemv_aot as aot
+    from plait.bench.gemv_tune import WIDE_DOT_TILES
+    from tests.gemv_aot import run_aot_script
+
+    work = [("bf16", 8, 6144, 4096, GemvConfig(block_n=bn, block_k=k_bytes // 2, num_warps=warps,
+                                               num_stages=stages).to_json())
+            for bn, k_bytes, warps, stages in WIDE_DOT_TILES]
+    for r in run_aot_script(aot.__file__, work):
+        assert r["stack"] == 0, r  # no spills
+        assert r["pipelined_loads"] > 0, r

@@ -54,7 +54,7 @@ def weight_kind(kind: str) -> str:
     return kind.removesuffix("_mma")
 
 
-def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
+def _tiles(kind: str, m: int, wide: bool = False) -> list[tuple[int, int, int, int]]:
     """(block_n, block_k in bytes, num_warps, num_stages) tried for a kind and token count."""
     if is_w8a8(kind):
         # A step is one 128-column group whatever M is; 16+ weight rows per warp (one warpgroup MMA per
@@ -74,15 +74,26 @@ def _tiles(kind: str, m: int) -> list[tuple[int, int, int, int]]:
         tiles = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 3)]
         if kind == "fp8_block":
             tiles = [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3)]
+        elif wide:
+            tiles += WIDE_DOT_TILES
     return tiles
 
 
-def candidates(kind: str, m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
+# ``--wide`` (2..16 tokens, the tensor-core form, weights without block scales): rows per program, bytes
+# per step, warps and pipeline depth around the four tiles above, for a search the default budget skips.
+WIDE_DOT_TILES = [(16, 256, 2, 4), (16, 512, 4, 3), (16, 512, 4, 4), (16, 1024, 4, 3), (16, 128, 2, 6),
+                  (32, 128, 4, 5), (32, 256, 4, 3), (32, 256, 4, 5), (32, 512, 8, 4), (32, 512, 8, 3),
+                  (32, 1024, 8, 3), (32, 256, 8, 4), (64, 128, 4, 4), (64, 256, 4, 4), (64, 256, 8, 3),
+                  (64, 512, 8, 3), (64, 128, 8, 6)]
+
+
+def candidates(kind: str, m: int, n: int, k: int, num_sms: int, wide: bool = False) -> list[GemvConfig]:
     """The configs tried for one case: each tile with split-K off and at the balanced split (W8A8 tiles
-    at half of it too; the split's value does not change the compiled kernel)."""
+    at half of it too; the split's value does not change the compiled kernel); ``wide`` adds
+    WIDE_DOT_TILES at 2..16 tokens."""
     elem = 1 if kind.startswith("fp8") else 2
     out: list[GemvConfig] = []
-    for block_n, k_bytes, warps, stages in _tiles(kind, m):
+    for block_n, k_bytes, warps, stages in _tiles(kind, m, wide):
         block_k = k_bytes // elem
         base = GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, num_stages=stages)
         rows = max(block_n, 16 * warps) if is_w8a8(kind) else max(block_n, 1 if m == 1 else 16)
@@ -159,13 +170,13 @@ def rel_error(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bloc
 
 
 def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, block: tuple[int, int] | None,
-              num_sms: int) -> dict[str, Any]:
+              num_sms: int, wide: bool = False) -> dict[str, Any]:
     """Every candidate of one case timed; the result row (best config, its time and the default's)."""
     x = torch.randn(case.m, case.k, device=ws[0].device, dtype=torch.bfloat16)
     weight_bytes = case.n * case.k * ws[0].element_size()
     timed: list[tuple[float, GemvConfig]] = []
     w8a8 = is_w8a8(case.kind)
-    for cfg in candidates(case.kind, case.m, case.n, case.k, num_sms):
+    for cfg in candidates(case.kind, case.m, case.n, case.k, num_sms, wide):
         try:
             timed.append((time_config(x, ws, scale, block, cfg, w8a8=w8a8), cfg))
         except Exception as e:  # a config the compiler or the device rejects (shared memory, registers)
@@ -186,13 +197,14 @@ def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, bl
             "default_tb_s": weight_bytes / default_s / 1e12, "configs_timed": len(timed)}
 
 
-def _compile_work(all_cases: list[Case], num_sms: int) -> list[tuple[str, int, int, int, dict[str, int]]]:
+def _compile_work(all_cases: list[Case], num_sms: int, wide: bool = False
+                  ) -> list[tuple[str, int, int, int, dict[str, int]]]:
     """One (kind, N, K, M, config) per distinct compiled kernel among every case's candidates."""
     seen: set[tuple[Any, ...]] = set()
     work = []
     for c in all_cases:
         block = (128, 128) if weight_kind(c.kind) == "fp8_block" else None
-        for cfg in candidates(c.kind, c.m, c.n, c.k, num_sms):
+        for cfg in candidates(c.kind, c.m, c.n, c.k, num_sms, wide):
             key = (c.kind, plan_launch(c.m, c.n, c.k, block, cfg, is_w8a8(c.kind)).compile_key())
             if key not in seen:
                 seen.add(key)
@@ -218,11 +230,11 @@ def _precompile_chunk(items: list[tuple[str, int, int, int, dict[str, int]]]) ->
     return done
 
 
-def precompile(all_cases: list[Case], num_sms: int, jobs: int, timeout_s: float) -> None:
+def precompile(all_cases: list[Case], num_sms: int, jobs: int, timeout_s: float, wide: bool = False) -> None:
     """Compile every candidate in ``jobs`` spawned processes first (compiles dominate a cold sweep; the
     timing loop then loads them from Triton's cache). A failure, a crashed worker or ``timeout_s``
     leaves the remaining compiles to the timing loop."""
-    work = sorted(_compile_work(all_cases, num_sms), key=lambda w: w[:3])
+    work = sorted(_compile_work(all_cases, num_sms, wide), key=lambda w: w[:3])
     if jobs <= 1 or not work:
         return
     per = -(-len(work) // (2 * jobs))
@@ -242,15 +254,15 @@ def precompile(all_cases: list[Case], num_sms: int, jobs: int, timeout_s: float)
 
 def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_KINDS,
          ms: tuple[int, ...] = M_BUCKETS, budget_s: float = 55.0, jobs: int = 1,
-         save: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None, device: str = "cuda"
-         ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+         save: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None, device: str = "cuda",
+         wide: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(table in the config file's layout, result rows). Stops starting cases once ``budget_s`` is spent
     (the precompile included). ``save(table, rows)`` runs after every weight's cases, so a run stopped
     from outside keeps what it measured. ``device`` "cpu": the Triton interpreter (tests)."""
     _, num_sms = device_info(torch.empty(0, device=device))
     start = time.perf_counter()
     all_cases = cases(shapes, kinds, ms)
-    precompile(all_cases, num_sms, jobs, timeout_s=budget_s / 2)
+    precompile(all_cases, num_sms, jobs, timeout_s=budget_s / 2, wide=wide)
     table: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     for (kind, n, k), group in _grouped(all_cases):
@@ -261,7 +273,7 @@ def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_
         for case in group:
             if time.perf_counter() - start > budget_s:
                 break
-            row = tune_case(case, ws, scale, block, num_sms)
+            row = tune_case(case, ws, scale, block, num_sms, wide)
             rows.append(row)
             table.setdefault(kind, {}).setdefault(shape_key(n, k), {})[str(case.m)] = row["best"]
             print(f"{kind:12s} N={n:6d} K={k:6d} M={case.m:2d}: best {row['best_us']:7.2f} us "
