@@ -198,6 +198,10 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     schedule_policy: str = "fcfs"
     grammar_backend: str = "xgrammar"
+    # SGLang's --skip-tokenizer-init: no tokenizer is loaded (the checkpoint may have none). Requests
+    # are token ids and results token ids with empty text; what needs the tokenizer (text prompts, stop
+    # strings, grammars, chat templates, token strings) is refused naming the field.
+    skip_tokenizer_init: bool = False
     # SGLang's --allow-auto-truncate: a request over the context limit is cut to fit instead of refused
     # (plait.engine.frontend.Frontend.fit says how).
     allow_auto_truncate: bool = False
@@ -344,6 +348,8 @@ class EngineConfig:
                f"watchdog_timeout must be > 0 seconds (or unset: no watchdog), got {self.watchdog_timeout}")
         _check(self.decode_log_interval >= 0,
                f"decode_log_interval must be >= 0 steps (0: never), got {self.decode_log_interval}")
+        _check(not (self.skip_tokenizer_init and self.tokenizer),
+               f"skip_tokenizer_init loads no tokenizer: leave tokenizer unset (got {self.tokenizer!r})")
         _check(self.grammar_backend in GRAMMAR_BACKENDS,
                f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         _check(self.schedule_policy in SCHEDULE_POLICIES,

@@ -73,6 +73,9 @@ class EngineCore:
         if not detokenize and sampling_params.stop:
             raise ValueError(f"request {rid}: stop strings are matched on the scheduler's text, so it must "
                              "detokenize (detokenize=True)")
+        # Without a tokenizer (skip_tokenizer_init) there is no text to make (the front end refuses stop
+        # strings then).
+        detokenize = detokenize and self.tokenizer is not None
         detok = IncrementalDetokenizer.for_request(self.tokenizer, input_ids, sampling_params) if detokenize else None
         return Req(rid=rid, origin_input_ids=input_ids, sampling_params=sampling_params, seed=seed,
                    detokenizer=detok)
@@ -95,7 +98,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     """Load the model's config and tokenizer and build the runner and the scheduler for ``config``'s
     layout. The one place either is constructed for a front end."""
     model_config = load_target_config(config, config.resolved_device())
-    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
     from plait.parallel.data_parallel import is_plain_data_parallel
 
     if is_plain_data_parallel(config):
@@ -135,11 +138,14 @@ def _warmed(core: EngineCore) -> EngineCore:
     return core
 
 
-def grammar_backend(tokenizer: Any, model_config: ModelConfig) -> GrammarBackend:
+def grammar_backend(tokenizer: Any, model_config: ModelConfig) -> GrammarBackend | None:
     """The grammar compiler of one scheduler: the tokenizer over the model's (padded) vocabulary,
-    the model's EOS ids as the grammars' stop tokens. Cheap until the first constrained request."""
+    the model's EOS ids as the grammars' stop tokens. Cheap until the first constrained request. None
+    without a tokenizer (skip_tokenizer_init): the front end refuses grammars then."""
     from plait.sampling.grammar import GrammarBackend
 
+    if tokenizer is None:
+        return None
     return GrammarBackend(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
 

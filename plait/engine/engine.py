@@ -19,7 +19,7 @@ from typing import Any
 from plait import envs
 from plait.config import EngineConfig
 from plait.engine.core import LiveRequest, build_engine_core, matched_stop
-from plait.engine.frontend import Frontend, ParamsLike, Prompt, to_sampling_params
+from plait.engine.frontend import NO_TOKENIZER, Frontend, ParamsLike, Prompt, to_sampling_params
 from plait.engine.generation_config import sampling_defaults
 from plait.engine.heap import startup_heap_frozen
 from plait.engine.outputs import (
@@ -101,6 +101,8 @@ class Engine:
             params_list = [sampling_params] * len(prompt_list)  # type: ignore[list-item]
         params_list = [with_logprob_options(p, return_logprob, logprob_start_len, top_logprobs_num)
                        for p in params_list]
+        if return_text_in_logprobs and self.tokenizer is None:
+            raise ValueError(f"return_text_in_logprobs: a token's text needs the tokenizer, {NO_TOKENIZER}")
         text = self._token_text if return_text_in_logprobs else None
         if stream:
             if not single:
@@ -202,7 +204,8 @@ class Engine:
         return meta
 
     def _output(self, req: Req, e2e_latency: float | None = None, token_text: TokenText = None) -> RequestOutput:
-        return RequestOutput(rid=req.rid, text=req.detokenizer.final_text(), token_ids=list(req.output_ids),
+        text = req.detokenizer.final_text() if req.detokenizer is not None else ""  # "": skip_tokenizer_init
+        return RequestOutput(rid=req.rid, text=text, token_ids=list(req.output_ids),
                              finish_reason=req.finish_reason.value if req.finish_reason else None,
                              meta_info=self._meta(req, e2e_latency, token_text))
 

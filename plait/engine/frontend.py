@@ -79,8 +79,13 @@ class PreparedRequest:
     seed: int
 
 
+# Why a request that needs text is refused by an engine without a tokenizer.
+NO_TOKENIZER = "which this engine does not load (skip_tokenizer_init)"
+
+
 class Frontend:
-    """Tokenization and validation; raises ``ValueError`` naming the field and the limit."""
+    """Tokenization and validation; raises ``ValueError`` naming the field and the limit. ``tokenizer``
+    None (EngineConfig.skip_tokenizer_init): prompts are token ids, and what needs text is refused."""
 
     def __init__(self, tokenizer: Any, limits: RequestLimits, seed: int = 0,
                  sampling_defaults: Mapping[str, Any] | None = None, constrained: bool = True,
@@ -100,6 +105,9 @@ class Frontend:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(f"prompt: a text prompt needs the tokenizer, {NO_TOKENIZER}; send token ids "
+                                 "(input_ids)")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(map(int, prompt))
@@ -124,6 +132,12 @@ class Frontend:
             params = {**self.sampling_defaults, **given}
         sp = to_sampling_params(params)
         sp.validate_against(self.limits.vocab_size)
+        if self.tokenizer is None:
+            if sp.stop:
+                raise ValueError(f"stop: stop strings are matched on the text, which needs the tokenizer, "
+                                 f"{NO_TOKENIZER}; use stop_token_ids")
+            if sp.grammar is not None:
+                raise ValueError(f"{sp.grammar[0]}: constrained decoding needs the tokenizer, {NO_TOKENIZER}")
         if sp.grammar is not None and not self.constrained:
             raise ValueError(f"{sp.grammar[0]}: constrained decoding is off in this engine (grammar_backend none)")
         return sp

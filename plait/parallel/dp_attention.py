@@ -609,11 +609,11 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     from plait.sampling.grammar import GrammarBackend
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
-    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
     # Each rank compiles and applies the grammars of the requests it schedules.
     mc = runner.model_config
-    scheduler = Scheduler(config, runner, create_spec_worker(config, runner),
-                          grammar_backend=GrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_ids))
+    grammars = GrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
+    scheduler = Scheduler(config, runner, create_spec_worker(config, runner), grammar_backend=grammars)
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:

@@ -86,9 +86,21 @@ class ServerArgs:
                 raise ValueError(message)
 
 
+def check_text_flags(config: EngineConfig, args: ServerArgs) -> None:
+    """Server flags that read the text refused with --skip-tokenizer-init (no tokenizer, no text)."""
+    if not config.skip_tokenizer_init:
+        return
+    names = ("tool_call_parser", "reasoning_parser", "chat_template")
+    given = ["--" + name.replace("_", "-") for name in names if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} read the text, which needs the tokenizer: drop them or "
+                         "--skip-tokenizer-init")
+
+
 def build_app(config: EngineConfig, args: ServerArgs,
               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
     model_name, *aliases = args.served_model_name or (config.model,)
+    check_text_flags(config, args)
     metrics = ServerMetrics(model_name, sglang_names=args.sglang_metrics)
     client = SchedulerClient(config, metrics, args.max_queued_requests, on_fatal,
                              RequestLog(args.log_requests_level) if args.log_requests else None,

@@ -30,7 +30,7 @@ from typing import Any
 import uvicorn
 
 from plait.config import EngineConfig
-from plait.server.app import ServerArgs, build_app
+from plait.server.app import ServerArgs, build_app, check_text_flags
 from plait.server.operator_flags import flatten_origins
 from plait.server.scheduler_client import SchedulerClient
 
@@ -129,4 +129,5 @@ def cmd_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         logger.info("no --model given: serving the built-in demo model, %s, at %s", demo.description, model)
     sargs = server_args_from(args)  # checked before the model loads
     config = EngineConfig.from_kwargs(model=model, **engine_options)
+    check_text_flags(config, sargs)
     return run_server(config, sargs)

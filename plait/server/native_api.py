@@ -293,6 +293,8 @@ class NativeServing:
         items, single = await self.prompt_work.run(self._items, req)
         groups = self._group(items)
         gen = self.client.generate([it.prepared for it in items], stream=req.stream, rids=[it.rid for it in items])
+        if req.return_text_in_logprobs:
+            self.client.need_tokenizer("return_text_in_logprobs", "a token's text")
         text = self._token_text if req.return_text_in_logprobs else None
         start = time.perf_counter()
         outputs = [_Output(it, start) for it in items]
@@ -367,7 +369,7 @@ class NativeServing:
         req = parse_body(TokenizeRequest, await request.body())
         self._check_model(req.model)
         self.client.check_accepting()
-        tok = self.client.tokenizer
+        tok = self.client.need_tokenizer("prompt", "tokenizing")
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         tokens = await self.prompt_work.run(
             lambda: [tok.encode(p, add_special_tokens=req.add_special_tokens) for p in prompts])
@@ -382,7 +384,7 @@ class NativeServing:
         req = parse_body(DetokenizeRequest, await request.body())
         self._check_model(req.model)
         self.client.check_accepting()
-        tok = self.client.tokenizer
+        tok = self.client.need_tokenizer("tokens", "detokenizing")
         single = not req.tokens or isinstance(req.tokens[0], int)
         lists: list[list[int]] = [req.tokens] if single else req.tokens  # type: ignore[list-item]
         vocab = len(tok)
@@ -400,8 +402,11 @@ class NativeServing:
         if self.client.state != State.READY:
             return Response(status_code=503)
         tok = self.client.tokenizer
-        probe = tok.bos_token_id if tok.bos_token_id is not None else (tok.encode("hi", add_special_tokens=False)
-                                                                       or [0])[0]
+        if tok is None:  # --skip-tokenizer-init: any token is a probe
+            probe = 0
+        else:
+            probe = tok.bos_token_id if tok.bos_token_id is not None else (
+                tok.encode("hi", add_special_tokens=False) or [0])[0]
         sp = SamplingParams(max_new_tokens=1, temperature=0.0)
         gen = self.client.generate([PreparedRequest([probe], sp, 0)], stream=False,
                                    rids=[f"health-generate-{uuid.uuid4().hex}"])

@@ -194,6 +194,8 @@ class OpenAIServing:
             texts = [prompt]
         elif prompt and isinstance(prompt[0], str):
             texts = list(prompt)
+        if any(text is None or cut for text, cut in zip(texts, truncated, strict=True)):
+            self.client.need_tokenizer("echo", "echoing a token-id prompt")
         return [text if text is not None and not cut else self.client.tokenizer.decode(ids)
                 for text, ids, cut in zip(texts, prompt_ids, truncated, strict=True)]
 
@@ -204,6 +206,8 @@ class OpenAIServing:
         self.client.check_accepting()
         max_new = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         top = req.logprobs or 0
+        if req.logprobs is not None:
+            self.client.need_tokenizer("logprobs", "logprobs (each token named by its text)")
         # echo with logprobs scores the prompt too (OpenAI lists its tokens first).
         sp = self._sampling(req, max_new, req.logprobs is not None, top, "max_tokens", 0 if req.echo else -1)
         if ids_only(req.prompt):
@@ -222,7 +226,7 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ---
     def _chat_prompt(self, req: protocol.ChatCompletionRequest, tool_plan: ToolPlan) -> list[int]:
-        tok = self.client.tokenizer
+        tok = self.client.need_tokenizer("messages", "a chat completion (the chat template and the reply's text)")
         kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
                                   "continue_final_message": req.continue_final_message}
         if req.reasoning_effort is not None:

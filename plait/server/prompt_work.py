@@ -60,7 +60,7 @@ def encode_bounded(frontend: Frontend, text: str, add_special_tokens: bool) -> l
 
 def tokenize_prompt(frontend: Frontend, prompt: str | list[int]) -> list[int]:
     """Frontend.tokenize with the prefix bound for text prompts."""
-    if isinstance(prompt, str) and prompt:
+    if isinstance(prompt, str) and prompt and frontend.tokenizer is not None:  # else tokenize says why not
         ids = encode_bounded(frontend, prompt, add_special_tokens=True)
         frontend.check_input_ids(ids)
         return ids

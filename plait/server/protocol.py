@@ -326,7 +326,7 @@ def sampling_dict(req: GenerationRequest, max_new_tokens: int, logprobs: bool, t
 def rename_fields(message: str, max_tokens_name: str) -> tuple[str, str | None]:
     """Rewrite a SamplingParams error in the client's vocabulary; return it and the field named."""
     message = message.replace("max_new_tokens", max_tokens_name).replace("min_new_tokens", "min_tokens")
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].removesuffix(":")  # "stop: ...", "json_schema: ..." name their field too
     param = first if first.replace("_", "").isalpha() else None
     return message, param
 

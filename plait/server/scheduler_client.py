@@ -135,9 +135,19 @@ class SchedulerClient:
         self._tasks.append(asyncio.create_task(self._startup()))
 
     def _load_tokenizer(self) -> Any:
+        if self.config.skip_tokenizer_init:
+            return None
         from plait.models.loader import load_tokenizer  # slow first import: keep it off the event loop
 
         return load_tokenizer(self.config.tokenizer or self.config.model)
+
+    def need_tokenizer(self, param: str, what: str) -> Any:
+        """The tokenizer, or a 400 naming ``param`` when the server runs without one (--skip-tokenizer-init):
+        ``what`` needs it."""
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs the tokenizer, which this server does not load "
+                                "(--skip-tokenizer-init)", param=param)
+        return self.tokenizer
 
     async def _startup(self) -> None:
         try:
@@ -375,7 +385,8 @@ class SchedulerClient:
         # The requests whose text this process makes from their tokens (the scheduler sends none).
         detoks = {rid: IncrementalDetokenizer.for_request(self.tokenizer, req.input_ids, req.sampling_params)
                   for rid, req in zip(rids, requests, strict=True)
-                  if self.detokenize_here and front_end_detokenizes(req.sampling_params)}
+                  if self.detokenize_here and self.tokenizer is not None
+                  and front_end_detokenizes(req.sampling_params)}
         try:
             for rid, req in zip(rids, requests, strict=True):
                 self._send(GenerateRequest(rid, req.input_ids, req.sampling_params, req.seed, stream,
