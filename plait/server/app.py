@@ -56,6 +56,7 @@ class ServerArgs:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    response_role: str = "assistant"  # vLLM's --response-role
     # plait.server.operator_flags
     api_key: str | None = None
     allowed_origins: tuple[str, ...] | None = None  # None: every origin
@@ -105,7 +106,8 @@ def build_app(config: EngineConfig, args: ServerArgs,
     client = SchedulerClient(config, metrics, args.max_queued_requests, on_fatal,
                              RequestLog(args.log_requests_level) if args.log_requests else None,
                              args.max_stream_buffer)
-    chat_options = ChatOptions.from_flags(args.tool_call_parser, args.reasoning_parser, args.chat_template)
+    chat_options = ChatOptions.from_flags(args.tool_call_parser, args.reasoning_parser, args.chat_template,
+                                          args.response_role)
     serving = OpenAIServing(client, model_name, config, trust_request_chat_template=args.trust_request_chat_template,
                             max_rendered_chars=args.max_payload_bytes, chat_options=chat_options,
                             model_aliases=tuple(aliases))

@@ -52,6 +52,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the certificate (PEM) of --ssl-keyfile")
     group.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template that replaces the checkpoint's (e.g. a tools-aware one)")
+    group.add_argument("--response-role", default="assistant", metavar="ROLE",
+                       help="vLLM's: the role of a chat reply to a request with add_generation_prompt (the default "
+                            "'assistant'); a request without one is answered in its last message's role")
     add_operator_flags(parser)
 
 

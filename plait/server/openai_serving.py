@@ -93,6 +93,7 @@ class _Job:
     # Chat: turns a choice's text into content, reasoning_content and tool_calls.
     tool_plan: ToolPlan | None = None
     chat_options: ChatOptions = field(default_factory=ChatOptions)
+    role: str = "assistant"  # the role of a chat reply's message
 
     def chat_output(self) -> ChatOutput:
         assert self.tool_plan is not None
@@ -282,7 +283,8 @@ class OpenAIServing:
                    self._fan_out([(ids, sp)], req.n), req.logprobs, top, req.return_token_ids,
                    bool(req.stream_options and req.stream_options.include_usage), tool_plan=tool_plan,
                    continuous_usage=protocol.continuous_usage(req),
-                   chat_options=self.chat_options)
+                   chat_options=self.chat_options,
+                   role=self.chat_options.response_role if req.add_generation_prompt else req.messages[-1].role)
         return await self._respond(request, job, req.stream)
 
     # --- running a job ---
@@ -311,7 +313,8 @@ class OpenAIServing:
             text, lp = self._with_echo(job, i, c, c.text, c.token_ids, c.logprobs, c.top_logprobs)
             if job.kind == "chat":
                 output = job.chat_output()
-                choice: dict[str, Any] = {"index": i, "message": output.message(c.text), "logprobs": lp,
+                choice: dict[str, Any] = {"index": i, "message": {**output.message(c.text), "role": job.role},
+                                          "logprobs": lp,
                                           "finish_reason": output.finish_reason(c.finish_reason)}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
@@ -345,7 +348,7 @@ class OpenAIServing:
                 lp = self._logprobs(job, c, upd.token_ids, upd.logprobs or [], upd.top_logprobs or [])
             if chat:
                 if first:
-                    delta = {"role": "assistant", "content": ""}
+                    delta = {"role": job.role, "content": ""}
                 choice: dict[str, Any] = {"index": i, "delta": delta or {}, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}

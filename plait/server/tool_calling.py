@@ -55,8 +55,13 @@ class ChatOptions:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    # vLLM's --response-role: the role of the reply's message when the request asks for a generation
+    # prompt (else the reply continues the last message, in its role).
+    response_role: str = "assistant"
 
     def __post_init__(self) -> None:
+        if not self.response_role.strip():
+            raise ValueError("--response-role must name a role, got an empty string")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
                              f"got {self.tool_call_parser!r}")
@@ -72,7 +77,7 @@ class ChatOptions:
 
     @classmethod
     def from_flags(cls, tool_call_parser: str | None, reasoning_parser: str | None,
-                   chat_template: str | None) -> ChatOptions:
+                   chat_template: str | None, response_role: str = "assistant") -> ChatOptions:
         text = None
         if chat_template is not None:
             try:
@@ -81,7 +86,7 @@ class ChatOptions:
                 raise ValueError(f"--chat-template: cannot read {chat_template}: {e.strerror or e}") from None
             if not text.strip():
                 raise ValueError(f"--chat-template: {chat_template} is empty")
-        return cls(tool_call_parser, reasoning_parser, text)
+        return cls(tool_call_parser, reasoning_parser, text, response_role)
 
     @property
     def keeps_special_tokens(self) -> bool:

@@ -1,6 +1,6 @@
 """SGLang launch flags that change what `plait serve` does with a request or writes to its log, on a
 server of their own: --allow-auto-truncate, --decode-log-interval, --schedule-policy lpm and
---incremental-streaming-output."""
+--incremental-streaming-output; and vLLM's --response-role."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ CONTEXT = 64
 def srv(start_server):
     return start_server("sglang-flags", allow_auto_truncate=True, context_length=CONTEXT, decode_log_interval=2,
                         schedule_policy="lpm", watchdog_timeout=120, incremental_streaming_output=True,
-                        served_model_name=["plait-tiny", "tiny-alias"])
+                        served_model_name=["plait-tiny", "tiny-alias"], response_role="bot")
 
 
 def completion(srv, prompt, max_tokens: int) -> dict:
@@ -89,3 +89,26 @@ def test_echo_of_a_cut_prompt_is_the_text_the_model_saw(srv, offline_engine):
     assert r.status_code == 200, r.text
     kept = offline_engine.tokenizer.encode(long_text)[-(CONTEXT - 1):]
     assert r.json()["choices"][0]["text"].startswith(offline_engine.tokenizer.decode(kept))
+
+
+def _chat(srv, **fields) -> httpx.Response:
+    body = {"model": "plait-tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, **fields}
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=HTTP_TIMEOUT)
+
+
+def test_a_chat_reply_takes_the_response_role(srv):
+    r = _chat(srv)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "bot"
+
+
+def test_a_streamed_chat_reply_opens_with_the_response_role(srv):
+    r = _chat(srv, stream=True)
+    first = json.loads(next(line for line in r.text.splitlines() if line.startswith("data: {")).removeprefix("data: "))
+    assert first["choices"][0]["delta"]["role"] == "bot"
+
+
+def test_a_chat_without_a_generation_prompt_replies_in_the_last_messages_role(srv):
+    r = _chat(srv, add_generation_prompt=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "user"
