@@ -99,13 +99,16 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 # A scheduler process that speaks the wire protocol and produces one token (" x") per running
-# request every STEP_MS, as fast a step rate as a GPU engine's: what the HTTP process then does is the
+# request every STEP_MS (or TOKENS of them per update, as a stream interval does), as fast a step rate
+# as a GPU engine's; a request the HTTP process detokenizes (GenerateRequest.detokenize False) gets
+# its token ids without text, as from the real scheduler. What the HTTP process then does is the
 # serving path's own cost, at a token rate this CPU's model could not reach. Profiling only.
 REPLAY_SCHEDULER = '''
 import os, sys, time, zmq
 from plait.engine.messages import (AbortRequest, GenerateRequest, Ready, RequestUpdate, SchedulerSnapshot,
                                    ShutdownRequest, UpdateBatch)
-step_s = float(sys.argv[1]) / 1000
+step_ms, _, per_update = sys.argv[1].partition("x")  # "STEP_MSxTOKENS": TOKENS per update every STEP_MS
+step_s, per_update = float(step_ms) / 1000, int(per_update or 1)
 argv = sys.argv[2:]
 req_addr, out_addr = argv[argv.index("--requests-addr") + 1], argv[argv.index("--outputs-addr") + 1]
 ctx = zmq.Context()
@@ -114,7 +117,13 @@ pull.connect(req_addr)
 push.connect(out_addr)
 push.send_pyobj(Ready(pid=os.getpid(), vocab_size=512, max_context_len=8192, max_total_tokens=1 << 22,
                       max_running_requests=4096, eos_token_ids=(2,), runner_info={"device": "cpu"}, device_name="cpu"))
-live = {}  # rid -> [max_new_tokens, produced, prompt_len]
+# Ids the tiny model's tokenizer decodes to whole text (as a real model's output mostly does): ids that
+# decode to a partial UTF-8 sequence keep an incremental detokenizer's window open, a worst case.
+from plait.models.loader import load_tokenizer
+_tok = load_tokenizer(argv[argv.index("--config-json") + 1] and __import__("json").loads(
+    argv[argv.index("--config-json") + 1])["model"])
+WORDS = [i for i in range(3, 512) if (t := _tok.decode([i])) and "\ufffd" not in t]
+live = {}  # rid -> [max_new_tokens, produced, prompt_len, text]
 next_step = time.perf_counter()
 while True:
     updates = []
@@ -125,7 +134,8 @@ while True:
             except zmq.Again:
                 break
             if isinstance(msg, GenerateRequest):
-                live[msg.rid] = [msg.sampling_params.max_new_tokens, 0, len(msg.input_ids)]
+                live[msg.rid] = [msg.sampling_params.max_new_tokens, 0, len(msg.input_ids),
+                                 " x" if msg.detokenize else ""]
                 updates.append(RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids)))
             elif isinstance(msg, AbortRequest):
                 for rid in msg.rids:
@@ -134,8 +144,10 @@ while True:
             elif isinstance(msg, ShutdownRequest):
                 sys.exit(0)
     for rid, st in list(live.items()):
-        st[1] += 1
-        upd = RequestUpdate(rid, [100 + st[1] % 300], " x", prompt_tokens=st[2], completion_tokens=st[1])
+        k = min(per_update, st[0] - st[1])
+        ids = [WORDS[(st[1] + j + 1) % len(WORDS)] for j in range(k)]
+        st[1] += k
+        upd = RequestUpdate(rid, ids, st[3] and " x" * k, prompt_tokens=st[2], completion_tokens=st[1])
         if st[1] >= st[0]:
             upd.finish_reason = "length"
             del live[rid]
@@ -149,13 +161,13 @@ while True:
 
 
 def _serve(model: str, port: int, log: Any, profile_to: str | None, extra: list[str],
-           replay_step_ms: float | None) -> subprocess.Popen[bytes]:
+           replay_step_ms: str | None) -> subprocess.Popen[bytes]:
     # --server-tree: the HTTP and scheduler processes import that source tree (a before/after pair).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if SERVER_TREE:
         env["PYTHONPATH"] = SERVER_TREE
     main_src = f"REPLAY = {REPLAY_SCHEDULER!r}\n" + _SERVER_MAIN
-    cmd = [sys.executable, "-c", main_src, profile_to or "", "" if replay_step_ms is None else str(replay_step_ms),
+    cmd = [sys.executable, "-c", main_src, profile_to or "", "" if replay_step_ms is None else replay_step_ms,
            "serve", "--model", model, "--port", str(port), "--device", "cpu",
            "--max-running-requests", "256", "--max-total-tokens", "65536", *extra]
     # Run from that tree too: ``python -c`` puts the working directory first on sys.path.
@@ -163,7 +175,7 @@ def _serve(model: str, port: int, log: Any, profile_to: str | None, extra: list[
 
 
 def run_server_load(model: str, requests: list[tuple[list[int], int]], log_dir: str, profile_to: str | None,
-                    extra: list[str], replay_step_ms: float | None = None) -> dict[str, Any]:
+                    extra: list[str], replay_step_ms: str | None = None) -> dict[str, Any]:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     with open(pathlib.Path(log_dir) / f"serve-{'prof' if profile_to else 'plain'}.log", "w") as log:
@@ -351,6 +363,8 @@ def main() -> int:
                     help="extra `plait serve` flag (repeat; e.g. --serve-flag=--stream-interval --serve-flag=4)")
     ap.add_argument("--server-tree", default=None, help="source tree the server imports (default: this one)")
     ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
+    ap.add_argument("--replay-tokens", type=int, default=1,
+                    help="with --replay-step-ms: tokens per update (a stream interval), one update per step")
     ap.add_argument("--replay-step-ms", type=float, default=None,
                     help="replace the scheduler process by one that gives every running request a token each "
                     "this many ms (the HTTP side at a GPU's token rate; 8.6 ~ 256 streams at 30k tok/s)")
@@ -376,12 +390,13 @@ def main() -> int:
         result["collect_step"] = collect_step(model, 256)
         print(json.dumps({"collect_step_256": result["collect_step"]}), flush=True)
         return 0
-    plain = run_server_load(model, requests, tmp, None, args.serve_flag, args.replay_step_ms)
+    replay = None if args.replay_step_ms is None else f"{args.replay_step_ms}x{args.replay_tokens}"
+    plain = run_server_load(model, requests, tmp, None, args.serve_flag, replay)
     result["plain"] = plain
     print(json.dumps(plain), flush=True)
     if not args.no_profile:
         prof_path = str(pathlib.Path(tmp) / "http.prof")
-        prof = run_server_load(model, requests, tmp, prof_path, args.serve_flag, args.replay_step_ms)
+        prof = run_server_load(model, requests, tmp, prof_path, args.serve_flag, replay)
         result["profiled"] = prof
         stats = pstats.Stats(prof_path)
         result["groups"] = profile_groups(stats, prof["chunks"], plain["http_cpu_us_per_chunk"])
