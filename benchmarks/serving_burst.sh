@@ -77,7 +77,9 @@ for run in ("cold", "warm", "interval"):
         if loop.get("iterations"):
             per = loop["ms_per_iteration"]
             print(f"{'':8s} scheduler loop: {loop['iterations']} iterations, ms each: step {per['step']:.2f}, "
-                  f"collect {per['collect']:.2f}, send {per['send']:.2f}, recv {per['recv']:.2f}")
+                  f"collect {per['collect']:.2f}, send {per['send']:.2f}, recv {per['recv']:.2f}; step of the "
+                  f"{loop.get('prefill_iterations')} prefilling ones {num(loop.get('step_ms_per_prefill_iteration'), '.2f')}, "
+                  f"of the decode-only ones {num(loop.get('step_ms_per_decode_iteration'), '.2f')}")
 if summary.get("poisson"):
     p = summary["poisson"]
     print(f"poisson  TTFT p50 {num(p['ttft_p50_ms'], '.1f')} ms, p99 {num(p['ttft_p99_ms'], '.1f')} ms; "

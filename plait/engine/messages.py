@@ -155,13 +155,17 @@ class LoopSeconds:
     waits for requests excluded): ``recv_s`` taking and handling requests, ``step_s`` the scheduler's
     steps (on a GPU with overlap scheduling this includes waiting for the forward in flight),
     ``collect_s`` building the updates (detokenization), ``send_s`` sending them (pickling, ZMQ).
-    ``iterations``: loop iterations that stepped the scheduler."""
+    ``iterations``: loop iterations that stepped the scheduler; ``prefill_iterations`` and
+    ``prefill_step_s``: those of them, and their step time, that began with requests waiting or in
+    prefill (a step that prefills, alone or beside decode rows), so decode-only steps are the rest."""
 
     iterations: int = 0
     recv_s: float = 0.0
     step_s: float = 0.0
     collect_s: float = 0.0
     send_s: float = 0.0
+    prefill_iterations: int = 0
+    prefill_step_s: float = 0.0
 
 
 @dataclass(frozen=True)

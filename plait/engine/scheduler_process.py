@@ -82,6 +82,7 @@ class SchedulerProcess:
         # LoopSeconds' fields, accumulated here: iterations, then recv, step, collect, send seconds.
         self.loop_iterations = 0
         self.loop_seconds = [0.0, 0.0, 0.0, 0.0]
+        self.prefill_iterations, self.prefill_step_s = 0, 0.0  # LoopSeconds' prefill share
         self.decode_log = DecodeLog(config.decode_log_interval)
         self.watchdog: StepWatchdog | None = None  # started once loaded: loading is not a step
 
@@ -123,6 +124,7 @@ class SchedulerProcess:
                 return
             t1 = clock()
             stepped = self.scheduler.has_work()
+            prefills = stepped and bool(self.scheduler.waiting or self.scheduler.prefilling)
             if stepped:
                 if self.watchdog is not None:
                     self.watchdog.begin()
@@ -141,16 +143,21 @@ class SchedulerProcess:
                 # loop times change every busy iteration, so they are not part of the comparison: they
                 # ride along with what is sent (a loop that steps without output, e.g. waiting for a
                 # grammar, would otherwise send a snapshot per spin).
-                loop = LoopSeconds(self.loop_iterations, *self.loop_seconds)
+                loop = LoopSeconds(self.loop_iterations, *self.loop_seconds, self.prefill_iterations,
+                                   self.prefill_step_s)
                 self.push.send_pyobj(UpdateBatch(updates, dataclasses.replace(stats, loop=loop), rows))
                 self.last_stats = stats
             if stepped or updates or rows:  # idle polls are not the loop's work
-                self._account(t0, t1, t2, t3, clock(), stepped)
+                self._account(t0, t1, t2, t3, clock(), stepped, prefills)
 
-    def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, stepped: bool) -> None:
+    def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, stepped: bool,
+                 prefills: bool) -> None:
         """Add one loop iteration's phases (perf_counter stamps) to the loop times the next snapshot
         carries."""
         self.loop_iterations += stepped
+        if prefills:
+            self.prefill_iterations += 1
+            self.prefill_step_s += t2 - t1
         self.loop_seconds[0] += t1 - t0
         self.loop_seconds[1] += t2 - t1
         self.loop_seconds[2] += t3 - t2

@@ -312,8 +312,14 @@ def scheduler_loop_during(before: dict[str, float], after: dict[str, float]) -> 
 
     iterations = int(delta("iterations"))
     seconds = {phase: delta(f"{phase}_seconds") for phase in LOOP_PHASES}
+    prefills, prefill_s = int(delta("prefill_iterations")), delta("prefill_step_seconds")
+    decodes, decode_s = iterations - prefills, seconds["step"] - prefill_s
     return {"iterations": iterations, **{f"{phase}_s": v for phase, v in seconds.items()},
-            "ms_per_iteration": {phase: 1e3 * v / iterations for phase, v in seconds.items()} if iterations else {}}
+            "ms_per_iteration": {phase: 1e3 * v / iterations for phase, v in seconds.items()} if iterations else {},
+            # The step split by what it ran: steps that prefill (alone or beside decode rows), decode-only ones.
+            "prefill_iterations": prefills,
+            "step_ms_per_prefill_iteration": 1e3 * prefill_s / prefills if prefills else None,
+            "step_ms_per_decode_iteration": 1e3 * decode_s / decodes if decodes else None}
 
 
 def settled_metrics(base_url: str, timeout: float = 5.0) -> dict[str, float]:

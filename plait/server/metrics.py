@@ -84,6 +84,10 @@ class _SchedulerCollector(Collector):
              s.loop.collect_s),
             ("plait:scheduler_loop_send_seconds", "Scheduler-process loop: sending updates (pickling, ZMQ).",
              s.loop.send_s),
+            ("plait:scheduler_loop_prefill_iterations", "Scheduler-process loop iterations whose step began with "
+             "requests waiting or in prefill.", s.loop.prefill_iterations),
+            ("plait:scheduler_loop_prefill_step_seconds", "Scheduler-process loop: the steps of those iterations.",
+             s.loop.prefill_step_s),
         ]
         if self.metrics.sglang_names:
             gauges += [

@@ -29,6 +29,9 @@ def test_bench_serve_writes_the_serving_result_with_zero_errors_and_no_kv_left(s
     loop = result["scheduler_loop"]  # the scheduler process's loop during the load
     assert loop["iterations"] > 0 and loop["step_s"] > 0
     assert set(loop["ms_per_iteration"]) == {"recv", "step", "collect", "send"}
+    # Every request's prompt is prefilled in some step; most steps then only decode.
+    assert 0 < loop["prefill_iterations"] < loop["iterations"]
+    assert loop["step_ms_per_prefill_iteration"] > 0 and loop["step_ms_per_decode_iteration"] > 0
 
 
 def _lines(chunks: list[bytes]) -> list[str]:

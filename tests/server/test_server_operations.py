@@ -216,7 +216,8 @@ def test_the_prefix_cache_counts_queries_and_hits(server, model_name):
     assert 0 < counts[-1]["plait:prefix_cache_hit_rate"] <= 1
 
 
-LOOP = ("iterations", "recv_seconds", "step_seconds", "collect_seconds", "send_seconds")
+LOOP = ("iterations", "recv_seconds", "step_seconds", "collect_seconds", "send_seconds", "prefill_iterations",
+        "prefill_step_seconds")
 
 
 def test_the_scheduler_loop_times_its_phases_while_it_works_and_not_while_idle(server, model_name):
@@ -228,6 +229,9 @@ def test_the_scheduler_loop_times_its_phases_while_it_works_and_not_while_idle(s
     # A step per generated token; the times ride with the updates, so the last iteration's may not have.
     assert grew["iterations"] >= 10
     assert grew["step_seconds"] > 0 and all(v >= 0 for v in grew.values())
+    # One prompt: its prefill step (or chunks); the other steps decode.
+    assert 1 <= grew["prefill_iterations"] < grew["iterations"]
+    assert 0 < grew["prefill_step_seconds"] < grew["step_seconds"]
     time.sleep(0.3)  # idle: the loop adds nothing, so no snapshot changes them
     idle = server.metrics()
     assert all(idle[f"plait:scheduler_loop_{k}_total"] == after[f"plait:scheduler_loop_{k}_total"] for k in LOOP)
