@@ -344,6 +344,14 @@ for stage in "$@"; do
       python benchmarks/kernels_bench.py --heads 32,8,128 --sweep-extend 16x512+0,16x1024+0,4x1024+1024 2>&1 | tail -3 ;;
     attn-decode-short) python benchmarks/kernels_bench.py --sweep-decode 1x128,1x256,1x384,1x1024,16x384 2>&1 | tail -6 ;;
     serving-burst) BUDGET_S=${BURST_S:-280} OUT=$OUT bash benchmarks/serving_burst.sh 2>&1 | tail -12 ;;
+    # The burst (1b, 256 x 512/128) with clients that do not stream (one JSON answer each), twice: the first
+    # run fills the Triton cache.
+    serving-burst-nostream)
+      for run in warmup r1; do
+        python -m plait bench serve --workload serving-burst --shape llama-3.2-1b --num-prompts 256 --input-len 512 \
+          --output-len 128 --client-procs 4 --no-stream --out "$OUT/nostream-$run" 2>&1 | grep -E '^\{"workload|Error' \
+          | cut -c1-300
+      done ;;
     # The warm burst (1b, 256 x 512/128) served and loaded from another tree (.ab/base: carry it, made with
     # `git archive <commit> plait | tar -x -C .ab/base`) and from this one, alternated after a run of each that
     # fills the Triton cache: a regression of the serving path between two commits, found in one call.

@@ -117,49 +117,35 @@ async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
         yield buf.rstrip(b"\r").decode("utf-8")
 
 
-async def _one(url: str, model: str, prompt: list[int], output_len: int, timeout: float) -> RequestResult:
+async def _one(url: str, model: str, prompt: list[int], output_len: int, timeout: float,
+               stream: bool = True) -> RequestResult:
+    """One completion request; ``stream`` False: one JSON answer, whose arrival is both its first token
+    and its end (TTFT = end-to-end latency)."""
     res = RequestResult(len(prompt), output_len)
-    body = _dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+    body = _dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": stream,
                    "ignore_eos": True, "return_token_ids": True})
     start = time.perf_counter()
-    last: float | None = None
     try:
         async with asyncio.timeout(timeout), bench_http.post(url, body) as r:
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.aread())[:200].decode(errors='replace')}"
                 return res
-            async for line in sse_lines(r.aiter_bytes()):
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
-                obj = _loads(data)
-                if "error" in obj:
-                    res.error = obj["error"].get("message", "error event")
-                    return res
-                if not obj.get("choices"):
-                    continue
-                choice = obj["choices"][0]
-                res.chunks += 1
-                k = len(choice.get("token_ids") or [])
-                now = time.perf_counter()
-                if k:
-                    if last is None:
-                        res.ttft = now - start
-                        res.itls += [0.0] * (k - 1)  # tokens delivered together
-                    else:
-                        res.itls += [(now - last) / k] * k
-                    last = now
-                    res.tokens += k
-                res.finish_reason = choice.get("finish_reason") or res.finish_reason
+            if stream:
+                await _read_stream(r.aiter_bytes(), res, start)
+            else:
+                choice = _loads(await r.aread())["choices"][0]
+                res.chunks, res.tokens = 1, len(choice.get("token_ids") or [])
+                res.ttft, res.itls = time.perf_counter() - start, [0.0] * max(0, res.tokens - 1)
+                res.finish_reason = choice.get("finish_reason")
     except TimeoutError:
         res.error = f"timed out after {timeout} s"
         return res
     except (OSError, EOFError, ValueError, bench_http.ProtocolError) as e:  # ValueError: bad JSON, long lines
         res.error = f"{type(e).__name__}: {e}"
         return res
-    res.e2e = time.perf_counter() - start
+    if res.error is not None:
+        return res
+    res.e2e = time.perf_counter() - start if stream else res.ttft  # an answer's arrival ends the request
     if res.tokens != output_len or res.finish_reason != "length":
         res.error = f"got {res.tokens} of {output_len} tokens, finish_reason {res.finish_reason!r}"
     else:
@@ -167,8 +153,40 @@ async def _one(url: str, model: str, prompt: list[int], output_len: int, timeout
     return res
 
 
+async def _read_stream(chunks: AsyncIterator[bytes], res: RequestResult, start: float) -> None:
+    """A streamed completion's events into ``res``: tokens, chunks, TTFT, inter-token latencies, the
+    finish reason, or the error event."""
+    last: float | None = None
+    async for line in sse_lines(chunks):
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            break
+        obj = _loads(data)
+        if "error" in obj:
+            res.error = obj["error"].get("message", "error event")
+            return
+        if not obj.get("choices"):
+            continue
+        choice = obj["choices"][0]
+        res.chunks += 1
+        k = len(choice.get("token_ids") or [])
+        now = time.perf_counter()
+        if k:
+            if last is None:
+                res.ttft = now - start
+                res.itls += [0.0] * (k - 1)  # tokens delivered together
+            else:
+                res.itls += [(now - last) / k] * k
+            last = now
+            res.tokens += k
+        res.finish_reason = choice.get("finish_reason") or res.finish_reason
+
+
 async def run_load(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,
-                   max_concurrency: int | None, seed: int, timeout: float) -> tuple[list[RequestResult], float]:
+                   max_concurrency: int | None, seed: int, timeout: float, stream: bool = True
+                   ) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/v1/completions"
     bench_http.split_url(url)  # an http:// URL, or a ValueError before any request
     rng = random.Random(seed + 1)
@@ -176,7 +194,7 @@ async def run_load(base_url: str, model: str, requests: list[tuple[list[int], in
 
     async def gated(prompt: list[int], olen: int) -> RequestResult:
         async with sem:
-            return await _one(url, model, prompt, olen, timeout)
+            return await _one(url, model, prompt, olen, timeout, stream)
 
     tasks = []
     start = time.perf_counter()
@@ -201,19 +219,19 @@ def run_client(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _load_worker(args: tuple[Any, ...], barrier: Any, out: Any) -> None:
-    base_url, model, requests, request_rate, max_concurrency, seed, timeout = args
+    base_url, model, requests, request_rate, max_concurrency, seed, timeout, stream = args
 
     async def go() -> tuple[list[RequestResult], float, float]:
         await asyncio.to_thread(barrier.wait)  # every worker starts at once
         start = time.perf_counter()
-        results, _ = await run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout)
+        results, _ = await run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout, stream)
         return results, start, time.perf_counter()
 
     out.put(run_client(go()))
 
 
 def run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,
-                   max_concurrency: int | None, seed: int, timeout: float, procs: int,
+                   max_concurrency: int | None, seed: int, timeout: float, procs: int, stream: bool = True,
                    ) -> tuple[list[RequestResult], float]:
     """``run_load`` spread over ``procs`` client processes (one asyncio loop each: one Python process
     cannot parse the events of a server at tens of thousands of chunks/s). Request i goes to process
@@ -224,14 +242,16 @@ def run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], in
     # it, and in a forked worker also touches (copies) its pages, which would count against the
     # server's measured speed. Put back after, so the offline peer runs in the process as it was.
     with startup_heap_frozen():
-        return _run_load_procs(base_url, model, requests, request_rate, max_concurrency, seed, timeout, procs)
+        return _run_load_procs(base_url, model, requests, request_rate, max_concurrency, seed, timeout, procs,
+                               stream)
 
 
 def _run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], int]], request_rate: float,
-                    max_concurrency: int | None, seed: int, timeout: float, procs: int,
+                    max_concurrency: int | None, seed: int, timeout: float, procs: int, stream: bool,
                     ) -> tuple[list[RequestResult], float]:
     if procs <= 1:
-        return run_client(run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout))
+        return run_client(run_load(base_url, model, requests, request_rate, max_concurrency, seed, timeout,
+                                   stream))
     import multiprocessing
 
     # Forked: starting at once, without importing plait (and torch) again. This process has run no
@@ -242,7 +262,7 @@ def _run_load_procs(base_url: str, model: str, requests: list[tuple[list[int], i
     workers = []
     for k in range(procs):
         share = max(1, max_concurrency // procs) if max_concurrency else None
-        args = (base_url, model, requests[k::procs], request_rate / procs, share, seed + 7919 * k, timeout)
+        args = (base_url, model, requests[k::procs], request_rate / procs, share, seed + 7919 * k, timeout, stream)
         workers.append(ctx.Process(target=_load_worker, args=(args, barrier, out), daemon=True))
     for w in workers:
         w.start()
@@ -450,7 +470,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         cached_before = triton_cache_kernels()
         loop_before = read_metrics(base_url)
         results, duration = run_load_procs(base_url, served_name, requests, args.request_rate, args.max_concurrency,
-                                           args.seed, args.request_timeout, args.client_procs)
+                                           args.seed, args.request_timeout, args.client_procs, not args.no_stream)
         summary = summarize(results, duration)
         compiled = triton_cache_kernels() - cached_before
         summary["triton_compiled_during_run"] = dict(Counter(name for _, name in compiled))
@@ -549,7 +569,8 @@ def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[s
                       "max_concurrency": args.max_concurrency, "input_len": args.input_len,
                       "output_len": args.output_len, "range_ratio": args.range_ratio, "seed": args.seed,
                       "client_procs": args.client_procs,
-                      "endpoint": "/v1/completions", "stream": True, "ignore_eos": True, "temperature": 0.0},
+                      "endpoint": "/v1/completions", "stream": not args.no_stream, "ignore_eos": True,
+                      "temperature": 0.0},
         },
         "floor_note": "no physical floor is defined for serving latency; see decode-bs1 and offline-throughput",
         **summary,

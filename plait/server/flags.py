@@ -65,6 +65,9 @@ def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
                        "offline Engine on the same requests as the peer (ratio_vs_peer = server / offline)")
     group.add_argument("--no-peer", action="store_true",
                        help="serving-burst: skip the offline Engine run (peer null)")
+    group.add_argument("--no-stream", action="store_true",
+                       help="requests that do not stream: one JSON answer each (its arrival is the TTFT too), as "
+                            "batch clients send; the server then reports a request's first token and its end only")
     group.add_argument("--client-procs", type=int, default=1,
                        help="load-generator processes (one Python process parses some 10k events/s; use several "
                        "for a burst at a GPU's token rate)")

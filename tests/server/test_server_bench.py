@@ -49,6 +49,19 @@ def _lines(chunks: list[bytes]) -> list[str]:
     return asyncio.run(collect())
 
 
+def test_bench_serve_without_streaming_counts_every_token_of_each_answer(server, tmp_path):
+    code = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "12", "--input-len", "16",
+                 "--output-len", "8", "--request-rate", "200", "--no-stream", "--shape", "tiny-llama",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    [path] = tmp_path.glob("*-serving-tiny-llama-cpu.json")
+    result = json.loads(path.read_text())
+    assert result["config"]["bench"]["stream"] is False
+    assert result["completed"] == 12 and result["errors"] == 0
+    assert result["tokens_per_chunk"] == 8  # one answer per request, all its tokens
+    assert result["ttft_p50_ms"] == result["e2e_p50_ms"]  # an answer's arrival is its first token
+
+
 def test_sse_lines_keep_unicode_line_separators_inside_a_data_line():
     event = 'data: {"text": "a\u2028b\x85c\u2029d"}'.encode()
     assert _lines([event + b"\n\n", b"data: [DONE]\n\n"]) == [event.decode(), "", "data: [DONE]", ""]
