@@ -354,21 +354,24 @@ for stage in "$@"; do
       done ;;
     # The warm burst (1b, 256 x 512/128) served and loaded from another tree (.ab/base: carry it, made with
     # `git archive <commit> plait | tar -x -C .ab/base`) and from this one, alternated after a run of each that
-    # fills the Triton cache: a regression of the serving path between two commits, found in one call.
+    # fills the Triton cache: a regression of the serving path between two commits, found in one call (no
+    # offline peer: the server's output tok/s and loop times compare between runs).
     serving-burst-tree-ab)
       for run in warmup-base warmup-head r1-base r1-head r2-base r2-head; do
         tree=$([ "${run##*-}" = base ] && echo "$PWD/.ab/base" || echo "$PWD")
         PYTHONPATH=$tree python -m plait bench serve --workload serving-burst --shape llama-3.2-1b --num-prompts 256 \
-          --input-len 512 --output-len 128 --client-procs 4 --out "$OUT/tree-ab-$run" 2>&1 \
+          --input-len 512 --output-len 128 --client-procs 4 --no-peer --out "$OUT/tree-ab-$run" 2>&1 \
           | grep -E '^\{"workload|Error' | cut -c1-300
       done ;;
     # The burst (1b, 256 x 512/128) with the scheduler detokenizing every request (0) and the HTTP process
     # detokenizing those without stop strings (1, the default), alternated after one run that fills the
-    # Triton cache; each run's JSON under $OUT/frontend-detok-<round>-<value>/.
+    # Triton cache; each run's JSON under $OUT/frontend-detok-<round>-<value>/. No offline peer: the A/B
+    # compares the server's output tok/s and loop times between runs of one call.
     serving-burst-detok-ab)
       for run in warmup-1 r1-0 r1-1 r2-0 r2-1; do
         PLAIT_FRONTEND_DETOKENIZE=${run##*-} python -m plait bench serve --workload serving-burst --shape llama-3.2-1b \
-          --num-prompts 256 --input-len 512 --output-len 128 --client-procs 4 --out "$OUT/frontend-detok-$run" 2>&1 \
+          --num-prompts 256 --input-len 512 --output-len 128 --client-procs 4 --no-peer \
+          --out "$OUT/frontend-detok-$run" 2>&1 \
           | grep -E '^\{"workload|Error' | cut -c1-400
       done ;;
     # The n-gram pair alone, shortened as in `spec`.
