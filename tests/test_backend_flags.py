@@ -50,3 +50,9 @@ def test_result_tag_goes_into_the_file_name(tmp_path):
                         {"attention_backend": "triton"}, tag="attn-triton")
     assert path.name.endswith("-attn-triton.json")
     assert json.loads(path.read_text())["config"] == {"attention_backend": "triton"}
+
+
+def test_a_result_records_the_host_cpu_it_ran_on(tmp_path):
+    path = write_result(tmp_path, "offline-throughput", "llama-3.2-1b", "output_tok_s", 1.0, None, None, None, {})
+    host = json.loads(path.read_text())["host"]
+    assert host["cpus"] >= 1 and host["cpu"]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
+import platform
 import subprocess
 from typing import Any
 
@@ -21,6 +23,22 @@ def _versions() -> dict[str, str | None]:
         except ImportError:
             out[name] = None
     return out
+
+
+def host_info() -> dict[str, Any]:
+    """The machine's CPU as results record it: host-bound work (the scheduler's loop, the HTTP process)
+    moves with it, so two runs compare only on like hosts. ``cpu``: /proc/cpuinfo's model name (the
+    platform's processor string elsewhere), ``model``: its CPU model number, ``cpus``: logical CPUs."""
+    fields: dict[str, str] = {}
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return {"cpu": fields.get("model name") or platform.processor() or None,
+            "model": int(fields["model"]) if fields.get("model", "").isdigit() else None,
+            "cpus": os.cpu_count()}
 
 
 def git_commit() -> str | None:
@@ -49,7 +67,7 @@ def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric:
     dev = device_name()
     record = {
         "workload": workload, "shape": shape, "device": dev, "commit": git_commit(), "date": date,
-        "versions": _versions(), "metric": metric, "plait": plait_value, "peer_name": peer_name,
+        "versions": _versions(), "host": host_info(), "metric": metric, "plait": plait_value, "peer_name": peer_name,
         "peer": peer_value,
         "ratio_vs_peer": (plait_value / peer_value) if peer_value else None,
         "floor": floor, "fraction_of_floor": (plait_value / floor) if floor else None,

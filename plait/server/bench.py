@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from plait.bench.results import git_commit
+from plait.bench.results import git_commit, host_info
 from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.engine.heap import startup_heap_frozen
 from plait.server import bench_http
@@ -556,6 +556,7 @@ def write_result(args: argparse.Namespace, info: dict[str, Any], summary: dict[s
         "commit": git_commit(),
         "date": date,
         "versions": info.get("versions"),
+        "host": host_info(),  # the load generator's, which is the server's unless --base-url is remote
         "metric": METRIC,
         "plait": summary[METRIC],
         **peer_fields,

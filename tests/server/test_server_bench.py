@@ -26,6 +26,7 @@ def test_bench_serve_writes_the_serving_result_with_zero_errors_and_no_kv_left(s
     for name in ("ttft", "itl", "e2e"):
         assert 0 <= result[f"{name}_p50_ms"] <= result[f"{name}_p99_ms"]
     assert result["config"]["bench"]["num_prompts"] == 24
+    assert result["host"]["cpus"] >= 1 and result["host"]["cpu"]  # the host the loop times depend on
     loop = result["scheduler_loop"]  # the scheduler process's loop during the load
     assert loop["iterations"] > 0 and loop["step_s"] > 0
     assert set(loop["ms_per_iteration"]) == {"recv", "step", "collect", "send"}
