@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from plait.config import EngineConfig
 from plait.engine.frontend import RequestLimits
 from plait.engine.messages import PlainRow, RequestUpdate
 from plait.engine.warmup import WarmupReport, run_warmup, should_warm_up
 from plait.executor.model_runner import ModelRunner
-from plait.models.loader import ModelConfig, load_target_config, load_tokenizer
+from plait.models.loader import ModelConfig, load_config_tokenizer, load_target_config
 from plait.parallel.roles import EngineRunner, EngineScheduler
 from plait.sampling.params import SamplingParams
 from plait.scheduler.detokenizer import IncrementalDetokenizer
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 from plait.speculative.factory import create_spec_worker
-
-if TYPE_CHECKING:
-    from plait.sampling.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +95,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     """Load the model's config and tokenizer and build the runner and the scheduler for ``config``'s
     layout. The one place either is constructed for a front end."""
     model_config = load_target_config(config, config.resolved_device())
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+    tokenizer = load_config_tokenizer(config)
     from plait.parallel.data_parallel import is_plain_data_parallel
+    from plait.sampling.grammar import grammar_backend_for  # xgrammar: imported once a core is built
 
     if is_plain_data_parallel(config):
         # dp_size independent replicas (each with its own TP group when tp_size > 1), and a front-end
@@ -109,7 +107,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         replicas = DataParallelRunner(config, model_config)
         dp_scheduler = DataParallelScheduler(config, replicas)
         for replica in dp_scheduler.replicas:
-            replica.grammar_backend = grammar_backend(tokenizer, model_config)
+            replica.grammar_backend = grammar_backend_for(tokenizer, model_config)
         return _warmed(EngineCore(config, model_config, tokenizer, replicas, dp_scheduler))
     runner: ModelRunner
     if config.tp_size > 1:
@@ -120,14 +118,15 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         leader = start_tensor_parallel(config, model_config)
         if isinstance(leader, DPAttentionLeader):
             # Every rank schedules its own requests; this front end balances them over the ranks.
+            grammars = grammar_backend_for(tokenizer, model_config)
             return _warmed(EngineCore(config, model_config, tokenizer, leader,
-                                      DPAttentionScheduler(config, leader, grammar_backend(tokenizer, model_config))))
+                                      DPAttentionScheduler(config, leader, grammars)))
         runner = leader
     else:
         runner = ModelRunner(config, model_config)
     # --- the scheduler ---
     scheduler = Scheduler(config, runner, create_spec_worker(config, runner),
-                          grammar_backend=grammar_backend(tokenizer, model_config))
+                          grammar_backend=grammar_backend_for(tokenizer, model_config))
     return _warmed(EngineCore(config, model_config, tokenizer, runner, scheduler))
 
 
@@ -136,17 +135,6 @@ def _warmed(core: EngineCore) -> EngineCore:
     if should_warm_up(core.config):
         core.warmup = run_warmup(core)
     return core
-
-
-def grammar_backend(tokenizer: Any, model_config: ModelConfig) -> GrammarBackend | None:
-    """The grammar compiler of one scheduler: the tokenizer over the model's (padded) vocabulary,
-    the model's EOS ids as the grammars' stop tokens. Cheap until the first constrained request. None
-    without a tokenizer (skip_tokenizer_init): the front end refuses grammars then."""
-    from plait.sampling.grammar import GrammarBackend
-
-    if tokenizer is None:
-        return None
-    return GrammarBackend(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
 
 # The adaptive stream interval (EngineConfig.stream_interval None): each stream gets every token while

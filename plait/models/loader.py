@@ -119,6 +119,12 @@ def load_target_config(config: EngineConfig, device: str) -> ModelConfig:
                              overrides)
 
 
+def load_config_tokenizer(config: EngineConfig) -> Any:
+    """The served model's tokenizer (``config.tokenizer``, else the model's), or None with
+    ``skip_tokenizer_init``: every process of an engine loads it here."""
+    return None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+
+
 def with_overrides(hf_config: Any, overrides: Mapping[str, Any]) -> Any:
     """``hf_config`` rebuilt through its class with ``overrides`` replacing its fields, so derived
     fields follow. The rope's legacy keys (``rope_theta``, ``rope_scaling``: what SGLang commands and

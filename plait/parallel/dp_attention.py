@@ -604,16 +604,15 @@ class DPAttentionScheduler:
 # --- ranks > 0 ----------------------------------------------------------------------------------------
 def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     """Serve the requests rank 0 assigns to this rank, one lockstep round per engine step."""
-    from plait.models.loader import load_tokenizer
+    from plait.models.loader import load_config_tokenizer
     from plait.parallel.step_sync import IDLE_WAIT
-    from plait.sampling.grammar import GrammarBackend
+    from plait.sampling.grammar import grammar_backend_for
     from plait.scheduler.detokenizer import IncrementalDetokenizer
 
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+    tokenizer = load_config_tokenizer(config)
     # Each rank compiles and applies the grammars of the requests it schedules.
-    mc = runner.model_config
-    grammars = GrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
-    scheduler = Scheduler(config, runner, create_spec_worker(config, runner), grammar_backend=grammars)
+    scheduler = Scheduler(config, runner, create_spec_worker(config, runner),
+                          grammar_backend=grammar_backend_for(tokenizer, runner.model_config))
     control = runner.groups.control
     live: dict[str, tuple[Req, int]] = {}  # rid -> (request, tokens reported)
     while True:

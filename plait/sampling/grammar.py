@@ -30,10 +30,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import xgrammar as xgr
+
+if TYPE_CHECKING:
+    from plait.models.loader import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -387,3 +390,12 @@ def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
 
 
 MatcherFactory = Callable[[xgr.CompiledGrammar], GrammarMatcherState]
+
+
+def grammar_backend_for(tokenizer: Any, model_config: ModelConfig) -> GrammarBackend | None:
+    """The grammar compiler of one scheduler: the tokenizer over the model's (padded) vocabulary, the
+    model's EOS ids as the grammars' stop tokens. Cheap until the first constrained request. None
+    without a tokenizer (EngineConfig.skip_tokenizer_init): the front end refuses grammars then."""
+    if tokenizer is None:
+        return None
+    return GrammarBackend(tokenizer, model_config.vocab_size, model_config.eos_token_ids)

@@ -290,11 +290,11 @@ class NativeServing:
     async def generate(self, request: Request) -> Response:
         req = parse_body(GenerateReqInput, await request.body())
         self.client.check_accepting()
+        if req.return_text_in_logprobs:
+            self.client.need_tokenizer("return_text_in_logprobs", "a token's text")
         items, single = await self.prompt_work.run(self._items, req)
         groups = self._group(items)
         gen = self.client.generate([it.prepared for it in items], stream=req.stream, rids=[it.rid for it in items])
-        if req.return_text_in_logprobs:
-            self.client.need_tokenizer("return_text_in_logprobs", "a token's text")
         text = self._token_text if req.return_text_in_logprobs else None
         start = time.perf_counter()
         outputs = [_Output(it, start) for it in items]

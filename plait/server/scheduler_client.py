@@ -135,11 +135,9 @@ class SchedulerClient:
         self._tasks.append(asyncio.create_task(self._startup()))
 
     def _load_tokenizer(self) -> Any:
-        if self.config.skip_tokenizer_init:
-            return None
-        from plait.models.loader import load_tokenizer  # slow first import: keep it off the event loop
+        from plait.models.loader import load_config_tokenizer  # slow first import: keep it off the event loop
 
-        return load_tokenizer(self.config.tokenizer or self.config.model)
+        return load_config_tokenizer(self.config)
 
     def need_tokenizer(self, param: str, what: str) -> Any:
         """The tokenizer, or a 400 naming ``param`` when the server runs without one (--skip-tokenizer-init):
