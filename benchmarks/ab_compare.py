@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import random
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     # offline-throughput: 256 requests, 512 in / 128 out, ignore_eos; output tokens/s, fresh prompts
     # every round (the same prompts for A and B in a round).
     "offline-throughput-1b": {"shape": "llama-3.2-1b", "kind": "offline", "max_total_tokens": 400_000},
+    # nano-vllm: 256 requests, in and out uniform in [100, 1024], temperature 0.6, ignore_eos; output
+    # tokens/s, fresh prompts and lengths every round (the same for A and B in a round).
+    "nano-vllm-0.6b": {"shape": "qwen3-0.6b", "kind": "nano", "max_total_tokens": 300_000},
 }
 DECODE_IN, DECODE_OUT = 128, 256
 OFFLINE_N, OFFLINE_IN, OFFLINE_OUT = 256, 512, 128
@@ -46,6 +50,15 @@ def _timed(fn: Any) -> float:
     fn()
     _sync()
     return time.perf_counter() - t0
+
+
+def nano_requests(seed: int) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """nano-vllm's benchmark recipe (as `plait bench offline --workload nano-vllm`) under another seed."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(OFFLINE_N)]
+    params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": rng.randint(100, 1024), "seed": i}
+              for i in range(OFFLINE_N)]
+    return prompts, params
 
 
 def worker(shape_dir: str, workload: str, vocab: int) -> None:
@@ -66,13 +79,23 @@ def worker(shape_dir: str, workload: str, vocab: int) -> None:
             t_one = min(_timed(lambda: engine.generate(prompt, {**greedy, "max_new_tokens": 1})) for _ in range(3))
             t_all = _timed(lambda: engine.generate(prompt, {**greedy, "max_new_tokens": DECODE_OUT}))
             return (DECODE_OUT - 1) / (t_all - t_one)
-    else:
+    elif spec["kind"] == "offline":
         engine = Engine(model=shape_dir, max_running_requests=OFFLINE_N, **options)
         params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": OFFLINE_OUT}
         engine.generate(random_prompts(OFFLINE_N, OFFLINE_IN, vocab, seed=1000), params)
 
         def measure(round_: int) -> float:
             prompts = random_prompts(OFFLINE_N, OFFLINE_IN, vocab, seed=round_)
+            outs: list[Any] = []
+            seconds = _timed(lambda: outs.extend(engine.generate(prompts, params)))
+            return sum(len(o.token_ids) for o in outs) / seconds
+    else:
+        engine = Engine(model=shape_dir, max_running_requests=OFFLINE_N, **options)
+        warm_prompts, warm_params = nano_requests(1000)
+        engine.generate(warm_prompts, warm_params)
+
+        def measure(round_: int) -> float:
+            prompts, params = nano_requests(round_)
             outs: list[Any] = []
             seconds = _timed(lambda: outs.extend(engine.generate(prompts, params)))
             return sum(len(o.token_ids) for o in outs) / seconds

@@ -363,6 +363,10 @@ for stage in "$@"; do
           --input-len 512 --output-len 128 --client-procs 4 --no-peer --out "$OUT/tree-ab-$run" 2>&1 \
           | grep -E '^\{"workload|Error' | cut -c1-300
       done ;;
+    # nano-vllm (qwen3-0.6b) from the carried .ab/base (A) and from HEAD (B), alternated in one call, fresh
+    # prompts each round: whether a code change slowed its prefill steps or the machine did.
+    nano-tree-ab) python benchmarks/ab_compare.py "$OUT/nano-tree-ab" .ab/base "$PWD" --rounds 3 \
+                    --workloads nano-vllm-0.6b 2>&1 | grep -E 'round|median|B/A|Error|nano' | tail -8 ;;
     # The burst (1b, 256 x 512/128) with the scheduler detokenizing every request (0) and the HTTP process
     # detokenizing those without stop strings (1, the default), alternated after one run that fills the
     # Triton cache; each run's JSON under $OUT/frontend-detok-<round>-<value>/. No offline peer: the A/B
