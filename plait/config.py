@@ -456,6 +456,14 @@ class EngineConfig:
         off) the whole context, so that every prompt is prefilled in one step."""
         return max_context_len if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
+    @property
+    def causal_chain_verify(self) -> bool:
+        """Whether TARGET_VERIFY batches run without a tree mask: every draft is a chain (top-k 1), so
+        node i attends causally (the prefix and nodes 0..i), which the attention kernels do without a
+        mask. On one rank only: tensor-parallel and DP-attention ranks receive the mask with the batch."""
+        return (self.speculative_algorithm is not None and self.speculative_eagle_topk == 1
+                and self.tp_size == 1 and not self.enable_dp_attention)
+
     def prefill_room(self, max_context_len: int, taken: int) -> int:
         """Prefill tokens a step that carries ``taken`` already may add. A step's first prompt may
         fill the whole budget; with ``max_prefill_tokens`` the ones after it stop at that many tokens

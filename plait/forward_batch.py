@@ -136,8 +136,9 @@ class SpecInput(Protocol):
         ...
 
     @property
-    def custom_mask(self) -> torch.Tensor:
-        """Flattened bool tree mask, layout of plait.attention.base.custom_mask_of."""
+    def custom_mask(self) -> torch.Tensor | None:
+        """Flattened bool tree mask, layout of plait.attention.base.custom_mask_of; None when every
+        request's nodes form a chain (causal attention)."""
         ...
 
 

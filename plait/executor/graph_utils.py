@@ -201,6 +201,8 @@ class CaptureTarget:
     max_context_len: int
     hidden_capture: HiddenCapture | None = None
     prepare_capture: Callable[[ForwardBatch], None] = _no_capture_sync
+    # EngineConfig.causal_chain_verify: verify batches of chains carry no tree mask.
+    causal_chain_verify: bool = False
 
     def logits_buffer(self, rows: int) -> torch.Tensor:
         """float32 [rows, logits_columns]. Graphs are replayed one at a time and each step consumes its

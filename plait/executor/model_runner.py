@@ -166,7 +166,7 @@ class ModelRunner:
         """What the graph runners record: this runner's model, backend and hidden capture."""
         columns = max(self.model.lm_head_weight.shape[0], self.model_config.vocab_size)
         return CaptureTarget(self.model, self.attn_backend, self.device, columns, self.max_context_len,
-                             self.hidden_capture, self.init_capture_sync)
+                             self.hidden_capture, self.init_capture_sync, self.config.causal_chain_verify)
 
     # --- forward paths --------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch, skip_attn_backend_init: bool | None = None) -> LogitsOutput:

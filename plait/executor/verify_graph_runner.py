@@ -7,7 +7,10 @@ otherwise it runs eagerly.
 
 Static buffers (shared by every graph, prefixes read): tokens ``[max_bs * max_W]`` (ids, positions,
 KV write slots), requests ``[max_bs]`` (pool rows, seq lens, prefix lens, extend lens) and the custom
-tree mask, flat, sized for the longest context (request i's block is ``W x (prefix_i + W)``).
+tree mask, flat, sized for the longest context (request i's block is ``W x (prefix_i + W)``). Where
+every draft is a chain (``CaptureTarget.causal_chain_verify``) the graphs are captured without a mask
+(causal attention) and replay only chain batches; a tree batch then runs eagerly, and the other way
+round for masked graphs.
 Capture goes through the three-method contract like the decode runner: ``out_graph`` on the static
 batch outside the capture, the batch marked planned, ``in_graph`` as the first recorded step.
 
@@ -47,9 +50,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StaticVerifyInfo:
-    """``spec_info`` of the static batches: the mask is the runner's static buffer."""
+    """``spec_info`` of the static batches: the mask is the runner's static buffer (None: causal chains)."""
 
-    custom_mask: torch.Tensor
+    custom_mask: torch.Tensor | None
     num_tokens_per_req: int
 
 
@@ -74,6 +77,9 @@ class VerifyGraphRunner:
         self.batch_sizes = list(batch_sizes)  # ascending (graph_utils.graph_batch_sizes)
         self.max_bs = max_bs = self.batch_sizes[-1]
         self.pad = pad  # False: only a captured batch size replays (graph_utils.holds)
+        # True: the graphs are captured without a tree mask and replay chain batches only (those
+        # build_verify_batch makes with causal_chains, which carry no mask); False: masked batches only.
+        self.causal_chains = causal_chains = target.causal_chain_verify
         self.widths = sorted(set(widths))
         max_w = self.widths[-1]
         device = target.device
@@ -86,7 +92,8 @@ class VerifyGraphRunner:
         self.prefix_lens = torch.zeros(max_bs, **i64)
         self.extend_lens = torch.zeros(max_bs, **i64)
         # A request's block is W x (prefix + W) and prefix + W <= the context length.
-        self.custom_mask = torch.ones(max_bs * max_w * target.max_context_len, dtype=torch.bool, device=device)
+        self.custom_mask = (None if causal_chains else
+                            torch.ones(max_bs * max_w * target.max_context_len, dtype=torch.bool, device=device))
         self.logits_buffer = target.logits_buffer(max_bs * max_w)  # shared by every (width, bucket) graph
         self.backend.init_cuda_graph_state(max_bs, max_bs * max_w)
         self.graphs: dict[tuple[int, int], Graph] = {}
@@ -151,6 +158,8 @@ class VerifyGraphRunner:
             return False
         if fb.logits_indices is not None or not holds(self.batch_sizes, fb.batch_size, self.pad):
             return False
+        if (fb.spec_info is None or fb.spec_info.custom_mask is None) != self.causal_chains:
+            return False  # a tree batch of a chain-only runner (or the reverse) runs eagerly
         width = uniform_width(fb)
         return width in self.widths and fb.num_tokens == width * fb.batch_size
 
@@ -181,8 +190,6 @@ class VerifyGraphRunner:
         dp = fb.mlp_sync.global_num_tokens_cpu is not None
         padded = self.bucket(dp_graph_batch_size(fb) if dp else bs)
         n, n_pad = bs * width, padded * width
-        mask = fb.spec_info.custom_mask
-        m = mask.numel()
         prefix_lens = fb.extend.prefix_lens if fb.extend is not None else self.prefix_lens[:0]
         prefix_cpu = fb.extend.prefix_lens_cpu if fb.extend is not None else []
         # The integer inputs in one multi-tensor copy (one launch on the critical path between two
@@ -198,8 +205,10 @@ class VerifyGraphRunner:
         if self._extend_lens_width != (width, padded):  # every graph reads extend_lens[:padded] == width
             self.extend_lens[:padded].fill_(width)
             self._extend_lens_width = (width, padded)
-        # A padded request's mask block is W x (0 + W), all ones.
-        stage(self.custom_mask, mask, m + (padded - bs) * width * width, True)
+        mask = fb.spec_info.custom_mask
+        if self.custom_mask is not None and mask is not None:
+            # A padded request's mask block is W x (0 + W), all ones.
+            stage(self.custom_mask, mask, mask.numel() + (padded - bs) * width * width, True)
         pad = padded - bs
         view = self._static_batch(width, padded, list(fb.seq_lens_cpu) + [width] * pad,
                                   list(prefix_cpu) + [0] * pad)

@@ -138,7 +138,10 @@ def send_step(control: TPGroup, device_group: TPGroup, fb: ForwardBatch, writes:
     if spec is not None and not fb.forward_mode.is_target_verify():
         raise ValueError(f"a {fb.forward_mode.name} step with a spec input cannot be broadcast: only verify "
                          "batches run on every rank")
-    mask = None if spec is None else spec.custom_mask.reshape(-1)
+    if spec is not None and spec.custom_mask is None:
+        raise ValueError("a verify batch without a tree mask cannot be broadcast: the ranks receive the mask "
+                         "(EngineConfig.causal_chain_verify is off under tensor parallelism)")
+    mask = None if spec is None or spec.custom_mask is None else spec.custom_mask.reshape(-1)
     widths: list[int] = []
     if spec is not None:
         w = spec.num_tokens_per_req

@@ -55,22 +55,25 @@ class VerifyInput:
     """``ForwardBatch.spec_info`` of a TARGET_VERIFY batch."""
 
     trees: list[DraftTree]
-    custom_mask: torch.Tensor  # flattened bool, layout of plait.attention.base.custom_mask_of
+    # Flattened bool, layout of plait.attention.base.custom_mask_of; None: every request's nodes are
+    # a chain (padding included) and attend causally, which the kernels do without a mask.
+    custom_mask: torch.Tensor | None
     # Tokens verified per request (root included). The executor reads widths from here, never from
     # a global draft width: widths differ between requests and between steps.
     num_tokens_per_req: list[int]
 
     def split(self, start: int, end: int, seq_lens_cpu: Sequence[int]) -> VerifyInput:
         """Requests [start, end) (a two-batch-overlap child)."""
-        return VerifyInput(self.trees[start:end],
-                           slice_tree_mask(self.custom_mask, self.num_tokens_per_req, seq_lens_cpu, start, end),
-                           self.num_tokens_per_req[start:end])
+        mask = self.custom_mask
+        if mask is not None:
+            mask = slice_tree_mask(mask, self.num_tokens_per_req, seq_lens_cpu, start, end)
+        return VerifyInput(self.trees[start:end], mask, self.num_tokens_per_req[start:end])
 
 
 def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: torch.Tensor,
                        device: torch.device | str, pad_width: int | None = None,
-                       input_ids: torch.Tensor | None = None, custom_mask: torch.Tensor | None = None
-                       ) -> ForwardBatch:
+                       input_ids: torch.Tensor | None = None, custom_mask: torch.Tensor | None = None,
+                       causal_chains: bool = False) -> ForwardBatch:
     """The TARGET_VERIFY batch of ``trees`` (their nodes' KV into ``slots``, tree order).
 
     ``pad_width``: every request's block is padded to this many tokens with dummy nodes (children
@@ -79,14 +82,21 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
     logits rows ``[i * pad_width, i * pad_width + width_i)``.
 
     ``input_ids`` / ``custom_mask``: the nodes' tokens and the mask when they are on the device
-    already (draft-tree expansion); ``trees`` then give only the shape (widths and depths)."""
+    already (draft-tree expansion); ``trees`` then give only the shape (widths and depths).
+
+    ``causal_chains`` (``EngineConfig.causal_chain_verify``): when every tree is a chain, the batch
+    carries no mask (causal attention is a chain's tree attention), and the dummy nodes follow the
+    chain."""
+    chains = causal_chains and custom_mask is None and all(t.is_chain for t in trees)
     real_widths = [t.width for t in trees]
     shapes = [tuple(t.parents) for t in trees]
     tokens = [t.tokens for t in trees]
     src: list[int] = []  # padded layout: slot j of the real layout, or len(slots) (the dummy slot)
     if pad_width is not None:
-        # Dummy nodes are children of the root (depth 1), token 0.
-        shapes = [p + (0,) * (pad_width - len(p)) for p in shapes]
+        # Dummy nodes are token 0 with their KV in the dummy slot: children of the root (depth 1), or
+        # in a chain batch children of the last real node, one position past the chain (causal
+        # attention: no real node attends to them), as far as a real next node could reach.
+        shapes = [p + (len(p) - 1 if chains else 0,) * (pad_width - len(p)) for p in shapes]
         tokens = [t + [0] * (pad_width - len(t)) for t in tokens]
         off = 0
         for w in real_widths:
@@ -104,7 +114,8 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
     starts = [0, *itertools.accumulate(widths[:-1])]
     pool_rows = [r.req_pool_idx for r in rows]
     parts = [ids, pos, pool_rows, seq_lens, widths, prefix, starts, src]
-    if custom_mask is None:
+    mask = custom_mask  # None for a chain batch
+    if custom_mask is None and not chains:
         # The mask rides in the same copy as the integers: one host-to-device transfer per batch.
         flat = np.empty(verify_mask_size(widths, prefix), dtype=np.bool_)
         fill_verify_mask(flat, shapes, prefix)
@@ -112,7 +123,6 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
                                                                                                        device)
     else:
         ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t = ints_to_device(parts, device)
-        mask = custom_mask
     if pad_width is not None:
         slots = torch.cat([slots, slots.new_full((1,), DUMMY_KV_SLOT)])[src_t]
     fb = ForwardBatch(

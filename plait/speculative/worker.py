@@ -226,7 +226,8 @@ class BaseSpecWorker(ABC):
     def build_verify_batch(self, rows: Sequence[TreeRow], trees: list[DraftTree], slots: torch.Tensor,
                            pad_width: int | None = None) -> ForwardBatch:
         """The TARGET_VERIFY batch of ``trees`` on this worker's device (``verify_batch.build_verify_batch``)."""
-        return build_verify_batch(rows, trees, slots, self.runner.device, pad_width=pad_width)
+        return build_verify_batch(rows, trees, slots, self.runner.device, pad_width=pad_width,
+                                  causal_chains=self.config.causal_chain_verify)
 
     def graph_pad_width(self, trees: list[DraftTree]) -> int | None:
         """The width to pad a verify batch of mixed widths to, when a captured graph then runs it
@@ -305,7 +306,10 @@ class BaseSpecWorker(ABC):
         if not self.chains_verify or fb.extend is None:
             return False
         width = pad_width or trees[0].width
-        if not all(t.is_chain and (t.width == width or t.width == 1) for t in trees):
+        # Padding after each chain (a batch without a mask) puts the dummy nodes one position past
+        # the real ones (mapped to the dummy slot, where nothing reads).
+        chain_padded = fb.spec_info.custom_mask is None
+        if not all(t.is_chain and (chain_padded or t.width == width or t.width == 1) for t in trees):
             return False
         if pad_width is None and any(t.width != width for t in trees):
             return False

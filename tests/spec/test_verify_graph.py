@@ -42,9 +42,21 @@ def _replays(runner: VerifyGraphRunner) -> int:
 
 @pytest.fixture(scope="module")
 def ngram_engine(one_layer):
+    """Top-k 2 drafts: verify batches may be trees, so the graphs take a tree mask."""
+    engine = make_engine(one_layer, attention_backend="triton", speculative_algorithm="NGRAM",
+                         speculative_eagle_topk=2, speculative_num_draft_tokens=4, max_total_tokens=1024)
+    assert not engine.config.causal_chain_verify
+    _with_verify_graphs(engine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def chain_engine(one_layer):
+    """Top-k 1 drafts: every verify batch is chains, which carry no mask (causal_chain_verify)."""
     engine = make_engine(one_layer, attention_backend="triton", speculative_algorithm="NGRAM",
                          max_total_tokens=1024)
-    _with_verify_graphs(engine)
+    assert engine.config.causal_chain_verify
+    _with_verify_graphs(engine, widths=(3, 4))
     return engine
 
 
@@ -219,3 +231,59 @@ def test_standalone_greedy_output_is_the_same_with_verify_graphs(one_layer, refe
     assert _replays(graphs) > 0
     assert engine.scheduler.spec_worker.stats.accept_histogram[3] > 0
     assert_no_leaks(engine)
+
+
+def test_chain_batches_carry_no_mask_and_pad_after_the_chain(chain_engine):
+    worker = chain_engine.scheduler.spec_worker
+    chain = DraftTree.chain
+    rows = [SimpleNamespace(kv_len=4, req_pool_idx=0), SimpleNamespace(kv_len=6, req_pool_idx=1)]
+    fb = worker.build_verify_batch(rows, [chain(5, [6, 7]), chain(8, [9])], torch.arange(5), pad_width=3)
+    assert fb.spec_info.custom_mask is None
+    # The second request's dummy node sits one position past its chain, its KV in the dummy slot.
+    assert fb.positions.tolist() == [4, 5, 6, 6, 7, 8]
+    assert fb.out_cache_loc[5].item() == DUMMY_KV_SLOT
+    tree = worker.build_verify_batch(rows[:1], [DraftTree([5, 6, 7], [-1, 0, 0])], torch.arange(3))
+    assert tree.spec_info.custom_mask is not None
+
+
+def test_chain_graphs_replay_padded_chain_batches_as_eager_and_leave_trees_eager(chain_engine):
+    runner, worker = chain_engine.runner, chain_engine.scheduler.spec_worker
+    graphs = runner.verify_graph_runner
+    assert graphs.causal_chains and graphs.custom_mask is None
+    held = []
+    reqs, slots = [], []
+    for pre in (4, 7, 2):
+        row = runner.req_to_token_pool.alloc()
+        s = runner.allocator.alloc(pre + 3)
+        held.append((row, s))
+        runner.req_to_token_pool.write(row, 0, s[:pre])
+        reqs.append(SimpleNamespace(kv_len=pre, req_pool_idx=row))
+        slots.append(s[pre:])
+    try:
+        chain = DraftTree.chain
+        trees = [chain(5, [6, 7]), chain(8, [9]), chain(3, [4, 1])]
+        batch = lambda **kw: worker.build_verify_batch(reqs, trees, torch.cat(slots)[:8], **kw)  # noqa: E731
+        before = _replays(graphs)
+        replayed = runner.forward(batch(pad_width=3)).next_token_logits.clone()
+        assert _replays(graphs) == before + 1
+        runner.verify_graph_runner = None
+        eager = runner.forward(batch()).next_token_logits
+        runner.verify_graph_runner = graphs
+        real_rows = [0, 1, 2, 3, 4, 6, 7, 8]  # row 5 is the second request's padding
+        torch.testing.assert_close(replayed[real_rows], eager, rtol=1e-5, atol=1e-5)
+        tree = worker.build_verify_batch(reqs[:1], [DraftTree([5, 6, 7], [-1, 0, 0])], slots[0])
+        assert not graphs.can_run(tree)
+    finally:
+        for row, s in held:
+            runner.req_to_token_pool.free(row)
+            runner.allocator.free(s)
+
+
+def test_ngram_chain_greedy_output_is_the_same_with_chain_graphs(chain_engine, reference):
+    graphs = chain_engine.runner.verify_graph_runner
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        chain_engine.scheduler.spec_worker.drafter.cache.insert(p + ref)
+    outs = chain_engine.generate(PROMPTS, SHORT)
+    assert [o.token_ids for o in outs] == reference
+    assert _replays(graphs) > 0
+    assert_no_leaks(chain_engine)
