@@ -248,6 +248,14 @@ for stage in "$@"; do
         # shellcheck disable=SC2086
         python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
       done ;;
+    # spec-ngram-repeat (8b, 16 x 64) from the carried .ab/prev (`git archive <commit> plait | tar -x -C
+    # .ab/prev`) and from this tree, alternated: a speculative change against the tree before it.
+    spec-tree-ab)
+      for run in r1-prev r1-head r2-prev r2-head; do
+        tree=$([ "${run##*-}" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
+        PYTHONPATH=$tree python -m plait bench spec --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 \
+          --output-len 64 --out "$OUT/spec-ab-$run" 2>&1 | tail -2 | cut -c1-400
+      done ;;
     # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
     spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider \
         ${SPEC_TESTS_K:+-k "$SPEC_TESTS_K"} 2>&1 \
@@ -356,8 +364,8 @@ for stage in "$@"; do
     # `git archive <commit> plait | tar -x -C .ab/base`) and from this one, alternated after a run of each that
     # fills the Triton cache: a regression of the serving path between two commits, found in one call (no
     # offline peer: the server's output tok/s and loop times compare between runs).
-    serving-burst-tree-ab)
-      for run in warmup-base warmup-head r1-base r1-head r2-base r2-head; do
+    serving-burst-tree-ab)  # TREE_AB_ROUNDS measured rounds (default 2) after the warm-ups
+      for run in warmup-base warmup-head $(for r in $(seq 1 "${TREE_AB_ROUNDS:-2}"); do echo "r$r-base r$r-head"; done); do
         tree=$([ "${run##*-}" = base ] && echo "$PWD/.ab/base" || echo "$PWD")
         PYTHONPATH=$tree python -m plait bench serve --workload serving-burst --shape llama-3.2-1b --num-prompts 256 \
           --input-len 512 --output-len 128 --client-procs 4 --no-peer --out "$OUT/tree-ab-$run" 2>&1 \
