@@ -45,7 +45,7 @@ from plait.bench.spec import NGRAM, random_prompts
 from plait.testing import make_tiny_model
 
 CRITICAL = ("propose", "next_verify", "build_verify_batch", "accept", "commit", "commit_kv")
-HIDDEN = ("deferred_work", "predraft", "premap_chains")
+HIDDEN = ("deferred_work", "predraft", "premap_chains", "launch_ahead")
 EITHER = ("commit_tokens",)  # hidden when a verify is queued behind it, else critical
 
 

@@ -136,6 +136,12 @@ SPEC_CHAIN_VERIFIES = EnvVar(
     "tokens are committed (chained verifies, with each chain's KV mapped at its launch; "
     "docs/speculative-decoding.md); 0: each verify's tokens are committed before the next verify is built "
     "(the A/B baseline). Read when the worker is built.")
+SPEC_LAUNCH_AHEAD = EnvVar(
+    "PLAIT_SPEC_LAUNCH_AHEAD", _flag, False,
+    "1: inside a chain of greedy NGRAM verifies that replay verify graphs, the next verify is launched before "
+    "the current one's result is read, its tokens and positions chosen on the device from that result among "
+    "drafts prepared for every outcome (docs/speculative-decoding.md); 0 (the default until measured on a GPU): "
+    "the next verify waits for the host to read the result. Read when the worker is built.")
 PIECEWISE_CUDA_GRAPH = _flag_var(
     "PLAIT_PIECEWISE_CUDA_GRAPH",
     "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "

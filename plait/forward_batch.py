@@ -267,6 +267,11 @@ class ForwardBatch:
     extend: ExtendInfo | None = None
     # Speculative decoding input (draft tree, custom mask); None for plain decoding.
     spec_info: SpecInput | None = None
+    # True for a verify launched before its predecessor's result was read (BaseSpecWorker.launch_ahead):
+    # seq_lens and extend.prefix_lens are exact on the device only, and the host lists hold lower
+    # bounds (the lengths before that result). Only the verify graphs run such a batch, which plan
+    # from the device tensors.
+    lens_on_device: bool = False
     # DP attention's MLP sync; empty without DP attention.
     mlp_sync: MLPSyncMetadata = field(default_factory=MLPSyncMetadata)
 

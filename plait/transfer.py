@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,3 +63,28 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     host.copy_(t, non_blocking=True)
     torch.cuda.current_stream(t.device).synchronize()
     return host.numpy()
+
+
+@dataclass
+class PendingHostCopy:
+    """A device tensor's copy into pinned host memory, queued on the stream when started: ``wait``
+    blocks until this copy has landed, not until the work queued after it is done (``to_host`` waits
+    for the whole stream)."""
+
+    host: torch.Tensor
+    event: torch.cuda.Event | None  # None on the CPU: ``host`` is a clone, done at the start
+
+    @classmethod
+    def start(cls, t: torch.Tensor) -> PendingHostCopy:
+        if t.device.type != "cuda":
+            return cls(t.clone(), None)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    def wait(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()

@@ -198,6 +198,7 @@ FIELD_RULES: dict[str, Rule] = {
     "actual_forward_mode": Rule.SHARED,
     "extend": Rule.RECOMPUTED,
     "spec_info": Rule.RECOMPUTED,
+    "lens_on_device": Rule.RECOMPUTED,  # never split (split_forward_batch refuses it): False on children
     "mlp_sync": Rule.RECOMPUTED,  # the parent's micro_batches[i] under DP attention, else empty
     "attn_backend": Rule.RECOMPUTED,  # each child gets its own backend (one per micro-batch)
     "sampling_info": Rule.RECOMPUTED,  # sampling happens on the parent: None on children
@@ -302,6 +303,8 @@ def split_forward_batch(fb: ForwardBatch, split: TboSplit,
     check_field_rules(type(fb))
     if fb.tbo_children is not None:
         raise ValueError("a TBO child batch is not split again")
+    if fb.lens_on_device:
+        raise ValueError("a batch whose lengths are on the device only is not split: the split reads the host lists")
     bs, n = fb.batch_size, fb.num_tokens
     seq_a_end, seq_b, tok = split.seq_end_a, split.seq_index, split.token_index
     lens_a, lens_b = list(fb.seq_lens_cpu[:seq_a_end]), list(fb.seq_lens_cpu[seq_b:])

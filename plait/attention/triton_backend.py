@@ -380,6 +380,13 @@ class TritonAttnBackend(AttentionBackend):
         np.cumsum(pre, out=host[1, 1 : bs + 1])
         np.cumsum(np.multiply(ext, np.add(pre, ext)), out=host[2, 1 : bs + 1])
         copy_to_device_(packed, torch.from_numpy(host))
+        if fb.lens_on_device:
+            # Launched ahead of its predecessor's result: the host's prefix lengths are lower bounds,
+            # so the KV indptr comes from the device's (a chain batch has no mask to lay out).
+            if static is None or mask is not None:
+                raise RuntimeError("a verify batch with its lengths on the device only runs as a chain batch in "
+                                   "a verify graph")
+            torch.cumsum(fb.extend.prefix_lens, 0, dtype=torch.int32, out=packed[1, 1 : bs + 1])
         qo_indptr, kv_indptr, mask_indptr = packed[0, : bs + 1], packed[1, : bs + 1], packed[2, : bs + 1]
         if mask is None:
             mask_indptr = None

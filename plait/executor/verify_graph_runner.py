@@ -156,12 +156,17 @@ class VerifyGraphRunner:
             return self._can_run_dp(fb)
         if not fb.forward_mode.is_target_verify():
             return False
-        if fb.logits_indices is not None or not holds(self.batch_sizes, fb.batch_size, self.pad):
+        if fb.logits_indices is not None:
             return False
-        if (fb.spec_info is None or fb.spec_info.custom_mask is None) != self.causal_chains:
-            return False  # a tree batch of a chain-only runner (or the reverse) runs eagerly
+        masked = fb.spec_info is not None and fb.spec_info.custom_mask is not None
         width = uniform_width(fb)
-        return width in self.widths and fb.num_tokens == width * fb.batch_size
+        return (width is not None and self.replays(fb.batch_size, width, masked)
+                and fb.num_tokens == width * fb.batch_size)
+
+    def replays(self, bs: int, width: int, masked: bool) -> bool:
+        """Whether a verify batch of ``bs`` requests ``width`` tokens wide, with or without a tree mask,
+        replays a graph (a tree batch of a chain-only runner, or the reverse, runs eagerly)."""
+        return masked != self.causal_chains and width in self.widths and holds(self.batch_sizes, bs, self.pad)
 
     def _can_run_dp(self, fb: ForwardBatch) -> bool:
         """DP attention: the graphs hold the MLP collectives, so every rank decides alike, from the
@@ -213,6 +218,7 @@ class VerifyGraphRunner:
         view = self._static_batch(width, padded, list(fb.seq_lens_cpu) + [width] * pad,
                                   list(prefix_cpu) + [0] * pad)
         view.actual_forward_mode = fb.forward_mode
+        view.lens_on_device = fb.lens_on_device
         if fb.needs_forward_metadata_init():
             self.backend.init_forward_metadata_out_graph(view)
             view.mark_forward_metadata_ready()  # the verify pre-planning site marks what it planned

@@ -46,7 +46,7 @@ from plait.sampling import (
 )
 from plait.scheduler.req import Req
 from plait.speculative.tree import DraftTree
-from plait.transfer import ints_to_device, to_device, to_host
+from plait.transfer import PendingHostCopy, ints_to_device, to_device, to_host
 
 # Counter-RNG stream of the acceptance draws (stream 0 is the sampler's Gumbel noise).
 ACCEPT_STREAM = 1
@@ -187,13 +187,15 @@ def walk_decisions(tree: DraftTree, decisions: np.ndarray) -> tuple[list[int], i
 
 
 def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tensor, use_triton: bool,
-                 max_draws: int, row_widths: list[int] | None = None, greedy: torch.Tensor | None = None
-                 ) -> list[tuple[list[int], int]]:
+                 max_draws: int, row_widths: list[int] | None = None, greedy: torch.Tensor | None = None,
+                 greedy_host: PendingHostCopy | None = None) -> list[tuple[list[int], int]]:
     """``(path, bonus)`` per request of a verify batch. ``logits``: float32 ``[rows, V]``;
     ``row_widths``: logits rows per request when the verify batch was padded (real nodes first),
     default the trees' widths. ``greedy``: the logits' argmax when the forward computed it already
-    (verify graphs). ``max_draws``: uniforms drawn per node for soft drafts (at least the most
-    children a node has, plus one for the bonus).
+    (verify graphs); ``greedy_host``: its copy to the host, started already (then every request is
+    greedy, and ``logits`` gives only the row count: a later forward may have overwritten it).
+    ``max_draws``: uniforms drawn per node for soft drafts (at least the most children a node has,
+    plus one for the bonus).
 
     Greedy rows take the argmax; sampled rows with one-hot drafts (n-gram, top-k trees, and requests
     riding along without a draft) decide on the device (``one_hot_decisions``); both come to the host
@@ -205,6 +207,11 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
                                                      or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
     one_hot = [i for i in sampled if trees[i].draft_probs is None]
     soft = [i for i in sampled if trees[i].draft_probs is not None]
+    if greedy_host is not None:
+        assert not sampled, "a started argmax copy serves greedy requests only"
+        argmax = greedy_host.wait()[: logits.shape[0]].tolist()
+        return [greedy_accept(tree, argmax[row_starts[i] : row_starts[i] + tree.width])
+                for i, tree in enumerate(trees)]
     parts = [greedy if greedy is not None else greedy_ids(logits)]
     num_cols = 1
     if one_hot:

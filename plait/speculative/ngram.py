@@ -279,6 +279,28 @@ class NgramWorker(BaseSpecWorker):
                                               self.topk)
             self.prepared[req.rid] = PreparedDrafts(req.fill_len, version, proposals)
 
+    def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree]) -> list[list[list[int]]] | None:
+        """The pre-drafted proposals of each outcome of the verify of ``trees`` (chains ``W`` wide, just
+        pre-drafted), cut to ``W - 1`` drafts: a verify launched ahead checks these whatever bonus
+        arrives (one other than the guessed, or an outcome without a proposal, verifies guesses that
+        will likely be rejected, which costs acceptance, not correctness). None when a request has
+        no proposals prepared for its current tokens."""
+        version = self.drafter.cache.version
+        out: list[list[list[int]]] = []
+        for req, tree in zip(reqs, trees, strict=True):
+            prepared = self.prepared.get(req.rid)
+            if prepared is None or prepared.base_len != req.fill_len or prepared.cache_version != version:
+                return None
+            width = tree.width
+            per_outcome = [[tree.tokens[-1]] * (width - 1) for _ in range(width)]  # filler guesses
+            for key, proposal in prepared.proposals.items():
+                # The key is the accepted drafts then the guessed bonus: len(key) - 1 drafts accepted.
+                if proposal is not None and proposal.is_chain and len(key) <= width:
+                    drafts = proposal.tokens[1:width]
+                    per_outcome[len(key) - 1][: len(drafts)] = drafts
+            out.append(per_outcome)
+        return out
+
     def _cooling(self, req: Req) -> bool:
         """Whether ``req`` skips drafting now: its guesses keep failing (acceptance average below
         COLD_ACCEPT), so a verify row would cost more than the plain decode it replaces. Every

@@ -138,6 +138,48 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
     return fb
 
 
+@dataclass(frozen=True)
+class ChainVerifyInput:
+    """``ForwardBatch.spec_info`` of a chain batch launched ahead (``chain_verify_batch_after``): its
+    tokens are chosen on the device, so the host has no trees for it yet; chains carry no mask."""
+
+    num_tokens_per_req: list[int]
+    custom_mask: None = None
+
+
+def chain_verify_batch_after(greedy: torch.Tensor, guesses: torch.Tensor, next_drafts: torch.Tensor,
+                             kv_lens: torch.Tensor, kv_lens_cpu: list[int], pool_rows: torch.Tensor,
+                             slots: torch.Tensor) -> ForwardBatch:
+    """The TARGET_VERIFY batch that follows a verify of chains ``W`` wide, built on the device from that
+    verify's argmax before the host reads it (the batch's ``lens_on_device``).
+
+    ``greedy`` [bs, W]: the verify's argmax per node; ``guesses`` [bs, W - 1]: its drafts (nodes
+    1..W-1); ``next_drafts`` [bs, W, W - 1]: per request and per number of accepted drafts ``a``,
+    the drafts to verify after that outcome; ``kv_lens`` [bs]: the requests' KV lengths before the
+    verify (its root's position). Greedy acceptance takes the longest run of drafts equal to the
+    argmax before them; the bonus is the argmax after the run. The next chain is the bonus, then
+    ``next_drafts[b, a]``, at ``kv_len + a + 1`` onwards, its KV into ``slots`` (int64 [bs * W])."""
+    bs, width = greedy.shape
+    accepted = (guesses == greedy[:, :-1]).to(torch.int32).cumprod(1).sum(1)  # a per request, 0..W-1
+    index = accepted.long()[:, None]
+    bonus = greedy.gather(1, index)
+    drafts = next_drafts.gather(1, index[:, :, None].expand(bs, 1, width - 1))[:, 0]
+    prefix = kv_lens + accepted + 1
+    steps = torch.arange(width, device=greedy.device)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs,
+        input_ids=torch.cat([bonus, drafts], 1).reshape(-1), req_pool_indices=pool_rows,
+        seq_lens=prefix + width, out_cache_loc=slots, positions=(prefix[:, None] + steps).reshape(-1),
+        seq_lens_cpu=[k + 1 + width for k in kv_lens_cpu], seq_lens_sum=sum(kv_lens_cpu) + (1 + width) * bs,
+        extend=ExtendInfo(num_tokens=bs * width, seq_lens=torch.full_like(prefix, width), prefix_lens=prefix,
+                          start_loc=torch.arange(0, bs * width, width, device=greedy.device), seq_lens_cpu=[width] * bs,
+                          prefix_lens_cpu=[k + 1 for k in kv_lens_cpu]),
+        lens_on_device=True,
+    )
+    fb.spec_info = ChainVerifyInput([width] * bs)
+    return fb
+
+
 def tree_draft_batch(rows: Sequence[TreeRow], tokens: torch.Tensor, ancestors: torch.Tensor, topk: int
                      ) -> ForwardBatch:
     """The DRAFT_EXTEND batch of one device tree-expansion step (``plait.speculative.draft_tree``):

@@ -34,13 +34,13 @@ import torch
 from plait import envs
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch
-from plait.sampling import Sampler
+from plait.sampling import GREEDY_TEMPERATURE_EPS, Sampler
 from plait.scheduler.interface import SchedulerAPI
 from plait.scheduler.req import Req
 from plait.speculative.accept import accept_trees, mask_tree_logits
 from plait.speculative.tree import DraftTree
-from plait.speculative.verify_batch import TreeRow, build_verify_batch
-from plait.transfer import ints_to_device
+from plait.speculative.verify_batch import TreeRow, build_verify_batch, chain_verify_batch_after
+from plait.transfer import PendingHostCopy, ints_to_device
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
@@ -64,6 +64,7 @@ AcceptResult = tuple[list[int], int]  # (accepted path from the root, bonus toke
 class SpecStats:
     verify_steps: int = 0  # TARGET_VERIFY forwards
     verified_requests: int = 0  # request-steps verified
+    launched_ahead: int = 0  # verifies launched before the previous verify's result was read
     # accepted draft tokens per request-step -> count (the step gained that many + 1 tokens)
     accept_histogram: Counter[int] = field(default_factory=Counter)
 
@@ -83,6 +84,22 @@ class VerifyStep:
     logits: torch.Tensor  # float32 [rows, V]
     greedy: torch.Tensor | None  # the logits' argmax when the forward computed it (verify graphs)
     premapped: bool = False  # every node's slot mapped at its position at the launch (chains)
+    # The argmax's copy to the host, started before a verify was launched ahead past this one (whose
+    # graph replay overwrites ``logits`` and ``greedy``): acceptance reads only this then.
+    greedy_host: PendingHostCopy | None = None
+
+
+@dataclass
+class AheadVerify:
+    """A verify of chains launched before the previous verify's result was read
+    (``BaseSpecWorker.launch_ahead``): the device chose its tokens from that result, so the host
+    learns its trees only once it reads the result (``resolve_ahead``)."""
+
+    slots: torch.Tensor  # int64 [bs * W], every node's KV slot (mapped at the launch)
+    width: int
+    next_drafts: list[list[list[int]]]  # [request][drafts accepted before] -> the W - 1 drafts verified
+    logits: torch.Tensor
+    greedy: torch.Tensor | None
 
 
 class BaseSpecWorker(ABC):
@@ -109,6 +126,10 @@ class BaseSpecWorker(ABC):
         self.eos_token_ids = runner.model_config.eos_token_ids
         self.chains_verify = (self.chains_verify and envs.SPEC_CHAIN_VERIFIES.get() and config.tp_size == 1
                               and not config.enable_dp_attention)
+        # Launching a chain's next verify before the current one's result is read (``launch_ahead``):
+        # chains without a mask, whole batches (no two-batch split, which plans from the host lists).
+        self.launches_ahead = (self.chains_verify and envs.SPEC_LAUNCH_AHEAD.get() and config.causal_chain_verify
+                               and not config.enable_two_batch_overlap)
         # Adaptive draft depth: per request, a moving average of accepted drafts per step. Depth is
         # that average + 1 (at most num_steps), so a request whose guesses keep failing verifies
         # short drafts, and one whose guesses land goes back to full depth.
@@ -269,9 +290,15 @@ class BaseSpecWorker(ABC):
             self.deferred_work(sched)
             live = [i for i, r in enumerate(step.reqs) if not r.finished]  # a commit may have finished some
             self.predraft([step.reqs[i] for i in live], [step.trees[i] for i in live])
+            ahead = self.launch_ahead(sched, step) if chained < MAX_CHAINED_VERIFIES else None
             results = self.accept_step(step)
             self.commit_kv(sched, step, results)
             advanced.update(id(r) for r in step.reqs)
+            if ahead is not None:  # queued behind ``step`` already: the GPU did not wait for this host work
+                done = (step, results)
+                step = self.resolve_ahead(step, results, ahead)
+                chained += 1
+                continue
             nxt = self.next_verify(sched, step, results) if chained < MAX_CHAINED_VERIFIES else None
             if nxt is None:
                 self.commit_tokens(sched, step, results)
@@ -293,6 +320,92 @@ class BaseSpecWorker(ABC):
         sched.stats.forward_steps += 1
         return VerifyStep(reqs, trees, slots, fb.spec_info.num_tokens_per_req, out.next_token_logits, out.greedy_ids,
                           premapped)
+
+    def launch_ahead(self, sched: SchedulerAPI, step: VerifyStep) -> AheadVerify | None:
+        """Queue the verify after ``step`` before its result is read, or None (the host reads it first).
+
+        For a batch of greedy chains ``W`` wide, every outcome of ``step`` (``a`` drafts accepted, then
+        the argmax after them as the bonus) has its next drafts prepared (``ahead_drafts``: those drafted
+        while ``step`` ran, for the bonus the drafter guessed); the device picks the outcome that
+        arrived (``chain_verify_batch_after``), so the GPU goes from one verify to the next without
+        waiting for the host. Only where that next verify is what the host would launch anyway, but
+        for drafts made for a guessed bonus that missed: the step's requests are all the scheduler
+        holds, none can finish by its length or leave the chain's width, and the batch replays a
+        verify graph. A request that a stop token ends is found when the tokens are committed, and
+        its rows of the verify launched ahead are dropped (``accept_step``)."""
+        reqs, trees = step.reqs, step.trees
+        width = trees[0].width
+        graphs = self.runner.verify_graph_runner
+        if (not self.launches_ahead or not step.premapped or step.greedy is None or width < 2 or graphs is None
+                or not graphs.replays(len(reqs), width, masked=False)):
+            return None
+        if any(t.width != width or not t.is_chain for t in trees) or any(w != width for w in step.row_widths):
+            return None
+        if not self._holds_only(sched, reqs) or not all(self._verifies_ahead(r, width) for r in reqs):
+            return None
+        next_drafts = self.ahead_drafts(reqs, trees)
+        if next_drafts is None:
+            return None
+        slots = sched.alloc_kv_slots(len(reqs) * width)
+        if slots is None:
+            return None
+        # The graphs share one output buffer, which this launch overwrites: the step's argmax, all that
+        # greedy acceptance reads, starts its copy to the host first (a copy queued after this launch
+        # would wait for it), and the device reads it below before the launch.
+        step.greedy_host = PendingHostCopy.start(step.greedy)
+        # One asynchronous copy (a synchronous one would wait for the queued verify).
+        guesses, kv_lens, pool_rows, table = ints_to_device(
+            [[g for t in trees for g in t.tokens[1:]], [r.kv_len for r in reqs], [r.row for r in reqs],
+             [g for per_req in next_drafts for drafts in per_req for g in drafts]], step.logits.device)
+        bs = len(reqs)
+        fb = chain_verify_batch_after(step.greedy.view(bs, width), guesses.view(bs, width - 1),
+                                      table.view(bs, width, width - 1), kv_lens, [r.kv_len for r in reqs],
+                                      pool_rows, slots)
+        out = self.runner.forward(fb)
+        # Queued behind the forward, as premap_chains: node i at the position the device chose.
+        sched.map_kv_slots(pool_rows[:, None].expand(bs, width).reshape(-1), fb.positions, slots)
+        self.after_verify_forward(fb)
+        sched.stats.forward_steps += 1
+        self.stats.launched_ahead += 1
+        return AheadVerify(slots, width, next_drafts, out.next_token_logits, out.greedy_ids)
+
+    def resolve_ahead(self, step: VerifyStep, results: list[AcceptResult | None], ahead: AheadVerify) -> VerifyStep:
+        """The ``VerifyStep`` of ``ahead`` once ``step``'s outcome is known on the host: each request's
+        chain is its bonus and the drafts prepared for its outcome, as the device chose."""
+        trees = []
+        for res, per_outcome in zip(results, ahead.next_drafts, strict=True):
+            assert res is not None, "launch_ahead runs only while no request of the step has finished"
+            path, bonus = res
+            trees.append(DraftTree.chain(bonus, per_outcome[len(path) - 1]))
+        return VerifyStep(step.reqs, trees, ahead.slots, [ahead.width] * len(trees), ahead.logits, ahead.greedy,
+                          premapped=True)
+
+    def _holds_only(self, sched: SchedulerAPI, reqs: list[Req]) -> bool:
+        """Whether ``reqs`` are all the scheduler holds (nothing else to decode, prefill or admit), none
+        to abort: a chain may go on."""
+        ids = {id(r) for r in reqs}
+        return (len(sched.running) + len(sched.prefilling) == len(reqs)
+                and all(id(r) in ids and not r.to_abort for r in (*sched.running, *sched.prefilling)))
+
+    def _verifies_ahead(self, req: Req, width: int) -> bool:
+        """Whether ``req``'s next verify is ``width`` wide whatever its current verify (``width`` wide)
+        gains: greedy and unconstrained, not finished, and after the most that verify can add, still
+        ``width - 1`` drafts of room in its lengths and its acceptance average (``depth_after``)."""
+        sp = req.sampling_params
+        if req.finished or req.grammar is not None or not (sp.is_greedy or sp.temperature < GREEDY_TEMPERATURE_EPS):
+            return False
+        n = len(req.output_ids) + width  # the most the current verify adds
+        fill = req.fill_len + width
+        if req.kv_len != req.fill_len - 1 or len(req.output_ids) + 1 < sp.min_new_tokens:
+            return False
+        adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
+        room = self.runner.max_context_len - 1 - fill
+        return min(self.num_steps, adaptive, sp.max_new_tokens - n - 1, room) >= width - 1
+
+    def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree]) -> list[list[list[int]]] | None:
+        """Per request of a verify of ``trees`` (chains ``W`` wide), and per number ``a`` of its drafts
+        accepted, the ``W - 1`` drafts to verify next (``launch_ahead``); None: not prepared."""
+        return None
 
     def premap_chains(self, sched: SchedulerAPI, fb: ForwardBatch, trees: list[DraftTree], pad_width: int | None
                       ) -> bool:
@@ -326,14 +439,16 @@ class BaseSpecWorker(ABC):
             # Constrained requests: every node's row is masked by the grammar state after the path
             # to it, so acceptance picks what non-speculative constrained decoding would.
             logits, greedy = mask_tree_logits(reqs, trees, logits, step.row_widths), None
-        results = self.accept(reqs, trees, logits, row_widths=step.row_widths, greedy=greedy)
+        results = self.accept(reqs, trees, logits, row_widths=step.row_widths, greedy=greedy,
+                              greedy_host=step.greedy_host)
         return [None if r.finished else res for r, res in zip(reqs, results, strict=True)]
 
     def accept(self, reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tensor,
-               row_widths: list[int] | None = None, greedy: torch.Tensor | None = None
-               ) -> list[AcceptResult]:
+               row_widths: list[int] | None = None, greedy: torch.Tensor | None = None,
+               greedy_host: PendingHostCopy | None = None) -> list[AcceptResult]:
         """``(path, bonus)`` per request (``plait.speculative.accept.accept_trees``)."""
-        return accept_trees(reqs, trees, logits, self.sampler.use_triton, self.topk + 2, row_widths, greedy)
+        return accept_trees(reqs, trees, logits, self.sampler.use_triton, self.topk + 2, row_widths, greedy,
+                            greedy_host)
 
     def commit_kv(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
         """The accepted nodes' KV in place (``req_to_token``, ``kv_len``), every other node's slot freed,

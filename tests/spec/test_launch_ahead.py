@@ -1,0 +1,112 @@
+"""Verifies launched ahead (BaseSpecWorker.launch_ahead): inside a chain of greedy NGRAM verifies that
+replay verify graphs, the next verify is queued before the current one's result is read, its tokens
+and positions chosen on the device. Greedy output stays plait's non-speculative greedy output, a
+guessed bonus that misses costs only acceptance, a stop token drops the rows launched ahead, and no
+KV slot outlives its request. The graphs are the EagerGraph stand-in (replay re-runs the recorded
+function over the static buffers) on the Triton backend under the interpreter, 1-layer model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
+from plait.executor.verify_graph_runner import VerifyGraphRunner  # noqa: E402
+from plait.forward_batch import ForwardMode  # noqa: E402
+from plait.speculative.verify_batch import chain_verify_batch_after  # noqa: E402
+from tests.helpers import assert_no_leaks, make_engine, prompt_ids  # noqa: E402
+
+PROMPTS = prompt_ids(3)
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
+CHAIN = {"attention_backend": "triton", "speculative_algorithm": "NGRAM",
+         "speculative_ngram_min_match_window_size": 1, "max_total_tokens": 1024}
+
+
+@pytest.fixture(scope="module")
+def reference(one_layer):
+    return [o.token_ids for o in make_engine(one_layer).generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(autouse=True)
+def _launch_ahead_on(monkeypatch):
+    monkeypatch.setenv("PLAIT_SPEC_LAUNCH_AHEAD", "1")
+
+
+def _engine(one_layer, **flags):
+    engine = make_engine(one_layer, **CHAIN, **flags)
+    engine.runner.verify_graph_runner = VerifyGraphRunner(engine.runner.capture_target(), capture_batch_sizes(4),
+                                                          (2, 3, 4), graph_factory=EagerGraph)
+    return engine
+
+
+def test_device_picks_the_bonus_and_the_drafts_of_the_outcome_that_arrived():
+    # Two requests, chains 3 wide: the first accepts both drafts, the second none.
+    greedy = torch.tensor([[7, 8, 9], [5, 6, 1]])
+    guesses = torch.tensor([[7, 8], [4, 6]])
+    next_drafts = torch.arange(2 * 3 * 2).view(2, 3, 2) + 100  # [request, accepted, draft]
+    fb = chain_verify_batch_after(greedy, guesses, next_drafts, torch.tensor([10, 20]), [10, 20],
+                                  torch.tensor([3, 4]), torch.arange(6) + 50)
+    assert fb.forward_mode == ForwardMode.TARGET_VERIFY and fb.lens_on_device
+    # Request 0: a = 2, bonus 9 (the argmax after node 2), drafts for a = 2; request 1: a = 0, bonus 5.
+    assert fb.input_ids.tolist() == [9, 104, 105, 5, 106, 107]
+    assert fb.positions.tolist() == [13, 14, 15, 21, 22, 23]
+    assert fb.extend.prefix_lens.tolist() == [13, 21] and fb.seq_lens.tolist() == [16, 24]
+    assert fb.spec_info.custom_mask is None and fb.spec_info.num_tokens_per_req == [3, 3]
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_verifies_launched_ahead_keep_greedy_output_unchanged(one_layer, reference, bs):
+    engine = _engine(one_layer, max_running_requests=bs)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(p + ref)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert worker.stats.launched_ahead > 0
+    assert_no_leaks(engine)
+
+
+def test_drafts_launched_ahead_that_miss_cost_acceptance_not_output(one_layer, reference, monkeypatch):
+    """Whatever the drafts prepared for an outcome (those for a bonus guess that missed), the verify
+    launched ahead with them accepts only what the model agrees with."""
+    engine = _engine(one_layer, max_running_requests=3)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(p + ref)
+    prepared = worker.ahead_drafts
+
+    def wrong(reqs, trees):
+        drafts = prepared(reqs, trees)
+        return None if drafts is None else [[[(t + 1) % 400 + 4 for t in d] for d in per] for per in drafts]
+
+    monkeypatch.setattr(worker, "ahead_drafts", wrong)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert worker.stats.launched_ahead > 0 and worker.stats.accept_histogram[0] > 0
+    assert_no_leaks(engine)
+
+
+def test_a_stop_token_drops_the_rows_of_the_verify_launched_ahead(one_layer, reference):
+    engine = _engine(one_layer, max_running_requests=3)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(p + ref)
+    stop = reference[0][12]
+    params = [{**GREEDY, "stop_token_ids": [stop]}, GREEDY, GREEDY]
+    outs = engine.generate(PROMPTS, params)
+    assert outs[0].token_ids == reference[0][: reference[0].index(stop) + 1]
+    assert [o.token_ids for o in outs[1:]] == reference[1:]
+    assert worker.stats.launched_ahead > 0
+    assert_no_leaks(engine)
+
+
+def test_with_the_switch_off_no_verify_launches_ahead(one_layer, reference, monkeypatch):
+    monkeypatch.setenv("PLAIT_SPEC_LAUNCH_AHEAD", "0")
+    engine = _engine(one_layer, max_running_requests=3)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(p + ref)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert not worker.launches_ahead and worker.stats.launched_ahead == 0
