@@ -249,12 +249,16 @@ for stage in "$@"; do
         python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
       done ;;
     # spec-ngram-repeat (8b, 16 x 64) from the carried .ab/prev (`git archive <commit> plait | tar -x -C
-    # .ab/prev`) and from this tree, alternated: a speculative change against the tree before it.
+    # .ab/prev`), from this tree, and from this tree with verifies launched ahead (PLAIT_SPEC_LAUNCH_AHEAD=1),
+    # in turn for SPEC_AB_ROUNDS rounds (default 1): speculative changes against the tree before them.
     spec-tree-ab)
-      for run in r1-prev r1-head r2-prev r2-head; do
-        tree=$([ "${run##*-}" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
-        PYTHONPATH=$tree python -m plait bench spec --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 \
-          --output-len 64 --out "$OUT/spec-ab-$run" 2>&1 | tail -2 | cut -c1-400
+      for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
+        for run in prev head ahead; do
+          tree=$([ "$run" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
+          PLAIT_SPEC_LAUNCH_AHEAD=$([ "$run" = ahead ] && echo 1 || echo 0) PYTHONPATH=$tree python -m plait bench spec \
+            --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
+            --out "$OUT/spec-ab-r$r-$run" 2>&1 | tail -2 | cut -c1-400
+        done
       done ;;
     # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
     spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider \
