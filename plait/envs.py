@@ -185,6 +185,6 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
-                                    SPEC_CHAIN_VERIFIES,
+                                    SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD,
                                     ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE,
                                     FRONTEND_DETOKENIZE)

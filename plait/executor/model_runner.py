@@ -198,6 +198,9 @@ class ModelRunner:
         if self.verify_graph_runner is not None and self.verify_graph_runner.can_run(fb):
             fb.attn_backend = self.attn_backend
             return self.verify_graph_runner.replay(fb)
+        if fb.lens_on_device:
+            raise RuntimeError("a verify batch whose lengths are on the device only runs in a verify graph: the eager "
+                               "path plans from the host lists")
         if self.piecewise_runner is not None and self.piecewise_runner.can_run(fb):
             return self.piecewise_runner.replay(fb)
         return self._run_model(fb)
