@@ -103,6 +103,27 @@ def test_chained_ngram_verify_replays_give_the_tokens_unchained_ones_give(shape_
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_verifies_launched_ahead_give_the_tokens_chains_give(shape_dir, bs, monkeypatch):
+    """Verifies launched ahead (queued before the previous verify's result is read, tokens and
+    positions chosen on the device; PLAIT_SPEC_LAUNCH_AHEAD) run through the verify graphs and give
+    the tokens of chained verifies in bf16, with every slot free afterwards. bs 16 plans through the
+    extend kernel, the others through decode rows."""
+    prompts = random_prompts(bs if bs > 1 else 4, 64, VOCAB, seed=9)
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40}
+    runs = []
+    for ahead in ("0", "1"):
+        monkeypatch.setenv("PLAIT_SPEC_LAUNCH_AHEAD", ahead)
+        engine = make_engine(shape_dir, max_running_requests=bs, **NGRAM)
+        worker = engine.scheduler.spec_worker
+        engine.generate(prompts, params)  # the second pass drafts from the first one's outputs
+        runs.append([o.token_ids for o in engine.generate(prompts, params)])
+        assert (worker.stats.launched_ahead > 0) == (ahead == "1")
+        assert engine.scheduler.kv_tokens_in_use() == 0
+        release(engine)
+    assert runs[0] == runs[1]
+
+
 def test_eagle3_decode_graph_writes_the_hidden_states_an_eager_forward_writes(shape_dir, tmp_path):
     """EAGLE engines capture target graphs: the model writes the head's hidden states (residual inputs
     of layers [2, L//2, L-3]) into the capture's static buffer, and a replay writes the same rows as an
