@@ -553,9 +553,7 @@ class BaseSpecWorker(ABC):
         if not self.chains_verify or any(r is None for r in results):
             return None
         reqs = step.reqs
-        ids = {id(r) for r in reqs}
-        if (len(sched.running) + len(sched.prefilling) != len(reqs)
-                or any(id(r) not in ids or r.to_abort for r in (*sched.running, *sched.prefilling))):
+        if not self._holds_only(sched, reqs):
             return None
         cands: list[Req] = []
         depths: list[int] = []
