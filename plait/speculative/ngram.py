@@ -282,9 +282,10 @@ class NgramWorker(BaseSpecWorker):
     def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree]) -> list[list[list[int]]] | None:
         """The pre-drafted proposals of each outcome of the verify of ``trees`` (chains ``W`` wide, just
         pre-drafted), cut to ``W - 1`` drafts: a verify launched ahead checks these whatever bonus
-        arrives (one other than the guessed, or an outcome without a proposal, verifies guesses that
-        will likely be rejected, which costs acceptance, not correctness). None when a request has
-        no proposals prepared for its current tokens."""
+        arrives (one other than the guessed verifies drafts made for another continuation: they are
+        rejected, which costs acceptance, not correctness). An outcome without a proposal gets filler
+        guesses. None unless every request has ``W - 1`` drafts prepared for its whole chain accepted
+        (the outcome launch_ahead bets on) for its current tokens."""
         version = self.drafter.cache.version
         out: list[list[list[int]]] = []
         for req, tree in zip(reqs, trees, strict=True):
@@ -292,13 +293,14 @@ class NgramWorker(BaseSpecWorker):
             if prepared is None or prepared.base_len != req.fill_len or prepared.cache_version != version:
                 return None
             width = tree.width
-            per_outcome = [[tree.tokens[-1]] * (width - 1) for _ in range(width)]  # filler guesses
+            per_outcome: list[list[int] | None] = [None] * width
             for key, proposal in prepared.proposals.items():
                 # The key is the accepted drafts then the guessed bonus: len(key) - 1 drafts accepted.
-                if proposal is not None and proposal.is_chain and len(key) <= width:
-                    drafts = proposal.tokens[1:width]
-                    per_outcome[len(key) - 1][: len(drafts)] = drafts
-            out.append(per_outcome)
+                if proposal is not None and proposal.is_chain and len(key) <= width and proposal.width >= width:
+                    per_outcome[len(key) - 1] = proposal.tokens[1:width]
+            if per_outcome[-1] is None:
+                return None
+            out.append([d if d is not None else [tree.tokens[-1]] * (width - 1) for d in per_outcome])
         return out
 
     def _cooling(self, req: Req) -> bool:

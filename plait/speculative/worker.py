@@ -134,6 +134,10 @@ class BaseSpecWorker(ABC):
         # that average + 1 (at most num_steps), so a request whose guesses keep failing verifies
         # short drafts, and one whose guesses land goes back to full depth.
         self.accept_ema: dict[str, float] = {}
+        # Per request, whether its latest verify accepted every draft: a verify is launched ahead of its
+        # predecessor's result only on such a run (launch_ahead), where the drafts prepared for the
+        # whole chain accepted are the likely next ones.
+        self.accepted_all: dict[str, bool] = {}
         # Miss back-off: a speculative step drains the overlapped batch first (drafting needs every
         # token on the host). After a step where requests could speculate but nothing was proposed
         # (an n-gram miss), the next ``_skip`` steps decode normally, overlapped; the pause doubles
@@ -145,6 +149,7 @@ class BaseSpecWorker(ABC):
     def on_finish(self, req: Req) -> None:
         """A request finished (any reason). Subclasses call this too."""
         self.accept_ema.pop(req.rid, None)
+        self.accepted_all.pop(req.rid, None)
 
     def after_target_forward(self, fb: ForwardBatch) -> None:  # noqa: B027 (optional hook)
         """The scheduler ran a plain (non-speculative) target forward."""
@@ -168,6 +173,7 @@ class BaseSpecWorker(ABC):
         """Back to a new worker's state (after the engine's warm-up). Subclasses call this too."""
         self.stats = SpecStats()
         self.accept_ema.clear()
+        self.accepted_all.clear()
         self._skip, self._backoff = 0, 1
 
     def close(self) -> None:  # noqa: B027 (optional hook)
@@ -394,6 +400,8 @@ class BaseSpecWorker(ABC):
         sp = req.sampling_params
         if req.finished or req.grammar is not None or not (sp.is_greedy or sp.temperature < GREEDY_TEMPERATURE_EPS):
             return False
+        if not self.accepted_all.get(req.rid, False):
+            return False  # off a run of whole chains accepted: the host reads the outcome first
         n = len(req.output_ids) + width  # the most the current verify adds
         fill = req.fill_len + width
         if req.kv_len != req.fill_len - 1 or len(req.output_ids) + 1 < sp.min_new_tokens:
@@ -524,6 +532,7 @@ class BaseSpecWorker(ABC):
         if width > 1:  # a root-only tree is a plain decode row: no guess to count
             prev = self.accept_ema.get(req.rid, float(self.num_steps))
             self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (accepted - 1)
+            self.accepted_all[req.rid] = accepted == width
 
     def commit_tokens(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
         """Append each request's accepted tokens and its bonus through the scheduler (stop checks,

@@ -110,3 +110,19 @@ def test_with_the_switch_off_no_verify_launches_ahead(one_layer, reference, monk
         worker.drafter.cache.insert(p + ref)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     assert not worker.launches_ahead and worker.stats.launched_ahead == 0
+
+
+def test_only_a_request_whose_last_chain_was_accepted_whole_verifies_ahead(one_layer):
+    """Off a run of whole chains accepted (the model left the drafted text), the host reads the outcome
+    before the next launch: it may end the chain where the drafter has nothing to propose."""
+    from types import SimpleNamespace
+
+    from plait.sampling import SamplingParams
+
+    worker = _engine(one_layer).scheduler.spec_worker
+    req = SimpleNamespace(rid="r", finished=False, grammar=None, sampling_params=SamplingParams(temperature=0.0),
+                          output_ids=[1, 2], fill_len=12, kv_len=11)
+    worker.accepted_all["r"] = True
+    assert worker._verifies_ahead(req, 4)
+    worker.accepted_all["r"] = False
+    assert not worker._verifies_ahead(req, 4)
