@@ -284,8 +284,7 @@ class NgramWorker(BaseSpecWorker):
         pre-drafted), cut to ``W - 1`` drafts: a verify launched ahead checks these whatever bonus
         arrives (one other than the guessed verifies drafts made for another continuation: they are
         rejected, which costs acceptance, not correctness). An outcome without a proposal gets filler
-        guesses. None unless every request has ``W - 1`` drafts prepared for its whole chain accepted
-        (the outcome launch_ahead bets on) for its current tokens."""
+        guesses. None when a request has no proposals prepared for its current tokens."""
         version = self.drafter.cache.version
         out: list[list[list[int]]] = []
         for req, tree in zip(reqs, trees, strict=True):
@@ -298,8 +297,6 @@ class NgramWorker(BaseSpecWorker):
                 # The key is the accepted drafts then the guessed bonus: len(key) - 1 drafts accepted.
                 if proposal is not None and proposal.is_chain and len(key) <= width and proposal.width >= width:
                     per_outcome[len(key) - 1] = proposal.tokens[1:width]
-            if per_outcome[-1] is None:
-                return None
             out.append([d if d is not None else [tree.tokens[-1]] * (width - 1) for d in per_outcome])
         return out
 

@@ -56,6 +56,11 @@ MIN_DRAFTING_FRACTION = 0.25
 # Most verify forwards one scheduler step chains (see BaseSpecWorker.verify): the scheduler streams
 # outputs, admits and aborts between its steps, so a longer chain delays those.
 MAX_CHAINED_VERIFIES = 8
+# A verify is launched ahead of its predecessor's result (BaseSpecWorker.launch_ahead) only when at
+# least this fraction of its requests accepted their whole chain in their latest verify: the drafts
+# it bets on are then the likely ones. Below it (at bs 1: the request left the drafted text) the host
+# reads the outcome first and may end the chain, where ahead the batch would verify filler guesses.
+AHEAD_MIN_WHOLE_FRACTION = 0.5
 
 AcceptResult = tuple[list[int], int]  # (accepted path from the root, bonus token)
 
@@ -134,9 +139,7 @@ class BaseSpecWorker(ABC):
         # that average + 1 (at most num_steps), so a request whose guesses keep failing verifies
         # short drafts, and one whose guesses land goes back to full depth.
         self.accept_ema: dict[str, float] = {}
-        # Per request, whether its latest verify accepted every draft: a verify is launched ahead of its
-        # predecessor's result only on such a run (launch_ahead), where the drafts prepared for the
-        # whole chain accepted are the likely next ones.
+        # Per request, whether its latest verify accepted every draft (AHEAD_MIN_WHOLE_FRACTION).
         self.accepted_all: dict[str, bool] = {}
         # Miss back-off: a speculative step drains the overlapped batch first (drafting needs every
         # token on the host). After a step where requests could speculate but nothing was proposed
@@ -349,6 +352,8 @@ class BaseSpecWorker(ABC):
             return None
         if not self._holds_only(sched, reqs) or not all(self._verifies_ahead(r, width) for r in reqs):
             return None
+        if sum(self.accepted_all.get(r.rid, False) for r in reqs) < AHEAD_MIN_WHOLE_FRACTION * len(reqs):
+            return None
         next_drafts = self.ahead_drafts(reqs, trees)
         if next_drafts is None:
             return None
@@ -400,8 +405,6 @@ class BaseSpecWorker(ABC):
         sp = req.sampling_params
         if req.finished or req.grammar is not None or not (sp.is_greedy or sp.temperature < GREEDY_TEMPERATURE_EPS):
             return False
-        if not self.accepted_all.get(req.rid, False):
-            return False  # off a run of whole chains accepted: the host reads the outcome first
         n = len(req.output_ids) + width  # the most the current verify adds
         fill = req.fill_len + width
         if req.kv_len != req.fill_len - 1 or len(req.output_ids) + 1 < sp.min_new_tokens:

@@ -112,17 +112,24 @@ def test_with_the_switch_off_no_verify_launches_ahead(one_layer, reference, monk
     assert not worker.launches_ahead and worker.stats.launched_ahead == 0
 
 
-def test_only_a_request_whose_last_chain_was_accepted_whole_verifies_ahead(one_layer):
-    """Off a run of whole chains accepted (the model left the drafted text), the host reads the outcome
-    before the next launch: it may end the chain where the drafter has nothing to propose."""
-    from types import SimpleNamespace
+def test_a_batch_off_its_run_of_whole_chains_accepted_waits_for_the_host(one_layer, reference):
+    """When fewer than half the requests accepted their whole chain last time (at bs 1: the model left
+    the drafted text), the host reads the outcome before the next launch and may end the chain."""
+    engine = _engine(one_layer, max_running_requests=1)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(p + ref)
+    calls = []
+    inner = worker.launch_ahead
 
-    from plait.sampling import SamplingParams
+    def spy(sched, step):
+        whole = [worker.accepted_all.get(r.rid, False) for r in step.reqs]
+        launched = inner(sched, step)
+        calls.append((whole, launched is not None))
+        return launched
 
-    worker = _engine(one_layer).scheduler.spec_worker
-    req = SimpleNamespace(rid="r", finished=False, grammar=None, sampling_params=SamplingParams(temperature=0.0),
-                          output_ids=[1, 2], fill_len=12, kv_len=11)
-    worker.accepted_all["r"] = True
-    assert worker._verifies_ahead(req, 4)
-    worker.accepted_all["r"] = False
-    assert not worker._verifies_ahead(req, 4)
+    worker.launch_ahead = spy
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert any(launched for _, launched in calls)
+    assert any(not all(whole) for whole, _ in calls)  # a request's first verify has no run yet
+    assert not any(launched for whole, launched in calls if not all(whole))
