@@ -40,7 +40,9 @@ def _prefilled_rows(engine, prompts: list[list[int]]):
 
 @pytest.mark.parametrize("tree", [DraftTree.chain(11, [12, 13, 14]), DraftTree([11, 12, 13, 14], [-1, 0, 0, 1])])
 def test_verify_graph_replay_matches_eager_logits(shape_dir, tree):
-    engine = make_engine(shape_dir, **NGRAM)
+    """A chain through the graphs of a top-k 1 engine (captured without a tree mask), a tree through
+    those of a top-k 2 engine (with one)."""
+    engine = make_engine(shape_dir, **NGRAM, **({} if tree.is_chain else {"speculative_eagle_topk": 2}))
     runner = engine.runner
     graphs = runner.verify_graph_runner
     assert graphs is not None and 4 in graphs.widths
