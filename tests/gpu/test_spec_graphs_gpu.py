@@ -42,7 +42,7 @@ def _prefilled_rows(engine, prompts: list[list[int]]):
 def test_verify_graph_replay_matches_eager_logits(shape_dir, tree):
     """A chain through the graphs of a top-k 1 engine (captured without a tree mask), a tree through
     those of a top-k 2 engine (with one)."""
-    engine = make_engine(shape_dir, **NGRAM, **({} if tree.is_chain else {"speculative_eagle_topk": 2}))
+    engine = make_engine(shape_dir, **{**NGRAM, "speculative_eagle_topk": 1 if tree.is_chain else 2})
     runner = engine.runner
     graphs = runner.verify_graph_runner
     assert graphs is not None and 4 in graphs.widths
