@@ -118,7 +118,10 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
                 lengths = [o.meta_info["spec_accept_length"] for o in outs if o.meta_info["spec_verify_ct"]]
                 row["accept_length"] = sum(lengths) / len(lengths) if lengths else 1.0
                 row["step_accept_length"] = timing["step_accept_length"]
-                row["accept_histogram"] = dict(engine.scheduler.spec_worker.stats.accept_histogram)
+                stats = engine.scheduler.spec_worker.stats
+                row["accept_histogram"] = dict(stats.accept_histogram)
+                # Of every verify the engine ran (its warm passes included): launched ahead of the one before.
+                row["verify_steps"], row["launched_ahead"] = stats.verify_steps, stats.launched_ahead
             release(engine)
         row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
         row["speedup_over_accept_length_end_to_end"] = row["speedup"] / row["accept_length"]
