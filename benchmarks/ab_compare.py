@@ -53,7 +53,8 @@ def _timed(fn: Any) -> float:
 
 
 def nano_requests(seed: int) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    """nano-vllm's benchmark recipe (as `plait bench offline --workload nano-vllm`) under another seed."""
+    """``plait.bench.workloads.nano_vllm_requests(OFFLINE_N, seed)``, spelled out here: a worker runs
+    against older trees, which may not have it (the same draws in the same order)."""
     rng = random.Random(seed)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(OFFLINE_N)]
     params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": rng.randint(100, 1024), "seed": i}

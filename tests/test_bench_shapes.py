@@ -26,3 +26,4 @@ def test_the_covering_vocabulary_keeps_the_tiny_tokenizers_encoding(tmp_path, ti
     text = "Hello world, héllo 你好 🙂 and more words."
     assert covering.encode(text, add_special_tokens=False) == tiny.encode(text, add_special_tokens=False)
     assert covering.decode(covering.encode(text, add_special_tokens=False)) == text
+

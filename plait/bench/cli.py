@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import random
 import tempfile
 import traceback
 from typing import Any
@@ -16,6 +15,7 @@ from plait.bench.workloads import (
     TIMED_REPEATS,
     Limits,
     decode_step_bytes,
+    nano_vllm_requests,
     overlap_step_vs_replay,
     plait_decode_bs1,
     plait_prefill,
@@ -194,13 +194,10 @@ def cmd_offline(args: argparse.Namespace) -> int:
         prompts = random_prompts(args.num_requests, args.input_len, vocab, seed=0)
         out_lens = [args.output_len] * args.num_requests
         params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": args.output_len}] * args.num_requests
-    else:  # nano-vllm: its own benchmark's recipe (random.seed(0), randint lengths, temperature 0.6)
+    else:
         vocab = SHAPES[shape]["vocab_size"]
-        rng = random.Random(0)
-        prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(args.num_requests)]
-        out_lens = [rng.randint(100, 1024) for _ in range(args.num_requests)]
-        params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": n, "seed": i}
-                  for i, n in enumerate(out_lens)]
+        prompts, params = nano_vllm_requests(args.num_requests)
+        out_lens = [p["max_new_tokens"] for p in params]
     shape_dir = str(write_shape_dir(root, shape))
     peer: dict[str, Any] = {}
     peer_name = "transformers generate_batch"

@@ -86,6 +86,17 @@ def random_prompts(n: int, length: int | list[int], vocab: int, seed: int) -> li
     return [[rng.randrange(edge, vocab - edge) for _ in range(L)] for L in lengths]
 
 
+def nano_vllm_requests(n: int, seed: int = 0) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """nano-vllm's own benchmark recipe (its ``random.seed(0)``): ``n`` prompts of ids in [0, 10000]
+    and lengths uniform in [100, 1024], each with an output length uniform in [100, 1024], sampled at
+    temperature 0.6 with ignore_eos (request i seeded i). Another ``seed``: fresh requests alike."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": rng.randint(100, 1024), "seed": i}
+              for i in range(n)]
+    return prompts, params
+
+
 def timed(fn: Any) -> tuple[Any, float]:
     sync()
     t0 = time.perf_counter()
