@@ -59,10 +59,17 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     what the host link carries."""
     if t.device.type != "cuda":
         return t.numpy()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    host = pinned_copy(t)
     torch.cuda.current_stream(t.device).synchronize()
     return host.numpy()
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A new pinned host tensor that a CUDA ``t`` is copied into, queued on the current stream (not
+    waited for: the caller synchronises, or records an event, before reading it)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 @dataclass
@@ -78,8 +85,7 @@ class PendingHostCopy:
     def start(cls, t: torch.Tensor) -> PendingHostCopy:
         if t.device.type != "cuda":
             return cls(t.clone(), None)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
+        host = pinned_copy(t)
         event = torch.cuda.Event()
         event.record()
         return cls(host, event)

@@ -16,6 +16,7 @@ import torch
 from plait.forward_batch import InputLogprobRows
 from plait.models.llama import LogitsOutput
 from plait.sampling import SampleOutput
+from plait.transfer import pinned_copy
 
 
 class HostResults(NamedTuple):
@@ -69,9 +70,7 @@ class HostCopy:
             if t is None:
                 host.append(None)
                 continue
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            host.append(buf)
+            host.append(pinned_copy(t))
         event = torch.cuda.Event()
         event.record()
         return cls(host, event)

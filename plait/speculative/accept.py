@@ -207,12 +207,8 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
                                                      or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
     one_hot = [i for i in sampled if trees[i].draft_probs is None]
     soft = [i for i in sampled if trees[i].draft_probs is not None]
-    if greedy_host is not None:
-        assert not sampled, "a started argmax copy serves greedy requests only"
-        argmax = greedy_host.wait()[: logits.shape[0]].tolist()
-        return [greedy_accept(tree, argmax[row_starts[i] : row_starts[i] + tree.width])
-                for i, tree in enumerate(trees)]
-    parts = [greedy if greedy is not None else greedy_ids(logits)]
+    assert greedy_host is None or not sampled, "a started argmax copy serves greedy requests only"
+    parts = [greedy if greedy is not None else greedy_ids(logits)] if greedy_host is None else []
     num_cols = 1
     if one_hot:
         num_cols = max(1, max(len(trees[i].children(n)) for i in one_hot for n in range(widths[i])))
@@ -222,7 +218,10 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
         decisions = one_hot_decisions(Sampler.warp(logits[rows], info), children.view(-1, num_cols), unif,
                                       info.noise_keys, use_triton)
         parts.append(decisions.flatten())
-    host = to_host(parts[0] if len(parts) == 1 else torch.cat(parts))
+    if greedy_host is not None:
+        host = greedy_host.wait()
+    else:
+        host = to_host(parts[0] if len(parts) == 1 else torch.cat(parts))
     argmax = host[: logits.shape[0]].tolist()
     decided: dict[int, np.ndarray] = {}
     k = 0

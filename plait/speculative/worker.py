@@ -365,13 +365,13 @@ class BaseSpecWorker(ABC):
         # would wait for it), and the device reads it below before the launch.
         step.greedy_host = PendingHostCopy.start(step.greedy)
         # One asynchronous copy (a synchronous one would wait for the queued verify).
+        kv_lens_cpu = [r.kv_len for r in reqs]
         guesses, kv_lens, pool_rows, table = ints_to_device(
-            [[g for t in trees for g in t.tokens[1:]], [r.kv_len for r in reqs], [r.row for r in reqs],
+            [[g for t in trees for g in t.tokens[1:]], kv_lens_cpu, [r.row for r in reqs],
              [g for per_req in next_drafts for drafts in per_req for g in drafts]], step.logits.device)
         bs = len(reqs)
         fb = chain_verify_batch_after(step.greedy.view(bs, width), guesses.view(bs, width - 1),
-                                      table.view(bs, width, width - 1), kv_lens, [r.kv_len for r in reqs],
-                                      pool_rows, slots)
+                                      table.view(bs, width, width - 1), kv_lens, kv_lens_cpu, pool_rows, slots)
         out = self.runner.forward(fb)
         # Queued behind the forward, as premap_chains: node i at the position the device chose.
         sched.map_kv_slots(pool_rows[:, None].expand(bs, width).reshape(-1), fb.positions, slots)
@@ -405,13 +405,9 @@ class BaseSpecWorker(ABC):
         sp = req.sampling_params
         if req.finished or req.grammar is not None or not (sp.is_greedy or sp.temperature < GREEDY_TEMPERATURE_EPS):
             return False
-        n = len(req.output_ids) + width  # the most the current verify adds
-        fill = req.fill_len + width
         if req.kv_len != req.fill_len - 1 or len(req.output_ids) + 1 < sp.min_new_tokens:
             return False
-        adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
-        room = self.runner.max_context_len - 1 - fill
-        return min(self.num_steps, adaptive, sp.max_new_tokens - n - 1, room) >= width - 1
+        return self._depth_limit(req, width) >= width - 1  # after the most the current verify adds
 
     def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree]) -> list[list[list[int]]] | None:
         """Per request of a verify of ``trees`` (chains ``W`` wide), and per number ``a`` of its drafts
@@ -609,20 +605,26 @@ class BaseSpecWorker(ABC):
         they finish it (the length limits, a stop token) or it may not verify then."""
         sp = req.sampling_params
         n0 = len(req.output_ids)
-        n = n0 + len(tokens)
-        fill = req.fill_len + len(tokens)
-        if n >= sp.max_new_tokens or fill >= self.runner.max_context_len or n < sp.min_new_tokens:
+        if n0 + len(tokens) < sp.min_new_tokens:
             return None
         if sp.stop_token_ids or not sp.ignore_eos:
             first = max(0, sp.min_new_tokens - n0 - 1)  # stop tokens count from min_new_tokens on
             if any(t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_token_ids) for t in tokens[first:]):
                 return None
-        if req.kv_len != fill - 1 or req.to_abort:
+        if req.kv_len != req.fill_len + len(tokens) - 1 or req.to_abort:
             return None
-        left = sp.max_new_tokens - n
-        room = self.runner.max_context_len - 1 - fill
+        depth = self._depth_limit(req, len(tokens))
+        return None if depth < 0 else depth
+
+    def _depth_limit(self, req: Req, gained: int) -> int:
+        """The deepest draft ``req`` may verify once it has gained ``gained`` tokens: its acceptance
+        average, ``num_steps`` and room in its lengths (a guess and the bonus after it); negative when
+        the gain reaches ``max_new_tokens`` or the context length."""
+        n = len(req.output_ids) + gained
+        fill = req.fill_len + gained
         adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
-        return max(0, min(self.num_steps, adaptive, left - 1, room))
+        return min(self.num_steps, adaptive, req.sampling_params.max_new_tokens - n - 1,
+                   self.runner.max_context_len - 1 - fill)
 
     def propose_after(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int],
                       gained: list[list[int]]) -> list[DraftTree | None] | None:
