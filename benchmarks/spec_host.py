@@ -29,6 +29,7 @@ timed stages (the forward excluded).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -39,6 +40,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait import Engine
 from plait.bench.spec import NGRAM, random_prompts
@@ -49,10 +51,28 @@ HIDDEN = ("deferred_work", "predraft", "premap_chains", "launch_ahead")
 EITHER = ("commit_tokens",)  # hidden when a verify is queued behind it, else critical
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops each stage dispatches (on a GPU each is a kernel launch or a copy, 5-20 us
+    of host time): ops go to the innermost stage running, the forward's own ops to ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.ops: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.stack:
+            self.ops[self.stack[-1]][str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 class Timer:
     """Wraps methods and records each call's seconds under its stage name."""
 
-    def __init__(self, prof: cProfile.Profile | None, cuda: bool = False) -> None:
+    def __init__(self, prof: cProfile.Profile | None, cuda: bool = False, ops: OpCounter | None = None,
+                 record: bool = False) -> None:
+        self.ops = ops
+        self.record = record  # each stage's call inside a torch.profiler.record_function of its name
         self.calls: dict[str, list[float]] = defaultdict(list)
         self.prof = prof
         self.in_step = False  # inside decode_step
@@ -71,15 +91,22 @@ class Timer:
             if name == "decode_step":
                 self.in_step, self.nested = True, 0.0
                 self.steps += 1
+                if self.ops is not None:
+                    self.ops.stack.append("other")
                 t0 = time.perf_counter()
                 try:
-                    return inner(*args, **kwargs)
+                    with self.recorded("other"):
+                        return inner(*args, **kwargs)
                 finally:
                     self.calls["other"].append(time.perf_counter() - t0 - self.nested)
                     self.in_step = False
+                    if self.ops is not None:
+                        self.ops.stack.pop()
             stage = name
             if name in EITHER:
                 stage = f"{name} ({'hidden' if self.queued else 'critical'})"
+            if self.ops is not None:
+                self.ops.stack.append(stage)
             profiled = self.prof is not None and name != "forward"
             if profiled:
                 self.prof.enable()
@@ -89,7 +116,8 @@ class Timer:
                 events[0].record()
             t0 = time.perf_counter()
             try:
-                return inner(*args, **kwargs)
+                with self.recorded(stage):
+                    return inner(*args, **kwargs)
             finally:
                 dt = time.perf_counter() - t0
                 if events is not None:
@@ -98,6 +126,8 @@ class Timer:
                     self.forwards.append((self.steps, fb.forward_mode.is_target_verify(), *events))
                 if profiled:
                     self.prof.disable()
+                if self.ops is not None:
+                    self.ops.stack.pop()
                 self.calls[stage].append(dt)
                 if self.in_step:
                     self.nested += dt
@@ -108,6 +138,30 @@ class Timer:
 
         setattr(obj, name, wrapper)
 
+    def recorded(self, stage: str) -> contextlib.AbstractContextManager[Any]:
+        return torch.profiler.record_function(f"stage:{stage}") if self.record else contextlib.nullcontext()
+
+
+def runtime_report(prof: torch.profiler.profile, steps: int) -> None:
+    """The CUDA runtime calls (cudaMemcpyAsync, cudaHostAlloc, cudaEventQuery, ...) each stage made,
+    with their host time: a stage slower on a GPU's host than on the CPU shows which call it waits in."""
+    per: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for ev in prof.events():
+        if not ev.name.startswith("cuda"):
+            continue
+        parent, stage = ev.cpu_parent, "outside any stage"
+        while parent is not None:
+            if parent.name.startswith("stage:"):
+                stage = parent.name[len("stage:"):]
+                break
+            parent = parent.cpu_parent
+        per[stage][ev.name].append(ev.cpu_time_total)
+    print("  CUDA runtime calls per verify step by stage: count, host us (the largest first)")
+    for stage, calls in sorted(per.items()):
+        total = sum(sum(v) for v in calls.values())
+        top = ", ".join(f"{name} {len(v) / steps:.1f}x {sum(v) / steps:.0f}us"
+                        for name, v in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:6])
+        print(f"  {stage:28s} {total / steps:7.0f} us  ({top})")
 
 def device_report(timer: Timer) -> None:
     """The device's side of a GPU run (call after it finished): forward times and the idle gaps
@@ -142,6 +196,9 @@ def main() -> None:
     ap.add_argument("bs", type=int, nargs="?", default=16)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cuda-api", action="store_true",
+                    help="on a GPU, the CUDA runtime calls per stage and their host time (torch.profiler)")
+    ap.add_argument("--ops", action="store_true", help="count the aten ops (kernel launches on a GPU) per stage")
     ap.add_argument("--shape", default=None, help="a bench shape (e.g. llama-3.1-8b) with dummy weights, on the GPU")
     args = ap.parse_args()
     engine, prompts = make_engine_for(args)
@@ -150,7 +207,8 @@ def main() -> None:
         engine.generate(prompts, params)  # fills the n-gram and prefix caches
     worker = engine.scheduler.spec_worker
     on_gpu = args.shape is not None and torch.cuda.is_available()
-    timer = Timer(cProfile.Profile() if args.profile else None, cuda=on_gpu)
+    counter = OpCounter() if args.ops else None
+    timer = Timer(cProfile.Profile() if args.profile else None, cuda=on_gpu, ops=counter, record=args.cuda_api)
     stages = [n for n in (*CRITICAL, *HIDDEN, *EITHER) if hasattr(worker, n)]  # older commits lack some
     for name in stages:
         timer.wrap(worker, name)
@@ -160,9 +218,19 @@ def main() -> None:
     stats = getattr(worker, "predraft_stats", None)  # older commits do not pre-draft
     if stats is not None:
         stats.clear()
+    tracing = contextlib.ExitStack()
+    if counter is not None:
+        tracing.enter_context(counter)
+    api_prof = None
+    if args.cuda_api:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if on_gpu:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        api_prof = tracing.enter_context(torch.profiler.profile(activities=activities))
     t0 = time.perf_counter()
-    for _ in range(args.rounds):
-        engine.generate(prompts, params)
+    with tracing:
+        for _ in range(args.rounds):
+            engine.generate(prompts, params)
     if timer.cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -191,6 +259,15 @@ def main() -> None:
     print(f"  all host time outside forwards, less the hidden stages: {rest / steps * 1e6:.1f} us/step")
     if stats is not None:
         print(f"  proposals pre-drafted during the verify (hit), drafted anew (miss, unprepared): {dict(stats)}")
+    if counter is not None:
+        print("  aten ops per verify step (a kernel launch or copy each on a GPU), by stage:")
+        for name, ops in sorted(counter.ops.items()):
+            if name == "forward":
+                continue
+            top = ", ".join(f"{op} {n / steps:.1f}" for op, n in sorted(ops.items(), key=lambda kv: -kv[1])[:8])
+            print(f"  {name:28s} {sum(ops.values()) / steps:6.1f}  ({top})")
+    if api_prof is not None:
+        runtime_report(api_prof, steps)
     if timer.cuda:
         device_report(timer)
     engine.shutdown()
