@@ -279,23 +279,23 @@ class NgramWorker(BaseSpecWorker):
                                               self.topk)
             self.prepared[req.rid] = PreparedDrafts(req.fill_len, version, proposals)
 
-    def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree]) -> list[list[list[int]]] | None:
-        """The pre-drafted proposals of each outcome of the verify of ``trees`` (chains ``W`` wide, just
-        pre-drafted), cut to ``W - 1`` drafts: a verify launched ahead checks these whatever bonus
-        arrives (one other than the guessed verifies drafts made for another continuation: they are
-        rejected, which costs acceptance, not correctness). An outcome without a proposal gets filler
-        guesses. None when a request has no proposals prepared for its current tokens."""
+    def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree], width: int) -> list[list[list[int]]] | None:
+        """Per request, the pre-drafted proposal of each outcome of the verify of ``trees`` (chains at
+        most ``width`` wide, just pre-drafted, at full depth), cut to ``width - 1`` drafts: a verify
+        launched ahead checks these whatever bonus arrives (one other than the guessed verifies drafts
+        made for another continuation: they are rejected, which costs acceptance, not correctness).
+        An outcome without a proposal, or past the request's chain, gets filler guesses. None when a
+        request has no proposals prepared for its current tokens."""
         version = self.drafter.cache.version
         out: list[list[list[int]]] = []
         for req, tree in zip(reqs, trees, strict=True):
             prepared = self.prepared.get(req.rid)
             if prepared is None or prepared.base_len != req.fill_len or prepared.cache_version != version:
                 return None
-            width = tree.width
             per_outcome: list[list[int] | None] = [None] * width
             for key, proposal in prepared.proposals.items():
                 # The key is the accepted drafts then the guessed bonus: len(key) - 1 drafts accepted.
-                if proposal is not None and proposal.is_chain and len(key) <= width and proposal.width >= width:
+                if proposal is not None and proposal.is_chain and len(key) <= tree.width and proposal.width >= width:
                     per_outcome[len(key) - 1] = proposal.tokens[1:width]
             out.append([d if d is not None else [tree.tokens[-1]] * (width - 1) for d in per_outcome])
         return out

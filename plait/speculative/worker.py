@@ -70,6 +70,8 @@ class SpecStats:
     verify_steps: int = 0  # TARGET_VERIFY forwards
     verified_requests: int = 0  # request-steps verified
     launched_ahead: int = 0  # verifies launched before the previous verify's result was read
+    # why a chained verify was not launched ahead (``BaseSpecWorker.ahead_refusal``) -> count
+    ahead_declined: Counter[str] = field(default_factory=Counter)
     # accepted draft tokens per request-step -> count (the step gained that many + 1 tokens)
     accept_histogram: Counter[int] = field(default_factory=Counter)
 
@@ -333,32 +335,27 @@ class BaseSpecWorker(ABC):
     def launch_ahead(self, sched: SchedulerAPI, step: VerifyStep) -> AheadVerify | None:
         """Queue the verify after ``step`` before its result is read, or None (the host reads it first).
 
-        For a batch of greedy chains ``W`` wide, every outcome of ``step`` (``a`` drafts accepted, then
-        the argmax after them as the bonus) has its next drafts prepared (``ahead_drafts``: those drafted
-        while ``step`` ran, for the bonus the drafter guessed); the device picks the outcome that
-        arrived (``chain_verify_batch_after``), so the GPU goes from one verify to the next without
-        waiting for the host. Only where that next verify is what the host would launch anyway, but
-        for drafts made for a guessed bonus that missed: the step's requests are all the scheduler
-        holds, none can finish by its length or leave the chain's width, and the batch replays a
-        verify graph. A request that a stop token ends is found when the tokens are committed, and
-        its rows of the verify launched ahead are dropped (``accept_step``)."""
+        For a batch of greedy chains padded to ``W`` rows each, every outcome of ``step`` (``a`` drafts
+        accepted, then the argmax after them as the bonus) has its next ``W - 1`` drafts prepared
+        (``ahead_drafts``: those drafted while ``step`` ran, for the bonus the drafter guessed); the
+        device picks the outcome that arrived (``chain_verify_batch_after``), so the GPU goes from one
+        verify to the next without waiting for the host. Every request's next chain is ``W`` wide: a
+        request whose acceptance average asked for a shorter one verifies the batch's padding rows as
+        drafts instead. A request that a stop token ends is found when the tokens are committed, and
+        its rows of the verify launched ahead are dropped (``accept_step``). Where not (``ahead_refusal``)
+        the host reads the result first."""
+        if not self.launches_ahead:
+            return None
         reqs, trees = step.reqs, step.trees
-        width = trees[0].width
-        graphs = self.runner.verify_graph_runner
-        if (not self.launches_ahead or not step.premapped or step.greedy is None or width < 2 or graphs is None
-                or not graphs.replays(len(reqs), width, masked=False)):
-            return None
-        if any(t.width != width or not t.is_chain for t in trees) or any(w != width for w in step.row_widths):
-            return None
-        if not self._holds_only(sched, reqs) or not all(self._verifies_ahead(r, width) for r in reqs):
-            return None
-        if sum(self.accepted_all.get(r.rid, False) for r in reqs) < AHEAD_MIN_WHOLE_FRACTION * len(reqs):
-            return None
-        next_drafts = self.ahead_drafts(reqs, trees)
+        width = step.row_widths[0]
+        refusal = self.ahead_refusal(sched, step)
+        next_drafts = self.ahead_drafts(reqs, trees, width) if refusal is None else None
         if next_drafts is None:
+            self.stats.ahead_declined[refusal or "drafts not prepared"] += 1
             return None
         slots = sched.alloc_kv_slots(len(reqs) * width)
         if slots is None:
+            self.stats.ahead_declined["no KV slots"] += 1
             return None
         # The graphs share one output buffer, which this launch overwrites: the step's argmax, all that
         # greedy acceptance reads, starts its copy to the host first (a copy queued after this launch
@@ -366,8 +363,9 @@ class BaseSpecWorker(ABC):
         step.greedy_host = PendingHostCopy.start(step.greedy)
         # One asynchronous copy (a synchronous one would wait for the queued verify).
         kv_lens_cpu = [r.kv_len for r in reqs]
+        # A padding row's guess is -1, which no argmax equals: acceptance stops at a chain's real end.
         guesses, kv_lens, pool_rows, table = ints_to_device(
-            [[g for t in trees for g in t.tokens[1:]], kv_lens_cpu, [r.row for r in reqs],
+            [[g for t in trees for g in t.tokens[1:] + [-1] * (width - t.width)], kv_lens_cpu, [r.row for r in reqs],
              [g for per_req in next_drafts for drafts in per_req for g in drafts]], step.logits.device)
         bs = len(reqs)
         fb = chain_verify_batch_after(step.greedy.view(bs, width), guesses.view(bs, width - 1),
@@ -379,6 +377,25 @@ class BaseSpecWorker(ABC):
         sched.stats.forward_steps += 1
         self.stats.launched_ahead += 1
         return AheadVerify(slots, width, next_drafts, out.next_token_logits, out.greedy_ids)
+
+    def ahead_refusal(self, sched: SchedulerAPI, step: VerifyStep) -> str | None:
+        """Why the verify after ``step`` may not be launched ahead (``launch_ahead``), or None."""
+        reqs, trees = step.reqs, step.trees
+        width = step.row_widths[0]
+        graphs = self.runner.verify_graph_runner
+        if not step.premapped or step.greedy is None or width < 2 or not all(t.is_chain for t in trees):
+            return "not a premapped greedy chain"
+        if any(w != width for w in step.row_widths):
+            return "unpadded mixed widths"
+        if graphs is None or not graphs.replays(len(reqs), width, masked=False):
+            return "no verify graph"
+        if not self._holds_only(sched, reqs):
+            return "other requests held"
+        if not all(self._verifies_ahead(r, width) for r in reqs):
+            return "a request may leave the chain"
+        if sum(self.accepted_all.get(r.rid, False) for r in reqs) < AHEAD_MIN_WHOLE_FRACTION * len(reqs):
+            return "under half accepted whole chains"
+        return None
 
     def resolve_ahead(self, step: VerifyStep, results: list[AcceptResult | None], ahead: AheadVerify) -> VerifyStep:
         """The ``VerifyStep`` of ``ahead`` once ``step``'s outcome is known on the host: each request's
@@ -399,19 +416,20 @@ class BaseSpecWorker(ABC):
                 and all(id(r) in ids and not r.to_abort for r in (*sched.running, *sched.prefilling)))
 
     def _verifies_ahead(self, req: Req, width: int) -> bool:
-        """Whether ``req``'s next verify is ``width`` wide whatever its current verify (``width`` wide)
-        gains: greedy and unconstrained, not finished, and after the most that verify can add, still
-        ``width - 1`` drafts of room in its lengths and its acceptance average (``depth_after``)."""
+        """Whether ``req`` may verify a chain ``width`` wide whatever its current verify (at most ``width``
+        wide) gains: greedy and unconstrained, not finished, and after the most that verify can add,
+        still ``width - 1`` drafts of room in its lengths (its acceptance average aside: the batch's
+        rows are ``width`` wide anyway)."""
         sp = req.sampling_params
         if req.finished or req.grammar is not None or not (sp.is_greedy or sp.temperature < GREEDY_TEMPERATURE_EPS):
             return False
         if req.kv_len != req.fill_len - 1 or len(req.output_ids) + 1 < sp.min_new_tokens:
             return False
-        return self._depth_limit(req, width) >= width - 1  # after the most the current verify adds
+        return self._room_limit(req, width) >= width - 1  # after the most the current verify adds
 
-    def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree]) -> list[list[list[int]]] | None:
-        """Per request of a verify of ``trees`` (chains ``W`` wide), and per number ``a`` of its drafts
-        accepted, the ``W - 1`` drafts to verify next (``launch_ahead``); None: not prepared."""
+    def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree], width: int) -> list[list[list[int]]] | None:
+        """Per request of a verify of ``trees`` (chains at most ``width`` wide), and per number ``a`` of its
+        drafts accepted, the ``width - 1`` drafts to verify next (``launch_ahead``); None: not prepared."""
         return None
 
     def premap_chains(self, sched: SchedulerAPI, fb: ForwardBatch, trees: list[DraftTree], pad_width: int | None
@@ -620,11 +638,15 @@ class BaseSpecWorker(ABC):
         """The deepest draft ``req`` may verify once it has gained ``gained`` tokens: its acceptance
         average, ``num_steps`` and room in its lengths (a guess and the bonus after it); negative when
         the gain reaches ``max_new_tokens`` or the context length."""
+        adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
+        return min(adaptive, self._room_limit(req, gained))
+
+    def _room_limit(self, req: Req, gained: int) -> int:
+        """``_depth_limit`` without the acceptance average: ``num_steps`` and the room in ``req``'s
+        lengths once it has gained ``gained`` tokens."""
         n = len(req.output_ids) + gained
         fill = req.fill_len + gained
-        adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
-        return min(self.num_steps, adaptive, req.sampling_params.max_new_tokens - n - 1,
-                   self.runner.max_context_len - 1 - fill)
+        return min(self.num_steps, req.sampling_params.max_new_tokens - n - 1, self.runner.max_context_len - 1 - fill)
 
     def propose_after(self, sched: SchedulerAPI, reqs: list[Req], max_depths: list[int],
                       gained: list[list[int]]) -> list[DraftTree | None] | None:

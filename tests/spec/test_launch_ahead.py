@@ -68,6 +68,36 @@ def test_verifies_launched_ahead_keep_greedy_output_unchanged(one_layer, referen
     assert_no_leaks(engine)
 
 
+def test_a_batch_of_chains_of_mixed_widths_launches_ahead_at_its_padded_width(one_layer, reference, monkeypatch):
+    """A request whose acceptance average asks for a shorter chain than the others' rides in the batch
+    padded to the widest; the verify launched ahead gives it a chain that wide, and output is unchanged."""
+    engine = _engine(one_layer, max_running_requests=3)
+    worker = engine.scheduler.spec_worker
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        worker.drafter.cache.insert(p + ref)
+    max_depth, depth_limit = worker._max_depth, worker._depth_limit
+
+    def shallow(req, depth):  # the second request's drafts are one token deep when the host drafts
+        return min(depth, 1) if depth is not None and req.origin_input_ids == PROMPTS[1] else depth
+
+    monkeypatch.setattr(worker, "_max_depth", lambda req: shallow(req, max_depth(req)))
+    monkeypatch.setattr(worker, "_depth_limit", lambda req, gained: shallow(req, depth_limit(req, gained)))
+    launches = []
+    ahead = worker.launch_ahead
+
+    def spy(sched, step):
+        launched = ahead(sched, step)
+        launches.append((sorted(t.width for t in step.trees), launched is not None))
+        return launched
+
+    monkeypatch.setattr(worker, "launch_ahead", spy)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert ([2, 4, 4], True) in launches  # launched ahead from a mixed batch, which gave the short chain
+    assert launches[launches.index(([2, 4, 4], True)) + 1][0] == [4, 4, 4]  # the batch's full width
+    assert_no_leaks(engine)
+
+
 def test_drafts_launched_ahead_that_miss_cost_acceptance_not_output(one_layer, reference, monkeypatch):
     """Whatever the drafts prepared for an outcome (those for a bonus guess that missed), the verify
     launched ahead with them accepts only what the model agrees with."""
@@ -77,8 +107,8 @@ def test_drafts_launched_ahead_that_miss_cost_acceptance_not_output(one_layer, r
         worker.drafter.cache.insert(p + ref)
     prepared = worker.ahead_drafts
 
-    def wrong(reqs, trees):
-        drafts = prepared(reqs, trees)
+    def wrong(reqs, trees, width):
+        drafts = prepared(reqs, trees, width)
         return None if drafts is None else [[[(t + 1) % 400 + 4 for t in d] for d in per] for per in drafts]
 
     monkeypatch.setattr(worker, "ahead_drafts", wrong)
