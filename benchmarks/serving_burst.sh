@@ -50,7 +50,7 @@ python - "$R" <<'EOF'
 import json, pathlib, sys
 root = pathlib.Path(sys.argv[1])
 keys = ("plait", "peer", "tokens_per_chunk", "triton_compiled_during_run", "ratio_vs_peer", "ttft_p50_ms", "peer_ttft_p50_ms", "ttft_p50_ratio_vs_peer",
-        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop")
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "peer_detail")
 import importlib.util
 have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop", "orjson")}
 summary = {"workload": "serving-burst", "metric": "output_tok_s",
@@ -80,6 +80,11 @@ for run in ("cold", "warm", "interval"):
                   f"collect {per['collect']:.2f}, send {per['send']:.2f}, recv {per['recv']:.2f}; step of the "
                   f"{loop.get('prefill_iterations')} prefilling ones {num(loop.get('step_ms_per_prefill_iteration'), '.2f')}, "
                   f"of the decode-only ones {num(loop.get('step_ms_per_decode_iteration'), '.2f')}")
+        peer_loop = (r.get("peer_detail") or {}).get("loop") or {}
+        if peer_loop.get("iterations"):
+            print(f"{'':8s} offline Engine: {peer_loop['iterations']} steps; of the {peer_loop['prefill_iterations']} "
+                  f"prefilling ones {num(peer_loop['step_ms_per_prefill_iteration'], '.2f')} ms each, of the "
+                  f"decode-only ones {num(peer_loop['step_ms_per_decode_iteration'], '.2f')}")
 if summary.get("poisson"):
     p = summary["poisson"]
     print(f"poisson  TTFT p50 {num(p['ttft_p50_ms'], '.1f')} ms, p99 {num(p['ttft_p99_ms'], '.1f')} ms; "

@@ -18,20 +18,31 @@ def _burst(engine: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]
             for prompt, olen in requests]
     first: list[float | None] = [None] * len(reqs)
     scheduler = engine.scheduler
+    # The steps split as the server's scheduler loop splits them (``scheduler_loop_during``): a step
+    # that starts with requests waiting or prefilling counts as a prefilling one.
+    steps = [0, 0]  # decode-only, prefilling
+    step_s = [0.0, 0.0]
     start = time.perf_counter()
     for req in reqs:
         scheduler.add_request(req)
     while any(not r.finished for r in reqs):
+        prefills = bool(scheduler.waiting or scheduler.prefilling)
+        t0 = time.perf_counter()
         scheduler.step()
         now = time.perf_counter()
+        steps[prefills] += 1
+        step_s[prefills] += now - t0
         for i, r in enumerate(reqs):
             if first[i] is None and r.output_ids:
                 first[i] = now - start
     scheduler.flush()
     seconds = time.perf_counter() - start
     tokens = sum(len(r.output_ids) for r in reqs)
+    loop = {"iterations": sum(steps), "prefill_iterations": steps[1],
+            "step_ms_per_prefill_iteration": 1e3 * step_s[1] / steps[1] if steps[1] else None,
+            "step_ms_per_decode_iteration": 1e3 * step_s[0] / steps[0] if steps[0] else None}
     return {"output_tok_s": tokens / seconds, "seconds": seconds, "generated_tokens": tokens,
-            "ttft_s": [t for t in first if t is not None]}
+            "ttft_s": [t for t in first if t is not None], "loop": loop}
 
 
 def offline_burst(model: str, engine_options: dict[str, Any], requests: list[tuple[list[int], int]],

@@ -72,3 +72,16 @@ def test_serving_burst_with_a_request_rate_is_refused_before_any_server_starts(t
     assert code == 2
     assert "--workload serving-burst sends every request at once" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_offline_peer_splits_its_steps_as_the_servers_loop_does(server_model):
+    """The peer's steps split into prefilling and decode-only ones by the rule the scheduler process's
+    loop uses (requests waiting or prefilling when the step starts), so the two compare step for step."""
+    from plait.server.bench_peer import offline_burst
+
+    requests = [([11 + i, 12, 13, 14, 15, 16, 17, 18], 4) for i in range(6)]
+    peer = offline_burst(str(server_model), {"device": "cpu", "max_total_tokens": 4096}, requests)
+    loop = peer["loop"]
+    assert peer["generated_tokens"] == 24
+    assert loop["prefill_iterations"] >= 1 and loop["iterations"] > loop["prefill_iterations"]
+    assert loop["step_ms_per_prefill_iteration"] > 0 and loop["step_ms_per_decode_iteration"] > 0
