@@ -284,20 +284,23 @@ class NgramWorker(BaseSpecWorker):
         most ``width`` wide, just pre-drafted, at full depth), cut to ``width - 1`` drafts: a verify
         launched ahead checks these whatever bonus arrives (one other than the guessed verifies drafts
         made for another continuation: they are rejected, which costs acceptance, not correctness).
-        An outcome without a proposal, or past the request's chain, gets filler guesses. None when a
-        request has no proposals prepared for its current tokens."""
+        An outcome without a proposal, or past the request's chain, gets filler guesses, and a shorter
+        proposal is topped up with them. None when a request has no proposals prepared for its current
+        tokens."""
         version = self.drafter.cache.version
         out: list[list[list[int]]] = []
         for req, tree in zip(reqs, trees, strict=True):
             prepared = self.prepared.get(req.rid)
             if prepared is None or prepared.base_len != req.fill_len or prepared.cache_version != version:
                 return None
-            per_outcome: list[list[int] | None] = [None] * width
+            filler = [tree.tokens[-1]] * (width - 1)
+            per_outcome = [filler] * width
             for key, proposal in prepared.proposals.items():
-                # The key is the accepted drafts then the guessed bonus: len(key) - 1 drafts accepted.
-                if proposal is not None and proposal.is_chain and len(key) <= tree.width and proposal.width >= width:
-                    per_outcome[len(key) - 1] = proposal.tokens[1:width]
-            out.append([d if d is not None else [tree.tokens[-1]] * (width - 1) for d in per_outcome])
+                # The key is the accepted drafts then the guessed bonus: len(key) - 1 drafts accepted. A
+                # chain shorter than ``width`` is topped up with filler guesses.
+                if proposal is not None and proposal.is_chain and len(key) <= tree.width:
+                    per_outcome[len(key) - 1] = (proposal.tokens[1:width] + filler)[: width - 1]
+            out.append(per_outcome)
         return out
 
     def _cooling(self, req: Req) -> bool:

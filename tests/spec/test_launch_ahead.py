@@ -98,6 +98,21 @@ def test_a_batch_of_chains_of_mixed_widths_launches_ahead_at_its_padded_width(on
     assert_no_leaks(engine)
 
 
+def test_ahead_drafts_top_up_a_short_proposal_and_fill_outcomes_past_a_short_chain(one_layer):
+    from plait.speculative.ngram import PreparedDrafts
+    from plait.speculative.tree import DraftTree
+
+    engine = _engine(one_layer, max_running_requests=3)
+    worker = engine.scheduler.spec_worker
+    req = engine.make_request([5, 6, 7], GREEDY)
+    tree = DraftTree.chain(7, [8])  # 2 wide, in a batch padded to 4
+    proposals = {(9,): DraftTree.chain(9, [10]), (8, 11): DraftTree.chain(11, [12, 13, 14])}
+    worker.prepared[req.rid] = PreparedDrafts(req.fill_len, worker.drafter.cache.version, proposals)
+    # Outcome 0 (no draft accepted, bonus 9): its one-draft proposal topped up with filler (the chain's
+    # last token); outcome 1: the first three drafts; outcomes 2 and 3, past the chain: filler.
+    assert worker.ahead_drafts([req], [tree], 4) == [[[10, 8, 8], [12, 13, 14], [8, 8, 8], [8, 8, 8]]]
+
+
 def test_drafts_launched_ahead_that_miss_cost_acceptance_not_output(one_layer, reference, monkeypatch):
     """Whatever the drafts prepared for an outcome (those for a bonus guess that missed), the verify
     launched ahead with them accepts only what the model agrees with."""
