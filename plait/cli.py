@@ -170,7 +170,7 @@ def cmd_scheduler_process(args: argparse.Namespace) -> int:
     from plait.engine.scheduler_process import run
 
     config = EngineConfig.from_kwargs(**json.loads(args.config_json))
-    return run(config, args.requests_addr, args.outputs_addr, args.max_queued_requests)
+    return run(config, args.requests_addr, args.outputs_addr, args.max_queued_requests)  # one address per HTTP process
 
 
 def _generate_flags(parser: argparse.ArgumentParser, prompt_required: bool) -> None:
@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Started by `plait serve` (plait.server.scheduler_client), not by hand.
     sched = sub.add_parser("scheduler-process")
     sched.add_argument("--config-json", required=True, help="EngineConfig fields as a JSON object")
-    sched.add_argument("--requests-addr", required=True)
-    sched.add_argument("--outputs-addr", required=True)
+    sched.add_argument("--requests-addr", required=True, nargs="+")
+    sched.add_argument("--outputs-addr", required=True, nargs="+")
     sched.add_argument("--max-queued-requests", type=int, default=None)
     sched.set_defaults(func=cmd_scheduler_process)
     bench = sub.add_parser("bench", help="benchmarks (the named workloads of docs/benchmarks.md)")

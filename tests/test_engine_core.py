@@ -71,7 +71,7 @@ def test_the_scheduler_process_builds_through_the_core_and_reports_its_limits(mo
     outputs_addr = f"ipc://{tmp_path}/outputs"
     outputs.bind(outputs_addr)
     config = EngineConfig.from_kwargs(model=str(model), **OPTIONS)
-    proc = process_module.SchedulerProcess(config, f"ipc://{tmp_path}/requests", outputs_addr, None)
+    proc = process_module.SchedulerProcess(config, [f"ipc://{tmp_path}/requests"], [outputs_addr], None)
     try:
         proc.load()
         assert calls == [config]

@@ -62,7 +62,7 @@ def _rows_per_step(model: pathlib.Path, tmp_path: pathlib.Path, streams: int, st
     """A scheduler process's ``_collect`` over ``streams`` live streaming requests that each get one token
     per step (appended as the scheduler's step does): per step, the token counts of the rows it reports."""
     proc = SchedulerProcess(EngineConfig(model=str(model), device="cpu", stream_interval=stream_interval),
-                            f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", None)
+                            [f"ipc://{tmp_path}/requests"], [f"ipc://{tmp_path}/outputs"], None)
     try:
         with make_engine(model) as engine:
             for _ in range(streams):

@@ -30,6 +30,8 @@ class GenerateRequest:
     # False: the HTTP process makes the text from the updates' token ids (``front_end_detokenizes``),
     # and the updates carry none.
     detokenize: bool = True
+    # The HTTP process that sent it (``--tokenizer-worker-num``): its updates go back to that one.
+    worker: int = 0
 
 
 def front_end_detokenizes(sampling_params: SamplingParams) -> bool:
@@ -53,6 +55,8 @@ class ShutdownRequest:
 @dataclass
 class FlushCacheRequest:
     """Empty the prefix cache (SGLang's /flush_cache): only while no request runs or waits."""
+
+    worker: int = 0  # the HTTP process the reply goes to
 
 
 @dataclass

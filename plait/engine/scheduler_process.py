@@ -1,8 +1,9 @@
 """The scheduler process: one per GPU rank (one on the CPU), driven over ZMQ by the HTTP server.
 It runs an engine core (plait.engine.core) built for the server's config.
 
-Wire protocol (the pickled dataclasses of plait.engine.messages, two one-way sockets, both bound by
-the HTTP process):
+Wire protocol (the pickled dataclasses of plait.engine.messages, two one-way sockets per HTTP process,
+both bound by that process; ``--tokenizer-worker-num`` HTTP processes share this scheduler, each request's
+updates going back to the process that sent it):
 
     HTTP process --PUSH--> requests socket --PULL--> scheduler process
         GenerateRequest (tokenized, validated), AbortRequest, ShutdownRequest
@@ -24,7 +25,6 @@ time, to notice a dead parent).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -51,6 +51,7 @@ from plait.engine.messages import (
     ShutdownRequest,
     UpdateBatch,
 )
+from plait.parallel.launch import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -59,22 +60,30 @@ IDLE_POLL_MS = 100
 
 # --- the loop -------------------------------------------------------------------------------------
 class SchedulerProcess:
-    def __init__(self, config: EngineConfig, requests_addr: str, outputs_addr: str,
+    def __init__(self, config: EngineConfig, requests_addrs: list[str], outputs_addrs: list[str],
                  max_queued_requests: int | None) -> None:
         import zmq
 
+        assert len(requests_addrs) == len(outputs_addrs) >= 1
         self.config = config
         self.max_queued_requests = max_queued_requests
         self.ctx = zmq.Context()
+        # One PULL fair-queues every HTTP process's requests; one PUSH per HTTP process (index = worker).
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.pull.connect(requests_addr)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.SNDHWM, 0)
-        self.push.setsockopt(zmq.LINGER, 2000)
-        self.push.connect(outputs_addr)
+        for addr in requests_addrs:
+            self.pull.connect(addr)
+        self.pushes = []
+        for addr in outputs_addrs:
+            push = self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.setsockopt(zmq.LINGER, 2000)
+            push.connect(addr)
+            self.pushes.append(push)
+        self.push = self.pushes[0]
         self.parent_pid = os.getppid()
         self.live: dict[str, LiveRequest] = {}
+        self.owner: dict[str, int] = {}  # rid -> the HTTP process it came from (several processes only)
         self.last_stats: SchedulerSnapshot | None = None
         # The test hook of the "internal error, server keeps serving" path (plait.envs).
         self.fault_token = envs.FAULT_INJECT_TOKEN.get()
@@ -94,11 +103,15 @@ class SchedulerProcess:
         self.scheduler = self.core.scheduler
         limits, mc = self.core.limits, self.core.model_config
         freeze_startup_heap()
-        self.push.send_pyobj(Ready(
+        self.broadcast(Ready(
             pid=os.getpid(), vocab_size=limits.vocab_size, max_context_len=limits.max_context_len,
             max_total_tokens=limits.max_total_tokens, max_running_requests=self.config.max_running_requests,
             eos_token_ids=tuple(mc.eos_token_ids), runner_info=self.runner.info(),
             device_name=_device_name(self.runner.device)))
+
+    def broadcast(self, msg: object) -> None:
+        for push in self.pushes:
+            push.send_pyobj(msg)
 
     def run(self) -> None:
         import zmq
@@ -145,10 +158,27 @@ class SchedulerProcess:
                 # grammar, would otherwise send a snapshot per spin).
                 loop = LoopSeconds(self.loop_iterations, *self.loop_seconds, self.prefill_iterations,
                                    self.prefill_step_s)
-                self.push.send_pyobj(UpdateBatch(updates, dataclasses.replace(stats, loop=loop), rows))
+                self._send_updates(updates, dataclasses.replace(stats, loop=loop), rows)
                 self.last_stats = stats
             if stepped or updates or rows:  # idle polls are not the loop's work
                 self._account(t0, t1, t2, t3, clock(), stepped, prefills)
+
+    def _send_updates(self, updates: list[RequestUpdate], stats: SchedulerSnapshot, rows: list[PlainRow]) -> None:
+        """One UpdateBatch per HTTP process, each with the updates of the requests it sent (in order)
+        and the snapshot (every process answers /metrics)."""
+        if len(self.pushes) == 1:
+            self.push.send_pyobj(UpdateBatch(updates, stats, rows))
+            return
+        per_updates: list[list[RequestUpdate]] = [[] for _ in self.pushes]
+        per_rows: list[list[PlainRow]] = [[] for _ in self.pushes]
+        for upd in updates:
+            per_updates[self.owner.get(upd.rid, 0)].append(upd)
+            if upd.finished:
+                self.owner.pop(upd.rid, None)
+        for row in rows:  # PlainRow: the rid first; never a finish
+            per_rows[self.owner.get(row[0], 0)].append(row)
+        for push, ups, rs in zip(self.pushes, per_updates, per_rows, strict=True):
+            push.send_pyobj(UpdateBatch(ups, stats, rs))
 
     def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, stepped: bool,
                  prefills: bool) -> None:
@@ -172,7 +202,7 @@ class SchedulerProcess:
                 # way _collect reports it.
                 self.scheduler.abort(rid)
         elif isinstance(msg, FlushCacheRequest):
-            self.push.send_pyobj(self._flush_cache())
+            self.pushes[msg.worker].send_pyobj(self._flush_cache())
         elif isinstance(msg, ShutdownRequest):
             self.running = False
         else:
@@ -184,6 +214,8 @@ class SchedulerProcess:
         return FlushCacheReply(True, "Cache flushed.")
 
     def _add(self, msg: GenerateRequest) -> list[RequestUpdate]:
+        if len(self.pushes) > 1:
+            self.owner[msg.rid] = msg.worker  # its refusal below, too, goes back to its process
         if self.max_queued_requests is not None and len(self.scheduler.waiting) >= self.max_queued_requests:
             return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=503,
                                   error=f"the request queue is full ({self.max_queued_requests} waiting "
@@ -236,7 +268,8 @@ class SchedulerProcess:
         if self.watchdog is not None:
             self.watchdog.close()
         self.pull.close(0)
-        self.push.close()  # LINGER lets the last messages (final updates, Fatal) go out
+        for push in self.pushes:
+            push.close()  # LINGER lets the last messages (final updates, Fatal) go out
         self.ctx.term()
 
 
@@ -262,28 +295,18 @@ def leave_a_core_for_the_server(config: EngineConfig) -> None:
                 threads)
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this process when the server process dies (even by SIGKILL), so
-    no scheduler outlives its server. Elsewhere the idle loop's parent check covers it."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def run(config: EngineConfig, requests_addr: str, outputs_addr: str, max_queued_requests: int | None) -> int:
+def run(config: EngineConfig, requests_addrs: list[str], outputs_addrs: list[str], max_queued_requests: int | None
+        ) -> int:
     """The scheduler process's body (``plait scheduler-process``, started by ``plait serve``): load,
     report Ready, serve until told to stop. Returns the exit code."""
-    _die_with_parent()
+    die_with_parent()  # elsewhere than Linux the idle loop's parent check covers it
     # SIGINT goes to the whole process group on Ctrl-C; the server decides when this process ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # force: the CLI's entry configured logging already (at its default level, before this config was read).
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s scheduler %(name)s %(levelname)s %(message)s", force=True)
     leave_a_core_for_the_server(config)
-    proc = SchedulerProcess(config, requests_addr, outputs_addr, max_queued_requests)
+    proc = SchedulerProcess(config, requests_addrs, outputs_addrs, max_queued_requests)
     code = 0
     try:
         t0 = time.perf_counter()
@@ -293,7 +316,7 @@ def run(config: EngineConfig, requests_addr: str, outputs_addr: str, max_queued_
         proc.run()
     except Exception as e:
         logger.error("scheduler failed:\n%s", traceback.format_exc())
-        proc.push.send_pyobj(Fatal(f"{type(e).__name__}: {e}"))
+        proc.broadcast(Fatal(f"{type(e).__name__}: {e}"))
         code = 1
     finally:
         proc.close()

@@ -139,8 +139,9 @@ def _backend_name(device: str) -> str:
 
 
 # --- workers (ranks > 0) ---------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Linux: the kernel kills a spawned rank when rank 0's process dies (even by SIGKILL)."""
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (even by SIGKILL), so no spawned rank,
+    scheduler or HTTP process outlives the process that started it. Elsewhere: nothing (callers poll)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -196,7 +197,7 @@ def _spawned_worker(rank: int, world: int, config: EngineConfig, host: str, port
     ``environ`` is the spawning process's environment at the spawn."""
     os.environ.clear()
     os.environ.update(environ)
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which shuts the ranks down
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s tp{rank} %(name)s %(levelname)s "
                         "%(message)s")

@@ -67,6 +67,9 @@ class ServerArgs:
     trust_request_chat_template: bool = False
     max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER
     incremental_streaming_output: bool = False  # /generate's stream events: new text and ids only
+    # HTTP processes sharing the port and the scheduler process (SGLang's --tokenizer-worker-num): each
+    # parses, validates and streams its own connections' requests.
+    tokenizer_worker_num: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -76,6 +79,8 @@ class ServerArgs:
             (self.max_payload_bytes >= 1, f"--max-payload-bytes must be >= 1, got {self.max_payload_bytes}"),
             (self.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"),
             (self.max_stream_buffer >= 1, f"--max-stream-buffer must be >= 1 update, got {self.max_stream_buffer}"),
+            (self.tokenizer_worker_num >= 1,
+             f"--tokenizer-worker-num must be >= 1 HTTP process, got {self.tokenizer_worker_num}"),
             ((self.ssl_keyfile is None) == (self.ssl_certfile is None),
              "--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither"),
         ]
@@ -98,14 +103,18 @@ def check_text_flags(config: EngineConfig, args: ServerArgs) -> None:
                          "--skip-tokenizer-init")
 
 
-def build_app(config: EngineConfig, args: ServerArgs,
-              on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+def build_app(config: EngineConfig, args: ServerArgs, on_fatal: Callable[[str], None] | None = None,
+              worker: int = 0, ipc_dir: str | None = None,
+              before_scheduler_stop: Callable[[], Coroutine[Any, Any, None]] | None = None) -> FastAPI:
+    """The app of HTTP process ``worker`` of ``args.tokenizer_worker_num`` (their IPC paths under
+    ``ipc_dir``). ``before_scheduler_stop``: awaited at shutdown before worker 0 stops the scheduler
+    process (the other HTTP processes finish their requests first)."""
     model_name, *aliases = args.served_model_name or (config.model,)
     check_text_flags(config, args)
     metrics = ServerMetrics(model_name, sglang_names=args.sglang_metrics)
     client = SchedulerClient(config, metrics, args.max_queued_requests, on_fatal,
                              RequestLog(args.log_requests_level) if args.log_requests else None,
-                             args.max_stream_buffer)
+                             args.max_stream_buffer, worker, args.tokenizer_worker_num, ipc_dir)
     chat_options = ChatOptions.from_flags(args.tool_call_parser, args.reasoning_parser, args.chat_template,
                                           args.response_role)
     serving = OpenAIServing(client, model_name, config, trust_request_chat_template=args.trust_request_chat_template,
@@ -115,9 +124,13 @@ def build_app(config: EngineConfig, args: ServerArgs,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start()
+        if worker > 0:
+            await client.until_started()
         try:
             yield
         finally:
+            if before_scheduler_stop is not None:
+                await before_scheduler_stop()
             await client.shutdown()
             serving.prompt_work.close()
 

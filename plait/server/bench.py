@@ -360,8 +360,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_argv(model: str | None, engine_options: dict[str, Any], port: int) -> list[str]:
-    argv = [sys.executable, "-m", "plait", "serve", "--port", str(port)]
+def _serve_argv(model: str | None, engine_options: dict[str, Any], port: int, http_processes: int = 1
+                ) -> list[str]:
+    argv = [sys.executable, "-m", "plait", "serve", "--port", str(port), "--tokenizer-worker-num", str(http_processes)]
     if model is not None:
         argv += ["--model", model]
     for key, value in engine_options.items():
@@ -457,7 +458,7 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         port = _free_port()
         base_url = f"http://127.0.0.1:{port}"
         print(f"starting plait serve on {base_url}", file=sys.stderr)
-        proc = subprocess.Popen(_serve_argv(model, engine_options, port))
+        proc = subprocess.Popen(_serve_argv(model, engine_options, port, args.tokenizer_worker_num))
     try:
         if proc is not None:
             _wait_healthy(base_url, proc)

@@ -4,8 +4,14 @@ Process model::
 
     plait serve (HTTP process: FastAPI on uvicorn, one asyncio loop)
       ├─ tokenize + validate (plait.engine.frontend), build OpenAI responses, /metrics
-      └─ ZMQ over IPC ──► plait scheduler-process (one per GPU rank; one on the CPU)
-                           model, KV pool, Scheduler.step() loop, detokenization, stop strings
+      ├─ ZMQ over IPC ──► plait scheduler-process (one per GPU rank; one on the CPU)
+      │                    model, KV pool, Scheduler.step() loop, detokenization, stop strings
+      └─ --tokenizer-worker-num N: N - 1 more HTTP processes on the same listening socket (the kernel
+         hands each connection to one of them), each with its own ZMQ pair to the same scheduler
+         process; /metrics counts the requests of the process that answers it
+
+With several HTTP processes, SIGTERM to ``plait serve`` reaches the others; each drains its own
+requests, and the scheduler process stops after the last of them has exited.
 
 SIGTERM (or the first Ctrl-C): uvicorn stops accepting connections; requests already in flight get
 ``--shutdown-timeout`` seconds to finish; the rest are aborted and their responses complete with
@@ -20,8 +26,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -45,9 +55,11 @@ SOCKET_SEND_BUFFER_BYTES = 128 * 1024
 
 
 class PlaitServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, client: SchedulerClient, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, client: SchedulerClient, shutdown_timeout: float,
+                 workers: HTTPWorkers | None = None) -> None:
         super().__init__(config)
         self.client = client
+        self.workers = workers  # the other HTTP processes (worker 0 only): SIGTERM reaches them too
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -76,6 +88,8 @@ class PlaitServer(uvicorn.Server):
             logger.info("received %s: no new requests; in-flight ones get %.1f s", signal.Signals(sig).name,
                         self.shutdown_timeout)
             self._loop.call_soon_threadsafe(self._start_drain)
+        if self.workers is not None:
+            self.workers.signal_exit()
         super().handle_exit(sig, frame)
 
     def _start_drain(self) -> None:
@@ -96,19 +110,69 @@ def server_args_from(args: argparse.Namespace) -> ServerArgs:
                          "served_model_name": tuple(names) if names else None})
 
 
-def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
+class HTTPWorkers:
+    """The HTTP processes beyond the first (``--tokenizer-worker-num``), started on the first one's
+    listening socket; they die with it (the kernel's parent-death signal)."""
+
+    def __init__(self, config: EngineConfig, sargs: ServerArgs, ipc_dir: str) -> None:
+        self.config, self.sargs, self.ipc_dir = config, sargs, ipc_dir
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+
+    def start(self, sock: socket.socket) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads and ZMQ contexts
+        for worker in range(1, self.sargs.tokenizer_worker_num):
+            proc = ctx.Process(target=_http_worker, args=(self.config, self.sargs, worker, self.ipc_dir, sock),
+                               name=f"plait-http-{worker}")
+            proc.start()
+            self.procs.append(proc)
+        logger.info("%d more HTTP processes (pids %s)", len(self.procs), ", ".join(str(p.pid) for p in self.procs))
+
+    def signal_exit(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGTERM)
+
+    async def wait(self) -> None:
+        """Until every other HTTP process has drained and exited (then the scheduler may stop)."""
+        self.signal_exit()
+        deadline = self.sargs.shutdown_timeout + 2 * _UVICORN_GRACE_S
+        for proc in self.procs:
+            await asyncio.to_thread(proc.join, deadline)
+            if proc.is_alive():
+                logger.error("HTTP process %d did not exit; killing it", proc.pid)
+                proc.kill()
+                await asyncio.to_thread(proc.join)
+
+
+def _http_worker(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str, sock: socket.socket) -> None:
+    """The body of HTTP process ``worker`` > 0: the same app and uvicorn server on the inherited socket."""
+    from plait.parallel.launch import die_with_parent
+
+    die_with_parent()
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s http-{worker} %(name)s %(levelname)s %(message)s", force=True)
+    raise SystemExit(_serve(config, sargs, worker, ipc_dir, sock))
+
+
+def _serve(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str | None,
+           sock: socket.socket | None, workers: HTTPWorkers | None = None) -> int:
+    """Run HTTP process ``worker`` on ``sock`` (None: bind the port here, then start ``workers``)."""
     holder: dict[str, PlaitServer] = {}
     if sargs.log_level_http is not None:
         logging.getLogger("uvicorn").setLevel(sargs.log_level_http.upper())
-    app = build_app(config, sargs, on_fatal=lambda reason: holder["server"].fail(reason))
+    app = build_app(config, sargs, on_fatal=lambda reason: holder["server"].fail(reason), worker=worker,
+                    ipc_dir=ipc_dir, before_scheduler_stop=workers.wait if workers is not None else None)
     uv_config = uvicorn.Config(app, host=sargs.host, port=sargs.port, log_config=None, access_log=False,
                                lifespan="on", timeout_graceful_shutdown=sargs.shutdown_timeout + _UVICORN_GRACE_S,
                                ssl_keyfile=sargs.ssl_keyfile, ssl_certfile=sargs.ssl_certfile)
-    server = PlaitServer(uv_config, app.state.client, sargs.shutdown_timeout)
+    server = PlaitServer(uv_config, app.state.client, sargs.shutdown_timeout, workers)
     holder["server"] = server
     try:
-        sock = uv_config.bind_socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER_BYTES)
+        if sock is None:
+            sock = uv_config.bind_socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER_BYTES)
+            if workers is not None:
+                workers.start(sock)
         server.run(sockets=[sock])
     finally:
         app.state.client.close()  # idempotent; covers exits that skipped the lifespan shutdown
@@ -116,6 +180,16 @@ def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
         return 1  # could not bind the port (uvicorn logged why)
     logger.info("server stopped")
     return server.exit_code
+
+
+def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
+    if sargs.tokenizer_worker_num == 1:
+        return _serve(config, sargs, 0, None, None)
+    ipc_dir = tempfile.mkdtemp(prefix="plait-ipc-")
+    try:
+        return _serve(config, sargs, 0, ipc_dir, None, HTTPWorkers(config, sargs, ipc_dir))
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def cmd_serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:

@@ -1,9 +1,11 @@
 """The HTTP process's side of the scheduler process: spawn it, talk to it over ZMQ, watch it.
 
-One ``SchedulerClient`` per server. It owns the child process (started as ``python -m plait
-scheduler-process``, so no multiprocessing helper processes exist besides it), two ZMQ sockets
-bound on IPC paths in a private temporary directory, and a table rid -> asyncio.Queue through which
-a background task hands each request's updates to the coroutine that serves it.
+One ``SchedulerClient`` per HTTP process. The first (``worker`` 0) owns the child process (started as
+``python -m plait scheduler-process``) and the temporary directory of the IPC paths; with
+``--tokenizer-worker-num N`` the other HTTP processes' clients (``worker`` 1..N-1) talk to the same child,
+which sends each request's updates back to the process that sent it. Each client binds two ZMQ sockets
+(its requests and its outputs) and keeps a table rid -> asyncio.Queue through which a background task
+hands each request's updates to the coroutine that serves it.
 
 Lifecycle: ``starting`` (child loading the model; /health 503, requests 503) -> ``ready`` ->
 ``draining`` (SIGTERM: new requests 503, in-flight ones finish or are aborted) -> ``stopped``. If
@@ -87,8 +89,13 @@ class _Timing:
 class SchedulerClient:
     def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_queued_requests: int | None,
                  on_fatal: Callable[[str], None] | None = None, request_log: RequestLog | None = None,
-                 max_stream_buffer: int | None = None) -> None:
+                 max_stream_buffer: int | None = None, worker: int = 0, workers: int = 1,
+                 ipc_dir: str | None = None) -> None:
+        assert 0 <= worker < workers and (workers == 1 or ipc_dir is not None)
         self.config = config
+        # This HTTP process's index among ``workers`` (``--tokenizer-worker-num``); worker 0 spawns the
+        # scheduler process, which connects to every worker's sockets under ``ipc_dir``.
+        self.worker, self.workers = worker, workers
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         # Called once the server cannot serve any more (startup failed, the scheduler died): it exits.
@@ -106,7 +113,7 @@ class SchedulerClient:
         self.proc: subprocess.Popen[bytes] | None = None
         self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._tmpdir = tempfile.mkdtemp(prefix="plait-ipc-")
+        self._tmpdir = ipc_dir if ipc_dir is not None else tempfile.mkdtemp(prefix="plait-ipc-")
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
         self._fatal: str | None = None
@@ -117,8 +124,9 @@ class SchedulerClient:
     def start(self) -> None:
         """Bind the sockets and spawn the child; readiness is awaited in the background, so the
         HTTP server is up (answering 503) while the model loads."""
-        requests_addr = f"ipc://{self._tmpdir}/requests"
-        outputs_addr = f"ipc://{self._tmpdir}/outputs"
+        requests_addrs = [f"ipc://{self._tmpdir}/requests-{w}" for w in range(self.workers)]
+        outputs_addrs = [f"ipc://{self._tmpdir}/outputs-{w}" for w in range(self.workers)]
+        requests_addr, outputs_addr = requests_addrs[self.worker], outputs_addrs[self.worker]
         self._push = self._sync_ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
@@ -126,13 +134,20 @@ class SchedulerClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(outputs_addr)
-        cmd = [sys.executable, "-m", "plait", "scheduler-process", "--config-json", config_to_json(self.config),
-               "--requests-addr", requests_addr, "--outputs-addr", outputs_addr]
-        if self.max_queued_requests is not None:
-            cmd += ["--max-queued-requests", str(self.max_queued_requests)]
-        self.proc = subprocess.Popen(cmd)
-        logger.info("scheduler process started (pid %d)", self.proc.pid)
+        if self.worker == 0:
+            cmd = [sys.executable, "-m", "plait", "scheduler-process", "--config-json", config_to_json(self.config),
+                   "--requests-addr", *requests_addrs, "--outputs-addr", *outputs_addrs]
+            if self.max_queued_requests is not None:
+                cmd += ["--max-queued-requests", str(self.max_queued_requests)]
+            self.proc = subprocess.Popen(cmd)
+            logger.info("scheduler process started (pid %d)", self.proc.pid)
         self._tasks.append(asyncio.create_task(self._startup()))
+
+    async def until_started(self) -> None:
+        """Until the scheduler process is ready (or failed to be): the HTTP processes after the first wait
+        for this before they accept connections, so a connection never finds one of them still starting
+        once the first one answers."""
+        await asyncio.shield(self._tasks[0])
 
     def _load_tokenizer(self) -> Any:
         from plait.models.loader import load_config_tokenizer  # slow first import: keep it off the event loop
@@ -162,7 +177,6 @@ class SchedulerClient:
             self.on_fatal(self.dead_reason)
 
     async def _await_ready(self) -> None:
-        assert self.proc is not None
         tokenizer_task = asyncio.create_task(asyncio.to_thread(self._load_tokenizer))
         while self.ready is None:
             if await self._pull.poll(100):
@@ -171,7 +185,7 @@ class SchedulerClient:
                     self.ready = msg
                 elif isinstance(msg, Fatal):
                     self._fatal = msg.message
-            elif self.proc.poll() is not None:
+            elif self.proc is not None and self.proc.poll() is not None:
                 tokenizer_task.cancel()
                 reason = self._fatal or f"exit code {self.proc.returncode}"
                 self._startup_failed(f"the scheduler process exited: {reason}")
@@ -187,7 +201,8 @@ class SchedulerClient:
                                  constrained=self.config.grammar_backend != "none",
                                  auto_truncate=self.config.allow_auto_truncate)
         self._tasks.append(asyncio.create_task(self._recv_loop()))
-        self._tasks.append(asyncio.create_task(self._watchdog()))
+        if self.proc is not None:  # the other HTTP processes die with worker 0, which watches the child
+            self._tasks.append(asyncio.create_task(self._watchdog()))
         if self.state == State.STARTING:
             self.state = State.READY
             logger.info("ready: KV pool %d tokens, context %d, on %s", ready.max_total_tokens,
@@ -317,7 +332,8 @@ class SchedulerClient:
                 sock.close(0)
         self._ctx.term()
         self._sync_ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self.worker == 0:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # --- requests ---------------------------------------------------------------------------------
     def check_accepting(self) -> None:
@@ -353,7 +369,7 @@ class SchedulerClient:
         self.check_accepting()
         waiter: asyncio.Future[FlushCacheReply] = asyncio.get_running_loop().create_future()
         self._flush_waiters.append(waiter)
-        self._send(FlushCacheRequest())
+        self._send(FlushCacheRequest(self.worker))
         return await asyncio.wait_for(waiter, timeout)
 
     async def generate(self, requests: Sequence[PreparedRequest], stream: bool = True,
@@ -388,7 +404,7 @@ class SchedulerClient:
         try:
             for rid, req in zip(rids, requests, strict=True):
                 self._send(GenerateRequest(rid, req.input_ids, req.sampling_params, req.seed, stream,
-                                           detokenize=rid not in detoks))
+                                           detokenize=rid not in detoks, worker=self.worker))
             ready: collections.deque[RequestUpdate] = collections.deque()
             while pending:
                 if not ready:

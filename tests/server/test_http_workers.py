@@ -1,0 +1,120 @@
+"""`plait serve --tokenizer-worker-num N`: N HTTP processes on one port and one scheduler process, each
+request's updates routed back to the process that sent it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import zmq
+
+from plait.config import EngineConfig
+from plait.engine.messages import RequestUpdate, UpdateBatch
+from plait.engine.scheduler_process import SchedulerProcess
+from plait.server.app import ServerArgs
+from tests.server.conftest import HTTP_TIMEOUT, MAIN_ENGINE_FLAGS, child_pids
+
+
+@pytest.fixture(scope="module")
+def two_workers(start_server):
+    return start_server("http-workers", tokenizer_worker_num=2, **MAIN_ENGINE_FLAGS)
+
+
+async def _completions(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+        body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    # One connection per request, so the kernel spreads them over both processes' accept queues.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, limits=limits) as client:
+        return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+
+def test_two_http_processes_answer_concurrent_requests_as_the_offline_engine(two_workers, offline_engine):
+    prompts = [[5 + i, 17, 29, 41 + i] for i in range(24)]
+    got = asyncio.run(_completions(two_workers.url, two_workers.model, prompts))
+    want = [o.token_ids for o in offline_engine.generate(prompts, {"max_new_tokens": 6, "temperature": 0.0,
+                                                                   "ignore_eos": True})]
+    assert got == want
+    assert two_workers.wait_idle()["plait:kv_slots_in_use"] == 0
+
+
+def test_the_server_runs_one_more_http_process_and_one_scheduler(two_workers):
+    cmdlines = [open(f"/proc/{pid}/cmdline", "rb").read() for pid in child_pids(two_workers.proc.pid)]
+    assert sum(b"scheduler-process" in c for c in cmdlines) == 1
+    assert sum(b"spawn_main" in c for c in cmdlines) == 1  # the second HTTP process
+
+
+def test_sigterm_stops_every_http_process_and_the_scheduler(start_server):
+    srv = start_server("http-workers-stop", tokenizer_worker_num=3, max_total_tokens=4096)
+    children = child_pids(srv.proc.pid)
+    assert len(children) >= 3
+    srv.stop()
+    assert srv.proc.returncode == 0
+    # multiprocessing's resource tracker (started with the spawned HTTP processes) leaves once it reads
+    # its parent's end of the pipe close, a moment after the server exits.
+    deadline = time.monotonic() + 10
+    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_tokenizer_worker_num_under_one_is_refused_with_the_flag_named():
+    with pytest.raises(ValueError, match="--tokenizer-worker-num must be >= 1"):
+        ServerArgs(tokenizer_worker_num=0)
+
+
+def test_the_scheduler_process_sends_each_request_update_to_the_process_that_sent_it(server_model, tmp_path):
+    ctx = zmq.Context()
+    outputs = []
+    for w in range(2):
+        sock = ctx.socket(zmq.PULL)
+        sock.bind(f"ipc://{tmp_path}/outputs-{w}")
+        outputs.append(sock)
+    proc = SchedulerProcess(EngineConfig(model=str(server_model), device="cpu"),
+                            [f"ipc://{tmp_path}/requests-{w}" for w in range(2)],
+                            [f"ipc://{tmp_path}/outputs-{w}" for w in range(2)], None)
+    try:
+        proc.owner.update({"a": 0, "b": 1, "c": 1})
+        stats = object()
+        proc._send_updates([RequestUpdate("a", [1]), RequestUpdate("b", [2], finish_reason="stop")], stats,
+                           [("c", [3], "", 4, 1, 0)])
+        got = [sock.recv_pyobj() for sock in outputs]
+    finally:
+        proc.close()
+        for sock in outputs:
+            sock.close(0)
+        ctx.term()
+    assert all(isinstance(b, UpdateBatch) for b in got)
+    assert [u.rid for u in got[0].updates] == ["a"]
+    assert [u.rid for u in got[1].updates] == ["b", "c"]
+    assert proc.owner == {"a": 0, "c": 1}  # a finished request's owner is forgotten
+
+
+def test_bench_serve_starts_its_server_with_the_http_processes_asked_for(server_model, tmp_path):
+    import json
+
+    from plait.cli import main
+
+    code = main(["bench", "serve", "--workload", "serving-burst", "--model", str(server_model), "--device", "cpu",
+                 "--max-total-tokens", "4096", "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
+                 "--no-peer", "--tokenizer-worker-num", "2", "--out", str(tmp_path)])
+    assert code == 0
+    [path] = tmp_path.glob("*-serving-burst-*-cpu.json")
+    r = json.loads(path.read_text())
+    assert r["completed"] == 6 and r["errors"] == 0 and r["kv_slots_in_use_after"] == 0
+    assert r["config"]["server"]["tokenizer_worker_num"] == 2
