@@ -24,6 +24,7 @@ import asyncio
 import collections
 import enum
 import logging
+import os
 import pickle
 import shutil
 import subprocess
@@ -144,10 +145,12 @@ class SchedulerClient:
         self._tasks.append(asyncio.create_task(self._startup()))
 
     async def until_started(self) -> None:
-        """Until the scheduler process is ready (or failed to be): the HTTP processes after the first wait
-        for this before they accept connections, so a connection never finds one of them still starting
-        once the first one answers."""
-        await asyncio.shield(self._tasks[0])
+        """Until the scheduler process is ready, or this process is told to stop (the first HTTP process
+        failed to start the scheduler, SIGTERM): the HTTP processes after the first wait for this before
+        they accept connections, so a connection never finds one of them still starting once the first
+        one answers."""
+        while self.state == State.STARTING:
+            await asyncio.sleep(0.02)
 
     def _load_tokenizer(self) -> Any:
         from plait.models.loader import load_config_tokenizer  # slow first import: keep it off the event loop
@@ -201,8 +204,7 @@ class SchedulerClient:
                                  constrained=self.config.grammar_backend != "none",
                                  auto_truncate=self.config.allow_auto_truncate)
         self._tasks.append(asyncio.create_task(self._recv_loop()))
-        if self.proc is not None:  # the other HTTP processes die with worker 0, which watches the child
-            self._tasks.append(asyncio.create_task(self._watchdog()))
+        self._tasks.append(asyncio.create_task(self._watchdog()))
         if self.state == State.STARTING:
             self.state = State.READY
             logger.info("ready: KV pool %d tokens, context %d, on %s", ready.max_total_tokens,
@@ -254,14 +256,25 @@ class SchedulerClient:
         elif isinstance(msg, Fatal):
             self._fatal = msg.message
 
+    def _scheduler_exit(self) -> str | None:
+        """None while the scheduler process runs, else how it ended. The first HTTP process is its
+        parent; the others see it gone once the first has reaped it."""
+        if self.proc is not None:
+            return None if self.proc.poll() is None else f"exit code {self.proc.returncode}"
+        assert self.ready is not None
+        try:
+            os.kill(self.ready.pid, 0)
+        except ProcessLookupError:
+            return f"pid {self.ready.pid} gone"
+        return None
+
     async def _watchdog(self) -> None:
-        assert self.proc is not None
-        while self.proc.poll() is None:
+        while (ended := self._scheduler_exit()) is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
         if self.state == State.STOPPED:
             return
         reason = f"; {self._fatal}" if self._fatal else ""
-        self.dead_reason = f"the scheduler process died (exit code {self.proc.returncode}{reason})"
+        self.dead_reason = f"the scheduler process died ({ended}{reason})"
         logger.error("%s: failing %d in-flight requests", self.dead_reason, len(self._queues))
         self.state = State.DEAD
         self._fail_all(500, self.dead_reason)

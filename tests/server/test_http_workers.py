@@ -118,3 +118,30 @@ def test_bench_serve_starts_its_server_with_the_http_processes_asked_for(server_
     r = json.loads(path.read_text())
     assert r["completed"] == 6 and r["errors"] == 0 and r["kv_slots_in_use_after"] == 0
     assert r["config"]["server"]["tokenizer_worker_num"] == 2
+
+
+def test_with_several_http_processes_a_server_that_cannot_load_its_model_exits_with_the_reason(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "plait", "serve", "--model", str(tmp_path / "missing"), "--port", "0",
+           "--device", "cpu", "--tokenizer-worker-num", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "the server failed to start" in proc.stderr
+
+
+def test_a_killed_scheduler_ends_every_http_process_non_zero(start_server):
+    import os
+    import signal
+
+    srv = start_server("http-workers-killed", tokenizer_worker_num=2, max_total_tokens=4096)
+    children = child_pids(srv.proc.pid)
+    [scheduler] = [pid for pid in children if b"scheduler-process" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    os.kill(scheduler, signal.SIGKILL)
+    assert srv.proc.wait(30) == 1
+    deadline = time.monotonic() + 10
+    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in children if _alive(pid)]
+    srv.stop()
