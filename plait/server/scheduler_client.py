@@ -10,8 +10,9 @@ hands each request's updates to the coroutine that serves it.
 Lifecycle: ``starting`` (child loading the model; /health 503, requests 503) -> ``ready`` ->
 ``draining`` (SIGTERM: new requests 503, in-flight ones finish or are aborted) -> ``stopped``. If
 the child dies at any point the state becomes ``dead``: /health 503, every pending and new request
-fails with a 500. A watchdog polls the child every 50 ms, so that happens within a second; the
-server then exits non-zero ``DEAD_EXIT_DELAY_S`` later (``on_fatal``), so a supervisor restarts it.
+fails with a 500. A watchdog polls the child every 50 ms (the later HTTP processes poll its pid), so
+that happens within a second; the server then exits non-zero ``DEAD_EXIT_DELAY_S`` later
+(``on_fatal``), so a supervisor restarts it.
 
 A streaming request whose client stops reading has its updates queue up here; past
 ``max_stream_buffer`` updates per choice it is aborted (its KV freed), so a stalled client costs a
