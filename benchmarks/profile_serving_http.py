@@ -316,7 +316,8 @@ def collect_step(model: str, batch: int, steps: int = 40) -> dict[str, float]:
     addr = f"ipc://{tempfile.mkdtemp(prefix='plait-collect-')}/out"
     sink = zmq.Context.instance().socket(zmq.PULL)
     sink.bind(addr)
-    proc = SchedulerProcess(EngineConfig(model=model, device="cpu", stream_interval=1), addr + "-unused", addr, None)
+    proc = SchedulerProcess(EngineConfig(model=model, device="cpu", stream_interval=1), [addr + "-unused"], [addr],
+                            None)
     proc.load()
     sink.recv()  # Ready
     reqs = []
