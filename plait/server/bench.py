@@ -362,7 +362,9 @@ def _free_port() -> int:
 
 def _serve_argv(model: str | None, engine_options: dict[str, Any], port: int, http_processes: int = 1
                 ) -> list[str]:
-    argv = [sys.executable, "-m", "plait", "serve", "--port", str(port), "--tokenizer-worker-num", str(http_processes)]
+    argv = [sys.executable, "-m", "plait", "serve", "--port", str(port)]
+    if http_processes != 1:  # the flag only when asked: trees from before it serve the same command
+        argv += ["--tokenizer-worker-num", str(http_processes)]
     if model is not None:
         argv += ["--model", model]
     for key, value in engine_options.items():
