@@ -32,6 +32,9 @@ class GenerateRequest:
     detokenize: bool = True
     # The HTTP process that sent it (``--tokenizer-worker-num``): its updates go back to that one.
     worker: int = 0
+    # The client's request id it belongs to (SGLang's ``rid``; several samples share one), so that any
+    # HTTP process can abort it (``AbortRequest.groups``).
+    group: str = ""
 
 
 def front_end_detokenizes(sampling_params: SamplingParams) -> bool:
@@ -45,6 +48,10 @@ def front_end_detokenizes(sampling_params: SamplingParams) -> bool:
 @dataclass
 class AbortRequest:
     rids: list[str]
+    # Also every request of these client ids (``GenerateRequest.group``), whichever HTTP process sent
+    # them, and with ``everything`` every request: SGLang's /abort_request under several HTTP processes.
+    groups: list[str] = field(default_factory=list)
+    everything: bool = False
 
 
 @dataclass

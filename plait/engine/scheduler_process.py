@@ -84,6 +84,7 @@ class SchedulerProcess:
         self.parent_pid = os.getppid()
         self.live: dict[str, LiveRequest] = {}
         self.owner: dict[str, int] = {}  # rid -> the HTTP process it came from (several processes only)
+        self.group: dict[str, str] = {}  # rid -> the client's request id it belongs to, where given
         self.last_stats: SchedulerSnapshot | None = None
         # The test hook of the "internal error, server keeps serving" path (plait.envs).
         self.fault_token = envs.FAULT_INJECT_TOKEN.get()
@@ -197,7 +198,10 @@ class SchedulerProcess:
         if isinstance(msg, GenerateRequest):
             updates.extend(self._add(msg))
         elif isinstance(msg, AbortRequest):
-            for rid in msg.rids:
+            groups = set(msg.groups)
+            rids = list(self.live) if msg.everything else [
+                *msg.rids, *(rid for rid, group in self.group.items() if group in groups)]
+            for rid in rids:
                 # A waiting request finishes inside abort(); a running one at the next step. Either
                 # way _collect reports it.
                 self.scheduler.abort(rid)
@@ -229,6 +233,8 @@ class SchedulerProcess:
             return [RequestUpdate(msg.rid, prompt_tokens=len(msg.input_ids), error_status=500,
                                   error=f"internal error: {type(e).__name__}: {e}")]
         self.live[msg.rid] = LiveRequest(req, msg.stream)
+        if msg.group:
+            self.group[msg.rid] = msg.group
         self.scheduler.add_request(req)
         # An empty update acknowledges admission to the queue, so the server can commit to a 200
         # (streaming headers) before the first token, knowing the request was not refused.
@@ -252,6 +258,7 @@ class SchedulerProcess:
             out.append(update)
         for rid in done:
             del self.live[rid]
+            self.group.pop(rid, None)
         return out
 
     def _snapshot(self) -> SchedulerSnapshot:

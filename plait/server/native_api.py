@@ -294,7 +294,8 @@ class NativeServing:
             self.client.need_tokenizer("return_text_in_logprobs", "a token's text")
         items, single = await self.prompt_work.run(self._items, req)
         groups = self._group(items)
-        gen = self.client.generate([it.prepared for it in items], stream=req.stream, rids=[it.rid for it in items])
+        gen = self.client.generate([it.prepared for it in items], stream=req.stream, rids=[it.rid for it in items],
+                                   groups=[it.group for it in items])
         text = self._token_text if req.return_text_in_logprobs else None
         start = time.perf_counter()
         outputs = [_Output(it, start) for it in items]
@@ -465,6 +466,10 @@ class NativeServing:
             rids = list(self._groups.get(req.rid, [req.rid]))
         rids = [r for r in rids if self.client.is_in_flight(r)]
         self.client.abort(rids)
+        if self.client.workers > 1:
+            # Another HTTP process may hold the request: the scheduler process finds it by its client id.
+            # The answer lists what this process held.
+            self.client.abort_groups([] if req.abort_all else [req.rid], everything=bool(req.abort_all))
         return JSONResponse({"aborted": rids})
 
 

@@ -371,6 +371,12 @@ class SchedulerClient:
         if rids and self.state not in (State.DEAD, State.STOPPED):
             self._send(AbortRequest(list(rids)))
 
+    def abort_groups(self, groups: Sequence[str], everything: bool = False) -> None:
+        """Abort every request of these client ids (``generate``'s ``groups``), or with ``everything``
+        every request, whichever HTTP process sent it: the scheduler process finds them."""
+        if (groups or everything) and self.state not in (State.DEAD, State.STOPPED):
+            self._send(AbortRequest([], list(groups), everything))
+
     def is_in_flight(self, rid: str) -> bool:
         return rid in self._queues
 
@@ -387,11 +393,13 @@ class SchedulerClient:
         return await asyncio.wait_for(waiter, timeout)
 
     async def generate(self, requests: Sequence[PreparedRequest], stream: bool = True,
-                       rids: Sequence[str] | None = None) -> AsyncGenerator[tuple[int, RequestUpdate], None]:
+                       rids: Sequence[str] | None = None, groups: Sequence[str] | None = None,
+                       ) -> AsyncGenerator[tuple[int, RequestUpdate], None]:
         """Submit requests (the choices of one HTTP request) and yield (index, update) until all
         finished. Leaving early (client disconnect, cancellation, an error) aborts the unfinished
         ones at once, which frees their KV at the scheduler's next step. ``rids``: the clients' own
-        request ids (SGLang's ``rid``, for /abort_request), unique among requests in flight."""
+        request ids (SGLang's ``rid``, for /abort_request), unique among requests in flight; ``groups``:
+        per request, the client's id it belongs to (``abort_groups`` from any HTTP process)."""
         self.check_accepting()
         queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         base = uuid.uuid4().hex
@@ -416,9 +424,10 @@ class SchedulerClient:
                   if self.detokenize_here and self.tokenizer is not None
                   and front_end_detokenizes(req.sampling_params)}
         try:
-            for rid, req in zip(rids, requests, strict=True):
+            for i, (rid, req) in enumerate(zip(rids, requests, strict=True)):
                 self._send(GenerateRequest(rid, req.input_ids, req.sampling_params, req.seed, stream,
-                                           detokenize=rid not in detoks, worker=self.worker))
+                                           detokenize=rid not in detoks, worker=self.worker,
+                                           group=groups[i] if groups is not None else ""))
             ready: collections.deque[RequestUpdate] = collections.deque()
             while pending:
                 if not ready:

@@ -145,3 +145,56 @@ def test_a_killed_scheduler_ends_every_http_process_non_zero(start_server):
         time.sleep(0.05)
     assert not [pid for pid in children if _alive(pid)]
     srv.stop()
+
+
+def test_abort_request_reaches_a_request_held_by_either_http_process(two_workers):
+    """SGLang's /abort_request by rid ends the request whichever process answers the abort: the scheduler
+    process finds it by the client's id."""
+    import threading
+
+    result = {}
+
+    def long_request() -> None:
+        body = {"text": "Go", "rid": "workers-abort-1", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+        result["out"] = httpx.post(two_workers.url + "/generate", json=body, timeout=HTTP_TIMEOUT).json()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while worker.is_alive() and time.monotonic() < deadline:  # fresh connections: either process answers
+        r = httpx.post(two_workers.url + "/abort_request", json={"rid": "workers-abort-1"}, timeout=HTTP_TIMEOUT)
+        assert r.status_code == 200
+        worker.join(0.1)
+    worker.join(HTTP_TIMEOUT)
+    meta = result["out"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1500
+    assert two_workers.wait_idle()["plait:kv_slots_in_use"] == 0
+
+
+def test_the_scheduler_process_aborts_by_client_id_and_everything(server_model, tmp_path):
+    from plait.engine.messages import AbortRequest, GenerateRequest
+    from plait.sampling.params import SamplingParams
+
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.PULL)
+    sink.bind(f"ipc://{tmp_path}/outputs-0")
+    proc = SchedulerProcess(EngineConfig(model=str(server_model), device="cpu", max_total_tokens=4096),
+                            [f"ipc://{tmp_path}/requests-0"], [f"ipc://{tmp_path}/outputs-0"], None)
+    try:
+        proc.load()
+        params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+        updates: list[RequestUpdate] = []
+        for rid, group in (("g-0", "g"), ("g-1", "g"), ("h", "h"), ("other", "")):
+            proc._handle(GenerateRequest(rid, [5, 6, 7], params, 0, group=group), updates)
+        proc._handle(AbortRequest([], groups=["g"]), updates)
+        proc.scheduler.step()
+        finished = {u.rid: u.finish_reason for u in proc._collect([]) if u.finished}
+        assert finished == {"g-0": "abort", "g-1": "abort"}
+        proc._handle(AbortRequest([], everything=True), updates)
+        proc.scheduler.step()
+        finished = {u.rid: u.finish_reason for u in proc._collect([]) if u.finished}
+        assert finished == {"h": "abort", "other": "abort"} and proc.group == {}
+    finally:
+        proc.close()
+        sink.close(0)
+        ctx.term()
