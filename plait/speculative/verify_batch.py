@@ -88,28 +88,45 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
     carries no mask (causal attention is a chain's tree attention), and the dummy nodes follow the
     chain."""
     chains = causal_chains and custom_mask is None and all(t.is_chain for t in trees)
-    real_widths = [t.width for t in trees]
-    shapes = [tuple(t.parents) for t in trees]
-    tokens = [t.tokens for t in trees]
-    src: list[int] = []  # padded layout: slot j of the real layout, or len(slots) (the dummy slot)
-    if pad_width is not None:
-        # Dummy nodes are token 0 with their KV in the dummy slot: children of the root (depth 1), or
-        # in a chain batch children of the last real node, one position past the chain (causal
-        # attention: no real node attends to them), as far as a real next node could reach.
-        shapes = [p + (len(p) - 1 if chains else 0,) * (pad_width - len(p)) for p in shapes]
-        tokens = [t + [0] * (pad_width - len(t)) for t in tokens]
-        off = 0
-        for w in real_widths:
-            src.extend(range(off, off + w))
-            src.extend([len(slots)] * (pad_width - w))
-            off += w
-    widths = [len(p) for p in shapes]
     prefix = [r.kv_len for r in rows]
+    dummy = len(slots)  # the dummy slot's index in the padded layout's source
+    src: list[int] = []  # padded layout: slot j of the real layout, or ``dummy``
     ids: list[int] = []
     pos: list[int] = []
-    for toks, parents, pre in zip(tokens, shapes, prefix, strict=True):
-        ids.extend(toks)
-        pos.extend([pre + d for d in depths_of(parents)])
+    shapes: list[tuple[int, ...]] = []  # per request its nodes' parents (padded): the mask's layout
+    # Dummy nodes are token 0 with their KV in the dummy slot: children of the root (depth 1), or in a
+    # chain batch children of the last real node, one position past the chain (causal attention: no
+    # real node attends to them), as far as a real next node could reach.
+    if chains:  # node i of a chain at kv_len + i: no depths to walk (the chain verify's hot path)
+        off = 0
+        for tree, pre in zip(trees, prefix, strict=True):
+            w = tree.width
+            ids += tree.tokens
+            pos += range(pre, pre + w)
+            if pad_width is not None:
+                src += range(off, off + w)
+                if pad_width > w:
+                    ids += [0] * (pad_width - w)
+                    pos += [pre + w] * (pad_width - w)
+                    src += [dummy] * (pad_width - w)
+            off += w
+        widths = [pad_width] * len(trees) if pad_width is not None else [t.width for t in trees]
+    else:
+        real_widths = [t.width for t in trees]
+        shapes = [tuple(t.parents) for t in trees]
+        tokens = [t.tokens for t in trees]
+        if pad_width is not None:
+            shapes = [p + (0,) * (pad_width - len(p)) for p in shapes]
+            tokens = [t + [0] * (pad_width - len(t)) for t in tokens]
+            off = 0
+            for w in real_widths:
+                src.extend(range(off, off + w))
+                src.extend([dummy] * (pad_width - w))
+                off += w
+        widths = [len(p) for p in shapes]
+        for toks, parents, pre in zip(tokens, shapes, prefix, strict=True):
+            ids.extend(toks)
+            pos.extend([pre + d for d in depths_of(parents)])
     seq_lens = [p + w for p, w in zip(prefix, widths, strict=True)]
     starts = [0, *itertools.accumulate(widths[:-1])]
     pool_rows = [r.req_pool_idx for r in rows]
