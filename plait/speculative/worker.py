@@ -94,6 +94,9 @@ class VerifyStep:
     # The argmax's copy to the host, started before a verify was launched ahead past this one (whose
     # graph replay overwrites ``logits`` and ``greedy``): acceptance reads only this then.
     greedy_host: PendingHostCopy | None = None
+    # [start, end) ranges of ``slots`` that acceptance rejected and ``commit_tokens`` frees (a premapped
+    # batch's: off the path to the next launch, since nothing maps them and no one else holds them).
+    rejected: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -525,21 +528,19 @@ class BaseSpecWorker(ABC):
 
     def _commit_premapped(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
         """``commit_kv`` of a premapped batch of chains: the accepted nodes 0..n-1 are in place, so only
-        ``kv_len`` moves and the rejected slots (views of ``step.slots``, no gather) are freed."""
-        rejected: list[torch.Tensor] = []
+        ``kv_len`` moves; the rejected slots are noted for ``commit_tokens`` to free (a slice per request
+        costs a dispatch each, which the next launch need not wait for)."""
         old_kv_lens = [r.kv_len for r in step.reqs]
         start = 0
         for req, tree, res in zip(step.reqs, step.trees, results, strict=True):
             w = tree.width
             n = 0 if res is None else len(res[0])  # finished since the launch: nothing is kept
             if n < w:
-                rejected.append(step.slots[start + n : start + w])
+                step.rejected.append((start + n, start + w))
             if res is not None:
                 req.kv_len += n
                 self._note_acceptance(req, w, n)
             start += w
-        if rejected:
-            sched.free_kv_slots(rejected[0] if len(rejected) == 1 else torch.cat(rejected))
         live = [i for i, res in enumerate(results) if res is not None]
         self.after_accept([step.reqs[i] for i in live], [step.trees[i] for i in live],
                           [results[i] for i in live], [old_kv_lens[i] for i in live])  # type: ignore[misc]
@@ -552,8 +553,12 @@ class BaseSpecWorker(ABC):
             self.accepted_all[req.rid] = accepted == width
 
     def commit_tokens(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
-        """Append each request's accepted tokens and its bonus through the scheduler (stop checks,
-        retiring), and count the step."""
+        """Free the slots acceptance rejected (``_commit_premapped``), append each request's accepted
+        tokens and its bonus through the scheduler (stop checks, retiring), and count the step."""
+        if step.rejected:
+            parts = [step.slots[a:b] for a, b in step.rejected]
+            sched.free_kv_slots(parts[0] if len(parts) == 1 else torch.cat(parts))
+            step.rejected = []
         for req, tree, res in zip(step.reqs, step.trees, results, strict=True):
             if res is None:
                 continue
