@@ -386,7 +386,7 @@ for stage in "$@"; do
     # The warm burst (1b, 256 x 512/128) with 1, 2 and 4 HTTP processes (--tokenizer-worker-num), after a run
     # that fills the Triton cache, no offline peer (the server's tok/s and TTFT compare between runs).
     serving-burst-workers-ab)
-      for run in warmup-1 r1-1 r1-2 r1-4 r2-4 r2-2 r2-1; do
+      for run in warmup-1 r1-1 r1-2 r1-4 r2-4 r2-1; do
         python -m plait bench serve --workload serving-burst --shape llama-3.2-1b --num-prompts 256 --input-len 512 \
           --output-len 128 --client-procs 4 --no-peer --tokenizer-worker-num "${run##*-}" \
           --out "$OUT/http-workers-$run" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-400
