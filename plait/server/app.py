@@ -12,6 +12,7 @@ overridden), unknown models 404, oversized bodies 413, a full queue or a startin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -30,7 +31,7 @@ from plait.server import protocol
 from plait.server.errors import APIError, bad_request
 from plait.server.flags import DEFAULT_MAX_PAYLOAD_BYTES
 from plait.server.http import PayloadLimitMiddleware
-from plait.server.metrics import CONTENT_TYPE, ServerMetrics
+from plait.server.metrics import CONTENT_TYPE, SHARE_INTERVAL_S, ServerMetrics
 from plait.server.native_api import NativeServing, add_native_routes
 from plait.server.openai_serving import OpenAIServing
 from plait.server.operator_flags import DEFAULT_MAX_STREAM_BUFFER
@@ -103,6 +104,13 @@ def check_text_flags(config: EngineConfig, args: ServerArgs) -> None:
                          "--skip-tokenizer-init")
 
 
+async def _share_metrics(metrics: ServerMetrics) -> None:
+    """Several HTTP processes: write this one's own series for the others' scrapes, periodically."""
+    while True:
+        metrics.write_share()
+        await asyncio.sleep(SHARE_INTERVAL_S)
+
+
 def build_app(config: EngineConfig, args: ServerArgs, on_fatal: Callable[[str], None] | None = None,
               worker: int = 0, ipc_dir: str | None = None,
               before_scheduler_stop: Callable[[], Coroutine[Any, Any, None]] | None = None) -> FastAPI:
@@ -112,6 +120,9 @@ def build_app(config: EngineConfig, args: ServerArgs, on_fatal: Callable[[str], 
     model_name, *aliases = args.served_model_name or (config.model,)
     check_text_flags(config, args)
     metrics = ServerMetrics(model_name, sglang_names=args.sglang_metrics)
+    if args.tokenizer_worker_num > 1:
+        assert ipc_dir is not None
+        metrics.share(ipc_dir, worker)
     client = SchedulerClient(config, metrics, args.max_queued_requests, on_fatal,
                              RequestLog(args.log_requests_level) if args.log_requests else None,
                              args.max_stream_buffer, worker, args.tokenizer_worker_num, ipc_dir)
@@ -126,9 +137,12 @@ def build_app(config: EngineConfig, args: ServerArgs, on_fatal: Callable[[str], 
         client.start()
         if worker > 0:
             await client.until_started()
+        sharing = asyncio.create_task(_share_metrics(metrics)) if args.tokenizer_worker_num > 1 else None
         try:
             yield
         finally:
+            if sharing is not None:
+                sharing.cancel()
             if before_scheduler_stop is not None:
                 await before_scheduler_stop()
             await client.shutdown()

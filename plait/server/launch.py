@@ -8,7 +8,7 @@ Process model::
       │                    model, KV pool, Scheduler.step() loop, detokenization, stop strings
       └─ --tokenizer-worker-num N: N - 1 more HTTP processes on the same listening socket (the kernel
          hands each connection to one of them), each with its own ZMQ pair to the same scheduler
-         process; /metrics' latency histograms are the answering process's own
+         process; a scrape of /metrics adds the others' latency histograms to the answering one's
 
 With several HTTP processes, SIGTERM to ``plait serve`` reaches the others; each drains its own
 requests, and the scheduler process stops after the last of them has exited.

@@ -7,16 +7,23 @@ measures them per request into histograms. Everything the scheduler knows (queue
 token and event counters) arrives with every output batch as a ``SchedulerSnapshot``; a custom
 collector renders the latest one at scrape time, so the counters are the scheduler's own totals and
 cannot drift from it.
+
+Under several HTTP processes (``--tokenizer-worker-num``) each writes its own histograms and 503 count
+to a file in their shared directory every ``SHARE_INTERVAL_S`` (``ServerMetrics.share``), and a scrape
+adds the others' latest files to its own: whichever process answers, the totals cover every request.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
+import os
+import pathlib
 import time
 from collections import deque
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -36,6 +43,8 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 # The gauge gen_throughput averages generated tokens over this trailing window.
 THROUGHPUT_WINDOW_S = 5.0
+# Seconds between an HTTP process's writes of its own series for the others' scrapes (several processes).
+SHARE_INTERVAL_S = 0.5
 MODEL_LABEL = ("model_name",)
 
 
@@ -142,15 +151,34 @@ class _Histograms(Collector):
         self.names, self.doc, self.bounds, self.model_name = names, doc, bounds, model_name
         self.counts = [0] * (len(bounds) + 1)  # counts[i]: observations <= bounds[i]; the last: above all
         self.sum = 0.0
+        self.peers: tuple[list[int], float] = ([0] * (len(bounds) + 1), 0.0)  # the other HTTP processes'
 
     def observe(self, value: float, count: int = 1) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += count
         self.sum += value * count
 
     def collect(self) -> Iterator[Metric]:
-        counts = BucketCounts(self.bounds, tuple(self.counts))
+        peer_counts, peer_sum = self.peers
+        counts = BucketCounts(self.bounds, tuple(a + b for a, b in zip(self.counts, peer_counts, strict=True)))
         for name in self.names:
-            yield _histogram(name, self.doc, counts, self.sum, [self.model_name])
+            yield _histogram(name, self.doc, counts, self.sum + peer_sum, [self.model_name])
+
+
+class _Count(Collector):
+    """A counter this process increments, plus the other HTTP processes' (``peers``)."""
+
+    def __init__(self, name: str, doc: str, model_name: str) -> None:
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.value = 0
+        self.peers = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.doc, labels=MODEL_LABEL)
+        family.add_metric([self.model_name], self.value + self.peers)
+        yield family
 
 
 class ServerMetrics:
@@ -176,9 +204,48 @@ class ServerMetrics:
                              "sglang:inter_token_latency_seconds")
         self.e2e = histogram("plait:e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              _E2E_BUCKETS, "sglang:e2e_request_latency_seconds")
-        self.rejected = Counter("plait:num_rejected_requests", "Requests refused with 503 (queue full, "
-                                "starting, shutting down).", MODEL_LABEL, registry=self.registry).labels(model_name)
+        self.rejected = _Count("plait:num_rejected_requests", "Requests refused with 503 (queue full, "
+                               "starting, shutting down).", model_name)
+        self.registry.register(self.rejected)
         self.registry.register(_SchedulerCollector(self))
+        self._share: tuple[pathlib.Path, int] | None = None  # (directory, this process's index)
+
+    def share(self, directory: str, worker: int) -> None:
+        """Exchange this process's own series with the other HTTP processes through ``directory``."""
+        self._share = (pathlib.Path(directory), worker)
+
+    def write_share(self) -> None:
+        """This process's own series into its file (atomically: a reader sees the old or the new)."""
+        if self._share is None:
+            return
+        directory, worker = self._share
+        state = {"hist": {h.names[0]: [h.counts, h.sum] for h in self._hists()}, "rejected": self.rejected.value}
+        tmp = directory / f".metrics-{worker}.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, directory / f"metrics-{worker}.json")
+
+    def _hists(self) -> tuple[_Histograms, ...]:
+        return self.ttft, self.itl, self.e2e
+
+    def _read_peers(self) -> None:
+        assert self._share is not None
+        directory, worker = self._share
+        sums = {h.names[0]: ([0] * len(h.counts), 0.0) for h in self._hists()}
+        rejected = 0
+        for path in directory.glob("metrics-*.json"):
+            if path.name == f"metrics-{worker}.json":
+                continue
+            try:
+                state = json.loads(path.read_text())
+            except (OSError, ValueError):  # a process gone, or its first write not there yet
+                continue
+            rejected += state["rejected"]
+            for name, (counts, total) in state["hist"].items():
+                acc, acc_sum = sums[name]
+                sums[name] = ([a + c for a, c in zip(acc, counts, strict=True)], acc_sum + total)
+        for h in self._hists():
+            h.peers = sums[h.names[0]]
+        self.rejected.peers = rejected
 
     @property
     def snapshot(self) -> SchedulerSnapshot | None:
@@ -209,4 +276,6 @@ class ServerMetrics:
         return (last_tokens - base_tokens) / elapsed if elapsed > 0 else 0.0
 
     def render(self) -> bytes:
+        if self._share is not None:
+            self._read_peers()
         return generate_latest(self.registry)

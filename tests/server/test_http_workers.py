@@ -198,3 +198,26 @@ def test_the_scheduler_process_aborts_by_client_id_and_everything(server_model, 
         proc.close()
         sink.close(0)
         ctx.term()
+
+
+def test_metrics_latency_histograms_cover_every_http_process(two_workers):
+    """Whichever process answers /metrics, its time-to-first-token histogram counts the requests both
+    processes served (each shares its own series every SHARE_INTERVAL_S)."""
+    from plait.server.metrics import SHARE_INTERVAL_S
+
+    time.sleep(3 * SHARE_INTERVAL_S)  # the requests of tests before this one shared by now
+    before = [_ttft_count(two_workers) for _ in range(6)]
+    assert len(set(before)) == 1  # every answer already the same total
+    prompts = [[7 + i, 19, 23] for i in range(16)]
+    asyncio.run(_completions(two_workers.url, two_workers.model, prompts))
+    time.sleep(3 * SHARE_INTERVAL_S)
+    after = [_ttft_count(two_workers) for _ in range(6)]  # fresh connections: either process answers
+    assert after == [before[0] + len(prompts)] * len(after)
+
+
+def _ttft_count(server) -> float:
+    limits = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(timeout=HTTP_TIMEOUT, limits=limits) as client:
+        text = client.get(server.url + "/metrics").text
+    [line] = [ln for ln in text.splitlines() if ln.startswith("plait:time_to_first_token_seconds_count")]
+    return float(line.rsplit(" ", 1)[1])
