@@ -115,6 +115,9 @@ class SchedulerClient:
         self.proc: subprocess.Popen[bytes] | None = None
         self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # The IPC paths' directory: this client's own, or the one ``plait serve`` made for every HTTP process
+        # (then it removes it).
+        self._owns_tmpdir = ipc_dir is None
         self._tmpdir = ipc_dir if ipc_dir is not None else tempfile.mkdtemp(prefix="plait-ipc-")
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
@@ -346,7 +349,7 @@ class SchedulerClient:
                 sock.close(0)
         self._ctx.term()
         self._sync_ctx.term()
-        if self.worker == 0:
+        if self._owns_tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # --- requests ---------------------------------------------------------------------------------

@@ -196,10 +196,7 @@ class BaseSpecWorker(ABC):
         if (req.pending or req.finished or req.to_abort or sp.has_penalties or sp.logit_bias or sp.logprobs
                 or sp.top_logprobs or len(req.output_ids) < sp.min_new_tokens or req.kv_len != req.fill_len - 1):
             return None
-        left = sp.max_new_tokens - len(req.output_ids)  # the bonus token is one of them
-        room = self.runner.max_context_len - 1 - req.fill_len  # node positions stay in the context
-        adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
-        return max(0, min(self.num_steps, adaptive, left - 1, room))
+        return max(0, self._depth_limit(req, 0))
 
     def joins_next_verify(self, req: Req) -> bool:
         return self.joins_admissions and req.fill_len - req.kv_len == 1 and self._max_depth(req) is not None

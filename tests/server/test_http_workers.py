@@ -14,6 +14,7 @@ from plait.config import EngineConfig
 from plait.engine.messages import RequestUpdate, UpdateBatch
 from plait.engine.scheduler_process import SchedulerProcess
 from plait.server.app import ServerArgs
+from tests.helpers import pid_alive
 from tests.server.conftest import HTTP_TIMEOUT, MAIN_ENGINE_FLAGS, child_pids
 
 
@@ -57,20 +58,17 @@ def test_sigterm_stops_every_http_process_and_the_scheduler(start_server):
     assert len(children) >= 3
     srv.stop()
     assert srv.proc.returncode == 0
-    # multiprocessing's resource tracker (started with the spawned HTTP processes) leaves once it reads
-    # its parent's end of the pipe close, a moment after the server exits.
-    deadline = time.monotonic() + 10
-    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+    assert _all_gone(children)
+
+
+def _all_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    """Whether every process of ``pids`` is gone within ``timeout``: multiprocessing's resource tracker
+    (started with the spawned HTTP processes) leaves once it sees its parent's end of the pipe close, a
+    moment after the server exits."""
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [pid for pid in children if _alive(pid)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    return not any(pid_alive(pid) for pid in pids)
 
 
 def test_tokenizer_worker_num_under_one_is_refused_with_the_flag_named():
@@ -140,10 +138,7 @@ def test_a_killed_scheduler_ends_every_http_process_non_zero(start_server):
     [scheduler] = [pid for pid in children if b"scheduler-process" in open(f"/proc/{pid}/cmdline", "rb").read()]
     os.kill(scheduler, signal.SIGKILL)
     assert srv.proc.wait(30) == 1
-    deadline = time.monotonic() + 10
-    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in children if _alive(pid)]
+    assert _all_gone(children)
     srv.stop()
 
 
