@@ -43,6 +43,11 @@ if [[ -n ${INTERVAL:-} ]]; then
   mkdir -p "$R/interval"
   stage 120 "${burst[@]}" --stream-interval "$INTERVAL" --out "$R/interval" 2>&1 | grep -E '^\{|Error|error' | tail -3
 fi
+# WORKERS=N (optional, about 45 s more): the warm burst again with N HTTP processes (--tokenizer-worker-num N).
+if [[ -n ${WORKERS:-} ]]; then
+  mkdir -p "$R/workers"
+  stage 120 "${burst[@]}" --tokenizer-worker-num "$WORKERS" --out "$R/workers" 2>&1 | grep -E '^\{|Error|error' | tail -3
+fi
 stage 90 python -m plait bench serve --workload serving "${model[@]}" --num-prompts "${POISSON_N:-200}" \
   --request-rate 20 --input-len "$IN" --output-len "$OUT_LEN" --client-procs 2 "${flags[@]}" --out "$R/poisson" 2>&1 \
   | grep -E '^\{|Error|error' | tail -3
@@ -50,13 +55,13 @@ python - "$R" <<'EOF'
 import json, pathlib, sys
 root = pathlib.Path(sys.argv[1])
 keys = ("plait", "peer", "tokens_per_chunk", "triton_compiled_during_run", "ratio_vs_peer", "ttft_p50_ms", "peer_ttft_p50_ms", "ttft_p50_ratio_vs_peer",
-        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "peer_detail")
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "timeline_ms", "peer_detail")
 import importlib.util
 have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop", "orjson")}
 summary = {"workload": "serving-burst", "metric": "output_tok_s",
            "uvicorn_http": "httptools" if have["httptools"] else "h11",
            "uvicorn_loop": "uvloop" if have["uvloop"] else "asyncio", "orjson": have["orjson"]}
-for run in ("cold", "warm", "interval", "poisson"):
+for run in ("cold", "warm", "interval", "workers", "poisson"):
     files = sorted((root / run).glob("*.json"))
     if files:
         r = json.loads(files[-1].read_text())
@@ -66,7 +71,7 @@ for run in ("cold", "warm", "interval", "poisson"):
 print(json.dumps(summary, indent=1))
 def num(v, f):
     return "n/a" if v is None else format(v, f)
-for run in ("cold", "warm", "interval"):
+for run in ("cold", "warm", "interval", "workers"):
     r = summary.get(run)
     if r:
         print(f"{run:8s} server {num(r['plait'], '.0f')} tok/s vs offline {num(r['peer'], '.0f')}: "
@@ -85,6 +90,10 @@ for run in ("cold", "warm", "interval"):
             print(f"{'':8s} offline Engine: {peer_loop['iterations']} steps; of the {peer_loop['prefill_iterations']} "
                   f"prefilling ones {num(peer_loop['step_ms_per_prefill_iteration'], '.2f')} ms each, of the "
                   f"decode-only ones {num(peer_loop['step_ms_per_decode_iteration'], '.2f')}")
+        for who, tl in (("server", r.get("timeline_ms")), ("offline", (r.get("peer_detail") or {}).get("timeline_ms"))):
+            if tl:
+                print(f"{'':8s} {who} timeline, ms after the first send: last sent {tl['last_sent']:.0f}, first token "
+                      f"{tl['first_token']:.0f}, last first token {tl['last_first_token']:.0f}, last done {tl['last_done']:.0f}")
 if summary.get("poisson"):
     p = summary["poisson"]
     print(f"poisson  TTFT p50 {num(p['ttft_p50_ms'], '.1f')} ms, p99 {num(p['ttft_p99_ms'], '.1f')} ms; "

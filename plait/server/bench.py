@@ -74,6 +74,10 @@ class RequestResult:
     e2e: float | None = None
     finish_reason: str | None = None
     chunks: int = 0  # data events that carried a choice
+    # time.perf_counter() when the request was sent and when its answer ended (CLOCK_MONOTONIC on
+    # Linux, one clock for every client process on the host), for the run's timeline.
+    sent: float | None = None
+    done: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -124,7 +128,7 @@ async def _one(url: str, model: str, prompt: list[int], output_len: int, timeout
     res = RequestResult(len(prompt), output_len)
     body = _dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": stream,
                    "ignore_eos": True, "return_token_ids": True})
-    start = time.perf_counter()
+    start = res.sent = time.perf_counter()
     try:
         async with asyncio.timeout(timeout), bench_http.post(url, body) as r:
             if r.status != 200:
@@ -145,7 +149,8 @@ async def _one(url: str, model: str, prompt: list[int], output_len: int, timeout
         return res
     if res.error is not None:
         return res
-    res.e2e = time.perf_counter() - start if stream else res.ttft  # an answer's arrival ends the request
+    res.done = time.perf_counter()
+    res.e2e = res.done - start if stream else res.ttft  # an answer's arrival ends the request
     if res.tokens != output_len or res.finish_reason != "length":
         res.error = f"got {res.tokens} of {output_len} tokens, finish_reason {res.finish_reason!r}"
     else:
@@ -305,7 +310,23 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         **stats([r.ttft for r in ok if r.ttft is not None], "ttft"),
         **stats([x for r in ok for x in r.itls], "itl"),
         **stats([r.e2e for r in ok if r.e2e is not None], "e2e"),
+        "timeline_ms": timeline(ok),
     }
+
+
+def timeline(ok: list[RequestResult]) -> dict[str, float] | None:
+    """When, in ms after the first request was sent, the last one was sent, the first and the last
+    request got its first token, and the last one ended. Under a burst: how long the sends took to get
+    out, and whether the time goes before the first token, in the prefills (up to the last first token)
+    or in the decodes after them."""
+    firsts = [r.sent + r.ttft for r in ok if r.sent is not None and r.ttft is not None]
+    ends = [r.done for r in ok if r.done is not None]
+    sent = [r.sent for r in ok if r.sent is not None]
+    if not (firsts and ends and sent):
+        return None
+    t0 = min(sent)
+    return {"last_sent": 1e3 * (max(sent) - t0), "first_token": 1e3 * (min(firsts) - t0),
+            "last_first_token": 1e3 * (max(firsts) - t0), "last_done": 1e3 * (max(ends) - t0)}
 
 
 def read_metrics(base_url: str) -> dict[str, float]:

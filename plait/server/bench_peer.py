@@ -41,8 +41,12 @@ def _burst(engine: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]
     loop = {"iterations": sum(steps), "prefill_iterations": steps[1],
             "step_ms_per_prefill_iteration": 1e3 * step_s[1] / steps[1] if steps[1] else None,
             "step_ms_per_decode_iteration": 1e3 * step_s[0] / steps[0] if steps[0] else None}
+    ttfts = [t for t in first if t is not None]
+    # As the server's ``timeline_ms``, every request "sent" at the start.
+    timeline = {"last_sent": 0.0, "first_token": 1e3 * min(ttfts, default=0.0),
+                "last_first_token": 1e3 * max(ttfts, default=0.0), "last_done": 1e3 * seconds}
     return {"output_tok_s": tokens / seconds, "seconds": seconds, "generated_tokens": tokens,
-            "ttft_s": [t for t in first if t is not None], "loop": loop}
+            "ttft_s": ttfts, "loop": loop, "timeline_ms": timeline}
 
 
 def offline_burst(model: str, engine_options: dict[str, Any], requests: list[tuple[list[int], int]],

@@ -67,6 +67,31 @@ def test_serving_burst_writes_server_and_offline_engine_throughput_and_their_rat
     assert r["peer_detail"]["kv_tokens_in_use_after"] == 0
 
 
+def test_serving_burst_records_when_sends_first_tokens_and_ends_happened(server_model, tmp_path):
+    """The server's and the peer's timelines, ms after the first send, in the order a burst moves."""
+    code = main(["bench", "serve", "--workload", "serving-burst", "--model", str(server_model), "--device", "cpu",
+                 "--max-total-tokens", "4096", "--num-prompts", "4", "--input-len", "8", "--output-len", "3",
+                 "--client-procs", "2", "--out", str(tmp_path)])
+    assert code == 0
+    [path] = tmp_path.glob("*-serving-burst-*-cpu.json")
+    r = json.loads(path.read_text())
+    for tl in (r["timeline_ms"], r["peer_detail"]["timeline_ms"]):
+        assert 0 <= tl["last_sent"] <= tl["last_done"]
+        assert 0 < tl["first_token"] <= tl["last_first_token"] <= tl["last_done"]
+    assert r["timeline_ms"]["last_done"] <= 1e3 * r["duration_s"]  # the duration also spans the clients' start
+    assert r["peer_detail"]["timeline_ms"]["last_done"] == pytest.approx(1e3 * r["peer_detail"]["seconds"])
+
+
+def test_timeline_is_in_ms_after_the_first_send():
+    from plait.server.bench import RequestResult, timeline
+
+    a = RequestResult(8, 4, ok=True, ttft=0.5, sent=10.0, done=12.0)
+    b = RequestResult(8, 4, ok=True, ttft=0.25, sent=10.5, done=11.0)
+    assert timeline([a, b]) == {"last_sent": 500.0, "first_token": 500.0, "last_first_token": 750.0,
+                                "last_done": 2000.0}
+    assert timeline([]) is None
+
+
 def test_serving_burst_with_a_request_rate_is_refused_before_any_server_starts(tmp_path, capsys):
     code = main(["bench", "serve", "--workload", "serving-burst", "--request-rate", "20", "--out", str(tmp_path)])
     assert code == 2
