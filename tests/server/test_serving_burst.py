@@ -50,13 +50,20 @@ def test_stream_interval_server_sends_tokens_in_steps_of_n_and_the_same_output(i
     assert "".join(c["text"] for c in chunks) == whole["text"]
 
 
-def test_serving_burst_writes_server_and_offline_engine_throughput_and_their_ratio(server_model, tmp_path):
+@pytest.fixture(scope="module")
+def burst_result(server_model, tmp_path_factory) -> dict:
+    """One `plait bench serve --workload serving-burst` run on the CPU, its result JSON."""
+    out = tmp_path_factory.mktemp("burst")
     code = main(["bench", "serve", "--workload", "serving-burst", "--model", str(server_model), "--device", "cpu",
                  "--max-total-tokens", "4096", "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
-                 "--client-procs", "2", "--out", str(tmp_path)])
+                 "--client-procs", "2", "--out", str(out)])
     assert code == 0
-    [path] = tmp_path.glob("*-serving-burst-*-cpu.json")
-    r = json.loads(path.read_text())
+    [path] = out.glob("*-serving-burst-*-cpu.json")
+    return json.loads(path.read_text())
+
+
+def test_serving_burst_writes_server_and_offline_engine_throughput_and_their_ratio(burst_result):
+    r = burst_result
     assert r["workload"] == "serving-burst" and r["config"]["bench"]["request_rate"] == "inf"
     assert r["completed"] == 6 and r["errors"] == 0 and r["kv_slots_in_use_after"] == 0
     assert r["total_output_tokens"] == 24
@@ -67,14 +74,9 @@ def test_serving_burst_writes_server_and_offline_engine_throughput_and_their_rat
     assert r["peer_detail"]["kv_tokens_in_use_after"] == 0
 
 
-def test_serving_burst_records_when_sends_first_tokens_and_ends_happened(server_model, tmp_path):
+def test_serving_burst_records_when_sends_first_tokens_and_ends_happened(burst_result):
     """The server's and the peer's timelines, ms after the first send, in the order a burst moves."""
-    code = main(["bench", "serve", "--workload", "serving-burst", "--model", str(server_model), "--device", "cpu",
-                 "--max-total-tokens", "4096", "--num-prompts", "4", "--input-len", "8", "--output-len", "3",
-                 "--client-procs", "2", "--out", str(tmp_path)])
-    assert code == 0
-    [path] = tmp_path.glob("*-serving-burst-*-cpu.json")
-    r = json.loads(path.read_text())
+    r = burst_result
     for tl in (r["timeline_ms"], r["peer_detail"]["timeline_ms"]):
         assert 0 <= tl["last_sent"] <= tl["last_done"]
         assert 0 < tl["first_token"] <= tl["last_first_token"] <= tl["last_done"]
