@@ -46,7 +46,7 @@ from plait.sampling import (
 )
 from plait.scheduler.req import Req
 from plait.speculative.tree import DraftTree
-from plait.transfer import PendingHostCopy, ints_to_device, to_device, to_host
+from plait.transfer import PendingHostCopy, ints_to_device, pinned_copy, to_device, to_host
 
 # Counter-RNG stream of the acceptance draws (stream 0 is the sampler's Gumbel noise).
 ACCEPT_STREAM = 1
@@ -200,11 +200,24 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
     Greedy rows take the argmax; sampled rows with one-hot drafts (n-gram, top-k trees, and requests
     riding along without a draft) decide on the device (``one_hot_decisions``); both come to the host
     in one copy. Only drafts with a soft draft distribution bring probability rows to the host."""
-    widths = [t.width for t in trees]
-    row_starts = [0, *itertools.accumulate(row_widths or widths)]
     # The sampler's rule for greedy rows, so a request gets the same treatment on both paths.
     sampled = [i for i, r in enumerate(reqs) if not (r.sampling_params.is_greedy
                                                      or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
+    if not sampled:
+        # Every request greedy (the common case): only the argmax comes to the host, read as a list
+        # in one call (no numpy view, slicing or decision tables on the path to the next launch).
+        if greedy_host is not None:
+            argmax = greedy_host.wait().tolist()
+        else:
+            argmax = host_list(greedy if greedy is not None else greedy_ids(logits))
+        results = []
+        start = 0
+        for tree, rows in zip(trees, row_widths or [t.width for t in trees], strict=True):
+            results.append(greedy_accept(tree, argmax[start : start + tree.width]))
+            start += rows
+        return results
+    widths = [t.width for t in trees]
+    row_starts = [0, *itertools.accumulate(row_widths or widths)]
     one_hot = [i for i in sampled if trees[i].draft_probs is None]
     soft = [i for i in sampled if trees[i].draft_probs is not None]
     assert greedy_host is None or not sampled, "a started argmax copy serves greedy requests only"
@@ -250,6 +263,15 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
         else:
             results.append(greedy_accept(tree, argmax[row_starts[i] : row_starts[i] + tree.width]))
     return results
+
+
+def host_list(t: torch.Tensor) -> list[int]:
+    """A small integer tensor's values on the host as a list (``to_host`` without the numpy view)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = pinned_copy(t)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.tolist()
 
 
 def _node_rows(reqs: Sequence[Req], trees: list[DraftTree], which: list[int], row_starts: list[int],
