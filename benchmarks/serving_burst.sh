@@ -55,7 +55,7 @@ python - "$R" <<'EOF'
 import json, pathlib, sys
 root = pathlib.Path(sys.argv[1])
 keys = ("plait", "peer", "tokens_per_chunk", "triton_compiled_during_run", "ratio_vs_peer", "ttft_p50_ms", "peer_ttft_p50_ms", "ttft_p50_ratio_vs_peer",
-        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "timeline_ms", "peer_detail")
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "timeline_ms", "scheduler_timeline_ms", "peer_detail")
 import importlib.util
 have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop", "orjson")}
 summary = {"workload": "serving-burst", "metric": "output_tok_s",
@@ -90,6 +90,13 @@ for run in ("cold", "warm", "interval", "workers"):
             print(f"{'':8s} offline Engine: {peer_loop['iterations']} steps; of the {peer_loop['prefill_iterations']} "
                   f"prefilling ones {num(peer_loop['step_ms_per_prefill_iteration'], '.2f')} ms each, of the "
                   f"decode-only ones {num(peer_loop['step_ms_per_decode_iteration'], '.2f')}")
+        st = r.get("scheduler_timeline_ms")
+        if st:
+            print(f"{'':8s} scheduler, ms after the first send: first message {num(st['first_message'], '.0f')}, all "
+                  f"requests taken {num(st['all_requests_taken'], '.0f')}, first step {num(st['first_step'], '.0f')}; "
+                  "first iterations (at ms, messages, step ms, waiting, running): "
+                  + " ".join(f"({i['at']:.0f}, {i['messages']}, {i['step_ms']:.1f}, {i['waiting']}, {i['running']})"
+                             for i in st["iterations"]))
         for who, tl in (("server", r.get("timeline_ms")), ("offline", (r.get("peer_detail") or {}).get("timeline_ms"))):
             if tl:
                 print(f"{'':8s} {who} timeline, ms after the first send: last sent {tl['last_sent']:.0f}, first token "

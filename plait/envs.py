@@ -100,6 +100,12 @@ COUNT_ROUTED_EXPERTS = _flag_var(
     "PLAIT_COUNT_ROUTED_EXPERTS",
     "1: count the distinct experts every sparse-layer forward routes to, on the device (plait bench's MoE "
     "decode floor; attached before CUDA graph capture, so replays count too). Off: nothing is counted.")
+LOOP_TRACE = _str_var(
+    "PLAIT_LOOP_TRACE",
+    "A file the scheduler process writes when it stops: one JSON line per busy loop iteration (its phase "
+    "stamps in time.perf_counter() seconds, the messages it took, whether it stepped and prefilled, the "
+    "requests waiting and running after). For benchmarks that line a server's loop up with their clients' "
+    "clock; unset: nothing is recorded.")
 GEMV_CONFIG_DIR = _str_var(
     "PLAIT_GEMV_CONFIG_DIR",
     "A directory of small-M GEMV launch configs (gemv_<device>.json, as benchmarks/tune_gemv.py writes), "
@@ -183,7 +189,7 @@ FRONTEND_DETOKENIZE = EnvVar(
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
                                     TRITON_VERIFY_EXTEND, TRITON_MIXED_EXTEND, TRITON_PREFILL_FLASH, TRITON_OPS,
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
-                                    SLOW_TESTS, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
+                                    SLOW_TESTS, LOOP_TRACE, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
                                     SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD,
                                     ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE,

@@ -26,6 +26,7 @@ time, to notice a dead parent).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -95,6 +96,10 @@ class SchedulerProcess:
         self.prefill_iterations, self.prefill_step_s = 0, 0.0  # LoopSeconds' prefill share
         self.decode_log = DecodeLog(config.decode_log_interval)
         self.watchdog: StepWatchdog | None = None  # started once loaded: loading is not a step
+        # PLAIT_LOOP_TRACE: per busy iteration (t0..t4, messages, stepped, prefills, waiting, running),
+        # written at close.
+        self.trace_path = envs.LOOP_TRACE.get()
+        self.trace: list[tuple[float, float, float, float, float, int, bool, bool, int, int]] = []
 
     def load(self) -> None:
         """Build the engine core (this process is rank 0 of its layout), then tell the server the
@@ -124,6 +129,7 @@ class SchedulerProcess:
             busy = self.scheduler.has_work()
             t0 = clock()
             updates: list[RequestUpdate] = []
+            taken = 0
             if self.pull.poll(0 if busy else IDLE_POLL_MS, zmq.POLLIN):
                 if not busy:  # the wait for this message was idle time
                     t0 = clock()
@@ -132,6 +138,7 @@ class SchedulerProcess:
                         msg = self.pull.recv_pyobj(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    taken += 1
                     self._handle(msg, updates)
             elif os.getppid() != self.parent_pid:
                 logger.error("the server process is gone; scheduler exiting")
@@ -162,7 +169,11 @@ class SchedulerProcess:
                 self._send_updates(updates, dataclasses.replace(stats, loop=loop), rows)
                 self.last_stats = stats
             if stepped or updates or rows:  # idle polls are not the loop's work
-                self._account(t0, t1, t2, t3, clock(), stepped, prefills)
+                t4 = clock()
+                self._account(t0, t1, t2, t3, t4, stepped, prefills)
+                if self.trace_path is not None:
+                    self.trace.append((t0, t1, t2, t3, t4, taken, stepped, prefills, stats.num_waiting,
+                                       stats.num_running))
 
     def _send_updates(self, updates: list[RequestUpdate], stats: SchedulerSnapshot, rows: list[PlainRow]) -> None:
         """One UpdateBatch per HTTP process, each with the updates of the requests it sent (in order)
@@ -274,10 +285,24 @@ class SchedulerProcess:
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
+        if self.trace_path is not None:
+            write_loop_trace(self.trace_path, self.trace)
         self.pull.close(0)
         for push in self.pushes:
             push.close()  # LINGER lets the last messages (final updates, Fatal) go out
         self.ctx.term()
+
+
+TRACE_FIELDS = ("t0", "t1", "t2", "t3", "t4", "messages", "stepped", "prefills", "waiting", "running")
+
+
+def write_loop_trace(path: str, trace: list[tuple[float, float, float, float, float, int, bool, bool, int, int]]
+                     ) -> None:
+    """PLAIT_LOOP_TRACE's file: one JSON object per busy iteration, ``TRACE_FIELDS`` (t0 its start, t1
+    after taking messages, t2 after the step, t3 after collecting updates, t4 after sending them)."""
+    with open(path, "w") as f:
+        for row in trace:
+            f.write(json.dumps(dict(zip(TRACE_FIELDS, row, strict=True))) + "\n")
 
 
 def _device_name(device: str) -> str:

@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from plait import envs
 from plait.bench.results import git_commit, host_info
 from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.engine.heap import startup_heap_frozen
@@ -314,6 +315,36 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     }
 
 
+def loop_timeline(path: str, t0: float, num_requests: int, first: int = 8) -> dict[str, Any] | None:
+    """The scheduler process's loop (its PLAIT_LOOP_TRACE file) in ms after ``t0``, the clients' first
+    send (both stamped with time.perf_counter(), one monotonic clock on the host): when it took the
+    first message and when it had taken ``num_requests``, when its first step began, and its ``first``
+    busy iterations (start, messages taken, step ms, whether it prefilled, requests waiting and running
+    after). None without a trace (a scheduler that did not stop cleanly writes none)."""
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f]
+    except OSError:
+        return None
+
+    def ms(t: float) -> float:
+        return 1e3 * (t - t0)
+
+    taken, all_taken = 0, None
+    for row in rows:
+        taken += row["messages"]
+        if all_taken is None and taken >= num_requests:
+            all_taken = ms(row["t1"])
+    with_messages = [r for r in rows if r["messages"]]
+    stepped = [r for r in rows if r["stepped"]]
+    return {"first_message": ms(with_messages[0]["t0"]) if with_messages else None,
+            "all_requests_taken": all_taken,
+            "first_step": ms(stepped[0]["t1"]) if stepped else None,
+            "iterations": [{"at": ms(r["t0"]), "messages": r["messages"], "step_ms": 1e3 * (r["t2"] - r["t1"]),
+                            "prefills": r["prefills"], "waiting": r["waiting"], "running": r["running"]}
+                           for r in rows[:first]]}
+
+
 def timeline(ok: list[RequestResult]) -> dict[str, float] | None:
     """When, in ms after the first request was sent, the last one was sent, the first and the last
     request got its first token, and the last one ended. Under a burst: how long the sends took to get
@@ -481,7 +512,9 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         port = _free_port()
         base_url = f"http://127.0.0.1:{port}"
         print(f"starting plait serve on {base_url}", file=sys.stderr)
-        proc = subprocess.Popen(_serve_argv(model, engine_options, port, args.tokenizer_worker_num))
+        # The scheduler process's loop, iteration by iteration, for the result's ``scheduler_timeline_ms``.
+        env = {**os.environ, envs.LOOP_TRACE.name: os.path.join(shape_root, "loop-trace.jsonl")}
+        proc = subprocess.Popen(_serve_argv(model, engine_options, port, args.tokenizer_worker_num), env=env)
     try:
         if proc is not None:
             _wait_healthy(base_url, proc)
@@ -503,10 +536,14 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         summary["num_requests_running_after"] = int(after.get("plait:num_requests_running", -1))
         summary["num_retractions"] = int(after.get("plait:num_retractions_total", 0))
         summary["scheduler_loop"] = scheduler_loop_during(loop_before, after)
+        if proc is not None:
+            stop_server(proc)  # the scheduler process writes its loop trace as it stops
+            sent = [r.sent for r in results if r.sent is not None]
+            summary["scheduler_timeline_ms"] = loop_timeline(os.path.join(shape_root, "loop-trace.jsonl"),
+                                                             min(sent, default=0.0), len(requests))
         if args.workload == "serving-burst" and not args.no_peer and proc is not None:
             # After the server is gone (its GPU memory free, and the server met a Triton cache the
             # peer had not warmed); same model, options and requests.
-            stop_server(proc)
             from plait.server.bench_peer import offline_burst
 
             peer = offline_burst(_served_model(model), engine_options, requests)

@@ -84,6 +84,33 @@ def test_serving_burst_records_when_sends_first_tokens_and_ends_happened(burst_r
     assert r["peer_detail"]["timeline_ms"]["last_done"] == pytest.approx(1e3 * r["peer_detail"]["seconds"])
 
 
+def test_serving_burst_lines_the_scheduler_loop_up_with_the_clients_clock(burst_result):
+    """The scheduler process's loop trace (PLAIT_LOOP_TRACE, set by the bench) read back in ms after the
+    clients' first send: every request taken, the first step after the first message."""
+    tl = burst_result["scheduler_timeline_ms"]
+    assert tl["first_message"] is not None and tl["all_requests_taken"] is not None
+    assert tl["first_message"] <= tl["first_step"] <= burst_result["timeline_ms"]["last_done"]
+    assert tl["first_message"] <= tl["all_requests_taken"]
+    first = tl["iterations"][0]
+    assert first["messages"] >= 1 and first["prefills"] and first["step_ms"] >= 0
+
+
+def test_loop_timeline_reads_a_trace_relative_to_the_first_send(tmp_path):
+    from plait.engine.scheduler_process import write_loop_trace
+    from plait.server.bench import loop_timeline
+
+    path = str(tmp_path / "trace.jsonl")
+    write_loop_trace(path, [(10.1, 10.11, 10.13, 10.13, 10.14, 2, True, True, 0, 2),
+                            (10.14, 10.15, 10.16, 10.16, 10.17, 1, True, True, 0, 3),
+                            (10.17, 10.17, 10.18, 10.18, 10.19, 0, True, False, 0, 3)])
+    tl = loop_timeline(path, 10.0, num_requests=3)
+    assert tl["first_message"] == pytest.approx(100.0) and tl["first_step"] == pytest.approx(110.0)
+    assert tl["all_requests_taken"] == pytest.approx(150.0)
+    assert [it["messages"] for it in tl["iterations"]] == [2, 1, 0]
+    assert tl["iterations"][0]["step_ms"] == pytest.approx(20.0)
+    assert loop_timeline(str(tmp_path / "missing.jsonl"), 10.0, 3) is None
+
+
 def test_timeline_is_in_ms_after_the_first_send():
     from plait.server.bench import RequestResult, timeline
 
