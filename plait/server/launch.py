@@ -6,9 +6,10 @@ Process model::
       ├─ tokenize + validate (plait.engine.frontend), build OpenAI responses, /metrics
       ├─ ZMQ over IPC ──► plait scheduler-process (one per GPU rank; one on the CPU)
       │                    model, KV pool, Scheduler.step() loop, detokenization, stop strings
-      └─ --tokenizer-worker-num N: N - 1 more HTTP processes on the same listening socket (the kernel
-         hands each connection to one of them), each with its own ZMQ pair to the same scheduler
-         process; a scrape of /metrics adds the others' latency histograms to the answering one's
+      └─ --tokenizer-worker-num N: N - 1 more HTTP processes on the same port, each with its own
+         listening socket (SO_REUSEPORT: the kernel spreads new connections over the sockets) and its
+         own ZMQ pair to the same scheduler process; a scrape of /metrics adds the others' latency
+         histograms to the answering one's
 
 With several HTTP processes, SIGTERM to ``plait serve`` reaches the others; each drains its own
 requests, and the scheduler process stops after the last of them has exited.
@@ -110,18 +111,33 @@ def server_args_from(args: argparse.Namespace) -> ServerArgs:
                          "served_model_name": tuple(names) if names else None})
 
 
+def listening_socket(host: str, port: int, shared: bool) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` with the server's send buffer. ``shared``: bound with
+    SO_REUSEPORT, so each HTTP process can bind its own on the same port and the kernel spreads new
+    connections over them. One socket inherited by every process would not spread them: a burst's
+    connections are all pending when the first process to wake accepts, and asyncio accepts every
+    pending connection in one go (up to the backlog), so one process would take the burst."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=shared)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER_BYTES)
+    return sock
+
+
 class HTTPWorkers:
-    """The HTTP processes beyond the first (``--tokenizer-worker-num``), started on the first one's
-    listening socket; they die with it (the kernel's parent-death signal)."""
+    """The HTTP processes beyond the first (``--tokenizer-worker-num``), each on its own socket bound to
+    the first one's port (``listening_socket``); they die with the first (the kernel's parent-death
+    signal)."""
 
     def __init__(self, config: EngineConfig, sargs: ServerArgs, ipc_dir: str) -> None:
         self.config, self.sargs, self.ipc_dir = config, sargs, ipc_dir
         self.procs: list[multiprocessing.process.BaseProcess] = []
 
-    def start(self, sock: socket.socket) -> None:
+    def start(self, port: int) -> None:
+        """Start the others on ``port`` (the first process's, bound already: ``--port 0`` picked it)."""
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads and ZMQ contexts
+        sargs = dataclasses.replace(self.sargs, port=port)
         for worker in range(1, self.sargs.tokenizer_worker_num):
-            proc = ctx.Process(target=_http_worker, args=(self.config, self.sargs, worker, self.ipc_dir, sock),
+            proc = ctx.Process(target=_http_worker, args=(self.config, sargs, worker, self.ipc_dir),
                                name=f"plait-http-{worker}")
             proc.start()
             self.procs.append(proc)
@@ -144,13 +160,15 @@ class HTTPWorkers:
                 await asyncio.to_thread(proc.join)
 
 
-def _http_worker(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str, sock: socket.socket) -> None:
-    """The body of HTTP process ``worker`` > 0: the same app and uvicorn server on the inherited socket."""
+def _http_worker(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str) -> None:
+    """The body of HTTP process ``worker`` > 0: the same app and uvicorn server on its own socket on the
+    first process's port."""
     from plait.parallel.launch import die_with_parent
 
     die_with_parent()
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s http-{worker} %(name)s %(levelname)s %(message)s", force=True)
+    sock = listening_socket(sargs.host, sargs.port, shared=True)
     raise SystemExit(_serve(config, sargs, worker, ipc_dir, sock))
 
 
@@ -168,11 +186,17 @@ def _serve(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str | 
     server = PlaitServer(uv_config, app.state.client, sargs.shutdown_timeout, workers)
     holder["server"] = server
     try:
-        if sock is None:
+        if sock is None and workers is None:
             sock = uv_config.bind_socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER_BYTES)
-            if workers is not None:
-                workers.start(sock)
+        elif sock is None:
+            assert workers is not None
+            try:
+                sock = listening_socket(sargs.host, sargs.port, shared=True)
+            except OSError as e:
+                logger.error("could not bind %s:%d: %s", sargs.host, sargs.port, e)
+                return 1
+            workers.start(sock.getsockname()[1])
         server.run(sockets=[sock])
     finally:
         app.state.client.close()  # idempotent; covers exits that skipped the lifespan shutdown

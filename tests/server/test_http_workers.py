@@ -4,6 +4,8 @@ request's updates routed back to the process that sent it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 
 import httpx
@@ -50,6 +52,39 @@ def test_the_server_runs_one_more_http_process_and_one_scheduler(two_workers):
     cmdlines = [open(f"/proc/{pid}/cmdline", "rb").read() for pid in child_pids(two_workers.proc.pid)]
     assert sum(b"scheduler-process" in c for c in cmdlines) == 1
     assert sum(b"spawn_main" in c for c in cmdlines) == 1  # the second HTTP process
+
+
+def _socket_fds(pid: int) -> int:
+    """Open sockets of process ``pid`` (an fd closed while listed is skipped)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def test_connections_opened_at_once_spread_over_the_http_processes(two_workers):
+    """Each process listens on its own socket (SO_REUSEPORT), so a burst of connections is not all
+    accepted by whichever process wakes first."""
+    children = child_pids(two_workers.proc.pid)
+    [second] = [pid for pid in children if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    http = [two_workers.proc.pid, second]
+    before = {pid: _socket_fds(pid) for pid in http}
+    url = httpx.URL(two_workers.url)
+    conns = [socket.create_connection((url.host, url.port), timeout=HTTP_TIMEOUT) for _ in range(32)]
+    try:
+        for c in conns:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: plait\r\n\r\n")
+        for c in conns:
+            assert c.recv(64).startswith(b"HTTP/1.1 200")  # answered, so accepted, and kept alive
+        gained = [_socket_fds(pid) - before[pid] for pid in http]
+    finally:
+        for c in conns:
+            c.close()
+    assert sum(gained) == 32
+    assert min(gained) > 0  # all 32 in one process: 2 chances in 2**32 with the kernel's hash
 
 
 def test_sigterm_stops_every_http_process_and_the_scheduler(start_server):
