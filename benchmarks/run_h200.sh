@@ -391,6 +391,20 @@ for stage in "$@"; do
           --output-len 128 --client-procs 4 --no-peer --tokenizer-worker-num "${run##*-}" \
           --out "$OUT/http-workers-$run" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-400
       done ;;
+    # The burst (1b, 256 x 512/128, no peer) with the HTTP processes of TRACE_WORKERS (default "4 1") in turn:
+    # when the first request and the last reached the scheduler and its first iterations, on the clients'
+    # clock (the result's timeline_ms and scheduler_timeline_ms, from PLAIT_LOOP_TRACE).
+    serving-burst-trace)
+      for n in ${TRACE_WORKERS:-4 1}; do
+        python -m plait bench serve --workload serving-burst --shape llama-3.2-1b --num-prompts 256 --input-len 512 \
+          --output-len 128 --client-procs 4 --no-peer --tokenizer-worker-num "$n" --out "$OUT/trace-$n" 2>&1 \
+          | grep -E '^\{"workload|Error' | cut -c1-200
+        python -c 'import json, glob, sys
+d = json.load(open(glob.glob(sys.argv[1] + "/*.json")[0])); st = d["scheduler_timeline_ms"]
+print("client ms", {k: round(v) for k, v in d["timeline_ms"].items()})
+print("scheduler ms", {k: v if v is None else round(v) for k, v in st.items() if k != "iterations"})
+print("first iterations (at, messages, step ms)", [(round(i["at"]), i["messages"], round(i["step_ms"], 1)) for i in st["iterations"]])' "$OUT/trace-$n"
+      done ;;
     serving-burst-detok-ab)
       for run in warmup-1 r1-0 r1-1 r2-0 r2-1; do
         PLAIT_FRONTEND_DETOKENIZE=${run##*-} python -m plait bench serve --workload serving-burst --shape llama-3.2-1b \
