@@ -162,8 +162,12 @@ class BaseSpecWorker(ABC):
         # on each further miss up to MISS_BACKOFF_MAX steps and resets on a proposal.
         self._skip = 0
         self._backoff = 1
-        # The next chained verify's batch inputs, built while the current verify runs (prebuild_next).
+        # The next chained verify's batch inputs, built while the current verify runs (prebuild_next),
+        # and the KV slots of the likeliest of them, held from then until that launch or the chain's
+        # end (``_reserved_slots``, their count): the launch after that outcome allocates nothing.
         self.prebuilt = PrebuiltChainBatches()
+        self._reserved_slots: torch.Tensor | None = None
+        self._reserved_count = 0
 
     # --- hooks the scheduler calls ----------------------------------------------------------------
     def on_finish(self, req: Req) -> None:
@@ -316,7 +320,7 @@ class BaseSpecWorker(ABC):
             self.predraft([step.reqs[i] for i in live], [step.trees[i] for i in live])
             ahead = self.launch_ahead(sched, step) if chained < MAX_CHAINED_VERIFIES else None
             if ahead is None and chained < MAX_CHAINED_VERIFIES:
-                self.prebuild_next(step)
+                self.prebuild_next(sched, step)
             results = self.accept_step(step)
             self.commit_kv(sched, step, results)
             advanced.update(id(r) for r in step.reqs)
@@ -327,6 +331,7 @@ class BaseSpecWorker(ABC):
                 continue
             nxt = self.next_verify(sched, step, results) if chained < MAX_CHAINED_VERIFIES else None
             if nxt is None:
+                self._release_reserved(sched)
                 self.commit_tokens(sched, step, results)
                 return advanced
             done = (step, results)
@@ -423,12 +428,13 @@ class BaseSpecWorker(ABC):
         return VerifyStep(step.reqs, trees, ahead.slots, [ahead.width] * len(trees), ahead.logits, ahead.greedy,
                           premapped=True)
 
-    def prebuild_next(self, step: VerifyStep) -> None:
+    def prebuild_next(self, sched: SchedulerAPI, step: VerifyStep) -> None:
         """While ``step``'s verify is queued: build the inputs of the verify ``next_verify`` would launch
         after each outcome of it (``outcome_trees``), when its requests have few joint outcomes. The
         launch after the outcome that arrives then takes its inputs (``PrebuiltChainBatches``) rather
         than copying its own; a batch is taken only when its inputs match exactly, so a prediction
         that misses costs only this hidden work."""
+        self._release_reserved(sched)
         if not self.chains_verify or not self.config.causal_chain_verify:
             return
         choices: list[list[tuple[DraftRow, DraftTree]]] = []
@@ -452,6 +458,28 @@ class BaseSpecWorker(ABC):
             if all(t.is_chain for t in trees) and any(t.width > 1 for t in trees):  # someone drafts
                 batches.append(([r for r, _ in combo], trees, self.verify_pad_width(trees)))
         self.prebuilt.prepare(batches, self.runner.device)
+        # Slots for the outcome where every request accepts its whole tree (repeats land there most):
+        # each gains the most tokens of its outcomes.
+        need = sum(max(per_req, key=lambda c: c[0].kv_len)[1].width for per_req in choices)
+        if sched.available_kv_tokens() >= need:
+            self._reserved_slots = sched.alloc_kv_slots(need)
+            self._reserved_count = need
+
+    def _release_reserved(self, sched: SchedulerAPI) -> None:
+        """Free the slots ``prebuild_next`` held for a launch that did not take them."""
+        if self._reserved_slots is not None:
+            sched.free_kv_slots(self._reserved_slots)
+            self._reserved_slots = None
+
+    def _alloc_next(self, sched: SchedulerAPI, need: int) -> torch.Tensor | None:
+        """``need`` slots for the next chained verify: the held ones when they are as many, else new."""
+        if self._reserved_slots is not None and self._reserved_count == need:
+            slots, self._reserved_slots = self._reserved_slots, None
+            return slots
+        self._release_reserved(sched)
+        if sched.available_kv_tokens() < need:
+            return None
+        return sched.alloc_kv_slots(need)
 
     def outcome_trees(self, req: Req, tree: DraftTree) -> dict[tuple[int, ...], DraftTree | None] | None:
         """Per outcome of the queued verify of ``tree`` (keyed by the tokens ``req`` gains), the tree
@@ -674,10 +702,7 @@ class BaseSpecWorker(ABC):
         if drafting == 0 or drafting < MIN_DRAFTING_FRACTION * len(drafters):
             return None  # a miss: decode_step's back-off decides what follows
         trees = [t if t is not None else DraftTree([g[-1]], [-1]) for g, t in zip(gained, proposed, strict=True)]
-        need = sum(t.width for t in trees)
-        if sched.available_kv_tokens() < need:
-            return None
-        slots = sched.alloc_kv_slots(need)
+        slots = self._alloc_next(sched, sum(t.width for t in trees))
         if slots is None:
             return None
         return cands, trees, slots

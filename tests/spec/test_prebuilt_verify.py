@@ -1,7 +1,7 @@
 """Chain batches built ahead (``PrebuiltChainBatches``): a launch that takes prebuilt inputs gets the
 batch a fresh build makes, an entry serves one batch, and inputs that differ in anything the build
 reads are not taken. In the engine, the chained verifies of a lone request take their inputs
-prebuilt while greedy output stays unchanged."""
+prebuilt (and the KV slots held for them) while greedy output stays unchanged and no slot leaks."""
 
 from __future__ import annotations
 
@@ -91,4 +91,5 @@ def test_chained_verifies_of_one_request_take_prebuilt_inputs_and_output_is_unch
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
     # Repeats land on the guessed outcome: most chained launches found their inputs built.
     assert taken["hit"] > 2 * taken["miss"], taken
+    assert worker._reserved_slots is None  # the slots held for a next launch went to it or back
     assert_no_leaks(engine)
