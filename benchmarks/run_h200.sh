@@ -251,9 +251,10 @@ for stage in "$@"; do
     # spec-ngram-repeat (8b, 16 x 64) from the carried .ab/prev (`git archive <commit> plait | tar -x -C
     # .ab/prev`), from this tree, and from this tree with verifies launched ahead (PLAIT_SPEC_LAUNCH_AHEAD=1),
     # in turn for SPEC_AB_ROUNDS rounds (default 1): speculative changes against the tree before them.
+    # SPEC_AB_RUNS picks the runs (default "prev head ahead").
     spec-tree-ab)
       for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
-        for run in prev head ahead; do
+        for run in ${SPEC_AB_RUNS:-prev head ahead}; do
           tree=$([ "$run" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
           PLAIT_SPEC_LAUNCH_AHEAD=$([ "$run" = ahead ] && echo 1 || echo 0) PYTHONPATH=$tree python -m plait bench spec \
             --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
