@@ -111,21 +111,21 @@ def server_args_from(args: argparse.Namespace) -> ServerArgs:
                          "served_model_name": tuple(names) if names else None})
 
 
-def listening_socket(host: str, port: int, shared: bool) -> socket.socket:
-    """A listening TCP socket on ``host``:``port`` with the server's send buffer. ``shared``: bound with
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` with the server's send buffer, bound with
     SO_REUSEPORT, so each HTTP process can bind its own on the same port and the kernel spreads new
     connections over them. One socket inherited by every process would not spread them: a burst's
     connections are all pending when the first process to wake accepts, and asyncio accepts every
     pending connection in one go (up to the backlog), so one process would take the burst."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=shared)
+    sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=True)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER_BYTES)
     return sock
 
 
 class HTTPWorkers:
     """The HTTP processes beyond the first (``--tokenizer-worker-num``), each on its own socket bound to
-    the first one's port (``listening_socket``); they die with the first (the kernel's parent-death
+    the first one's port (``reuseport_socket``); they die with the first (the kernel's parent-death
     signal)."""
 
     def __init__(self, config: EngineConfig, sargs: ServerArgs, ipc_dir: str) -> None:
@@ -168,7 +168,7 @@ def _http_worker(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: 
     die_with_parent()
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s http-{worker} %(name)s %(levelname)s %(message)s", force=True)
-    sock = listening_socket(sargs.host, sargs.port, shared=True)
+    sock = reuseport_socket(sargs.host, sargs.port)
     raise SystemExit(_serve(config, sargs, worker, ipc_dir, sock))
 
 
@@ -192,7 +192,7 @@ def _serve(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str | 
         elif sock is None:
             assert workers is not None
             try:
-                sock = listening_socket(sargs.host, sargs.port, shared=True)
+                sock = reuseport_socket(sargs.host, sargs.port)
             except OSError as e:
                 logger.error("could not bind %s:%d: %s", sargs.host, sargs.port, e)
                 return 1
