@@ -69,7 +69,9 @@ MAX_CHAINED_VERIFIES = 8
 # reads the outcome first and may end the chain, where ahead the batch would verify filler guesses.
 AHEAD_MIN_WHOLE_FRACTION = 0.5
 # Most batches (joint outcomes of a verify's requests) whose inputs are built while it runs
-# (BaseSpecWorker.prebuild_next): one per outcome at bs 1; larger batches have too many to cover.
+# (BaseSpecWorker.prebuild_next). A request has an outcome per accepted-draft count whose bonus the
+# drafter guessed: up to one per node at bs 1, often only the whole chain's on repeated text (the
+# n-gram guesses no bonus other than the rejected draft), so large batches are covered then too.
 MAX_PREBUILT_BATCHES = 8
 
 AcceptResult = tuple[list[int], int]  # (accepted path from the root, bonus token)
