@@ -404,7 +404,7 @@ for stage in "$@"; do
 d = json.load(open(glob.glob(sys.argv[1] + "/*.json")[0])); st = d["scheduler_timeline_ms"]
 print("client ms", {k: round(v) for k, v in d["timeline_ms"].items()})
 print("scheduler ms", {k: v if v is None else round(v) for k, v in st.items() if k != "iterations"})
-print("first iterations (at, messages, step ms)", [(round(i["at"]), i["messages"], round(i["step_ms"], 1)) for i in st["iterations"]])' "$OUT/trace-$n"
+print("first iterations (at, messages, recv / step / updates ms)", [(round(i["at"]), i["messages"], round(i["recv_ms"], 1), round(i["step_ms"], 1), round(i["updates_ms"], 1)) for i in st["iterations"]])' "$OUT/trace-$n"
       done ;;
     serving-burst-detok-ab)
       for run in warmup-1 r1-0 r1-1 r2-0 r2-1; do

@@ -319,8 +319,9 @@ def loop_timeline(path: str, t0: float, num_requests: int, first: int = 8) -> di
     """The scheduler process's loop (its PLAIT_LOOP_TRACE file) in ms after ``t0``, the clients' first
     send (both stamped with time.perf_counter(), one monotonic clock on the host): when it took the
     first message and when it had taken ``num_requests``, when its first step began, and its ``first``
-    busy iterations (start, messages taken, step ms, whether it prefilled, requests waiting and running
-    after). None without a trace (a scheduler that did not stop cleanly writes none)."""
+    busy iterations (start, messages taken, ms taking them, stepping, and collecting and sending the
+    updates, whether it prefilled, requests waiting and running after). None without a trace (a
+    scheduler that did not stop cleanly writes none)."""
     try:
         with open(path) as f:
             rows = [json.loads(line) for line in f]
@@ -340,7 +341,8 @@ def loop_timeline(path: str, t0: float, num_requests: int, first: int = 8) -> di
     return {"first_message": ms(with_messages[0]["t0"]) if with_messages else None,
             "all_requests_taken": all_taken,
             "first_step": ms(stepped[0]["t1"]) if stepped else None,
-            "iterations": [{"at": ms(r["t0"]), "messages": r["messages"], "step_ms": 1e3 * (r["t2"] - r["t1"]),
+            "iterations": [{"at": ms(r["t0"]), "messages": r["messages"], "recv_ms": 1e3 * (r["t1"] - r["t0"]),
+                            "step_ms": 1e3 * (r["t2"] - r["t1"]), "updates_ms": 1e3 * (r["t4"] - r["t2"]),
                             "prefills": r["prefills"], "waiting": r["waiting"], "running": r["running"]}
                            for r in rows[:first]]}
 

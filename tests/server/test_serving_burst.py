@@ -107,7 +107,8 @@ def test_loop_timeline_reads_a_trace_relative_to_the_first_send(tmp_path):
     assert tl["first_message"] == pytest.approx(100.0) and tl["first_step"] == pytest.approx(110.0)
     assert tl["all_requests_taken"] == pytest.approx(150.0)
     assert [it["messages"] for it in tl["iterations"]] == [2, 1, 0]
-    assert tl["iterations"][0]["step_ms"] == pytest.approx(20.0)
+    first = tl["iterations"][0]
+    assert (first["recv_ms"], first["step_ms"], first["updates_ms"]) == pytest.approx((10.0, 20.0, 10.0))
     assert loop_timeline(str(tmp_path / "missing.jsonl"), 10.0, 3) is None
 
 
