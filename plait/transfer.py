@@ -57,11 +57,17 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     """A device tensor as a numpy array, through pinned memory on CUDA: a pageable ``.cpu()`` of
     tens of MB (full-vocabulary probability rows) goes through a staging copy and runs far below
     what the host link carries."""
+    return host_tensor(t).numpy()
+
+
+def host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself off CUDA; on CUDA its copy in pinned memory, read back once the current stream
+    has run everything queued on it."""
     if t.device.type != "cuda":
-        return t.numpy()
+        return t
     host = pinned_copy(t)
     torch.cuda.current_stream(t.device).synchronize()
-    return host.numpy()
+    return host
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ from plait.sampling import (
 )
 from plait.scheduler.req import Req
 from plait.speculative.tree import DraftTree
-from plait.transfer import PendingHostCopy, ints_to_device, pinned_copy, to_device, to_host
+from plait.transfer import PendingHostCopy, host_tensor, ints_to_device, to_device, to_host
 
 # Counter-RNG stream of the acceptance draws (stream 0 is the sampler's Gumbel noise).
 ACCEPT_STREAM = 1
@@ -209,7 +209,7 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
         if greedy_host is not None:
             argmax = greedy_host.wait().tolist()
         else:
-            argmax = host_list(greedy if greedy is not None else greedy_ids(logits))
+            argmax = host_tensor(greedy if greedy is not None else greedy_ids(logits)).tolist()
         results = []
         start = 0
         for tree, rows in zip(trees, row_widths or [t.width for t in trees], strict=True):
@@ -263,15 +263,6 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
         else:
             results.append(greedy_accept(tree, argmax[row_starts[i] : row_starts[i] + tree.width]))
     return results
-
-
-def host_list(t: torch.Tensor) -> list[int]:
-    """A small integer tensor's values on the host as a list (``to_host`` without the numpy view)."""
-    if t.device.type != "cuda":
-        return t.tolist()
-    host = pinned_copy(t)
-    torch.cuda.current_stream(t.device).synchronize()
-    return host.tolist()
 
 
 def _node_rows(reqs: Sequence[Req], trees: list[DraftTree], which: list[int], row_starts: list[int],
