@@ -202,6 +202,9 @@ class BaseSpecWorker(ABC):
         self.accepted_all.clear()
         self._skip, self._backoff = 0, 1
         self.prebuilt.clear()
+        # A chain's end gives its held slots back, so none are held here; were any, the scheduler's
+        # reset has freed every slot already, and giving them back again would free them twice.
+        self._reserved_slots, self._reserved_count = None, 0
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """The engine is shutting down: drop device memory (statistics stay readable)."""
