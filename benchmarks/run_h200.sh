@@ -406,6 +406,15 @@ print("client ms", {k: round(v) for k, v in d["timeline_ms"].items()})
 print("scheduler ms", {k: v if v is None else round(v) for k, v in st.items() if k != "iterations"})
 print("first iterations (at, messages, recv / step / updates ms)", [(round(i["at"]), i["messages"], round(i["recv_ms"], 1), round(i["step_ms"], 1), round(i["updates_ms"], 1)) for i in st["iterations"]])' "$OUT/trace-$n"
       done ;;
+    # The warm burst (1b, 256 x 512/128) with its offline peer timed right after its untimed pass (0) and
+    # after idling 2 s (2), after one run that fills the Triton cache: whether a device that
+    # idled, as the server's does through the bench's set-up, starts the burst slower.
+    serving-burst-peer-idle)
+      for run in warmup-0 r1-0 r1-2; do
+        python -m plait bench serve --workload serving-burst --shape llama-3.2-1b --num-prompts 256 --input-len 512 \
+          --output-len 128 --client-procs 4 --peer-idle-s "${run##*-}" --out "$OUT/peer-idle-$run" 2>&1 \
+          | grep -E '^\{"workload|Error' | cut -c1-400
+      done ;;
     serving-burst-detok-ab)
       for run in warmup-1 r1-0 r1-1 r2-0 r2-1; do
         PLAIT_FRONTEND_DETOKENIZE=${run##*-} python -m plait bench serve --workload serving-burst --shape llama-3.2-1b \

@@ -69,6 +69,9 @@ def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
                        "offline Engine on the same requests as the peer (ratio_vs_peer = server / offline)")
     group.add_argument("--no-peer", action="store_true",
                        help="serving-burst: skip the offline Engine run (peer null)")
+    group.add_argument("--peer-idle-s", type=float, default=0.0, metavar="S",
+                       help="serving-burst: the offline Engine idles S seconds between its untimed and its timed "
+                       "pass (the server meets the burst after the bench's set-up, idle; 0: right after)")
     group.add_argument("--no-stream", action="store_true",
                        help="requests that do not stream: one JSON answer each (its arrival is the TTFT too), as "
                             "batch clients send; the server then reports a request's first token and its end only")

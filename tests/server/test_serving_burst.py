@@ -122,6 +122,25 @@ def test_timeline_is_in_ms_after_the_first_send():
     assert timeline([]) is None
 
 
+def test_the_offline_peer_idles_the_seconds_asked_between_its_passes(server_model):
+    import time
+
+    from plait.server.bench_peer import offline_burst
+
+    requests = [([11 + i, 12, 13, 14], 2) for i in range(2)]
+    t0 = time.perf_counter()
+    peer = offline_burst(str(server_model), {"device": "cpu", "max_total_tokens": 4096}, requests, idle_s=0.5)
+    assert peer["idle_before_timed_s"] == 0.5
+    assert time.perf_counter() - t0 >= 0.5 + peer["seconds"]
+
+
+def test_a_negative_peer_idle_is_refused_with_the_flag_named(tmp_path, capsys):
+    code = main(["bench", "serve", "--workload", "serving-burst", "--peer-idle-s", "-1", "--out", str(tmp_path)])
+    assert code == 2
+    assert "--peer-idle-s must be in [0, 600] seconds, got -1.0" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_serving_burst_with_a_request_rate_is_refused_before_any_server_starts(tmp_path, capsys):
     code = main(["bench", "serve", "--workload", "serving-burst", "--request-rate", "20", "--out", str(tmp_path)])
     assert code == 2
