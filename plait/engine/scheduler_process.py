@@ -58,6 +58,10 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
 
+# PLAIT_LOOP_TRACE's record of one busy loop iteration, TRACE_FIELDS in order.
+TRACE_FIELDS = ("t0", "t1", "t2", "t3", "t4", "messages", "stepped", "prefills", "waiting", "running")
+TraceRow = tuple[float, float, float, float, float, int, bool, bool, int, int]
+
 
 # --- the loop -------------------------------------------------------------------------------------
 class SchedulerProcess:
@@ -99,7 +103,7 @@ class SchedulerProcess:
         # PLAIT_LOOP_TRACE: per busy iteration (t0..t4, messages, stepped, prefills, waiting, running),
         # written at close.
         self.trace_path = envs.LOOP_TRACE.get()
-        self.trace: list[tuple[float, float, float, float, float, int, bool, bool, int, int]] = []
+        self.trace: list[TraceRow] = []
 
     def load(self) -> None:
         """Build the engine core (this process is rank 0 of its layout), then tell the server the
@@ -293,11 +297,7 @@ class SchedulerProcess:
         self.ctx.term()
 
 
-TRACE_FIELDS = ("t0", "t1", "t2", "t3", "t4", "messages", "stepped", "prefills", "waiting", "running")
-
-
-def write_loop_trace(path: str, trace: list[tuple[float, float, float, float, float, int, bool, bool, int, int]]
-                     ) -> None:
+def write_loop_trace(path: str, trace: list[TraceRow]) -> None:
     """PLAIT_LOOP_TRACE's file: one JSON object per busy iteration, ``TRACE_FIELDS`` (t0 its start, t1
     after taking messages, t2 after the step, t3 after collecting updates, t4 after sending them)."""
     with open(path, "w") as f:

@@ -291,10 +291,11 @@ class NgramWorker(BaseSpecWorker):
         for gained, proposal in prepared.proposals.items():
             if not gained:
                 continue
-            n = len(gained)
-            depth = self.depth_after_outcome(req, tree.width, n)
-            cooling = self._ema_after(req, tree.width, n) < COLD_ACCEPT
-            out[gained] = None if proposal is None or depth <= 0 or cooling else proposal.truncated(depth)
+            # The average acceptance will have folded this outcome in: what ``depth_after`` reads then.
+            ema = self._ema_after(req, tree.width, len(gained))
+            depth = self._depth_limit(req, len(gained), ema)
+            out[gained] = (None if proposal is None or depth <= 0 or ema < COLD_ACCEPT
+                           else proposal.truncated(depth))
         return out
 
     def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree], width: int) -> list[list[list[int]]] | None:

@@ -166,10 +166,9 @@ class BaseSpecWorker(ABC):
         self._backoff = 1
         # The next chained verify's batch inputs, built while the current verify runs (prebuild_next),
         # and the KV slots of the likeliest of them, held from then until that launch or the chain's
-        # end (``_reserved_slots``, their count): the launch after that outcome allocates nothing.
+        # end (``_reserved_slots``): the launch after that outcome allocates nothing.
         self.prebuilt = PrebuiltChainBatches()
         self._reserved_slots: torch.Tensor | None = None
-        self._reserved_count = 0
 
     # --- hooks the scheduler calls ----------------------------------------------------------------
     def on_finish(self, req: Req) -> None:
@@ -204,7 +203,7 @@ class BaseSpecWorker(ABC):
         self.prebuilt.clear()
         # A chain's end gives its held slots back, so none are held here; were any, the scheduler's
         # reset has freed every slot already, and giving them back again would free them twice.
-        self._reserved_slots, self._reserved_count = None, 0
+        self._reserved_slots = None
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """The engine is shutting down: drop device memory (statistics stay readable)."""
@@ -468,7 +467,6 @@ class BaseSpecWorker(ABC):
         need = sum(max(per_req, key=lambda c: c[0].kv_len)[1].width for per_req in choices)
         if sched.available_kv_tokens() >= need:
             self._reserved_slots = sched.alloc_kv_slots(need)
-            self._reserved_count = need
 
     def _release_reserved(self, sched: SchedulerAPI) -> None:
         """Free the slots ``prebuild_next`` held for a launch that did not take them."""
@@ -478,7 +476,7 @@ class BaseSpecWorker(ABC):
 
     def _alloc_next(self, sched: SchedulerAPI, need: int) -> torch.Tensor | None:
         """``need`` slots for the next chained verify: the held ones when they are as many, else new."""
-        if self._reserved_slots is not None and self._reserved_count == need:
+        if self._reserved_slots is not None and self._reserved_slots.numel() == need:  # a host-known length
             slots, self._reserved_slots = self._reserved_slots, None
             return slots
         self._release_reserved(sched)
@@ -490,11 +488,6 @@ class BaseSpecWorker(ABC):
         """Per outcome of the queued verify of ``tree`` (keyed by the tokens ``req`` gains), the tree
         ``propose_after`` would give then (None: no draft); None when not known ahead."""
         return None
-
-    def depth_after_outcome(self, req: Req, width: int, gained: int) -> int:
-        """``_depth_limit`` of ``req`` once the verify of its tree ``width`` wide has gained it ``gained``
-        tokens and acceptance has folded them into its average (what ``depth_after`` reads then)."""
-        return self._depth_limit(req, gained, self._ema_after(req, width, gained))
 
     def _holds_only(self, sched: SchedulerAPI, reqs: list[Req]) -> bool:
         """Whether ``reqs`` are all the scheduler holds (nothing else to decode, prefill or admit), none
