@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from plait.models.loader import load_tokenizer
-from plait.scheduler.detokenizer import IncrementalDetokenizer, decode_function
+from plait.scheduler import detokenizer
+from plait.scheduler.detokenizer import IncrementalDetokenizer, decode_function, prepare_tokenizer
 
 TEXT = "Café au lait, crème brûlée 🍰 and 日本語のテキスト, \t tabs\nand  spaces."
 
@@ -32,3 +33,27 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrapper_that_does(tiny_mode
     tokenizer = load_tokenizer(str(tiny_model_dir("llama")))
     tokenizer.clean_up_tokenization_spaces = True
     assert decode_function(tokenizer) == tokenizer._decode
+
+
+def test_prepare_tokenizer_reads_the_id_bound_before_any_request(tiny_model_dir):
+    tokenizer = load_tokenizer(str(tiny_model_dir("llama")))
+    detokenizer._TOKEN_ID_BOUNDS.clear()
+    prepare_tokenizer(tokenizer)
+    backend = tokenizer._tokenizer
+    assert detokenizer._TOKEN_ID_BOUNDS[id(backend)] == (backend, len(tokenizer))
+    # A request's detokenizer then reuses the bound (the same cached entry, not a second walk).
+    entry = detokenizer._TOKEN_ID_BOUNDS[id(backend)]
+    IncrementalDetokenizer(tokenizer, [1, 2], ())
+    assert detokenizer._TOKEN_ID_BOUNDS[id(backend)] is entry
+
+
+def test_an_engine_core_prepares_the_tokenizer_it_loads(tiny_model_dir):
+    from plait.config import EngineConfig
+    from plait.engine.core import build_engine_core
+
+    detokenizer._TOKEN_ID_BOUNDS.clear()
+    core = build_engine_core(EngineConfig(model=str(tiny_model_dir("llama")), device="cpu", max_total_tokens=256))
+    try:
+        assert id(core.tokenizer._tokenizer) in detokenizer._TOKEN_ID_BOUNDS
+    finally:
+        core.close()

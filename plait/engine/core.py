@@ -22,7 +22,7 @@ from plait.executor.model_runner import ModelRunner
 from plait.models.loader import ModelConfig, load_config_tokenizer, load_target_config
 from plait.parallel.roles import EngineRunner, EngineScheduler
 from plait.sampling.params import SamplingParams
-from plait.scheduler.detokenizer import IncrementalDetokenizer
+from plait.scheduler.detokenizer import IncrementalDetokenizer, prepare_tokenizer
 from plait.scheduler.req import FinishReason, Req
 from plait.scheduler.scheduler import Scheduler
 from plait.speculative.factory import create_spec_worker
@@ -96,6 +96,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     layout. The one place either is constructed for a front end."""
     model_config = load_target_config(config, config.resolved_device())
     tokenizer = load_config_tokenizer(config)
+    if tokenizer is not None:
+        prepare_tokenizer(tokenizer)
     from plait.parallel.data_parallel import is_plain_data_parallel
     from plait.sampling.grammar import grammar_backend_for  # xgrammar: imported once a core is built
 

@@ -59,7 +59,7 @@ from plait.engine.messages import (
     config_to_json,
     front_end_detokenizes,
 )
-from plait.scheduler.detokenizer import IncrementalDetokenizer
+from plait.scheduler.detokenizer import IncrementalDetokenizer, prepare_tokenizer
 from plait.server.errors import APIError
 from plait.server.metrics import ServerMetrics
 from plait.server.request_log import RequestLog, RequestRecord
@@ -159,7 +159,10 @@ class SchedulerClient:
     def _load_tokenizer(self) -> Any:
         from plait.models.loader import load_config_tokenizer  # slow first import: keep it off the event loop
 
-        return load_config_tokenizer(self.config)
+        tokenizer = load_config_tokenizer(self.config)
+        if tokenizer is not None:
+            prepare_tokenizer(tokenizer)
+        return tokenizer
 
     def need_tokenizer(self, param: str, what: str) -> Any:
         """The tokenizer, or a 400 naming ``param`` when the server runs without one (--skip-tokenizer-init):
