@@ -11,8 +11,7 @@ says nothing about a GPU; the other stages are host work, split by where it runs
   ``commit_tokens`` when no verify is queued behind it (a chain's last step), and ``other`` (the rest of
   ``decode_step``: candidates, admission, slot allocation);
 - hidden: while a verify forward is queued (launched, its result not read): ``premap_chains`` (a
-  chain batch's KV map), ``deferred_work``, ``predraft``, ``prebuild_next`` (the next batch's inputs per
-  outcome) and ``commit_tokens`` of the step before it.
+  chain batch's KV map), ``deferred_work``, ``predraft`` and ``commit_tokens`` of the step before it.
 
 With ``--shape`` (a GPU; the named shape with dummy weights in bf16, as ``plait bench spec`` runs it),
 the same stages (``accept`` then includes the wait for the verify's result), and the device's side from
@@ -48,7 +47,7 @@ from plait.bench.spec import NGRAM, random_prompts
 from plait.testing import make_tiny_model
 
 CRITICAL = ("propose", "next_verify", "build_verify_batch", "accept", "commit", "commit_kv")
-HIDDEN = ("deferred_work", "predraft", "premap_chains", "launch_ahead", "prebuild_next")
+HIDDEN = ("deferred_work", "predraft", "premap_chains", "launch_ahead")
 EITHER = ("commit_tokens",)  # hidden when a verify is queued behind it, else critical
 
 

@@ -279,25 +279,6 @@ class NgramWorker(BaseSpecWorker):
                                               self.topk)
             self.prepared[req.rid] = PreparedDrafts(req.fill_len, version, proposals)
 
-    def outcome_trees(self, req: Req, tree: DraftTree) -> dict[tuple[int, ...], DraftTree | None] | None:
-        """The proposal ``propose_after`` takes for each outcome of the verify of ``tree`` that
-        ``predraft`` prepared: cut to the depth the outcome leaves ``req``, None while the outcome's
-        acceptance average would leave it cooling (as ``_proposal`` reads them then)."""
-        prepared = self.prepared.get(req.rid)
-        if (prepared is None or prepared.base_len != req.fill_len
-                or prepared.cache_version != self.drafter.cache.version):
-            return None
-        out: dict[tuple[int, ...], DraftTree | None] = {}
-        for gained, proposal in prepared.proposals.items():
-            if not gained:
-                continue
-            # The average acceptance will have folded this outcome in: what ``depth_after`` reads then.
-            ema = self._ema_after(req, tree.width, len(gained))
-            depth = self._depth_limit(req, len(gained), ema)
-            out[gained] = (None if proposal is None or depth <= 0 or ema < COLD_ACCEPT
-                           else proposal.truncated(depth))
-        return out
-
     def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree], width: int) -> list[list[list[int]]] | None:
         """Per request, the pre-drafted proposal of each outcome of the verify of ``trees`` (chains at
         most ``width`` wide, just pre-drafted, at full depth), cut to ``width - 1`` drafts: a verify

@@ -70,94 +70,10 @@ class VerifyInput:
         return VerifyInput(self.trees[start:end], mask, self.num_tokens_per_req[start:end])
 
 
-# What a chain batch's device inputs are a function of (``chain_batch_key``): the pad width, the
-# number of real slots, and per request its KV length, pool row and chain tokens.
-ChainBatchKey = tuple[int | None, int, tuple[int, ...], tuple[int | None, ...], tuple[tuple[int, ...], ...]]
-# A chain batch's device inputs (ids, positions, pool rows, seq lens, widths, prefix lens, start locs,
-# the padded layout's source slots) and the host lists the batch carries (seq lens, widths).
-ChainInputs = tuple[tuple[torch.Tensor, ...], list[int], list[int]]
-
-
-def chain_batch_key(rows: Sequence[TreeRow], trees: list[DraftTree], num_slots: int, pad_width: int | None
-                    ) -> ChainBatchKey:
-    """Everything ``build_verify_batch`` reads to make a chain batch's device inputs."""
-    return (pad_width, num_slots, tuple(r.kv_len for r in rows), tuple(r.req_pool_idx for r in rows),
-            tuple(tuple(t.tokens) for t in trees))
-
-
-def _chain_parts(prefix: list[int], pool_rows: list[int | None], trees: list[DraftTree], num_slots: int,
-                 pad_width: int | None) -> tuple[list[list[int]], list[int], list[int]]:
-    """A chain batch's integer inputs (the ``ChainInputs`` order) on the host, its seq lens and widths.
-    Node i of a chain sits at kv_len + i: no depths to walk (the chain verify's hot path). Dummy nodes
-    (padding) follow their chain, one position past it, their KV into the dummy slot (index
-    ``num_slots`` of the padded layout's source)."""
-    src: list[int] = []  # padded layout: slot j of the real layout, or the dummy slot
-    ids: list[int] = []
-    pos: list[int] = []
-    off = 0
-    for tree, pre in zip(trees, prefix, strict=True):
-        w = tree.width
-        ids += tree.tokens
-        pos += range(pre, pre + w)
-        if pad_width is not None:
-            src += range(off, off + w)
-            if pad_width > w:
-                ids += [0] * (pad_width - w)
-                pos += [pre + w] * (pad_width - w)
-                src += [num_slots] * (pad_width - w)
-        off += w
-    widths = [pad_width] * len(trees) if pad_width is not None else [t.width for t in trees]
-    seq_lens = [p + w for p, w in zip(prefix, widths, strict=True)]
-    starts = [0, *itertools.accumulate(widths[:-1])]
-    return [ids, pos, pool_rows, seq_lens, widths, prefix, starts, src], seq_lens, widths  # type: ignore[list-item]
-
-
-class PrebuiltChainBatches:
-    """Device inputs of chain batches built before they are needed: while a verify is queued, for the
-    batches the next launch may verify (one per outcome), in one copy; the launch that verifies one
-    of them takes its inputs instead of building and copying its own. An entry holds exactly what
-    ``build_verify_batch`` makes for its key (``chain_batch_key``), and a taken entry is removed: a
-    forward's input tensors serve one batch."""
-
-    def __init__(self) -> None:
-        self._entries: dict[ChainBatchKey, ChainInputs] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._entries)
-
-    def prepare(self, batches: Sequence[tuple[Sequence[TreeRow], list[DraftTree], int | None]],
-                device: torch.device | str) -> None:
-        """Replace the entries with the inputs of ``batches`` (rows, chains, pad width; the real slots
-        are one per node)."""
-        self._entries = {}
-        if not batches:
-            return
-        keys: list[ChainBatchKey] = []
-        hosts: list[tuple[list[int], list[int]]] = []
-        parts: list[list[int]] = []
-        for rows, trees, pad_width in batches:
-            num_slots = sum(t.width for t in trees)
-            keys.append(chain_batch_key(rows, trees, num_slots, pad_width))
-            batch_parts, seq_lens, widths = _chain_parts([r.kv_len for r in rows], [r.req_pool_idx for r in rows],
-                                                         trees, num_slots, pad_width)
-            parts += batch_parts
-            hosts.append((seq_lens, widths))
-        tensors = ints_to_device(parts, device)
-        n = len(parts) // len(batches)
-        for i, (key, (seq_lens, widths)) in enumerate(zip(keys, hosts, strict=True)):
-            self._entries[key] = (tensors[i * n : (i + 1) * n], seq_lens, widths)
-
-    def take(self, key: ChainBatchKey) -> ChainInputs | None:
-        return self._entries.pop(key, None)
-
-    def clear(self) -> None:
-        self._entries = {}
-
-
 def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: torch.Tensor,
                        device: torch.device | str, pad_width: int | None = None,
                        input_ids: torch.Tensor | None = None, custom_mask: torch.Tensor | None = None,
-                       causal_chains: bool = False, prebuilt: PrebuiltChainBatches | None = None) -> ForwardBatch:
+                       causal_chains: bool = False) -> ForwardBatch:
     """The TARGET_VERIFY batch of ``trees`` (their nodes' KV into ``slots``, tree order).
 
     ``pad_width``: every request's block is padded to this many tokens with dummy nodes (children
@@ -170,26 +86,34 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
 
     ``causal_chains`` (``EngineConfig.causal_chain_verify``): when every tree is a chain, the batch
     carries no mask (causal attention is a chain's tree attention), and the dummy nodes follow the
-    chain. ``prebuilt``: such a batch's device inputs when they were built ahead (taken from it)."""
+    chain."""
     chains = causal_chains and custom_mask is None and all(t.is_chain for t in trees)
     prefix = [r.kv_len for r in rows]
     dummy = len(slots)  # the dummy slot's index in the padded layout's source
-    mask = custom_mask  # None for a chain batch
-    ready = None
-    if chains and input_ids is None and prebuilt:
-        ready = prebuilt.take(chain_batch_key(rows, trees, dummy, pad_width))
-    if ready is not None:
-        (ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t), seq_lens, widths = ready
-    elif chains:
-        parts, seq_lens, widths = _chain_parts(prefix, [r.req_pool_idx for r in rows], trees, dummy, pad_width)
-        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t = ints_to_device(parts, device)
+    src: list[int] = []  # padded layout: slot j of the real layout, or ``dummy``
+    ids: list[int] = []
+    pos: list[int] = []
+    shapes: list[tuple[int, ...]] = []  # per request its nodes' parents (padded): the mask's layout
+    # Dummy nodes are token 0 with their KV in the dummy slot: children of the root (depth 1), or in a
+    # chain batch children of the last real node, one position past the chain (causal attention: no
+    # real node attends to them), as far as a real next node could reach.
+    if chains:  # node i of a chain at kv_len + i: no depths to walk (the chain verify's hot path)
+        off = 0
+        for tree, pre in zip(trees, prefix, strict=True):
+            w = tree.width
+            ids += tree.tokens
+            pos += range(pre, pre + w)
+            if pad_width is not None:
+                src += range(off, off + w)
+                if pad_width > w:
+                    ids += [0] * (pad_width - w)
+                    pos += [pre + w] * (pad_width - w)
+                    src += [dummy] * (pad_width - w)
+            off += w
+        widths = [pad_width] * len(trees) if pad_width is not None else [t.width for t in trees]
     else:
-        # Dummy nodes are token 0 with their KV in the dummy slot, children of the root (depth 1).
-        src: list[int] = []  # padded layout: slot j of the real layout, or ``dummy``
-        ids: list[int] = []
-        pos: list[int] = []
         real_widths = [t.width for t in trees]
-        shapes = [tuple(t.parents) for t in trees]  # per request its nodes' parents (padded): the mask's layout
+        shapes = [tuple(t.parents) for t in trees]
         tokens = [t.tokens for t in trees]
         if pad_width is not None:
             shapes = [p + (0,) * (pad_width - len(p)) for p in shapes]
@@ -203,26 +127,27 @@ def build_verify_batch(rows: Sequence[TreeRow], trees: list[DraftTree], slots: t
         for toks, parents, pre in zip(tokens, shapes, prefix, strict=True):
             ids.extend(toks)
             pos.extend([pre + d for d in depths_of(parents)])
-        seq_lens = [p + w for p, w in zip(prefix, widths, strict=True)]
-        starts = [0, *itertools.accumulate(widths[:-1])]
-        parts = [ids, pos, [r.req_pool_idx for r in rows], seq_lens, widths, prefix, starts, src]  # type: ignore[list-item]
-        if custom_mask is None:
-            # The mask rides in the same copy as the integers: one host-to-device transfer per batch.
-            flat = np.empty(verify_mask_size(widths, prefix), dtype=np.bool_)
-            fill_verify_mask(flat, shapes, prefix)
-            (ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t), mask = ints_and_bools_to_device(
-                parts, flat, device)
-        else:
-            ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t = ints_to_device(parts, device)
+    seq_lens = [p + w for p, w in zip(prefix, widths, strict=True)]
+    starts = [0, *itertools.accumulate(widths[:-1])]
+    pool_rows = [r.req_pool_idx for r in rows]
+    parts = [ids, pos, pool_rows, seq_lens, widths, prefix, starts, src]
+    mask = custom_mask  # None for a chain batch
+    if custom_mask is None and not chains:
+        # The mask rides in the same copy as the integers: one host-to-device transfer per batch.
+        flat = np.empty(verify_mask_size(widths, prefix), dtype=np.bool_)
+        fill_verify_mask(flat, shapes, prefix)
+        (ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t), mask = ints_and_bools_to_device(parts, flat,
+                                                                                                       device)
+    else:
+        ids_t, pos_t, rows_t, seq_t, ext_t, pre_t, starts_t, src_t = ints_to_device(parts, device)
     if pad_width is not None:
         slots = torch.cat([slots, slots.new_full((1,), DUMMY_KV_SLOT)])[src_t]
-    num_tokens = sum(widths)
     fb = ForwardBatch(
         forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(rows),
         input_ids=ids_t if input_ids is None else input_ids,
         req_pool_indices=rows_t, seq_lens=seq_t, out_cache_loc=slots, positions=pos_t,
         seq_lens_cpu=seq_lens, seq_lens_sum=sum(seq_lens),
-        extend=ExtendInfo(num_tokens=num_tokens, seq_lens=ext_t, prefix_lens=pre_t, start_loc=starts_t,
+        extend=ExtendInfo(num_tokens=len(ids), seq_lens=ext_t, prefix_lens=pre_t, start_loc=starts_t,
                           seq_lens_cpu=widths, prefix_lens_cpu=prefix),
     )
     # logits_indices stays None: every node's logits are needed.

@@ -22,7 +22,6 @@ The scheduler is reached only through ``plait.scheduler.interface.SchedulerAPI``
 
 from __future__ import annotations
 
-import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -40,13 +39,7 @@ from plait.scheduler.interface import SchedulerAPI
 from plait.scheduler.req import Req
 from plait.speculative.accept import accept_trees, mask_tree_logits
 from plait.speculative.tree import DraftTree
-from plait.speculative.verify_batch import (
-    DraftRow,
-    PrebuiltChainBatches,
-    TreeRow,
-    build_verify_batch,
-    chain_verify_batch_after,
-)
+from plait.speculative.verify_batch import TreeRow, build_verify_batch, chain_verify_batch_after
 from plait.transfer import PendingHostCopy, ints_to_device
 
 if TYPE_CHECKING:
@@ -68,11 +61,6 @@ MAX_CHAINED_VERIFIES = 8
 # it bets on are then the likely ones. Below it (at bs 1: the request left the drafted text) the host
 # reads the outcome first and may end the chain, where ahead the batch would verify filler guesses.
 AHEAD_MIN_WHOLE_FRACTION = 0.5
-# Most batches (joint outcomes of a verify's requests) whose inputs are built while it runs
-# (BaseSpecWorker.prebuild_next). A request has an outcome per accepted-draft count whose bonus the
-# drafter guessed: up to one per node at bs 1, often only the whole chain's on repeated text (the
-# n-gram guesses no bonus other than the rejected draft), so large batches are covered then too.
-MAX_PREBUILT_BATCHES = 8
 
 AcceptResult = tuple[list[int], int]  # (accepted path from the root, bonus token)
 
@@ -164,11 +152,6 @@ class BaseSpecWorker(ABC):
         # on each further miss up to MISS_BACKOFF_MAX steps and resets on a proposal.
         self._skip = 0
         self._backoff = 1
-        # The next chained verify's batch inputs, built while the current verify runs (prebuild_next),
-        # and the KV slots of the likeliest of them, held from then until that launch or the chain's
-        # end (``_reserved_slots``): the launch after that outcome allocates nothing.
-        self.prebuilt = PrebuiltChainBatches()
-        self._reserved_slots: torch.Tensor | None = None
 
     # --- hooks the scheduler calls ----------------------------------------------------------------
     def on_finish(self, req: Req) -> None:
@@ -200,10 +183,6 @@ class BaseSpecWorker(ABC):
         self.accept_ema.clear()
         self.accepted_all.clear()
         self._skip, self._backoff = 0, 1
-        self.prebuilt.clear()
-        # A chain's end gives its held slots back, so none are held here; were any, the scheduler's
-        # reset has freed every slot already, and giving them back again would free them twice.
-        self._reserved_slots = None
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """The engine is shutting down: drop device memory (statistics stay readable)."""
@@ -280,7 +259,7 @@ class BaseSpecWorker(ABC):
                            pad_width: int | None = None) -> ForwardBatch:
         """The TARGET_VERIFY batch of ``trees`` on this worker's device (``verify_batch.build_verify_batch``)."""
         return build_verify_batch(rows, trees, slots, self.runner.device, pad_width=pad_width,
-                                  causal_chains=self.config.causal_chain_verify, prebuilt=self.prebuilt)
+                                  causal_chains=self.config.causal_chain_verify)
 
     def graph_pad_width(self, trees: list[DraftTree]) -> int | None:
         """The width to pad a verify batch of mixed widths to, when a captured graph then runs it
@@ -323,8 +302,6 @@ class BaseSpecWorker(ABC):
             live = [i for i, r in enumerate(step.reqs) if not r.finished]  # a commit may have finished some
             self.predraft([step.reqs[i] for i in live], [step.trees[i] for i in live])
             ahead = self.launch_ahead(sched, step) if chained < MAX_CHAINED_VERIFIES else None
-            if ahead is None and chained < MAX_CHAINED_VERIFIES:
-                self.prebuild_next(sched, step)
             results = self.accept_step(step)
             self.commit_kv(sched, step, results)
             advanced.update(id(r) for r in step.reqs)
@@ -335,7 +312,6 @@ class BaseSpecWorker(ABC):
                 continue
             nxt = self.next_verify(sched, step, results) if chained < MAX_CHAINED_VERIFIES else None
             if nxt is None:
-                self._release_reserved(sched)
                 self.commit_tokens(sched, step, results)
                 return advanced
             done = (step, results)
@@ -431,63 +407,6 @@ class BaseSpecWorker(ABC):
             trees.append(DraftTree.chain(bonus, per_outcome[len(path) - 1]))
         return VerifyStep(step.reqs, trees, ahead.slots, [ahead.width] * len(trees), ahead.logits, ahead.greedy,
                           premapped=True)
-
-    def prebuild_next(self, sched: SchedulerAPI, step: VerifyStep) -> None:
-        """While ``step``'s verify is queued: build the inputs of the verify ``next_verify`` would launch
-        after each outcome of it (``outcome_trees``), when its requests have few joint outcomes. The
-        launch after the outcome that arrives then takes its inputs (``PrebuiltChainBatches``) rather
-        than copying its own; a batch is taken only when its inputs match exactly, so a prediction
-        that misses costs only this hidden work."""
-        self._release_reserved(sched)
-        if not self.chains_verify or not self.config.causal_chain_verify:
-            return
-        choices: list[list[tuple[DraftRow, DraftTree]]] = []
-        count = 1
-        for req, tree in zip(step.reqs, step.trees, strict=True):
-            after = self.outcome_trees(req, tree)
-            if not after or req.req_pool_idx is None:
-                self.prebuilt.clear()
-                return
-            count *= len(after)
-            if count > MAX_PREBUILT_BATCHES:
-                self.prebuilt.clear()
-                return
-            # After gaining ``gained``, the request's KV covers them but the last (the next root).
-            choices.append([(DraftRow(req.kv_len + len(gained), req.req_pool_idx),
-                             nxt if nxt is not None else DraftTree([gained[-1]], [-1]))
-                            for gained, nxt in after.items()])
-        batches = []
-        for combo in itertools.product(*choices):
-            trees = [t for _, t in combo]
-            if all(t.is_chain for t in trees) and any(t.width > 1 for t in trees):  # someone drafts
-                batches.append(([r for r, _ in combo], trees, self.verify_pad_width(trees)))
-        self.prebuilt.prepare(batches, self.runner.device)
-        # Slots for the outcome where every request accepts its whole tree (repeats land there most):
-        # each gains the most tokens of its outcomes.
-        need = sum(max(per_req, key=lambda c: c[0].kv_len)[1].width for per_req in choices)
-        if sched.available_kv_tokens() >= need:
-            self._reserved_slots = sched.alloc_kv_slots(need)
-
-    def _release_reserved(self, sched: SchedulerAPI) -> None:
-        """Free the slots ``prebuild_next`` held for a launch that did not take them."""
-        if self._reserved_slots is not None:
-            sched.free_kv_slots(self._reserved_slots)
-            self._reserved_slots = None
-
-    def _alloc_next(self, sched: SchedulerAPI, need: int) -> torch.Tensor | None:
-        """``need`` slots for the next chained verify: the held ones when they are as many, else new."""
-        if self._reserved_slots is not None and self._reserved_slots.numel() == need:  # a host-known length
-            slots, self._reserved_slots = self._reserved_slots, None
-            return slots
-        self._release_reserved(sched)
-        if sched.available_kv_tokens() < need:
-            return None
-        return sched.alloc_kv_slots(need)
-
-    def outcome_trees(self, req: Req, tree: DraftTree) -> dict[tuple[int, ...], DraftTree | None] | None:
-        """Per outcome of the queued verify of ``tree`` (keyed by the tokens ``req`` gains), the tree
-        ``propose_after`` would give then (None: no draft); None when not known ahead."""
-        return None
 
     def _holds_only(self, sched: SchedulerAPI, reqs: list[Req]) -> bool:
         """Whether ``reqs`` are all the scheduler holds (nothing else to decode, prefill or admit), none
@@ -626,16 +545,9 @@ class BaseSpecWorker(ABC):
     def _note_acceptance(self, req: Req, width: int, accepted: int) -> None:
         """Fold a verify's accepted nodes (root included) into ``req``'s acceptance average."""
         if width > 1:  # a root-only tree is a plain decode row: no guess to count
-            self.accept_ema[req.rid] = self._ema_after(req, width, accepted)
+            prev = self.accept_ema.get(req.rid, float(self.num_steps))
+            self.accept_ema[req.rid] = EMA_DECAY * prev + (1 - EMA_DECAY) * (accepted - 1)
             self.accepted_all[req.rid] = accepted == width
-
-    def _ema_after(self, req: Req, width: int, accepted: int) -> float:
-        """``req``'s acceptance average once a verify of its tree ``width`` wide accepted ``accepted``
-        nodes (root included)."""
-        prev = self.accept_ema.get(req.rid, float(self.num_steps))
-        if width <= 1:  # a root-only tree is a plain decode row: no guess to count
-            return prev
-        return EMA_DECAY * prev + (1 - EMA_DECAY) * (accepted - 1)
 
     def commit_tokens(self, sched: SchedulerAPI, step: VerifyStep, results: list[AcceptResult | None]) -> None:
         """Free the slots acceptance rejected (``_commit_premapped``), append each request's accepted
@@ -700,7 +612,10 @@ class BaseSpecWorker(ABC):
         if drafting == 0 or drafting < MIN_DRAFTING_FRACTION * len(drafters):
             return None  # a miss: decode_step's back-off decides what follows
         trees = [t if t is not None else DraftTree([g[-1]], [-1]) for g, t in zip(gained, proposed, strict=True)]
-        slots = self._alloc_next(sched, sum(t.width for t in trees))
+        need = sum(t.width for t in trees)
+        if sched.available_kv_tokens() < need:
+            return None
+        slots = sched.alloc_kv_slots(need)
         if slots is None:
             return None
         return cands, trees, slots
@@ -721,13 +636,11 @@ class BaseSpecWorker(ABC):
         depth = self._depth_limit(req, len(tokens))
         return None if depth < 0 else depth
 
-    def _depth_limit(self, req: Req, gained: int, ema: float | None = None) -> int:
+    def _depth_limit(self, req: Req, gained: int) -> int:
         """The deepest draft ``req`` may verify once it has gained ``gained`` tokens: its acceptance
-        average (``ema``, default its current one), ``num_steps`` and room in its lengths (a guess and
-        the bonus after it); negative when the gain reaches ``max_new_tokens`` or the context length."""
-        if ema is None:
-            ema = self.accept_ema.get(req.rid, float(self.num_steps))
-        adaptive = int(ema + 0.5) + 1
+        average, ``num_steps`` and room in its lengths (a guess and the bonus after it); negative when
+        the gain reaches ``max_new_tokens`` or the context length."""
+        adaptive = int(self.accept_ema.get(req.rid, float(self.num_steps)) + 0.5) + 1
         return min(adaptive, self._room_limit(req, gained))
 
     def _room_limit(self, req: Req, gained: int) -> int:

@@ -81,8 +81,7 @@ def test_a_batch_of_chains_of_mixed_widths_launches_ahead_at_its_padded_width(on
         return min(depth, 1) if depth is not None and req.origin_input_ids == PROMPTS[1] else depth
 
     monkeypatch.setattr(worker, "_max_depth", lambda req: shallow(req, max_depth(req)))
-    monkeypatch.setattr(worker, "_depth_limit",
-                        lambda req, gained, ema=None: shallow(req, depth_limit(req, gained, ema)))
+    monkeypatch.setattr(worker, "_depth_limit", lambda req, gained: shallow(req, depth_limit(req, gained)))
     launches = []
     ahead = worker.launch_ahead
 
