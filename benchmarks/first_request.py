@@ -4,7 +4,9 @@ OUT new tokens, fresh prompts) in this order: after an idle of IDLE_S, right aft
 after, then prompts of lengths no request had yet. For each request: its wall time, and each of its first
 steps' wall time and device time (CUDA events around the forward), so a slow first step shows whether the host
 (a lazy initialisation) or the device (clocks, first graph launches) is slow. With NVSMI=1 the SM clock is
-sampled every 10 ms through the run (nvidia-smi, sm-clock.csv) beside the requests' start times.
+sampled every 10 ms through the run (nvidia-smi, sm-clock.csv) beside the requests' start times. Last, on a
+GPU, the first and second call of each of the model's projections at row counts no forward had yet (a kernel
+loaded on first use shows as a slow first call).
 
   PYTHONPATH=$PWD python benchmarks/first_request.py --shape llama-3.2-1b --out DIR
 """
@@ -39,12 +41,41 @@ def one_request(engine, prompt: list[int], out_len: int) -> dict:
             "forward_device_ms": [(k, round(ms, 2)) for k, ms in device[:6]]}
 
 
+def gemm_first_calls(engine, rows: list[int]) -> list[dict]:
+    """For each row count no forward had yet, the first and the second ``F.linear`` with each distinct
+    projection weight of the model (cuBLAS picks a kernel per problem size; lazily loaded, a kernel's
+    first launch in a process also loads its module), timed on the host around a synchronized call."""
+    import torch.nn.functional as F
+
+    shapes = sorted({tuple(p.shape) for name, p in engine.runner.model.named_parameters()
+                     if p.dim() == 2 and "embed" not in name})
+    device, dtype = engine.runner.device, engine.runner.model_config.dtype
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    weights = [torch.randn(n, k, device=device, dtype=dtype) for n, k in shapes]
+    out = []
+    for m in rows:
+        row: dict = {"rows": m, "first_ms": [], "second_ms": []}
+        for w in weights:
+            x = torch.randn(m, w.shape[1], device=device, dtype=dtype)
+            for key in ("first_ms", "second_ms"):
+                sync()
+                t0 = time.perf_counter()
+                F.linear(x, w)
+                sync()
+                row[key].append(round(1e3 * (time.perf_counter() - t0), 3))
+        row["weight_shapes"] = shapes
+        out.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "weight_shapes"}), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--idle-s", type=float, default=2.0)
+    ap.add_argument("--gemm-rows", type=int, nargs="+", default=[448, 768, 2560, 6000])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = pathlib.Path(args.out)
@@ -75,6 +106,7 @@ def main() -> None:
         row = one_request(engine, prompt, args.output_len)
         result["requests"].append({"label": label, "idle_s": idle, "prompt_tokens": length, **row})
         print(json.dumps(result["requests"][-1]), flush=True)
+    result["gemm_first_calls"] = gemm_first_calls(engine, args.gemm_rows)
     engine.shutdown()
     if sampler is not None:
         sampler.terminate()

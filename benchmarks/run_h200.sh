@@ -392,6 +392,15 @@ for stage in "$@"; do
           --output-len 128 --client-procs 4 --no-peer --tokenizer-worker-num "${run##*-}" \
           --out "$OUT/http-workers-$run" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-400
       done ;;
+    # Whether a started engine's first request (and the server's first step, 80 ms for one 512-token
+    # request against 22 ms for an 8192-token chunk) is slow because the device idled or because a
+    # kernel is loaded on its first launch: benchmarks/first_request.py (1b) with CUDA's lazy module
+    # loading (the default, nvidia-smi clock samples beside) and then with CUDA_MODULE_LOADING=EAGER.
+    first-request)
+      NVSMI=1 python benchmarks/first_request.py --shape llama-3.2-1b --out "$OUT/first-request-lazy" 2>&1 \
+        | grep -v " INFO " | cut -c1-400 | tail -14
+      CUDA_MODULE_LOADING=EAGER python benchmarks/first_request.py --shape llama-3.2-1b \
+        --out "$OUT/first-request-eager" 2>&1 | grep -v " INFO " | cut -c1-400 | tail -14 ;;
     # The burst (1b, 256 x 512/128, no peer) with the HTTP processes of TRACE_WORKERS (default "4 1") in turn:
     # when the first request and the last reached the scheduler and its first iterations, on the clients'
     # clock (the result's timeline_ms and scheduler_timeline_ms, from PLAIT_LOOP_TRACE).
