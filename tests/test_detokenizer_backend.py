@@ -57,3 +57,9 @@ def test_an_engine_core_prepares_the_tokenizer_it_loads(tiny_model_dir):
         assert id(core.tokenizer._tokenizer) in detokenizer._TOKEN_ID_BOUNDS
     finally:
         core.close()
+
+
+def test_prepare_tokenizer_without_a_tokenizer_does_nothing():
+    before = dict(detokenizer._TOKEN_ID_BOUNDS)
+    prepare_tokenizer(None)
+    assert detokenizer._TOKEN_ID_BOUNDS == before

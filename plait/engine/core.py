@@ -96,8 +96,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     layout. The one place either is constructed for a front end."""
     model_config = load_target_config(config, config.resolved_device())
     tokenizer = load_config_tokenizer(config)
-    if tokenizer is not None:
-        prepare_tokenizer(tokenizer)
+    prepare_tokenizer(tokenizer)
     from plait.parallel.data_parallel import is_plain_data_parallel
     from plait.sampling.grammar import grammar_backend_for  # xgrammar: imported once a core is built
 

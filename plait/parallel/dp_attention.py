@@ -607,9 +607,10 @@ def dp_worker_loop(config: EngineConfig, runner: DPAttentionRunner) -> None:
     from plait.models.loader import load_config_tokenizer
     from plait.parallel.step_sync import IDLE_WAIT
     from plait.sampling.grammar import grammar_backend_for
-    from plait.scheduler.detokenizer import IncrementalDetokenizer
+    from plait.scheduler.detokenizer import IncrementalDetokenizer, prepare_tokenizer
 
     tokenizer = load_config_tokenizer(config)
+    prepare_tokenizer(tokenizer)
     # Each rank compiles and applies the grammars of the requests it schedules.
     scheduler = Scheduler(config, runner, create_spec_worker(config, runner),
                           grammar_backend=grammar_backend_for(tokenizer, runner.model_config))

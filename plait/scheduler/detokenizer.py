@@ -70,7 +70,8 @@ def prepare_tokenizer(tokenizer: Any) -> None:
     """Read once what every request's detokenizer takes from ``tokenizer`` (a Rust tokenizer's id bound:
     its whole vocabulary walked), where the tokenizer is loaded, so that the first request after start
     does not wait for it. A server's HTTP process builds a detokenizer before it sends each request on,
-    so unprepared, the first request of a burst reaches the scheduler that much later."""
+    so unprepared, the first request of a burst reaches the scheduler that much later. ``None`` (no
+    tokenizer loaded) and slow tokenizers: nothing to read."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and getattr(tokenizer, "is_fast", False):
         _token_id_bound(backend)

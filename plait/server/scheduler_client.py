@@ -160,8 +160,7 @@ class SchedulerClient:
         from plait.models.loader import load_config_tokenizer  # slow first import: keep it off the event loop
 
         tokenizer = load_config_tokenizer(self.config)
-        if tokenizer is not None:
-            prepare_tokenizer(tokenizer)
+        prepare_tokenizer(tokenizer)
         return tokenizer
 
     def need_tokenizer(self, param: str, what: str) -> Any:
