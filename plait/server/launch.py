@@ -168,13 +168,13 @@ def _http_worker(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: 
     die_with_parent()
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s http-{worker} %(name)s %(levelname)s %(message)s", force=True)
-    sock = reuseport_socket(sargs.host, sargs.port)
-    raise SystemExit(_serve(config, sargs, worker, ipc_dir, sock))
+    raise SystemExit(_serve(config, sargs, worker, ipc_dir))
 
 
 def _serve(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str | None,
-           sock: socket.socket | None, workers: HTTPWorkers | None = None) -> int:
-    """Run HTTP process ``worker`` on ``sock`` (None: bind the port here, then start ``workers``)."""
+           workers: HTTPWorkers | None = None) -> int:
+    """Run HTTP process ``worker``: bind its socket (its own ``reuseport_socket`` on the port under several
+    processes), start ``workers`` on the port it got, serve."""
     holder: dict[str, PlaitServer] = {}
     if sargs.log_level_http is not None:
         logging.getLogger("uvicorn").setLevel(sargs.log_level_http.upper())
@@ -186,17 +186,17 @@ def _serve(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str | 
     server = PlaitServer(uv_config, app.state.client, sargs.shutdown_timeout, workers)
     holder["server"] = server
     try:
-        if sock is None and workers is None:
+        if sargs.tokenizer_worker_num == 1:
             sock = uv_config.bind_socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER_BYTES)
-        elif sock is None:
-            assert workers is not None
+        else:
             try:
                 sock = reuseport_socket(sargs.host, sargs.port)
             except OSError as e:
                 logger.error("could not bind %s:%d: %s", sargs.host, sargs.port, e)
                 return 1
-            workers.start(sock.getsockname()[1])
+            if workers is not None:
+                workers.start(sock.getsockname()[1])
         server.run(sockets=[sock])
     finally:
         app.state.client.close()  # idempotent; covers exits that skipped the lifespan shutdown
@@ -208,10 +208,10 @@ def _serve(config: EngineConfig, sargs: ServerArgs, worker: int, ipc_dir: str | 
 
 def run_server(config: EngineConfig, sargs: ServerArgs) -> int:
     if sargs.tokenizer_worker_num == 1:
-        return _serve(config, sargs, 0, None, None)
+        return _serve(config, sargs, 0, None)
     ipc_dir = tempfile.mkdtemp(prefix="plait-ipc-")
     try:
-        return _serve(config, sargs, 0, ipc_dir, None, HTTPWorkers(config, sargs, ipc_dir))
+        return _serve(config, sargs, 0, ipc_dir, HTTPWorkers(config, sargs, ipc_dir))
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)
 

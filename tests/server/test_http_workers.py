@@ -65,13 +65,27 @@ def _socket_fds(pid: int) -> int:
     return n
 
 
+def _settled_socket_fds(pid: int, timeout: float = 10.0) -> int:
+    """``_socket_fds`` once two reads 0.1 s apart agree: connections of earlier tests may still be
+    closing on the server's side."""
+    deadline = time.monotonic() + timeout
+    n = _socket_fds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        m = _socket_fds(pid)
+        if m == n:
+            return n
+        n = m
+    return n
+
+
 def test_connections_opened_at_once_spread_over_the_http_processes(two_workers):
     """Each process listens on its own socket (SO_REUSEPORT), so a burst of connections is not all
     accepted by whichever process wakes first."""
     children = child_pids(two_workers.proc.pid)
     [second] = [pid for pid in children if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
     http = [two_workers.proc.pid, second]
-    before = {pid: _socket_fds(pid) for pid in http}
+    before = {pid: _settled_socket_fds(pid) for pid in http}
     url = httpx.URL(two_workers.url)
     conns = [socket.create_connection((url.host, url.port), timeout=HTTP_TIMEOUT) for _ in range(32)]
     try:
@@ -162,6 +176,19 @@ def test_with_several_http_processes_a_server_that_cannot_load_its_model_exits_w
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "the server failed to start" in proc.stderr
+
+
+def test_with_several_http_processes_a_port_in_use_exits_with_the_address(server_model):
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # no SO_REUSEPORT: nobody may share it
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "plait", "serve", "--model", str(server_model), "--host", "127.0.0.1",
+               "--port", str(port), "--device", "cpu", "--tokenizer-worker-num", "2"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"could not bind 127.0.0.1:{port}" in proc.stderr
 
 
 def test_a_killed_scheduler_ends_every_http_process_non_zero(start_server):
