@@ -407,14 +407,18 @@ for stage in "$@"; do
     serving-burst-trace)
       for n in ${TRACE_WORKERS:-4 1}; do
         python -m plait bench serve --workload serving-burst --shape llama-3.2-1b --num-prompts 256 --input-len 512 \
-          --output-len 128 --client-procs 4 --no-peer --tokenizer-worker-num "$n" --out "$OUT/trace-$n" 2>&1 \
+          --output-len 128 --client-procs 4 --no-peer --tokenizer-worker-num "$n" --out "$OUT/trace${TRACE_TAG:-}-$n" 2>&1 \
           | grep -E '^\{"workload|Error' | cut -c1-200
         python -c 'import json, glob, sys
 d = json.load(open(glob.glob(sys.argv[1] + "/*.json")[0])); st = d["scheduler_timeline_ms"]
 print("client ms", {k: round(v) for k, v in d["timeline_ms"].items()})
 print("scheduler ms", {k: v if v is None else round(v) for k, v in st.items() if k != "iterations"})
-print("first iterations (at, messages, recv / step / updates ms)", [(round(i["at"]), i["messages"], round(i["recv_ms"], 1), round(i["step_ms"], 1), round(i["updates_ms"], 1)) for i in st["iterations"]])' "$OUT/trace-$n"
+print("first iterations (at, messages, recv / step / updates ms)", [(round(i["at"]), i["messages"], round(i["recv_ms"], 1), round(i["step_ms"], 1), round(i["updates_ms"], 1)) for i in st["iterations"]])' "$OUT/trace${TRACE_TAG:-}-$n"
       done ;;
+    # The same trace with every CUDA module loaded at process start (server and client): whether the server's
+    # slow first step is kernels loaded on first use.
+    serving-burst-trace-eager)
+      OUT=$OUT CUDA_MODULE_LOADING=EAGER TRACE_TAG=-eager bash "$0" serving-burst-trace ;;
     # The warm burst (1b, 256 x 512/128) with its offline peer timed right after its untimed pass (0) and
     # after idling 2 s (2), after one run that fills the Triton cache: whether a device that
     # idled, as the server's does through the bench's set-up, starts the burst slower.
