@@ -41,6 +41,52 @@ def one_request(engine, prompt: list[int], out_len: int) -> dict:
             "forward_device_ms": [(k, round(ms, 2)) for k, ms in device[:6]]}
 
 
+class TritonCompiles:
+    """Every Triton kernel variant built in this process (a compile, or a load from the on-disk cache:
+    both go through ``JITFunction._do_compile``), with its host time, so a request can be charged
+    with the variants its launches needed."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        original = JITFunction._do_compile
+        events = self.events
+
+        def timed(fn, key, signature, device, constexprs, options, attrs, warmup):
+            t0 = time.perf_counter()
+            try:
+                return original(fn, key, signature, device, constexprs, options, attrs, warmup)
+            finally:
+                events.append({"kernel": fn.__name__, "ms": round(1e3 * (time.perf_counter() - t0), 2),
+                               "key": str(key)[:300]})
+
+        JITFunction._do_compile = timed
+
+    def since(self, start: int) -> list[dict]:
+        return self.events[start:]
+
+
+def profile_request(engine, prompt: list[int], out_len: int, out: pathlib.Path) -> None:
+    """One request under the torch profiler: the host ops with the most self time, and the device
+    kernels with the most time (printed and written to profile-*.txt)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        one_request(engine, prompt, out_len)
+    table = prof.key_averages()
+    cpu = table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    dev = table.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70) \
+        if torch.cuda.is_available() else ""
+    (out / "profile-host.txt").write_text(cpu)
+    (out / "profile-device.txt").write_text(dev)
+    print(cpu, flush=True)
+    print(dev, flush=True)
+
+
 def gemm_first_calls(engine, rows: list[int]) -> list[dict]:
     """For each row count no forward had yet, the first and the second ``F.linear`` with each distinct
     projection weight of the model (cuBLAS picks a kernel per problem size; lazily loaded, a kernel's
@@ -96,6 +142,7 @@ def main() -> None:
     # (label, idle before it, prompt length): then prompt lengths no request had yet, right after
     # one another (a GEMM of a new row count may pick a cuBLAS kernel whose module is not loaded yet).
     n = args.input_len
+    compiles = TritonCompiles()
     plan = [("after idle", args.idle_s, n), ("right after", 0.0, n), ("after idle", args.idle_s, n),
             ("right after", 0.0, n), ("after short idle", 0.2, n), ("new length", 0.0, 3 * n // 4),
             ("new length", 0.0, 5 * n // 4), ("new length", 0.0, 3 * n), ("new length again", 0.0, 3 * n)]
@@ -103,9 +150,13 @@ def main() -> None:
         prompt = random_prompts(1, length, vocab, seed=11 + i)[0]
         time.sleep(idle)
         marks.append((f"request {i} ({label})", time.time()))
+        seen = len(compiles.events)
         row = one_request(engine, prompt, args.output_len)
-        result["requests"].append({"label": label, "idle_s": idle, "prompt_tokens": length, **row})
-        print(json.dumps(result["requests"][-1]), flush=True)
+        result["requests"].append({"label": label, "idle_s": idle, "prompt_tokens": length, **row,
+                                   "triton_variants_built": compiles.since(seen)})
+        print(json.dumps(result["requests"][-1])[:1500], flush=True)
+    # A prompt length no request had yet, profiled: where a new length's slow first prefill spends its time.
+    profile_request(engine, random_prompts(1, 5 * n // 8, vocab, seed=5)[0], args.output_len, out)
     result["gemm_first_calls"] = gemm_first_calls(engine, args.gemm_rows)
     engine.shutdown()
     if sampler is not None:

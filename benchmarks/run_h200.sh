@@ -398,9 +398,11 @@ for stage in "$@"; do
     # loading (the default, nvidia-smi clock samples beside) and then with CUDA_MODULE_LOADING=EAGER.
     first-request)
       NVSMI=1 python benchmarks/first_request.py --shape llama-3.2-1b --out "$OUT/first-request-lazy" 2>&1 \
-        | grep -v " INFO " | cut -c1-400 | tail -14
-      CUDA_MODULE_LOADING=EAGER python benchmarks/first_request.py --shape llama-3.2-1b \
-        --out "$OUT/first-request-eager" 2>&1 | grep -v " INFO " | cut -c1-400 | tail -14 ;;
+        | grep -v " INFO " | cut -c1-1500 | tail -60
+      if [[ ${FIRST_EAGER:-0} == 1 ]]; then
+        CUDA_MODULE_LOADING=EAGER python benchmarks/first_request.py --shape llama-3.2-1b \
+          --out "$OUT/first-request-eager" 2>&1 | grep -v " INFO " | cut -c1-400 | tail -14
+      fi ;;
     # The burst (1b, 256 x 512/128, no peer) with the HTTP processes of TRACE_WORKERS (default "4 1") in turn:
     # when the first request and the last reached the scheduler and its first iterations, on the clients'
     # clock (the result's timeline_ms and scheduler_timeline_ms, from PLAIT_LOOP_TRACE).
