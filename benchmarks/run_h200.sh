@@ -81,6 +81,7 @@ for stage in "$@"; do
     # The offline workloads with fresh prompts on the extend kernel (PLAIT_TRITON_PREFILL_FLASH=0) and on
     # PyTorch's fused kernels (1), each pair back to back.
     prefill-flash-ab) env_ab PLAIT_TRITON_PREFILL_FLASH "0 1" prefill-flash "${FLASH_WORKLOADS:-$OFFLINE_SET}" ;;
+    torch-flash-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 | tail -4 ;;
     prefill-flash-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "fresh or mixed" \
         -p no:cacheprovider 2>&1 | tail -3 ;;
     # One layer's attention over offline-throughput's prefill chunk (16 x 512, no prefix) at the 1b, 8b and
@@ -491,6 +492,35 @@ print("first iterations (at, messages, recv / step / updates ms)", [(round(i["at
           # shellcheck disable=SC2086  # an entry is several VAR=value words
           env ${settings[$i]} python -m plait bench latency --shape "$shape" --no-peer \
             --eager-output-len 32 --out "$OUT/env-ab-$shape-$i" 2>&1 | grep -E '^\{"workload|Error'
+        done
+      done ;;
+    # offline-throughput of each AB_SHAPES shape (default llama-3.2-1b) once per comma-separated AB_ENVS entry,
+    # the entries alternated for AB_ROUNDS rounds (default 1); results under $OUT/offline-env-ab-<shape>-r<round>-<i>/.
+    offline-env-ab)
+      IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
+      for shape in ${AB_SHAPES:-llama-3.2-1b}; do
+        for r in $(seq 1 "${AB_ROUNDS:-1}"); do
+          for i in "${!settings[@]}"; do
+            echo "--- $shape r$r ${settings[$i]}"
+            # shellcheck disable=SC2086  # an entry is several VAR=value words
+            env ${settings[$i]} python -m plait bench offline --workload offline-throughput --shape "$shape" \
+              --out "$OUT/offline-env-ab-$shape-r$r-$i" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-300
+          done
+        done
+      done ;;
+    # The burst (1b, 256 x 512/128, no peer, 4 HTTP processes) once per comma-separated AB_ENVS entry (set for the
+    # server and client), alternated for AB_ROUNDS rounds (default 2) after one run that fills the Triton cache;
+    # results under $OUT/burst-env-ab-r<round>-<i>/.
+    serving-burst-env-ab)
+      IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
+      for r in 0 $(seq 1 "${AB_ROUNDS:-2}"); do
+        for i in "${!settings[@]}"; do
+          [[ $r == 0 && $i != 0 ]] && continue
+          echo "--- r$r ${settings[$i]}"
+          # shellcheck disable=SC2086
+          env ${settings[$i]} python -m plait bench serve --workload serving-burst --shape llama-3.2-1b \
+            --num-prompts 256 --input-len 512 --output-len 128 --client-procs 4 --no-peer --tokenizer-worker-num 4 \
+            --out "$OUT/burst-env-ab-r$r-$i" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-300
         done
       done ;;
     *) echo "unknown stage $stage" ;;

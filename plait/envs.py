@@ -87,6 +87,11 @@ TRITON_PREFILL_FLASH = EnvVar[bool | None](
     "0: the Triton backend runs an extend or mixed batch's fresh prompts of one length (no cached prefix) "
     "through its extend kernel instead of one batched SDPA call (on by default on CUDA); 1: on, also for "
     "CPU-built backends (A/B measurement, debugging). Read once, at import.")
+SDPA_CUDNN = _flag_var(
+    "PLAIT_SDPA_CUDNN",
+    "1: the batched causal SDPA prefill (plait.attention.torch_flash.run_packed) may run cuDNN's attention, "
+    "which builds an execution plan per new shape on the request path; unset: FlashAttention-2 only "
+    "(A/B measurement). Read once, at import.")
 TRITON_OPS = _flag_var(
     "PLAIT_TRITON_OPS",
     "1: under the Triton interpreter (TRITON_INTERPRET=1), run the fused Triton layer ops (RMSNorm, rotary) "
@@ -187,7 +192,8 @@ FRONTEND_DETOKENIZE = EnvVar(
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,
-                                    TRITON_VERIFY_EXTEND, TRITON_MIXED_EXTEND, TRITON_PREFILL_FLASH, TRITON_OPS,
+                                    TRITON_VERIFY_EXTEND, TRITON_MIXED_EXTEND, TRITON_PREFILL_FLASH, SDPA_CUDNN,
+                                    TRITON_OPS,
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, LOOP_TRACE, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,

@@ -132,6 +132,12 @@ def test_plan_never_packs_a_tree_batch():
 # --- where it cannot run, and the varlen_attn signature adapter ----------------------------------
 
 
+def test_packed_causal_sdpa_leaves_cudnn_out_by_default():
+    """cuDNN's attention plans per new shape on the request path; the packed call takes FlashAttention-2 only
+    (tests/gpu checks which kernel runs)."""
+    assert tf.PACKED_SDPA_BACKENDS == (torch.nn.attention.SDPBackend.FLASH_ATTENTION,)
+
+
 def test_start_on_the_cpu_fails_naming_the_backends_that_run_here():
     pool, kv, _ = make_pools(2, 64)
     with pytest.raises(ValueError, match="torch_native.*triton"):

@@ -26,6 +26,7 @@ sized by the longest sequence on the host, so decode is not CUDA-graph safe:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -34,13 +35,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
 from plait.attention.torch_native import TorchNativeAttnBackend
 from plait.forward_batch import ForwardBatch
 from plait.mem.pools import MHATokenToKVPool, ReqToTokenPool
 
 KERNEL_PATHS: tuple[str, ...] = ("auto", "sdpa", "varlen")
+# The kernels the batched causal SDPA call may take on CUDA. Left to itself, torch picks cuDNN's attention
+# on Hopper, which builds an execution plan for every new (batch, length) shape on first use (tens of ms,
+# on the request path of each new prompt length, which a warm-up cannot enumerate); FlashAttention-2
+# plans nothing. PLAIT_SDPA_CUDNN=1 puts cuDNN back in front, for A/B runs.
+PACKED_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
+    ((SDPBackend.CUDNN_ATTENTION,) if envs.SDPA_CUDNN.get() else ()) + (SDPBackend.FLASH_ATTENTION,))
 DEFAULT_KERNEL_PATH = "auto"
 BACKENDS_THAT_RUN_ON_CPU = "torch_native, or triton under TRITON_INTERPRET=1 (tests only)"
 
@@ -271,9 +280,12 @@ def run_packed(g: PackedGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if window:
         o = grouped_sdpa(qg, kg, vg, extend_allowed(length, 0, window, q.device), scale)
     else:
-        o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-                                           is_causal=True, scale=scale,
-                                           enable_gqa=kg.shape[2] != qg.shape[2]).transpose(1, 2)
+        # On the CPU (tests) torch's own choice; on CUDA only PACKED_SDPA_BACKENDS (no fallback to the
+        # math kernel: an input FlashAttention-2 cannot take fails loudly instead of running slowly).
+        with sdpa_kernel(list(PACKED_SDPA_BACKENDS), set_priority=True) if q.is_cuda else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+                                               is_causal=True, scale=scale,
+                                               enable_gqa=kg.shape[2] != qg.shape[2]).transpose(1, 2)
     o = o.reshape(n * length, *o.shape[2:])
     if g.token_start is not None:
         out[g.token_start : g.token_start + n * length] = o

@@ -118,3 +118,16 @@ def test_logits_match_torch_native_within_its_own_batch_spread(shape_dir, refere
     clear = (top2[..., 0] - top2[..., 1]) > 2 * tolerance
     assert clear.float().mean() > 0.5
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_packed_prefill_runs_flash_attention_not_cudnn_at_new_lengths():
+    """cuDNN's attention builds a plan per new shape on the request path; the packed causal call must take
+    FlashAttention-2 (it plans nothing) at every prompt length, and agree with torch_native there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for ext in ([384], [640, 640], [1536]):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _case("auto", [0] * len(ext), ext)
+        names = {e.key for e in prof.key_averages()}
+        assert not any("cudnn" in n for n in names), sorted(n for n in names if "cudnn" in n)
+        assert any("flash_attention" in n for n in names), sorted(n for n in names if "attention" in n)
