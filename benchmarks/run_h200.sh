@@ -81,6 +81,9 @@ for stage in "$@"; do
     # The offline workloads with fresh prompts on the extend kernel (PLAIT_TRITON_PREFILL_FLASH=0) and on
     # PyTorch's fused kernels (1), each pair back to back.
     prefill-flash-ab) env_ab PLAIT_TRITON_PREFILL_FLASH "0 1" prefill-flash "${FLASH_WORKLOADS:-$OFFLINE_SET}" ;;
+    # The GPU test files GPU_TESTS names (space-separated paths under tests/gpu), log in $OUT/gpu-tests-some.log.
+    gpu-test-files) python -m pytest -q -m gpu ${GPU_TESTS:?GPU_TESTS: test files} -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu-tests-some.log" | tail -6 ;;
     torch-flash-tests) python -m pytest -q -m gpu tests/gpu/test_torch_flash_gpu.py -p no:cacheprovider 2>&1 | tail -4 ;;
     prefill-flash-tests) python -m pytest -q -m gpu tests/gpu/test_triton_kernels_gpu.py -k "fresh or mixed" \
         -p no:cacheprovider 2>&1 | tail -3 ;;

@@ -69,7 +69,8 @@ class ServerArgs:
     max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER
     incremental_streaming_output: bool = False  # /generate's stream events: new text and ids only
     # HTTP processes sharing the port and the scheduler process (SGLang's --tokenizer-worker-num): each
-    # parses, validates and streams its own connections' requests.
+    # parses, validates and streams its own connections' requests. The CLI's default is
+    # default_http_processes(); a ServerArgs built in code gets one unless it asks for more.
     tokenizer_worker_num: int = 1
 
     def __post_init__(self) -> None:
@@ -91,6 +92,22 @@ class ServerArgs:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+# CPUs per HTTP process in the CLI's default, and that default's ceiling.
+CPUS_PER_HTTP_PROCESS = 4
+MAX_DEFAULT_HTTP_PROCESSES = 4
+
+
+def default_http_processes(cpus: int | None = None) -> int:
+    """HTTP processes ``plait serve`` starts when --tokenizer-worker-num is not given: one per
+    CPUS_PER_HTTP_PROCESS CPUs this process may run on (``cpus``: that count), at most
+    MAX_DEFAULT_HTTP_PROCESSES, at least one. One process parses, tokenizes and streams every request in
+    turn, so a burst of requests reaches the scheduler over a few hundred ms; several take it in parallel.
+    A machine with few CPUs keeps one: the scheduler process needs a core of its own."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_DEFAULT_HTTP_PROCESSES, cpus // CPUS_PER_HTTP_PROCESS))
 
 
 def check_text_flags(config: EngineConfig, args: ServerArgs) -> None:

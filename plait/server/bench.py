@@ -414,10 +414,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_argv(model: str | None, engine_options: dict[str, Any], port: int, http_processes: int = 1
+def _serve_argv(model: str | None, engine_options: dict[str, Any], port: int, http_processes: int | None = None
                 ) -> list[str]:
     argv = [sys.executable, "-m", "plait", "serve", "--port", str(port)]
-    if http_processes != 1:  # the flag only when asked: trees from before it serve the same command
+    if http_processes is not None:  # the flag only when asked: left out, the server's default
         argv += ["--tokenizer-worker-num", str(http_processes)]
     if model is not None:
         argv += ["--model", model]

@@ -30,10 +30,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="waiting requests beyond which new ones get a 503 (default: unlimited)")
     group.add_argument("--max-payload-bytes", type=int, default=DEFAULT_MAX_PAYLOAD_BYTES,
                        help="request bodies over this size get a 413")
-    group.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1, metavar="N",
+    group.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=None, metavar="N",
                        help="HTTP processes sharing the port and the scheduler process; each parses, "
                             "tokenizes and streams its own connections' requests (several take a burst of "
-                            "requests in faster than one)")
+                            "requests in faster than one). Default: one per 4 CPUs, at most 4, at least 1")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     # Names listed here, not imported: this module must not need the server extra.
@@ -75,8 +75,9 @@ def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-stream", action="store_true",
                        help="requests that do not stream: one JSON answer each (its arrival is the TTFT too), as "
                             "batch clients send; the server then reports a request's first token and its end only")
-    group.add_argument("--tokenizer-worker-num", type=int, default=1, metavar="N",
-                       help="HTTP processes of the server this starts (plait serve --tokenizer-worker-num)")
+    group.add_argument("--tokenizer-worker-num", type=int, default=None, metavar="N",
+                       help="HTTP processes of the server this starts (plait serve --tokenizer-worker-num; "
+                            "default: that flag's)")
     group.add_argument("--client-procs", type=int, default=1,
                        help="load-generator processes (one Python process parses some 10k events/s; use several "
                        "for a burst at a GPU's token rate)")

@@ -41,7 +41,7 @@ from typing import Any
 import uvicorn
 
 from plait.config import EngineConfig
-from plait.server.app import ServerArgs, build_app, check_text_flags
+from plait.server.app import ServerArgs, build_app, check_text_flags, default_http_processes
 from plait.server.operator_flags import flatten_origins
 from plait.server.scheduler_client import SchedulerClient
 
@@ -106,6 +106,8 @@ class PlaitServer(uvicorn.Server):
 def server_args_from(args: argparse.Namespace) -> ServerArgs:
     # Every ServerArgs field is the flag of the same name (a field without a flag keeps its default).
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs) if hasattr(args, f.name)}
+    if values.get("tokenizer_worker_num") is None:  # the flag left out
+        values["tokenizer_worker_num"] = default_http_processes()
     names = args.served_model_name
     return ServerArgs(**{**values, "allowed_origins": flatten_origins(args.allowed_origins),
                          "served_model_name": tuple(names) if names else None})

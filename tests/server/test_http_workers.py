@@ -15,7 +15,9 @@ import zmq
 from plait.config import EngineConfig
 from plait.engine.messages import RequestUpdate, UpdateBatch
 from plait.engine.scheduler_process import SchedulerProcess
-from plait.server.app import ServerArgs
+from plait.cli import build_parser
+from plait.server.app import ServerArgs, default_http_processes
+from plait.server.launch import server_args_from
 from tests.helpers import pid_alive
 from tests.server.conftest import HTTP_TIMEOUT, MAIN_ENGINE_FLAGS, child_pids
 
@@ -123,6 +125,17 @@ def _all_gone(pids: list[int], timeout: float = 10.0) -> bool:
 def test_tokenizer_worker_num_under_one_is_refused_with_the_flag_named():
     with pytest.raises(ValueError, match="--tokenizer-worker-num must be >= 1"):
         ServerArgs(tokenizer_worker_num=0)
+
+
+@pytest.mark.parametrize(("cpus", "processes"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (128, 4)])
+def test_default_http_processes_is_one_per_four_cpus_between_one_and_four(cpus, processes):
+    assert default_http_processes(cpus) == processes
+
+
+def test_serve_without_the_flag_starts_the_default_http_processes_and_with_it_the_count_given():
+    assert server_args_from(build_parser().parse_args(["serve"])).tokenizer_worker_num == default_http_processes()
+    for flag in ("--tokenizer-worker-num", "--api-server-count"):
+        assert server_args_from(build_parser().parse_args(["serve", flag, "3"])).tokenizer_worker_num == 3
 
 
 def test_the_scheduler_process_sends_each_request_update_to_the_process_that_sent_it(server_model, tmp_path):
