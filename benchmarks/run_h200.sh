@@ -526,6 +526,21 @@ print("first iterations (at, messages, recv / step / updates ms)", [(round(i["at
             --out "$OUT/burst-env-ab-r$r-$i" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-300
         done
       done ;;
+    # DESIGN 7's Poisson `serving` with prompt and output lengths uniform in [RANGE * len, len] (RANGE default
+    # 0.25, lengths 512/128, 20 requests/s, 200 requests) once per comma-separated AB_ENVS entry, after one run
+    # that fills the Triton cache: time to first token when nearly every prompt length is new to the server.
+    serving-poisson-env-ab)
+      IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
+      for r in 0 1; do
+        for i in "${!settings[@]}"; do
+          [[ $r == 0 && $i != 0 ]] && continue
+          echo "--- r$r ${settings[$i]}"
+          # shellcheck disable=SC2086
+          env ${settings[$i]} python -m plait bench serve --workload serving --shape llama-3.2-1b --num-prompts 200 \
+            --request-rate 20 --input-len 512 --output-len 128 --range-ratio "${RANGE:-0.25}" --client-procs 2 \
+            --out "$OUT/poisson-env-ab-r$r-$i" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-400
+        done
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
