@@ -67,6 +67,9 @@ class Server:
         self.model = str(model)
         cmd = [sys.executable, "-m", "plait", "serve", "--model", self.model, "--port", str(self.port),
                "--device", "cpu"]
+        # One HTTP process unless a test asks for more: the default follows the machine's CPU count, and a
+        # test (scheduler_pid, /metrics right after a request) must not change with the machine it runs on.
+        flags = {"tokenizer_worker_num": 1, **flags}
         for key, value in flags.items():
             flag = "--" + key.replace("_", "-")
             if value is True:

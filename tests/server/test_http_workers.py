@@ -12,10 +12,10 @@ import httpx
 import pytest
 import zmq
 
+from plait.cli import build_parser
 from plait.config import EngineConfig
 from plait.engine.messages import RequestUpdate, UpdateBatch
 from plait.engine.scheduler_process import SchedulerProcess
-from plait.cli import build_parser
 from plait.server.app import ServerArgs, default_http_processes
 from plait.server.launch import server_args_from
 from tests.helpers import pid_alive
