@@ -138,6 +138,15 @@ def test_packed_causal_sdpa_leaves_cudnn_out_by_default():
     assert tf.PACKED_SDPA_BACKENDS == (torch.nn.attention.SDPBackend.FLASH_ATTENTION,)
 
 
+@pytest.mark.parametrize(("capability", "head_dim", "fits"), [
+    ((9, 0), 128, True), ((8, 0), 64, True), ((12, 0), 256, True),
+    ((7, 5), 128, False),  # Turing: no FlashAttention-2
+    ((9, 0), 512, False), ((9, 0), 100, False),  # over 256, not a multiple of 8
+])
+def test_flash_attention_fits_sm80_and_newer_at_head_dims_up_to_256(capability, head_dim, fits):
+    assert tf.flash_attention_fits(capability, head_dim) is fits
+
+
 def test_start_on_the_cpu_fails_naming_the_backends_that_run_here():
     pool, kv, _ = make_pools(2, 64)
     with pytest.raises(ValueError, match="torch_native.*triton"):

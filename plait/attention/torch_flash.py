@@ -114,10 +114,27 @@ def sdpa_has_gqa() -> bool:
     return True
 
 
+# SDPA's FlashAttention-2 kernel: compute capability 8.0 and newer, head dims up to 256 in multiples of 8.
+FLASH_MIN_CAPABILITY = (8, 0)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def flash_attention_fits(capability: tuple[int, int], head_dim: int) -> bool:
+    """Whether SDPA's FlashAttention-2 kernel runs heads of ``head_dim`` on a device of compute ``capability``.
+    Where it does not, the packed call has no kernel it may take (PACKED_SDPA_BACKENDS), so the Triton
+    backend leaves fresh prompts to its extend kernel."""
+    return tuple(capability) >= FLASH_MIN_CAPABILITY and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why torch_flash cannot run on ``device``, or None when it can."""
     if device.type != "cuda":
         return f"it runs PyTorch's CUDA attention kernels and the KV cache is on {device.type!r}"
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < FLASH_MIN_CAPABILITY:
+        need = ".".join(map(str, FLASH_MIN_CAPABILITY))
+        return (f"its FlashAttention-2 kernels need compute capability {need} or newer, and this GPU has "
+                f"{capability[0]}.{capability[1]}")
     if not sdpa_has_gqa():
         return f"torch {torch.__version__} has no scaled_dot_product_attention(enable_gqa=...) (needs torch >= 2.5)"
     return None

@@ -47,7 +47,7 @@ import torch
 from plait import envs
 from plait.attention.base import AttentionBackend, AttentionLayer, custom_mask_of
 from plait.attention.sinks import Float32Cache
-from plait.attention.torch_flash import PackedGroup, run_packed, sdpa_has_gqa
+from plait.attention.torch_flash import PackedGroup, flash_attention_fits, run_packed, sdpa_has_gqa
 from plait.attention.triton.decode import DEFAULT_PROGRAMS_PER_SM
 from plait.attention.triton.kernels import (
     build_kv_indices,
@@ -226,9 +226,11 @@ class TritonAttnBackend(AttentionBackend):
         # its token_start counted from the batch's first token.
         self.flash_prefill_md: PackedGroup | None = None
         self.prefill_via_flash = bool(_PREFILL_FLASH_ENV) if self.device.type != "cuda" else PREFILL_VIA_FLASH
-        # SDPA's flash kernel runs bf16 / fp16 on CUDA; the CPU's SDPA (tests) any dtype.
+        # SDPA's FlashAttention-2 kernel runs bf16 / fp16 on CUDA, on sm80+ at head dims it takes; the CPU's
+        # SDPA (tests) any dtype.
         half = kv_pool.dtype in (torch.float16, torch.bfloat16)
-        self.flash_usable = (not kv_pool.is_fp8 and (self.device.type != "cuda" or half) and sdpa_has_gqa())
+        self.flash_usable = (not kv_pool.is_fp8 and sdpa_has_gqa() and (self.device.type != "cuda" or (
+            half and flash_attention_fits(torch.cuda.get_device_capability(self.device), kv_pool.head_dim))))
         # Sink logits in fp32 (plait.attention.sinks); the current plan was made for a graph capture,
         # whose forward must convert them inside the graph.
         self.sinks_fp32 = Float32Cache()
