@@ -43,7 +43,8 @@ if [[ -n ${INTERVAL:-} ]]; then
   mkdir -p "$R/interval"
   stage 120 "${burst[@]}" --stream-interval "$INTERVAL" --out "$R/interval" 2>&1 | grep -E '^\{|Error|error' | tail -3
 fi
-# WORKERS=N (optional, about 45 s more): the warm burst again with N HTTP processes (--tokenizer-worker-num N).
+# WORKERS=N (optional, about 45 s more): the warm burst again with N HTTP processes (--tokenizer-worker-num N;
+# the cold and warm runs take the server's default, one per 4 CPUs, 1 to 4: WORKERS=1 compares one).
 if [[ -n ${WORKERS:-} ]]; then
   mkdir -p "$R/workers"
   stage 120 "${burst[@]}" --tokenizer-worker-num "$WORKERS" --out "$R/workers" 2>&1 | grep -E '^\{|Error|error' | tail -3
