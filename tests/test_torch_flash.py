@@ -145,6 +145,7 @@ def test_packed_causal_sdpa_leaves_cudnn_out_by_default():
 ])
 def test_flash_attention_fits_sm80_and_newer_at_head_dims_up_to_256(capability, head_dim, fits):
     assert tf.flash_attention_fits(capability, head_dim) is fits
+    assert tf.flash_attention_fits(capability) is (capability >= (8, 0))
 
 
 def test_start_on_the_cpu_fails_naming_the_backends_that_run_here():

@@ -119,11 +119,12 @@ FLASH_MIN_CAPABILITY = (8, 0)
 FLASH_MAX_HEAD_DIM = 256
 
 
-def flash_attention_fits(capability: tuple[int, int], head_dim: int) -> bool:
-    """Whether SDPA's FlashAttention-2 kernel runs heads of ``head_dim`` on a device of compute ``capability``.
-    Where it does not, the packed call has no kernel it may take (PACKED_SDPA_BACKENDS), so the Triton
-    backend leaves fresh prompts to its extend kernel."""
-    return tuple(capability) >= FLASH_MIN_CAPABILITY and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
+def flash_attention_fits(capability: tuple[int, int], head_dim: int | None = None) -> bool:
+    """Whether SDPA's FlashAttention-2 kernel runs on a device of compute ``capability`` and, given
+    ``head_dim``, at that head dim. Where it does not, the packed call has no kernel it may take
+    (PACKED_SDPA_BACKENDS), so the Triton backend leaves fresh prompts to its extend kernel."""
+    return tuple(capability) >= FLASH_MIN_CAPABILITY and (
+        head_dim is None or (head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0))
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -131,7 +132,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"it runs PyTorch's CUDA attention kernels and the KV cache is on {device.type!r}"
     capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) < FLASH_MIN_CAPABILITY:
+    if not flash_attention_fits(capability):
         need = ".".join(map(str, FLASH_MIN_CAPABILITY))
         return (f"its FlashAttention-2 kernels need compute capability {need} or newer, and this GPU has "
                 f"{capability[0]}.{capability[1]}")
