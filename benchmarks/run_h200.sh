@@ -265,6 +265,22 @@ for stage in "$@"; do
             --out "$OUT/spec-ab-r$r-$run" 2>&1 | tail -2 | cut -c1-400
         done
       done ;;
+    # A graph launched onto an idle GPU against one queued behind work (benchmarks/graph_launch.py): the
+    # synthetic chain, then the 8b decode and verify graphs with the verify graph in one piece and segmented.
+    graph-launch)
+      for seg in 0 1; do
+        PLAIT_SEGMENTED_VERIFY_GRAPHS=$seg python benchmarks/graph_launch.py --shape llama-3.1-8b \
+          $([ $seg = 1 ] && echo --skip-synthetic) 2>&1 | grep -v " INFO " | tee "$OUT/graph-launch-seg$seg.log" | tail -5
+      done ;;
+    # spec-ngram-repeat (8b, 16 x 64) with the verify graphs in one piece (0) and segmented (1), alternated.
+    spec-segment-ab)
+      for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
+        for seg in 0 1; do
+          PLAIT_SEGMENTED_VERIFY_GRAPHS=$seg python -m plait bench spec --workload spec-ngram-repeat \
+            --shape llama-3.1-8b --num-prompts 16 --output-len 64 --out "$OUT/spec-seg-r$r-$seg" 2>&1 \
+            | tail -2 | cut -c1-400
+        done
+      done ;;
     # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
     spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider \
         ${SPEC_TESTS_K:+-k "$SPEC_TESTS_K"} 2>&1 \

@@ -153,6 +153,12 @@ SPEC_LAUNCH_AHEAD = EnvVar(
     "the current one's result is read, its tokens and positions chosen on the device from that result among "
     "drafts prepared for every outcome (docs/speculative-decoding.md); 0 (the default until measured on a GPU): "
     "the next verify waits for the host to read the result. Read when the worker is built.")
+SEGMENTED_VERIFY_GRAPHS = EnvVar(
+    "PLAIT_SEGMENTED_VERIFY_GRAPHS", _flag, False,
+    "1: each TARGET_VERIFY CUDA graph is captured as consecutive graphs cut before decoder layers 1, 3, 7, "
+    "15, ... (plait.executor.graph_utils.SegmentedCudaGraph), so a verify launched onto an idle GPU starts "
+    "after its first segment's launch, not the whole graph's; 0 (the default until measured on a GPU): one "
+    "graph per verify batch. Read when the model runner captures its graphs.")
 PIECEWISE_CUDA_GRAPH = _flag_var(
     "PLAIT_PIECEWISE_CUDA_GRAPH",
     "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "
@@ -197,6 +203,6 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, LOOP_TRACE, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
-                                    SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD,
+                                    SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD, SEGMENTED_VERIFY_GRAPHS,
                                     ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE,
                                     FRONTEND_DETOKENIZE)

@@ -135,3 +135,37 @@ def run_two_ranks(rank_fn: Callable[[int, int], None], timeout_s: float = 60, sp
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
+
+
+class _RecordedCudaGraph:
+    """Stands in for torch.cuda.CUDAGraph where there is no CUDA: records the calls made on it."""
+
+    log: list[str] = []
+
+    def __init__(self) -> None:
+        self.index = sum(1 for e in self.log if e.startswith("begin"))
+
+    def capture_begin(self, pool: Any = None) -> None:
+        self.log.append(f"begin {self.index} pool={pool}")
+
+    def capture_end(self) -> None:
+        self.log.append(f"end {self.index}")
+
+    def replay(self) -> None:
+        self.log.append(f"replay {self.index}")
+
+
+def record_cuda_graph_calls(monkeypatch: Any) -> list[str]:
+    """Make torch.cuda.CUDAGraph a recorder (capture streams and synchronisation no-ops) for the graph
+    classes built on plait.executor.graph_utils.CudaGraphSegments; returns the log their calls go to,
+    into which a test's forward may write its own entries."""
+    import contextlib
+
+    from plait.executor import graph_utils
+
+    _RecordedCudaGraph.log = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordedCudaGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(graph_utils, "capture_stream", lambda: None)
+    return _RecordedCudaGraph.log

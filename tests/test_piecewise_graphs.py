@@ -23,7 +23,7 @@ from plait.executor.piecewise_graph_runner import (
 from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.pools import DUMMY_KV_SLOT
 from tests.conftest import hf_model
-from tests.helpers import assert_no_leaks, make_engine
+from tests.helpers import assert_no_leaks, make_engine, record_cuda_graph_calls
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
 MAX_TOKENS = 64
@@ -323,35 +323,10 @@ def test_prompt_logprobs_run_under_the_graphs_and_match_transformers(tiny_model_
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-class _FakeCudaGraph:
-    """Records the calls CudaBreakableGraph makes on torch.cuda.CUDAGraph (no CUDA here)."""
-
-    log: list[str] = []
-
-    def __init__(self) -> None:
-        self.index = sum(1 for e in self.log if e.startswith("begin"))
-
-    def capture_begin(self, pool=None) -> None:
-        self.log.append(f"begin {self.index} pool={pool}")
-
-    def capture_end(self) -> None:
-        self.log.append(f"end {self.index}")
-
-    def replay(self) -> None:
-        self.log.append(f"replay {self.index}")
-
-
 def test_cuda_breakable_graph_cuts_a_segment_at_each_step_and_replays_them_interleaved(monkeypatch):
-    import contextlib
-
     from plait.executor import piecewise_graph_runner as pw
 
-    _FakeCudaGraph.log = []
-    log = _FakeCudaGraph.log
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(pw, "capture_stream", lambda: None)
+    log = record_cuda_graph_calls(monkeypatch)
     graph = pw.CudaBreakableGraph()
     steps = [object(), object()]
 

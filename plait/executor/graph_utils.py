@@ -13,7 +13,9 @@ hidden-state capture), never on the ModelRunner that owns them.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,6 +66,107 @@ class CudaGraph:
 
     def pool(self) -> Any:
         return self.graph.pool()
+
+
+def segment_starts(num_layers: int) -> list[int]:
+    """The decoder layers a segmented graph cuts before (``SegmentedCudaGraph``): 1, 3, 7, 15, ... while
+    at least as many layers follow a cut as the segment before it holds. The first segment (the
+    embedding and layer 0) launches in a few tens of microseconds and each later one launches while the
+    one before it runs (launching a layer costs far less host time than running it takes the GPU)."""
+    starts: list[int] = []
+    start = 1
+    while num_layers - start >= (start + 1) // 2:
+        starts.append(start)
+        start = 2 * start + 1
+    return starts
+
+
+def decoder_layers(model: object) -> list[torch.nn.Module]:
+    """The decoder layers of a causal LM built on plait.models.llama.LlamaModel (``model.model.layers``),
+    or [] for a model without them."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
+class CudaGraphSegments:
+    """Consecutive torch.cuda.CUDAGraph segments sharing one pool: ``_begin`` opens a segment on the
+    current (capture) stream, ``_end`` closes it into ``segments``. Replay order equals capture order, so
+    memory a segment frees may back a later segment's tensors."""
+
+    def __init__(self) -> None:
+        self.segments: list[torch.cuda.CUDAGraph] = []
+        self._open: torch.cuda.CUDAGraph | None = None
+        self._pool: Any = None
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self._pool)
+        self._open = graph
+
+    def _end(self) -> None:
+        assert self._open is not None
+        self._open.capture_end()
+        self.segments.append(self._open)
+        self._open = None
+
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
+        """Run ``fn`` on the capture stream inside a first segment (``fn`` may close it and open more)."""
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(capture_stream()):
+            self._begin()
+            out = fn()
+            self._end()
+        torch.cuda.synchronize()
+        return out
+
+    def pool(self) -> Any:
+        return self._pool
+
+
+class SegmentedCudaGraph(CudaGraphSegments):
+    """A forward captured as consecutive CUDA graphs (segments), cut before each module of
+    ``cut_before`` (forward pre-hooks, present only during the capture); replay launches them in order.
+
+    Why: a graph's launch costs host time in proportion to its kernels, and the GPU starts it only once
+    launched. Where the GPU is
+    idle at the launch (a chained verify, launched after the host read the previous verify's result),
+    that time is idle device time; with a short first segment the GPU starts within tens of
+    microseconds, and each later segment is launched while the one before it runs."""
+
+    def __init__(self, cut_before: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.cut_before = list(cut_before)
+
+    def _cut(self, module: torch.nn.Module, args: Any) -> None:
+        self._end()
+        self._begin()
+
+    @contextlib.contextmanager
+    def cuts(self) -> Iterator[None]:
+        """The cuts, in place while the forward is captured and removed after."""
+        handles = [m.register_forward_pre_hook(self._cut) for m in self.cut_before]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
+        with self.cuts():
+            return super().capture(fn, pool)
+
+    def replay(self) -> None:
+        for segment in self.segments:
+            segment.replay()
+
+
+def segmented_graph_factory(model: object) -> GraphFactory:
+    """Graphs of ``model``'s forward cut at ``segment_starts`` of its decoder layers (one segment when it
+    has none to cut at)."""
+    layers = decoder_layers(model)
+    cut_before = [layers[i] for i in segment_starts(len(layers))]
+    return functools.partial(SegmentedCudaGraph, cut_before)
 
 
 class EagerGraph:

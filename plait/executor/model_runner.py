@@ -27,7 +27,13 @@ from plait.config import EngineConfig
 from plait.distributed.parallel_state import SINGLE, TPGroup
 from plait.executor.cuda_graph_runner import CudaGraphRunner
 from plait.executor.forward_output import ForwardOutput, HostCopy, InputLogprobs, score_prompt_rows
-from plait.executor.graph_utils import CaptureTarget, graph_batch_sizes, graph_factory_for
+from plait.executor.graph_utils import (
+    CaptureTarget,
+    CudaGraph,
+    graph_batch_sizes,
+    graph_factory_for,
+    segmented_graph_factory,
+)
 from plait.executor.piecewise_graph_runner import (
     PiecewiseCudaGraphRunner,
     PiecewiseModel,
@@ -133,7 +139,9 @@ class ModelRunner:
             pad = not config.disable_cuda_graph_padding
             self.graph_runner = CudaGraphRunner(target, batch_sizes, graph_factory, pad=pad)
             if widths:
-                self.verify_graph_runner = VerifyGraphRunner(target, batch_sizes, widths, graph_factory, pad=pad)
+                segmented = graph_factory is CudaGraph and envs.SEGMENTED_VERIFY_GRAPHS.get()
+                verify_factory = segmented_graph_factory(self.model) if segmented else graph_factory
+                self.verify_graph_runner = VerifyGraphRunner(target, batch_sizes, widths, verify_factory, pad=pad)
         self.piecewise_runner = self.build_piecewise_runner()
         log_device_memory("graph capture", self.device)
         logger.info(

@@ -47,9 +47,9 @@ from plait.attention.base import AttentionBackend
 from plait.executor.graph_utils import (
     CaptureTarget,
     CudaGraph,
+    CudaGraphSegments,
     EagerGraph,
     bucket_for,
-    capture_stream,
     graph_factory_for,
     stage,
 )
@@ -123,37 +123,13 @@ class BreakableGraph(Protocol):
 BreakableGraphFactory = Callable[[], BreakableGraph]
 
 
-class CudaBreakableGraph:
-    """Segments as torch.cuda.CUDAGraph objects sharing one pool, captured on the capture stream.
-    Replay order equals capture order (segments, and buckets one at a time), so memory a segment
-    frees may back a later segment's tensors."""
+class CudaBreakableGraph(CudaGraphSegments):
+    """Segments as torch.cuda.CUDAGraph objects sharing one pool, captured on the capture stream, one
+    per stretch between attention calls (buckets captured one at a time)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.steps: list[AttentionStep] = []
-        self.segments: list[torch.cuda.CUDAGraph] = []
-        self._open: torch.cuda.CUDAGraph | None = None
-        self._pool: Any = None
-
-    def _begin(self) -> None:
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self._pool)
-        self._open = graph
-
-    def _end(self) -> None:
-        assert self._open is not None
-        self._open.capture_end()
-        self.segments.append(self._open)
-        self._open = None
-
-    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> torch.Tensor:
-        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize()
-        with torch.cuda.stream(capture_stream()):
-            self._begin()
-            out = fn()
-            self._end()
-        torch.cuda.synchronize()
-        return out
 
     def split(self, step: AttentionStep) -> None:
         # The attention itself is not captured: at capture its output buffer keeps what it holds.
@@ -167,9 +143,6 @@ class CudaBreakableGraph:
             segment.replay()
             if i < last:
                 run_step(i)
-
-    def pool(self) -> Any:
-        return self._pool
 
 
 class EagerBreakableGraph:

@@ -214,3 +214,31 @@ def test_standalone_tree_engine_replays_the_tree_graphs_and_frees_every_slot(sha
     assert engine.scheduler.kv_tokens_in_use() == 0
     assert engine.runner.req_to_token_pool.available_size() == engine.runner.req_to_token_pool.size
     release(engine)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_segmented_verify_graphs_give_the_tokens_one_graph_gives(shape_dir, bs, monkeypatch):
+    """Verify graphs captured as segments cut before decoder layers 1, 3 and 7 (PLAIT_SEGMENTED_VERIFY_GRAPHS)
+    replay the forward one graph replays: the same greedy tokens in bf16, every slot free afterwards."""
+    from plait.executor.graph_utils import SegmentedCudaGraph
+
+    prompts = random_prompts(4, 64, VOCAB, seed=11)
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40}
+    runs = []
+    for segmented in ("0", "1"):
+        monkeypatch.setenv("PLAIT_SEGMENTED_VERIFY_GRAPHS", segmented)
+        engine = make_engine(shape_dir, max_running_requests=bs, **NGRAM)
+        graphs = engine.runner.verify_graph_runner
+        assert graphs is not None
+        kinds = {type(g) for g in graphs.graphs.values()}
+        if segmented == "1":
+            assert kinds == {SegmentedCudaGraph}
+            assert {len(g.segments) for g in graphs.graphs.values()} == {4}  # 16 layers: cuts at 1, 3, 7
+        else:
+            assert SegmentedCudaGraph not in kinds
+        engine.generate(prompts, params)
+        runs.append([o.token_ids for o in engine.generate(prompts, params)])
+        assert engine.scheduler.spec_worker.stats.verify_steps > 0
+        assert engine.scheduler.kv_tokens_in_use() == 0
+        release(engine)
+    assert runs[0] == runs[1]
