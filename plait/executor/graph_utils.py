@@ -71,8 +71,9 @@ class CudaGraph:
 def segment_starts(num_layers: int) -> list[int]:
     """The decoder layers a segmented graph cuts before (``SegmentedCudaGraph``): 1, 3, 7, 15, ... while
     at least as many layers follow a cut as the segment before it holds. The first segment (the
-    embedding and layer 0) launches in a few tens of microseconds and each later one launches while the
-    one before it runs (launching a layer costs far less host time than running it takes the GPU)."""
+    embedding and layer 0) is short to launch, and each later one, at most twice the one before it, is
+    launched while that one runs (launching a layer takes far less host time than the GPU takes to run
+    it)."""
     starts: list[int] = []
     start = 1
     while num_layers - start >= (start + 1) // 2:
@@ -129,10 +130,9 @@ class SegmentedCudaGraph(CudaGraphSegments):
     ``cut_before`` (forward pre-hooks, present only during the capture); replay launches them in order.
 
     Why: a graph's launch costs host time in proportion to its kernels, and the GPU starts it only once
-    launched. Where the GPU is
-    idle at the launch (a chained verify, launched after the host read the previous verify's result),
-    that time is idle device time; with a short first segment the GPU starts within tens of
-    microseconds, and each later segment is launched while the one before it runs."""
+    launched. Where the GPU is idle at the launch (a chained verify, launched after the host read the
+    previous verify's result), that time is idle device time; with a short first segment the GPU starts
+    soon, and each later segment is launched while the one before it runs."""
 
     def __init__(self, cut_before: Sequence[torch.nn.Module]) -> None:
         super().__init__()
