@@ -71,7 +71,7 @@ class CudaGraph:
 def segment_starts(num_layers: int) -> list[int]:
     """The decoder layers a segmented graph cuts before (``SegmentedCudaGraph``): 1, 3, 7, 15, ... while
     at least as many layers follow a cut as the segment before it holds. The first segment (the
-    embedding and layer 0) is short to launch, and each later one, at most twice the one before it, is
+    embedding and layer 0) is short to launch, and each later one, about twice the one before it, is
     launched while that one runs (launching a layer takes far less host time than the GPU takes to run
     it)."""
     starts: list[int] = []
