@@ -57,7 +57,7 @@ def synthetic(kernels: int) -> dict[str, dict[str, float]]:
     from plait.executor.graph_utils import segment_starts
 
     x = torch.zeros(1 << 18, device="cuda")
-    per_layer = max(1, kernels // 32)
+    per_layer = max(1, kernels // 64)  # steps per "layer"; each step launches two kernels
 
     def body(lo: int, hi: int) -> None:
         for _ in range(lo, hi):
