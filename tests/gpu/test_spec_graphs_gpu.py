@@ -112,18 +112,29 @@ def test_verifies_launched_ahead_give_the_tokens_chains_give(shape_dir, bs, monk
     the tokens of chained verifies in bf16, with every slot free afterwards. bs 16 plans through the
     extend kernel, the others through decode rows."""
     prompts = random_prompts(bs if bs > 1 else 4, 64, VOCAB, seed=9)
+
+    def launched_ahead(engine, ahead: str) -> None:
+        assert (engine.scheduler.spec_worker.stats.launched_ahead > 0) == (ahead == "1")
+
+    off, on = (_second_pass_under(monkeypatch, "PLAIT_SPEC_LAUNCH_AHEAD", value, shape_dir, bs, prompts, launched_ahead)
+               for value in ("0", "1"))
+    assert off == on
+
+
+def _second_pass_under(monkeypatch, var: str, value: str, shape_dir, bs: int, prompts, check) -> list[list[int]]:
+    """The greedy tokens of an NGRAM engine's second pass over ``prompts`` (it drafts from the first
+    pass's outputs) with ``var=value``; ``check(engine, value)`` runs before the engine is released,
+    and every KV slot is free after the pass."""
+    monkeypatch.setenv(var, value)
+    engine = make_engine(shape_dir, max_running_requests=bs, **NGRAM)
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40}
-    runs = []
-    for ahead in ("0", "1"):
-        monkeypatch.setenv("PLAIT_SPEC_LAUNCH_AHEAD", ahead)
-        engine = make_engine(shape_dir, max_running_requests=bs, **NGRAM)
-        worker = engine.scheduler.spec_worker
-        engine.generate(prompts, params)  # the second pass drafts from the first one's outputs
-        runs.append([o.token_ids for o in engine.generate(prompts, params)])
-        assert (worker.stats.launched_ahead > 0) == (ahead == "1")
-        assert engine.scheduler.kv_tokens_in_use() == 0
-        release(engine)
-    assert runs[0] == runs[1]
+    engine.generate(prompts, params)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
+    check(engine, value)
+    assert engine.scheduler.spec_worker.stats.verify_steps > 0
+    assert engine.scheduler.kv_tokens_in_use() == 0
+    release(engine)
+    return tokens
 
 
 def test_eagle3_decode_graph_writes_the_hidden_states_an_eager_forward_writes(shape_dir, tmp_path):
@@ -222,23 +233,16 @@ def test_segmented_verify_graphs_give_the_tokens_one_graph_gives(shape_dir, bs, 
     replay the forward one graph replays: the same greedy tokens in bf16, every slot free afterwards."""
     from plait.executor.graph_utils import SegmentedCudaGraph
 
-    prompts = random_prompts(4, 64, VOCAB, seed=11)
-    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40}
-    runs = []
-    for segmented in ("0", "1"):
-        monkeypatch.setenv("PLAIT_SEGMENTED_VERIFY_GRAPHS", segmented)
-        engine = make_engine(shape_dir, max_running_requests=bs, **NGRAM)
+    def segmented(engine, value: str) -> None:
         graphs = engine.runner.verify_graph_runner
         assert graphs is not None
-        kinds = {type(g) for g in graphs.graphs.values()}
-        if segmented == "1":
-            assert kinds == {SegmentedCudaGraph}
+        if value == "1":
+            assert {type(g) for g in graphs.graphs.values()} == {SegmentedCudaGraph}
             assert {len(g.segments) for g in graphs.graphs.values()} == {4}  # 16 layers: cuts at 1, 3, 7
         else:
-            assert SegmentedCudaGraph not in kinds
-        engine.generate(prompts, params)
-        runs.append([o.token_ids for o in engine.generate(prompts, params)])
-        assert engine.scheduler.spec_worker.stats.verify_steps > 0
-        assert engine.scheduler.kv_tokens_in_use() == 0
-        release(engine)
-    assert runs[0] == runs[1]
+            assert not any(isinstance(g, SegmentedCudaGraph) for g in graphs.graphs.values())
+
+    prompts = random_prompts(4, 64, VOCAB, seed=11)
+    one, segments = (_second_pass_under(monkeypatch, "PLAIT_SEGMENTED_VERIFY_GRAPHS", value, shape_dir, bs, prompts,
+                                        segmented) for value in ("0", "1"))
+    assert one == segments
