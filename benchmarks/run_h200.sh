@@ -37,6 +37,23 @@ env_ab() {
   done
 }
 
+# each_env FIRST LAST NAME COMMAND...: COMMAND once per comma-separated AB_ENVS entry (VAR=value words), the
+# entries alternated for rounds FIRST..LAST (round 0: the first entry only, a run that fills the Triton cache),
+# each with --out $OUT/NAME-r<round>-<entry index> appended; prints the result lines.
+each_env() {
+  local first=$1 last=$2 name=$3 r i settings
+  shift 3
+  IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
+  for r in $(seq "$first" "$last"); do
+    for i in "${!settings[@]}"; do
+      [[ $r == 0 && $i != 0 ]] && continue
+      echo "--- $name r$r ${settings[$i]}"
+      # shellcheck disable=SC2086  # an entry is several VAR=value words
+      env ${settings[$i]} "$@" --out "$OUT/$name-r$r-$i" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-400
+    done
+  done
+}
+
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -272,15 +289,12 @@ for stage in "$@"; do
         PLAIT_SEGMENTED_VERIFY_GRAPHS=$seg python benchmarks/graph_launch.py --shape llama-3.1-8b \
           $([ $seg = 1 ] && echo --skip-synthetic) 2>&1 | grep -v " INFO " | tee "$OUT/graph-launch-seg$seg.log" | tail -5
       done ;;
-    # spec-ngram-repeat (8b, 16 x 64) with the verify graphs in one piece (0) and segmented (1), alternated.
+    # spec-ngram-repeat (8b, 16 x 64) with the verify graphs in one piece and segmented (AB_ENVS' default), alternated
+    # for SPEC_AB_ROUNDS rounds; results under $OUT/spec-segment-ab-r<round>-<i>/.
     spec-segment-ab)
-      for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
-        for seg in 0 1; do
-          PLAIT_SEGMENTED_VERIFY_GRAPHS=$seg python -m plait bench spec --workload spec-ngram-repeat \
-            --shape llama-3.1-8b --num-prompts 16 --output-len 64 --out "$OUT/spec-seg-r$r-$seg" 2>&1 \
-            | tail -2 | cut -c1-400
-        done
-      done ;;
+      AB_ENVS=${AB_ENVS:-PLAIT_SEGMENTED_VERIFY_GRAPHS=0,PLAIT_SEGMENTED_VERIFY_GRAPHS=1} each_env 1 "${SPEC_AB_ROUNDS:-1}" \
+        spec-segment-ab python -m plait bench spec --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 \
+        --output-len 64 ;;
     # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
     spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider \
         ${SPEC_TESTS_K:+-k "$SPEC_TESTS_K"} 2>&1 \
@@ -516,47 +530,24 @@ print("first iterations (at, messages, recv / step / updates ms)", [(round(i["at
     # offline-throughput of each AB_SHAPES shape (default llama-3.2-1b) once per comma-separated AB_ENVS entry,
     # the entries alternated for AB_ROUNDS rounds (default 1); results under $OUT/offline-env-ab-<shape>-r<round>-<i>/.
     offline-env-ab)
-      IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
       for shape in ${AB_SHAPES:-llama-3.2-1b}; do
-        for r in $(seq 1 "${AB_ROUNDS:-1}"); do
-          for i in "${!settings[@]}"; do
-            echo "--- $shape r$r ${settings[$i]}"
-            # shellcheck disable=SC2086  # an entry is several VAR=value words
-            env ${settings[$i]} python -m plait bench offline --workload offline-throughput --shape "$shape" \
-              --out "$OUT/offline-env-ab-$shape-r$r-$i" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-300
-          done
-        done
+        each_env 1 "${AB_ROUNDS:-1}" "offline-env-ab-$shape" python -m plait bench offline \
+          --workload offline-throughput --shape "$shape"
       done ;;
     # The burst (1b, 256 x 512/128, no peer, 4 HTTP processes) once per comma-separated AB_ENVS entry (set for the
     # server and client), alternated for AB_ROUNDS rounds (default 2) after one run that fills the Triton cache;
     # results under $OUT/burst-env-ab-r<round>-<i>/.
     serving-burst-env-ab)
-      IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
-      for r in 0 $(seq 1 "${AB_ROUNDS:-2}"); do
-        for i in "${!settings[@]}"; do
-          [[ $r == 0 && $i != 0 ]] && continue
-          echo "--- r$r ${settings[$i]}"
-          # shellcheck disable=SC2086
-          env ${settings[$i]} python -m plait bench serve --workload serving-burst --shape llama-3.2-1b \
-            --num-prompts 256 --input-len 512 --output-len 128 --client-procs 4 --no-peer --tokenizer-worker-num 4 \
-            --out "$OUT/burst-env-ab-r$r-$i" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-300
-        done
-      done ;;
+      each_env 0 "${AB_ROUNDS:-2}" burst-env-ab python -m plait bench serve --workload serving-burst \
+        --shape llama-3.2-1b --num-prompts 256 --input-len 512 --output-len 128 --client-procs 4 --no-peer \
+        --tokenizer-worker-num 4 ;;
     # DESIGN 7's Poisson `serving` with prompt and output lengths uniform in [RANGE * len, len] (RANGE default
     # 0.25, lengths 512/128, 20 requests/s, 200 requests) once per comma-separated AB_ENVS entry, after one run
     # that fills the Triton cache: time to first token when nearly every prompt length is new to the server.
     serving-poisson-env-ab)
-      IFS=, read -ra settings <<< "${AB_ENVS:?AB_ENVS: comma-separated VAR=value lists}"
-      for r in 0 1; do
-        for i in "${!settings[@]}"; do
-          [[ $r == 0 && $i != 0 ]] && continue
-          echo "--- r$r ${settings[$i]}"
-          # shellcheck disable=SC2086
-          env ${settings[$i]} python -m plait bench serve --workload serving --shape llama-3.2-1b --num-prompts 200 \
-            --request-rate 20 --input-len 512 --output-len 128 --range-ratio "${RANGE:-0.25}" --client-procs 2 \
-            --out "$OUT/poisson-env-ab-r$r-$i" 2>&1 | grep -E '^\{"workload|Error' | cut -c1-400
-        done
-      done ;;
+      each_env 0 1 poisson-env-ab python -m plait bench serve --workload serving --shape llama-3.2-1b \
+        --num-prompts 200 --request-rate 20 --input-len 512 --output-len 128 --range-ratio "${RANGE:-0.25}" \
+        --client-procs 2 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
