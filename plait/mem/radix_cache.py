@@ -147,13 +147,19 @@ class RadixCache:
         """
         if self.disable or len(token_ids) == 0:
             return MatchResult(self._empty(), self.root)
-        key = _as_key(token_ids)
-        now = self._tick()
+        values: list[torch.Tensor] = []
+        node, _ = self._descend(_as_key(token_ids), self._tick(), values)
+        kv = torch.cat(values) if values else self._empty()
+        return MatchResult(kv, node)
+
+    def _descend(self, key: tuple[int, ...], now: int, values: list[torch.Tensor] | None = None
+                 ) -> tuple[TreeNode, int]:
+        """Walk from the root along ``key``, splitting the last node met where the match ends inside it,
+        refreshing every node on the path to ``now`` (and appending their slots to ``values``).
+        Returns the deepest node matched and how many tokens of ``key`` it covers."""
         node = self.root
         node.last_access = now
-        values: list[torch.Tensor] = []
-        pos = 0
-        n = len(key)
+        pos, n = 0, len(key)
         while pos < n:
             child = node.children.get(key[pos])
             if child is None:
@@ -162,12 +168,12 @@ class RadixCache:
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_access = now
-            values.append(child.value)
+            if values is not None:
+                values.append(child.value)
             node = child
             pos += k
             # After a split the next token differs from node's only child, so the loop ends.
-        kv = torch.cat(values) if values else self._empty()
-        return MatchResult(kv, node)
+        return node, pos
 
     def prefix_len(self, token_ids: list[int]) -> int:
         """How many leading tokens of ``token_ids`` (plain ints) are cached: ``match_prefix``'s length
@@ -206,21 +212,8 @@ class RadixCache:
             return 0
         key = _as_key(token_ids)
         now = self._tick()
-        node = self.root
-        node.last_access = now
-        pos = 0
-        n = len(key)
-        while pos < n:
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            k = _common_prefix_len(child.key, key[pos : pos + len(child.key)])
-            if k < len(child.key):
-                child = self._split(child, k)
-            child.last_access = now
-            node = child
-            pos += k
-        if pos < n:
+        node, pos = self._descend(key, now)
+        if pos < len(key):
             # Clone so later writes into the caller's buffer (e.g. a req_to_token row) cannot alter
             # slots the tree owns.
             value = kv_indices[pos:].to(device=self.device, dtype=torch.int64).clone()

@@ -131,16 +131,25 @@ class EagleWorker(DraftModelWorker):
     def _head(self, fb: ForwardBatch, backend: AttentionBackend, hidden_in: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(target-vocab argmax ids, the head's hidden for the next step) for every row of fb."""
+        logits, hidden = self._head_forward(fb, backend, hidden_in)
+        ids = greedy_ids(logits)
+        if isinstance(self.head, Eagle3Head):
+            ids = self.head.draft_to_target(ids)
+        return ids, hidden
+
+    def _head_forward(self, fb: ForwardBatch, backend: AttentionBackend, hidden_in: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits over the head's vocabulary, the head's hidden) for every row of fb: for EAGLE3 the
+        draft vocabulary (``draft_to_target`` maps its ids), else the target's. Plans on ``backend``
+        unless the batch is marked planned (graph steps are)."""
         fb.attn_backend = backend
         if fb.needs_forward_metadata_init():
             backend.init_forward_metadata(fb)
         embeds = self.embed(fb.input_ids)
         if isinstance(self.head, Eagle3Head):
-            logits, hidden = self.head(embeds, hidden_in, fb.positions, fb)
-            return self.head.draft_to_target(greedy_ids(logits)), hidden
+            return self.head(embeds, hidden_in, fb.positions, fb)
         hidden = self.head(embeds, hidden_in, fb.positions, fb)
-        logits = self.logits_processor(hidden, self.lm_head_weight, fb)
-        return greedy_ids(logits), hidden
+        return self.logits_processor(hidden, self.lm_head_weight, fb), hidden
 
     def chain_step(self, fb: ForwardBatch, backend: AttentionBackend, hidden: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,22 +239,15 @@ class EagleWorker(DraftModelWorker):
     @torch.inference_mode()
     def _head_logprobs(self, fb: ForwardBatch, backend: AttentionBackend, hidden_in: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities over the target vocabulary, the head's hidden) for every row of fb.
-        Plans on ``backend`` unless the batch is marked planned (graph steps are)."""
-        fb.attn_backend = backend
-        if fb.needs_forward_metadata_init():
-            backend.init_forward_metadata(fb)
-        embeds = self.embed(fb.input_ids)
-        if isinstance(self.head, Eagle3Head):
-            logits, hidden = self.head(embeds, hidden_in, fb.positions, fb)
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            # Draft id d is target id d + d2t[d]; target ids outside the draft vocabulary get -inf.
-            out = lp.new_full((lp.shape[0], self.runner.model_config.vocab_size), float("-inf"))
-            ids = torch.arange(lp.shape[1], device=lp.device)
-            out[:, self.head.draft_to_target(ids)] = lp
-            return out, hidden
-        hidden = self.head(embeds, hidden_in, fb.positions, fb)
-        return torch.log_softmax(self.logits_processor(hidden, self.lm_head_weight, fb).float(), dim=-1), hidden
+        """(log-probabilities over the target vocabulary, the head's hidden) for every row of fb."""
+        logits, hidden = self._head_forward(fb, backend, hidden_in)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        if not isinstance(self.head, Eagle3Head):
+            return lp, hidden
+        # Draft id d is target id d + d2t[d]; target ids outside the draft vocabulary get -inf.
+        out = lp.new_full((lp.shape[0], self.runner.model_config.vocab_size), float("-inf"))
+        out[:, self.head.draft_to_target(torch.arange(lp.shape[1], device=lp.device))] = lp
+        return out, hidden
 
     @torch.inference_mode()
     def _tree_step(self, root_hidden: torch.Tensor | None) -> TreeStep:
