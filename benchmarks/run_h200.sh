@@ -37,6 +37,12 @@ env_ab() {
   done
 }
 
+# spec_env_ab NAME: spec-ngram-repeat (8b, 16 x 64) through each_env, rounds 1..SPEC_AB_ROUNDS.
+spec_env_ab() {
+  each_env 1 "${SPEC_AB_ROUNDS:-1}" "$1" python -m plait bench spec --workload spec-ngram-repeat \
+    --shape llama-3.1-8b --num-prompts 16 --output-len 64
+}
+
 # each_env FIRST LAST NAME COMMAND...: COMMAND once per comma-separated AB_ENVS entry (VAR=value words), the
 # entries alternated for rounds FIRST..LAST (round 0: the first entry only, a run that fills the Triton cache),
 # each with --out $OUT/NAME-r<round>-<entry index> appended; prints the result lines.
@@ -292,9 +298,12 @@ for stage in "$@"; do
     # spec-ngram-repeat (8b, 16 x 64) with the verify graphs in one piece and segmented (AB_ENVS' default), alternated
     # for SPEC_AB_ROUNDS rounds; results under $OUT/spec-segment-ab-r<round>-<i>/.
     spec-segment-ab)
-      AB_ENVS=${AB_ENVS:-PLAIT_SEGMENTED_VERIFY_GRAPHS=0,PLAIT_SEGMENTED_VERIFY_GRAPHS=1} each_env 1 "${SPEC_AB_ROUNDS:-1}" \
-        spec-segment-ab python -m plait bench spec --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 \
-        --output-len 64 ;;
+      AB_ENVS=${AB_ENVS:-PLAIT_SEGMENTED_VERIFY_GRAPHS=0,PLAIT_SEGMENTED_VERIFY_GRAPHS=1} spec_env_ab spec-segment-ab ;;
+    # spec-ngram-repeat (8b, 16 x 64) once per comma-separated AB_ENVS entry, alternated for SPEC_AB_ROUNDS
+    # rounds (default 1); results under $OUT/spec-env-ab-r<round>-<i>/.
+    spec-env-ab) spec_env_ab spec-env-ab ;;
+    # The small-M GEMV's tensor-core and elementwise-rows forms at 1-4 tokens, 8b projections and lm_head.
+    gemv-rows) python benchmarks/gemv_rows.py "$OUT" 2>&1 | tee "$OUT/gemv-rows.log" | tail -30 ;;
     # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
     spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider \
         ${SPEC_TESTS_K:+-k "$SPEC_TESTS_K"} 2>&1 \

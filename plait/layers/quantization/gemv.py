@@ -19,6 +19,11 @@ software-pipelined by ``num_stages``).
 
   M == 1   elementwise: the products accumulate in a ``[BLOCK_N, BLOCK_K]`` fp32 tile, reduced over K
            once at the end (no cross-thread reduction per step)
+  ROWS     elementwise for a few rows (2 <= M <= ``PLAIT_GEMV_ELEMENTWISE_ROWS``): the one-token form with
+           a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` tile, ``BLOCK_M`` the rows rounded up to a power of two and
+           ``BLOCK_K`` the one-token config's divided by it (as many accumulators per thread as one token
+           has); the weight tile is loaded once for every row. The tensor-core form pads the rows to 16
+           and stages the tile for the MMA, which costs bandwidth at a speculative verify's 2-4 rows.
   M >= 2   tensor cores: ``tl.dot`` of the activations (padded to 16 rows by masks, which read
            nothing) with the converted weight tile
   W8A8     every M: ``BLOCK_K`` is one 128-column group; ``tl.dot(W [BLOCK_N, 128], x_q^T [128, 16])``
@@ -106,6 +111,7 @@ def _gemv_kernel(
     UPCAST_DOT: tl.constexpr,
     W8A8: tl.constexpr,  # quantize each step's activations to e4m3 per row (BLOCK_K == W8A8_GROUP)
     ONE_ROW: tl.constexpr,  # W8A8 with M == 1
+    ROWS: tl.constexpr,  # elementwise over BLOCK_M (2, 4, ...) rows (module docstring)
     HAS_BIAS: tl.constexpr,
     FP8_MAX_V: tl.constexpr,
     MIN_S: tl.constexpr,
@@ -127,6 +133,8 @@ def _gemv_kernel(
     pdl_prologue(USE_PDL)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif ROWS:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif W8A8:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if ONE_ROW:
@@ -156,6 +164,11 @@ def _gemv_kernel(
             if SCALE == 2:
                 prod = prod * s[:, None]
             acc2 += prod
+        elif ROWS:
+            prod3 = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            if SCALE == 2:
+                prod3 = prod3 * s[None, :, None]
+            acc3 += prod3
         elif W8A8:
             # One step is one 128-column group: its per-row scale and e4m3 codes, then an e4m3 x e4m3
             # dot (the weight tile unconverted, as the async copy left it in shared memory). Rows past M
@@ -198,6 +211,8 @@ def _gemv_kernel(
             acc += part
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
+    elif ROWS:
+        acc = tl.sum(acc3, axis=2)
     elif W8A8:
         acc = tl.trans(acc_t)
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -247,25 +262,34 @@ class GemvLaunch:
     num_stages: int
     w8a8: bool = False
     one_row: bool = False  # W8A8 at M == 1: one row quantized, its codes broadcast to the padding rows
+    rows: bool = False  # elementwise over block_m > 1 rows
 
-    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool]:
-        """What the compiled kernel depends on besides the dtypes and the scale layout."""
-        return (self.block_m == 1, self.block_n, self.block_k, self.even_k, self.split_k > 1, self.num_warps,
-                self.num_stages, self.w8a8, self.one_row)
+    def compile_key(self) -> tuple[int, int, int, bool, bool, int, int, bool, bool]:
+        """What the compiled kernel depends on besides the dtypes and the scale layout (block_m matters
+        only where the rows are elementwise: the tensor-core form pads every M to 16)."""
+        return (self.block_m if self.rows else int(self.block_m == 1), self.block_n, self.block_k, self.even_k,
+                self.split_k > 1, self.num_warps, self.num_stages, self.w8a8, self.one_row)
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: GemvConfig,
-                w8a8: bool = False) -> GemvLaunch:
+                w8a8: bool = False, rows: bool = False) -> GemvLaunch:
     """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
     (M >= 2, and every M with ``w8a8``), a step inside one scale block (block scales), with ``w8a8`` a
     step of exactly one ``W8A8_GROUP``-column activation group and 16+ weight rows per warp, and K
-    slices of whole steps. Cached: eager decode steps plan every layer's call."""
-    block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
-    block_n = config.block_n if block_m == 1 else max(16, config.block_n)
+    slices of whole steps. ``rows`` (M >= 2, not ``w8a8``): the elementwise form over M rows rounded up to
+    a power of two, ``config`` being a one-token config whose step is narrowed by that many rows (at
+    least 16 columns). Cached: eager decode steps plan every layer's call."""
+    rows = rows and m >= 2 and not w8a8
+    if rows:
+        block_m = triton.next_power_of_2(m)
+        block_n, block_k = config.block_n, max(16, config.block_k // block_m)
+    else:
+        block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
+        block_n = config.block_n if block_m == 1 else max(16, config.block_n)
+        block_k = W8A8_GROUP if w8a8 else config.block_k
     if w8a8:  # the weight rows are the dot's M: 16 per warp, so the warps form whole warpgroup MMAs
         block_n = max(block_n, 16 * config.num_warps)
-    block_k = W8A8_GROUP if w8a8 else config.block_k
     if block is not None:
         while block[1] % block_k:
             block_k //= 2
@@ -277,7 +301,7 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
     if triton.cdiv(n, block_n) > MAX_COUNTERS:
         split_k, k_per_split = 1, k_steps * block_k
     return GemvLaunch(block_m, block_n, block_k, split_k, k_per_split, k % k_per_split == 0, config.num_warps,
-                      config.num_stages, w8a8, w8a8 and m == 1)
+                      config.num_stages, w8a8, w8a8 and m == 1, rows)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -293,8 +317,8 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-         config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None
-         ) -> torch.Tensor:
+         config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None,
+         rows: bool | None = None) -> torch.Tensor:
     """``x [M, K] @ (W * scale).T (+ bias) -> [M, N]`` in x's dtype for ``1 <= M <= 16``.
 
     ``w`` fp8 e4m3 with ``scale`` ``[N]`` (channel, ``block`` None) or ``[ceil(N / bn), ceil(K / bk)]``
@@ -304,7 +328,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     ``fp8_w8a8_default()``, and where that is unset too, the weight-only table entry's ``prefer_w8a8``
     (the form measured faster for this case; an explicit ``config``'s own flag, launched as given).
     Block scales narrower than, or not a multiple of, 128 columns take the weight-only form. ``config``
-    overrides the tuned / default launch config (the tuner, tests)."""
+    overrides the tuned / default launch config (the tuner, tests). ``rows``: the elementwise form for
+    ``2 <= M`` (module docstring) with the one-token config (``config``, if given, is one); None: where M
+    is at most ``PLAIT_GEMV_ELEMENTWISE_ROWS``. Never with ``w8a8``."""
     m, k = x.shape
     n = w.shape[0]
     if not 1 <= m <= GEMV_MAX_TOKENS:
@@ -337,9 +363,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         else:
             w8a8 = config.prefer_w8a8
     w8a8 = fp8 and bool(w8a8) and (block is None or block[1] % W8A8_GROUP == 0)
+    if rows is None:
+        rows = m <= envs.GEMV_ELEMENTWISE_ROWS.get()
+    rows = rows and m >= 2 and not w8a8
     if config is None:
-        config = get_config(gemv_kind(w.dtype, block, w8a8), m, n, k, device_name, num_sms)
-    plan = plan_launch(m, n, k, block, config, w8a8)
+        config = get_config(gemv_kind(w.dtype, block, w8a8), 1 if rows else m, n, k, device_name, num_sms)
+    plan = plan_launch(m, n, k, block, config, w8a8, rows)
     block_m, block_n, block_k, split_k, k_per_split = (plan.block_m, plan.block_n, plan.block_k, plan.split_k,
                                                         plan.k_per_split)
     bn_s, bk_s = block if block is not None else (1, 1)
@@ -361,7 +390,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
-        W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
+        W8A8=w8a8, ONE_ROW=plan.one_row, ROWS=plan.rows, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
         USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
