@@ -302,8 +302,8 @@ for stage in "$@"; do
     # spec-ngram-repeat (8b, 16 x 64) once per comma-separated AB_ENVS entry, alternated for SPEC_AB_ROUNDS
     # rounds (default 1); results under $OUT/spec-env-ab-r<round>-<i>/.
     spec-env-ab) spec_env_ab spec-env-ab ;;
-    # The small-M GEMV's tensor-core and elementwise-rows forms at 1-4 tokens, 8b projections and lm_head.
-    gemv-rows) python benchmarks/gemv_rows.py "$OUT" 2>&1 | tee "$OUT/gemv-rows.log" | tail -30 ;;
+    # The small-M GEMV (the config in force) against cuBLAS at 1-16 tokens, 8b projections and lm_head.
+    gemv-cublas) python benchmarks/gemv_cublas.py "$OUT" 2>&1 | tee "$OUT/gemv-cublas.log" | tail -30 ;;
     # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
     spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider \
         ${SPEC_TESTS_K:+-k "$SPEC_TESTS_K"} 2>&1 \

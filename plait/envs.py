@@ -130,11 +130,6 @@ FP8_GEMV_W8A8 = EnvVar[bool | None](
     "group, e4m3 x e4m3 on the tensor cores) everywhere; 0: weight-only dequantization everywhere; unset "
     "(the default): per shape and token bucket as the tuned table says (prefer_w8a8), else weight-only. "
     "Read at every call.")
-GEMV_ELEMENTWISE_ROWS = EnvVar(
-    "PLAIT_GEMV_ELEMENTWISE_ROWS", int, 0,
-    "The most tokens a small-M GEMV call multiplies elementwise (the one-token form over a few rows, "
-    "with the one-token launch config) instead of on the tensor cores; 0 (the default until measured on "
-    "a GPU): only one token. A speculative verify at bs 1 has 2-4 tokens. Read at every call.")
 ROTARY_SPLIT_HEADS = _int_var(
     "PLAIT_ROTARY_SPLIT_HEADS",
     "Heads of a token per rotary program when a launch has few tokens (decode; a power of two, 0: all of "
@@ -161,9 +156,8 @@ SPEC_LAUNCH_AHEAD = EnvVar(
 SEGMENTED_VERIFY_GRAPHS = EnvVar(
     "PLAIT_SEGMENTED_VERIFY_GRAPHS", _flag, False,
     "1: each TARGET_VERIFY CUDA graph is captured as consecutive graphs cut before decoder layers 1, 3, 7, "
-    "15, ... (plait.executor.graph_utils.SegmentedCudaGraph), so a verify launched onto an idle GPU starts "
-    "after its first segment's launch, not the whole graph's; 0 (the default until measured on a GPU): one "
-    "graph per verify batch. Read when the model runner captures its graphs.")
+    "15, ... (plait.executor.graph_utils.SegmentedCudaGraph); 0 (the default until an H200 run confirms "
+    "an H100's gain): one graph per verify batch. Read when the model runner captures its graphs.")
 PIECEWISE_CUDA_GRAPH = _flag_var(
     "PLAIT_PIECEWISE_CUDA_GRAPH",
     "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "
@@ -207,7 +201,6 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     TRITON_OPS,
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, LOOP_TRACE, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
-                                    GEMV_ELEMENTWISE_ROWS,
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
                                     SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD, SEGMENTED_VERIFY_GRAPHS,
                                     ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE,

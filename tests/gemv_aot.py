@@ -2,7 +2,7 @@
 own ptxas, as the GPU launches it (with PDL), and print each launch's register and shared-memory use,
 its pipelined loads, its e4m3 warpgroup MMAs, its e4m3 -> wider conversions and the loads it issues
 before the grid-dependency wait, as JSON lines. Run as a script with TRITON_INTERPRET unset
-(tests/test_gemv.py does); arguments: JSON [kind, m, n, k, config(, rows)] cases."""
+(tests/test_gemv.py does); arguments: JSON [kind, m, n, k, config] cases."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ ALIGNED = ("X", "W", "S", "Out", "Bias", "Partials", "Counters", "N", "K", "stri
            "k_per_split")
 
 
-def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, rows: bool = False) -> dict[str, int]:
+def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str, int]:
     block = (128, 128) if kind.startswith("fp8_block") else None
     w8a8 = kind.endswith("_mma")
-    plan = plan_launch(m, n, k, block, cfg, w8a8, rows)
+    plan = plan_launch(m, n, k, block, cfg, w8a8)
     sig = {"X": "*bf16", "W": f"*{WEIGHT[kind]}", "S": "*fp32", "Out": "*bf16", "Bias": "*bf16", "Partials": "*fp32",
            "Counters": "*i32", **{a: "i32" for a in ("M", "N", "K", "stride_xm", "stride_wn", "stride_sn",
                                                         "stride_om", "k_per_split", "split_k")}}
@@ -38,7 +38,7 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig, rows: bool 
                   SCALE=2 if block else (1 if kind.startswith("fp8") else 0), BN_SCALE=block[0] if block else 1,
                   BK_SCALE=block[1] if block else 1, EVEN_K=plan.even_k, SPLIT=plan.split_k > 1,
                   NUM_STAGES=plan.num_stages, INPUT_PRECISION=None, GPU_FENCE=True, UPCAST_DOT=False,
-                  W8A8=w8a8, ONE_ROW=plan.one_row, ROWS=plan.rows, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
+                  W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
                   USE_PDL=True)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
@@ -91,5 +91,5 @@ def run_aot_script(script: str, work: list) -> list[dict]:
 
 
 if __name__ == "__main__":
-    for kind, m, n, k, raw, *rows in json.loads(sys.argv[1]):  # rows: optional, the elementwise-rows form
-        print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, GemvConfig.from_json(raw), *rows)}))
+    for kind, m, n, k, raw in json.loads(sys.argv[1]):
+        print(json.dumps({"kind": kind, "m": m, **compile_sm90(kind, m, n, k, GemvConfig.from_json(raw))}))

@@ -14,7 +14,7 @@ from plait.layers.quantization.fp8_kernels import (
     dequantize_weight,
     reference_w8a8_gemv,
 )
-from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, plan_launch, split_counters
+from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, split_counters
 from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
 from tests.quant_helpers import random_fp8_weight
 
@@ -61,42 +61,6 @@ def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
     out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64), w8a8=False)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ dequantize_weight(q, s, None).t(), rtol=1e-2, atol=1e-3)
-
-
-@pytest.mark.parametrize(("m", "kind", "split_k"), [(2, "bf16", 1), (3, "channel", 2), (4, "block", 1)])
-def test_elementwise_rows_equal_the_weight_product(m, kind, split_k):
-    # A one-token config (block_k 128): four rows narrow its step to 32 columns, three and two to 64.
-    config = GemvConfig(block_n=8, block_k=128, split_k=split_k)
-    x = _rand(m, K, seed=7)
-    if kind == "bf16":
-        w = (_rand(N, K, seed=8) * 0.05).to(torch.bfloat16)
-        out, ref = gemv(x, w, config=config, rows=True), x @ w.float().t()
-    else:
-        q, s, block = random_fp8_weight(kind, N, K)
-        out = gemv(x, q, s, block, config, w8a8=False, rows=True)
-        ref = x @ dequantize_weight(q, s, block).t()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_elementwise_rows_plan_narrows_the_one_token_step_by_the_rows():
-    config = GemvConfig(block_n=8, block_k=512)
-    plan = plan_launch(3, 4096, 4096, None, config, rows=True)
-    assert (plan.rows, plan.block_m, plan.block_n, plan.block_k) == (True, 4, 8, 128)
-    assert not plan_launch(1, 4096, 4096, None, config, rows=True).rows  # one token: the one-token form
-    assert plan_launch(3, 4096, 4096, None, config).block_m == 16  # the tensor-core form pads to 16
-
-
-def test_elementwise_rows_env_sets_the_most_rows_it_takes(monkeypatch):
-    from plait.layers.quantization import gemv as gemv_module
-
-    launched = []
-    real_plan = gemv_module.plan_launch
-    monkeypatch.setattr(gemv_module, "plan_launch", lambda *a: launched.append(real_plan(*a)) or launched[-1])
-    monkeypatch.setenv("PLAIT_GEMV_ELEMENTWISE_ROWS", "3")
-    w = (_rand(N, K, seed=9) * 0.05).to(torch.bfloat16)
-    for m in (2, 3, 4):
-        gemv(_rand(m, K, seed=m), w)
-    assert [p.rows for p in launched] == [True, True, False]
 
 
 def test_split_k_leaves_its_counters_zero():
@@ -165,6 +129,15 @@ def test_missing_entries_fall_back_to_the_default(tables):
     assert get_config("bf16", 1, 4096, 4096, "Other GPU", 132) == default_config("bf16", 1, 4096, 4096, 132)
 
 
+def test_several_tokens_count_as_tuned_only_with_a_bucket_past_one(tables):
+    _write(tables / "package", {"bf16": {"N4096_K4096": {"1": SMALL.to_json(), "4": WIDE.to_json()},
+                                         "N6144_K4096": {"1": SMALL.to_json()}}})
+    assert gemv_config.tuned_for_tokens("bf16", 4096, 4096, "Fake GPU")
+    assert not gemv_config.tuned_for_tokens("bf16", 6144, 4096, "Fake GPU")  # one token only
+    assert not gemv_config.tuned_for_tokens("bf16", 2048, 4096, "Fake GPU")  # no entry
+    assert not gemv_config.tuned_for_tokens("bf16", 4096, 4096, "Other GPU")  # no table
+
+
 def test_default_splits_k_only_when_row_tiles_leave_sms_idle():
     assert default_config("fp8_channel", 1, 28672, 4096, 132).split_k == 1  # 3584 row tiles
     narrow = default_config("fp8_channel", 16, 4096, 4096, 132)  # 128 row tiles of 32
@@ -176,7 +149,7 @@ def test_default_splits_k_only_when_row_tiles_leave_sms_idle():
 def test_bf16_gemv_switch_is_read_when_a_layer_is_built(monkeypatch):
     from plait.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    assert ColumnParallelLinear(8, 8).small_m_gemv  # on by default: it measured faster than cuBLAS
+    assert ColumnParallelLinear(8, 8).small_m_gemv  # on by default: one token measured faster than cuBLAS
     monkeypatch.setenv("PLAIT_BF16_GEMV", "0")
     assert not ColumnParallelLinear(8, 8).small_m_gemv
     monkeypatch.setenv("PLAIT_BF16_GEMV", "1")
@@ -253,27 +226,26 @@ def test_compare_times_both_fp8_forms_per_shape_and_m(monkeypatch):
     assert all(r["speedup"] == 2.0 and r["w8a8"]["tb_s"] == 2 * r["weight_only"]["tb_s"] for r in rows)
 
 
-def test_compare_rows_times_each_form_on_its_config_per_projection_and_m(monkeypatch):
+def test_compare_cublas_times_both_per_projection_and_m(monkeypatch):
     from plait.bench import gemv_tune
 
     monkeypatch.setattr(gemv_tune, "cases", lambda shapes, kinds, ms: [gemv_tune.Case("bf16", 48, 256, 1, ["t/o"])])
-    timed: list[tuple[int, int | None, bool]] = []
+    timed: list[int] = []
 
-    def fake_time(x, ws, scale, block, cfg, reps=2, w8a8=False, rows=False):
-        out = gemv(x, ws[0], scale, block, cfg, rows=rows)
+    def fake_time(x, ws, scale, block, cfg, reps=2, w8a8=False):
+        out = gemv(x, ws[0], scale, block, cfg)  # the config in force (cfg None)
         torch.testing.assert_close(out.float(), x.float() @ ws[0].float().t(), rtol=2e-2, atol=2e-2)
-        timed.append((x.shape[0], cfg.block_k if cfg else None, rows))
-        return 1e-6 if rows else 2e-6
+        timed.append(x.shape[0])
+        return 3e-6
 
     monkeypatch.setattr(gemv_tune, "time_config", fake_time)
-    monkeypatch.setattr(gemv_tune, "graph_time", lambda fns, reps=10: 4e-6)
-    rows = gemv_tune.compare_rows(("tiny",), (1, 4), {"t/lm_head": (40, 128)}, device="cpu")
-    assert [(r["N"], r["M"]) for r in rows] == [(48, 1), (48, 4), (40, 1), (40, 4)]
-    one_k = rows[0]["one_token_config"]["block_k"]
-    assert timed[:3] == [(1, None, False), (4, None, False), (4, one_k, True)]
-    assert timed[3] == (4, 2 * one_k, True)  # the one-token config with twice its step
-    assert set(rows[1]) >= {"dot", "rows", "rows_wide", "cublas"} and "rows" not in rows[0]
-    assert rows[1]["rows"]["tb_s"] == 2 * rows[1]["dot"]["tb_s"] == 4 * rows[1]["cublas"]["tb_s"]
+    monkeypatch.setattr(gemv_tune, "graph_time", lambda fns, reps=10: [f() for f in fns] and 2e-6)
+    rows = gemv_tune.compare_cublas(("tiny",), (1, 4), {"t/lm_head": (40, 128)}, device="cpu")
+    assert [(r["N"], r["M"]) for r in rows] == [(48, 1), (48, 4), (40, 1), (40, 4)] and timed == [1, 4, 1, 4]
+    for r in rows:
+        assert r["cublas_speedup"] == pytest.approx(1.5)
+        assert r["cublas"]["tb_s"] == pytest.approx(1.5 * r["gemv"]["tb_s"])
+    assert not any(r["tuned"] for r in rows)  # the interpreter's stand-in device has no table
 
 
 def test_preferences_mark_the_cases_where_w8a8_measured_faster():
@@ -306,18 +278,6 @@ def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_load
     for r in results:
         assert r["stack"] == 0 and r["regs"] <= 128, r  # no spills; >= 4 programs of 4 warps fit an SM
         assert r["pipelined_loads"] > 0, r  # num_stages turned the weight loads into async copies
-
-
-def test_elementwise_rows_compile_for_sm90_without_spills():
-    """The rows form at 2 and 4 tokens on the one-token default configs of the 8b projections."""
-    import tests.gemv_aot as aot
-    from tests.gemv_aot import run_aot_script
-
-    work = [(kind, m, n, k, default_config(kind, 1, n, k, 132).to_json(), True)
-            for kind in ("bf16", "fp8_channel") for m in (2, 4) for n, k in ((6144, 4096), (4096, 14336))]
-    for r in run_aot_script(aot.__file__, work):
-        assert r["stack"] == 0 and r["regs"] <= 128, r
-        assert r["pipelined_loads"] > 0, r
 
 
 def test_wide_search_tiles_compile_for_sm90_without_spills():

@@ -34,7 +34,7 @@ from plait.layers.quantization.gemv_config import (
     GemvConfig,
     balanced_split,
     default_config,
-    get_config,
+    load_tables,
     shape_key,
 )
 
@@ -147,11 +147,10 @@ def make_weights(kind: str, n: int, k: int, rotate: bool = True, device: str = "
 
 
 def time_config(x: torch.Tensor, ws: list[torch.Tensor], scale: torch.Tensor | None, block: tuple[int, int] | None,
-                cfg: GemvConfig | None, reps: int = 2, w8a8: bool = False, rows: bool = False) -> float:
-    """Seconds per call of ``gemv`` with ``cfg`` (None: the table's / default) over the rotated copies;
-    ``rows``: the elementwise-rows form (``cfg`` a one-token config)."""
-    calls: list[Callable[[], Any]] = [lambda w=w: gemv(x, w, scale, block, cfg, w8a8=w8a8 and scale is not None,
-                                                       rows=rows) for w in ws]
+                cfg: GemvConfig | None, reps: int = 2, w8a8: bool = False) -> float:
+    """Seconds per call of ``gemv`` with ``cfg`` (None: the table's / default) over the rotated copies."""
+    calls: list[Callable[[], Any]] = [lambda w=w: gemv(x, w, scale, block, cfg, w8a8=w8a8 and scale is not None)
+                                      for w in ws]
     return graph_time(calls, reps=reps)
 
 
@@ -326,32 +325,28 @@ def compare_forms(shapes: tuple[str, ...], ms: tuple[int, ...], device: str = "c
     return rows
 
 
-def compare_rows(shapes: tuple[str, ...], ms: tuple[int, ...], extra: dict[str, tuple[int, int]] | None = None,
-                 device: str = "cuda") -> list[dict[str, Any]]:
-    """bf16 weights at 2..4 tokens: the tensor-core form on its table config against the elementwise-rows
-    form on the one-token config and on that config with twice its step (``block_k``), and one token on
-    its own config for scale, cuBLAS beside each, per projection of ``shapes`` and the ``extra`` (N, K) named in it (an
-    lm_head): rows of us and TB/s of weight bytes read, timed as ``tune`` times."""
+def compare_cublas(shapes: tuple[str, ...], ms: tuple[int, ...], extra: dict[str, tuple[int, int]] | None = None,
+                   device: str = "cuda") -> list[dict[str, Any]]:
+    """bf16 weights: the GEMV on the config in force (the table's, else ``default_config``) against
+    cuBLAS (``F.linear``) per projection of ``shapes`` and the ``extra`` (N, K) named in it (an lm_head)
+    and per M: rows of us and TB/s of weight bytes read, timed as ``tune`` times, and whether the
+    case is tuned on this device."""
     rows: list[dict[str, Any]] = []
     nks = [(c.n, c.k, c.layers) for c in cases(shapes, ("bf16",), (1,))]
     nks += [(n, k, [name]) for name, (n, k) in (extra or {}).items()]
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     for n, k, layers in nks:
         ws, _, _ = make_weights("bf16", n, k, rotate=device == "cuda", device=device)
-        one = get_config("bf16", 1, n, k, name, num_sms)
-        wide = replace(one, block_k=one.block_k * 2)
+        tuned = load_tables(name).get("bf16", {}).get(shape_key(n, k), {})
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            forms = {"one_token" if m == 1 else "dot": time_config(x, ws, None, None, None, reps=4),
+            forms = {"gemv": time_config(x, ws, None, None, None, reps=4),
                      "cublas": graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws], reps=4)}
-            if m > 1:
-                forms["rows"] = time_config(x, ws, None, None, one, reps=4, rows=True)
-                forms["rows_wide"] = time_config(x, ws, None, None, wide, reps=4, rows=True)
-            row: dict[str, Any] = {"N": n, "K": k, "M": m, "layers": layers, "one_token_config": one.to_json(),
+            row: dict[str, Any] = {"N": n, "K": k, "M": m, "layers": layers, "tuned": bool(tuned),
                                    **{f: {"us": t * 1e6, "tb_s": 2 * n * k / t / 1e12} for f, t in forms.items()}}
+            row["cublas_speedup"] = forms["gemv"] / forms["cublas"]
             rows.append(row)
-            print(f"rows N={n:6d} K={k:6d} M={m:2d}: " + " | ".join(
+            print(f"N={n:6d} K={k:6d} M={m:2d} ({'tuned' if tuned else 'default config'}): " + " | ".join(
                 f"{f} {row[f]['us']:7.2f} us {row[f]['tb_s']:.2f} TB/s" for f in forms), flush=True)
         del ws
         if device == "cuda":

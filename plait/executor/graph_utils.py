@@ -129,10 +129,10 @@ class SegmentedCudaGraph(CudaGraphSegments):
     """A forward captured as consecutive CUDA graphs (segments), cut before each module of
     ``cut_before`` (forward pre-hooks, present only during the capture); replay launches them in order.
 
-    Why: a graph's launch costs host time in proportion to its kernels, and the GPU starts it only once
-    launched. Where the GPU is idle at the launch (a chained verify, launched after the host read the
-    previous verify's result), that time is idle device time; with a short first segment the GPU starts
-    soon, and each later segment is launched while the one before it runs."""
+    Why it exists: a chained verify is launched onto an idle GPU (after the host read the previous
+    verify's result), and a short first segment would start the GPU before the rest is launched. A
+    whole verify graph's launch measured far shorter than that gap, so it stays behind
+    ``PLAIT_SEGMENTED_VERIFY_GRAPHS`` until measured on its own (docs/speculative-decoding.md)."""
 
     def __init__(self, cut_before: Sequence[torch.nn.Module]) -> None:
         super().__init__()

@@ -19,11 +19,6 @@ software-pipelined by ``num_stages``).
 
   M == 1   elementwise: the products accumulate in a ``[BLOCK_N, BLOCK_K]`` fp32 tile, reduced over K
            once at the end (no cross-thread reduction per step)
-  ROWS     elementwise for a few rows (2 <= M <= ``PLAIT_GEMV_ELEMENTWISE_ROWS``): the one-token form with
-           a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` tile, ``BLOCK_M`` the rows rounded up to a power of two and
-           ``BLOCK_K`` the one-token config's divided by it (as many accumulators per thread as one token
-           has); the weight tile is loaded once for every row. The tensor-core form pads the rows to 16
-           and stages the tile for the MMA, which costs bandwidth at a speculative verify's 2-4 rows.
   M >= 2   tensor cores: ``tl.dot`` of the activations (padded to 16 rows by masks, which read
            nothing) with the converted weight tile
   W8A8     every M: ``BLOCK_K`` is one 128-column group; ``tl.dot(W [BLOCK_N, 128], x_q^T [128, 16])``
@@ -57,7 +52,13 @@ import triton.language as tl
 
 from plait import envs
 from plait.layers.pdl import pdl_prologue, use_pdl
-from plait.layers.quantization.gemv_config import GEMV_MAX_TOKENS, GemvConfig, gemv_kind, get_config
+from plait.layers.quantization.gemv_config import (
+    GEMV_MAX_TOKENS,
+    GemvConfig,
+    gemv_kind,
+    get_config,
+    tuned_for_tokens,
+)
 from plait.layers.tuned_configs import device_info
 
 # Row tiles one split-K launch may count (int32 each): gate_up of a 70b model at BLOCK_N 4 needs 14k.
@@ -111,7 +112,6 @@ def _gemv_kernel(
     UPCAST_DOT: tl.constexpr,
     W8A8: tl.constexpr,  # quantize each step's activations to e4m3 per row (BLOCK_K == W8A8_GROUP)
     ONE_ROW: tl.constexpr,  # W8A8 with M == 1
-    ROWS: tl.constexpr,  # elementwise over BLOCK_M (2, 4, ...) rows (module docstring)
     HAS_BIAS: tl.constexpr,
     FP8_MAX_V: tl.constexpr,
     MIN_S: tl.constexpr,
@@ -133,8 +133,6 @@ def _gemv_kernel(
     pdl_prologue(USE_PDL)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    elif ROWS:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif W8A8:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if ONE_ROW:
@@ -164,11 +162,6 @@ def _gemv_kernel(
             if SCALE == 2:
                 prod = prod * s[:, None]
             acc2 += prod
-        elif ROWS:
-            prod3 = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-            if SCALE == 2:
-                prod3 = prod3 * s[None, :, None]
-            acc3 += prod3
         elif W8A8:
             # One step is one 128-column group: its per-row scale and e4m3 codes, then an e4m3 x e4m3
             # dot (the weight tile unconverted, as the async copy left it in shared memory). Rows past M
@@ -211,8 +204,6 @@ def _gemv_kernel(
             acc += part
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
-    elif ROWS:
-        acc = tl.sum(acc3, axis=2)
     elif W8A8:
         acc = tl.trans(acc_t)
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -262,34 +253,25 @@ class GemvLaunch:
     num_stages: int
     w8a8: bool = False
     one_row: bool = False  # W8A8 at M == 1: one row quantized, its codes broadcast to the padding rows
-    rows: bool = False  # elementwise over block_m > 1 rows
 
-    def compile_key(self) -> tuple[int, int, int, bool, bool, int, int, bool, bool]:
-        """What the compiled kernel depends on besides the dtypes and the scale layout (block_m matters
-        only where the rows are elementwise: the tensor-core form pads every M to 16)."""
-        return (self.block_m if self.rows else int(self.block_m == 1), self.block_n, self.block_k, self.even_k,
-                self.split_k > 1, self.num_warps, self.num_stages, self.w8a8, self.one_row)
+    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool]:
+        """What the compiled kernel depends on besides the dtypes and the scale layout."""
+        return (self.block_m == 1, self.block_n, self.block_k, self.even_k, self.split_k > 1, self.num_warps,
+                self.num_stages, self.w8a8, self.one_row)
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: GemvConfig,
-                w8a8: bool = False, rows: bool = False) -> GemvLaunch:
+                w8a8: bool = False) -> GemvLaunch:
     """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
     (M >= 2, and every M with ``w8a8``), a step inside one scale block (block scales), with ``w8a8`` a
     step of exactly one ``W8A8_GROUP``-column activation group and 16+ weight rows per warp, and K
-    slices of whole steps. ``rows`` (M >= 2, not ``w8a8``): the elementwise form over M rows rounded up to
-    a power of two, ``config`` being a one-token config whose step is narrowed by that many rows (at
-    least 16 columns). Cached: eager decode steps plan every layer's call."""
-    rows = rows and m >= 2 and not w8a8
-    if rows:
-        block_m = triton.next_power_of_2(m)
-        block_n, block_k = config.block_n, max(16, config.block_k // block_m)
-    else:
-        block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
-        block_n = config.block_n if block_m == 1 else max(16, config.block_n)
-        block_k = W8A8_GROUP if w8a8 else config.block_k
+    slices of whole steps. Cached: eager decode steps plan every layer's call."""
+    block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
+    block_n = config.block_n if block_m == 1 else max(16, config.block_n)
     if w8a8:  # the weight rows are the dot's M: 16 per warp, so the warps form whole warpgroup MMAs
         block_n = max(block_n, 16 * config.num_warps)
+    block_k = W8A8_GROUP if w8a8 else config.block_k
     if block is not None:
         while block[1] % block_k:
             block_k //= 2
@@ -301,7 +283,7 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
     if triton.cdiv(n, block_n) > MAX_COUNTERS:
         split_k, k_per_split = 1, k_steps * block_k
     return GemvLaunch(block_m, block_n, block_k, split_k, k_per_split, k % k_per_split == 0, config.num_warps,
-                      config.num_stages, w8a8, w8a8 and m == 1, rows)
+                      config.num_stages, w8a8, w8a8 and m == 1)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -317,8 +299,8 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-         config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None,
-         rows: bool | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, bias: torch.Tensor | None = None, w8a8: bool | None = None
+         ) -> torch.Tensor:
     """``x [M, K] @ (W * scale).T (+ bias) -> [M, N]`` in x's dtype for ``1 <= M <= 16``.
 
     ``w`` fp8 e4m3 with ``scale`` ``[N]`` (channel, ``block`` None) or ``[ceil(N / bn), ceil(K / bk)]``
@@ -328,9 +310,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
     ``fp8_w8a8_default()``, and where that is unset too, the weight-only table entry's ``prefer_w8a8``
     (the form measured faster for this case; an explicit ``config``'s own flag, launched as given).
     Block scales narrower than, or not a multiple of, 128 columns take the weight-only form. ``config``
-    overrides the tuned / default launch config (the tuner, tests). ``rows``: the elementwise form for
-    ``2 <= M`` (module docstring) with the one-token config (``config``, if given, is one); None: where M
-    is at most ``PLAIT_GEMV_ELEMENTWISE_ROWS``. Never with ``w8a8``."""
+    overrides the tuned / default launch config (the tuner, tests)."""
     m, k = x.shape
     n = w.shape[0]
     if not 1 <= m <= GEMV_MAX_TOKENS:
@@ -363,12 +343,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         else:
             w8a8 = config.prefer_w8a8
     w8a8 = fp8 and bool(w8a8) and (block is None or block[1] % W8A8_GROUP == 0)
-    if rows is None:
-        rows = m <= envs.GEMV_ELEMENTWISE_ROWS.get()
-    rows = rows and m >= 2 and not w8a8
     if config is None:
-        config = get_config(gemv_kind(w.dtype, block, w8a8), 1 if rows else m, n, k, device_name, num_sms)
-    plan = plan_launch(m, n, k, block, config, w8a8, rows)
+        config = get_config(gemv_kind(w.dtype, block, w8a8), m, n, k, device_name, num_sms)
+    plan = plan_launch(m, n, k, block, config, w8a8)
     block_m, block_n, block_k, split_k, k_per_split = (plan.block_m, plan.block_n, plan.block_k, plan.split_k,
                                                         plan.k_per_split)
     bn_s, bk_s = block if block is not None else (1, 1)
@@ -390,17 +367,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
-        W8A8=w8a8, ONE_ROW=plan.one_row, ROWS=plan.rows, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
+        W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
         USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: bool) -> torch.Tensor:
     """``F.linear`` of an unquantized layer, or, with ``use_gemv`` (``PLAIT_BF16_GEMV=1``), the GEMV for
-    decode-sized batches (1..16 tokens) of bf16 / fp16 weights on CUDA in the weights' dtype (the bias
-    added in its epilogue)."""
+    decode-sized batches of bf16 / fp16 weights on CUDA in the weights' dtype (the bias added in its
+    epilogue): one token always, 2..16 tokens where this device's table has tuned entries for the shape
+    at more than one token (``tuned_for_tokens``). Untuned, the tensor-core form's default tiles read
+    the weights slower than cuBLAS's small-N kernels (docs/benchmarks.md, "The GEMV against cuBLAS")."""
     if use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
         x2 = x.reshape(-1, x.shape[-1])
-        if 1 <= x2.shape[0] <= GEMV_MAX_TOKENS:
+        m = x2.shape[0]
+        if m == 1 or (1 < m <= GEMV_MAX_TOKENS and tuned_for_tokens(
+                gemv_kind(weight.dtype, None), weight.shape[0], weight.shape[1], device_info(x)[0])):
             return gemv(x2, weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight, bias)

@@ -118,6 +118,7 @@ def clear_cache() -> None:
     """Forget parsed tables and resolved configs (tests that write tables)."""
     _load_tables.cache_clear()
     _resolve.cache_clear()
+    _tuned_for_tokens.cache_clear()
 
 
 def balanced_split(n_tiles: int, k_steps: int, num_sms: int) -> int:
@@ -161,6 +162,19 @@ def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfi
         block_n *= 2 if m == 1 else 1
     split_k = balanced_split(-(-n // block_n), -(-k // block_k), num_sms)
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
+
+
+def tuned_for_tokens(kind: str, n: int, k: int, device_name: str) -> bool:
+    """Whether this device's table (``load_tables``) holds an entry of (kind, N, K) at a bucket of more
+    than one token: the tensor-core form's tiles were measured for this shape here."""
+    return _tuned_for_tokens(kind, n, k, device_name, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
+
+
+@functools.cache
+def _tuned_for_tokens(kind: str, n: int, k: int, device_name: str, override: str | None,
+                      package_dir: pathlib.Path) -> bool:
+    del override, package_dir  # cache keys: load_tables reads the same sources
+    return any(m > 1 for m in load_tables(device_name).get(kind, {}).get(shape_key(n, k), {}))
 
 
 def get_config(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int) -> GemvConfig:
