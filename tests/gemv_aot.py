@@ -38,7 +38,7 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str
                   SCALE=2 if block else (1 if kind.startswith("fp8") else 0), BN_SCALE=block[0] if block else 1,
                   BK_SCALE=block[1] if block else 1, EVEN_K=plan.even_k, SPLIT=plan.split_k > 1,
                   NUM_STAGES=plan.num_stages, INPUT_PRECISION=None, GPU_FENCE=True, UPCAST_DOT=False,
-                  W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
+                  W8A8=w8a8, ONE_ROW=plan.one_row, SWAP_AB=plan.swap_ab, HAS_BIAS=False, FP8_MAX_V=448.0, MIN_S=1e-12,
                   USE_PDL=True)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
@@ -56,6 +56,7 @@ def compile_sm90(kind: str, m: int, n: int, k: int, cfg: GemvConfig) -> dict[str
     return {"regs": int(found.group(1)), "stack": int(found.group(2)), "shared": kernel.metadata.shared,
             "pipelined_loads": kernel.asm["ttgir"].count("async_copy_global_to_local"),
             "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\.\S*\.e4m3\.e4m3", ptx)),
+            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "e4m3_widened": len(re.findall(r"cvt\.\S*\.(?:f16x2|bf16x2|f32)\.e4m3x2", ptx)),
             "loads_before_wait": len(re.findall(r"\b(?:ld\.global|cp\.async)", ptx[: ptx.find("griddepcontrol.wait")]))}
 

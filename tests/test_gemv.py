@@ -14,7 +14,7 @@ from plait.layers.quantization.fp8_kernels import (
     dequantize_weight,
     reference_w8a8_gemv,
 )
-from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, split_counters
+from plait.layers.quantization.gemv import MAX_COUNTERS, gemv, plan_launch, split_counters
 from plait.layers.quantization.gemv_config import GemvConfig, default_config, get_config
 from tests.quant_helpers import random_fp8_weight
 
@@ -61,6 +61,34 @@ def test_bf16_activations_give_a_bf16_result_within_its_rounding(m):
     out = gemv(x, q, s, None, GemvConfig(block_n=8, block_k=64), w8a8=False)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ dequantize_weight(q, s, None).t(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize(("kind", "split_k"), [("bf16", 2), ("channel", 1), ("block", 2)])
+def test_swapped_operands_equal_the_weight_product(kind, split_k):
+    # One warp: the swapped form's 16 weight rows per warp are the 16-row tile.
+    config = GemvConfig(block_n=16, block_k=64, split_k=split_k, num_warps=1, swap_ab=True)
+    x = _rand(3, K, seed=10)
+    if kind == "bf16":
+        w = (_rand(N, K, seed=11) * 0.05).to(torch.bfloat16)
+        out, ref = gemv(x, w, config=config), x @ w.float().t()
+    else:
+        q, s, block = random_fp8_weight(kind, N, K)
+        out, ref = gemv(x, q, s, block, config, w8a8=False), x @ dequantize_weight(q, s, block).t()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_swapped_operands_plan_whole_warpgroup_rows_past_one_token():
+    swapped = GemvConfig(block_n=16, block_k=128, num_warps=4, swap_ab=True)
+    plan = plan_launch(4, 4096, 4096, None, swapped)
+    assert plan.swap_ab and plan.block_n == 64 and plan.block_m == 16  # 16 weight rows per warp
+    assert not plan_launch(1, 4096, 4096, None, swapped).swap_ab  # one token: the elementwise form
+    assert not plan_launch(4, 4096, 4096, None, swapped, True).swap_ab  # W8A8's dot is swapped already
+
+
+def test_config_json_holds_a_flag_only_where_set():
+    assert "swap_ab" not in SMALL.to_json()
+    swapped = GemvConfig(block_n=64, block_k=128, swap_ab=True)
+    assert swapped.to_json()["swap_ab"] == 1 and GemvConfig.from_json(swapped.to_json()) == swapped
 
 
 def test_split_k_leaves_its_counters_zero():
@@ -193,6 +221,15 @@ def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
     assert all(r["best_us"] <= r["default_us"] for r in rows)
 
 
+def test_tuner_tries_swapped_operands_only_for_the_tensor_core_form():
+    from plait.bench import gemv_tune
+
+    assert any(c.swap_ab for c in gemv_tune.candidates("bf16", 2, 4096, 4096, 132))
+    assert any(c.swap_ab for c in gemv_tune.candidates("fp8_block", 16, 4096, 4096, 132))
+    assert not any(c.swap_ab for c in gemv_tune.candidates("bf16", 1, 4096, 4096, 132))
+    assert not any(c.swap_ab for c in gemv_tune.candidates("fp8_channel_mma", 4, 4096, 4096, 132))
+
+
 def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
     from plait.bench import gemv_tune
 
@@ -278,6 +315,21 @@ def test_default_configs_compile_for_sm90_without_spills_and_pipeline_their_load
     for r in results:
         assert r["stack"] == 0 and r["regs"] <= 128, r  # no spills; >= 4 programs of 4 warps fit an SM
         assert r["pipelined_loads"] > 0, r  # num_stages turned the weight loads into async copies
+
+
+def test_swapped_tiles_compile_for_sm90_to_warpgroup_mmas_without_spills():
+    """The tuner's swapped-operand tiles at 4 tokens, built for an H200: no spills, pipelined weight
+    loads, and Hopper's warpgroup MMA (the unswapped form's 16-row dot runs mma.sync)."""
+    import tests.gemv_aot as aot
+    from plait.bench.gemv_tune import SWAP_TILES, SWAP_TILES_BLOCK
+    from tests.gemv_aot import run_aot_script
+
+    work = [(kind, 4, 6144, 4096, GemvConfig(block_n=bn, block_k=k_bytes // (1 if kind.startswith("fp8") else 2),
+                                             num_warps=warps, num_stages=stages, swap_ab=True).to_json())
+            for kind, tiles in (("bf16", SWAP_TILES), ("fp8_channel", SWAP_TILES), ("fp8_block", SWAP_TILES_BLOCK))
+            for bn, k_bytes, warps, stages in tiles]
+    for r in run_aot_script(aot.__file__, work):
+        assert r["stack"] == 0 and r["pipelined_loads"] > 0 and r["wgmma"] > 0, r
 
 
 def test_wide_search_tiles_compile_for_sm90_without_spills():

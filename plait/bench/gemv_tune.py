@@ -88,16 +88,27 @@ WIDE_DOT_TILES = [(16, 256, 2, 4), (16, 512, 4, 3), (16, 512, 4, 4), (16, 1024, 
                   (64, 512, 8, 3), (64, 128, 8, 6)]
 
 
+# 2..16 tokens, the tensor-core form with swapped operands (``GemvConfig.swap_ab``: the weight rows are the
+# dot's M, so a 64-row tile per 4 warps is one warpgroup MMA): rows, bytes per step, warps, pipeline depth.
+SWAP_TILES = [(64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3), (64, 128, 4, 6), (128, 256, 4, 3),
+              (128, 256, 8, 4)]
+SWAP_TILES_BLOCK = [(64, 128, 4, 4), (64, 128, 4, 6), (128, 128, 8, 4)]  # fp8 block scales: 128-column steps
+
+
 def candidates(kind: str, m: int, n: int, k: int, num_sms: int, wide: bool = False) -> list[GemvConfig]:
     """The configs tried for one case: each tile with split-K off and at the balanced split (W8A8 tiles
-    at half of it too; the split's value does not change the compiled kernel); ``wide`` adds
-    WIDE_DOT_TILES at 2..16 tokens."""
+    at half of it too; the split's value does not change the compiled kernel), at 2..16 tokens the
+    SWAP_TILES with swapped operands too; ``wide`` adds WIDE_DOT_TILES at 2..16 tokens."""
     elem = 1 if kind.startswith("fp8") else 2
     out: list[GemvConfig] = []
-    for block_n, k_bytes, warps, stages in _tiles(kind, m, wide):
+    tiles = [(*tile, False) for tile in _tiles(kind, m, wide)]
+    if m > 1 and not is_w8a8(kind):
+        tiles += [(*tile, True) for tile in (SWAP_TILES_BLOCK if kind == "fp8_block" else SWAP_TILES)]
+    for block_n, k_bytes, warps, stages, swap in tiles:
         block_k = k_bytes // elem
-        base = GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, num_stages=stages)
-        rows = max(block_n, 16 * warps) if is_w8a8(kind) else max(block_n, 1 if m == 1 else 16)
+        base = GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, num_stages=stages,
+                          swap_ab=swap)
+        rows = max(block_n, 16 * warps) if is_w8a8(kind) or swap else max(block_n, 1 if m == 1 else 16)
         split = balanced_split(-(-n // rows), -(-k // block_k), num_sms)
         splits = [split] if split > 1 else []
         if is_w8a8(kind) and split >= 4:  # tall tiles carry more bytes in flight: fewer programs may do

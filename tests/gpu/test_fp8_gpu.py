@@ -54,6 +54,23 @@ def test_weight_only_gemv_equals_the_dequantized_weight_product(block, m, layer)
     assert _rel(gemv(x, q, s, blk, w8a8=False), ref) < 1e-2
 
 
+@pytest.mark.parametrize("kind", ["bf16", "channel", "block"])
+@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("layer", sorted(LLAMA_8B_LAYERS))
+def test_swapped_operand_gemv_equals_the_weight_product(kind, m, layer):
+    nk = LLAMA_8B_LAYERS[layer]
+    if kind == "bf16":
+        q, s, blk = torch.randn(*nk, device="cuda", dtype=torch.bfloat16) * 0.02, None, None
+        w = q.float()
+    else:
+        q, s, blk = _weights(*nk, kind == "block")
+        w = dequantize_weight(q, s, blk)
+    x = torch.randn(m, nk[1], device="cuda", dtype=torch.bfloat16)
+    for cfg in (GemvConfig(block_n=64, block_k=128, num_stages=4, swap_ab=True),
+                GemvConfig(block_n=128, block_k=128, split_k=4, num_warps=8, swap_ab=True)):
+        assert _rel(gemv(x, q, s, blk, cfg, w8a8=False), x.float() @ w.t()) < 1e-2, cfg
+
+
 @pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("layer", sorted(LLAMA_8B_LAYERS))

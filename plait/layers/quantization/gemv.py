@@ -20,7 +20,9 @@ software-pipelined by ``num_stages``).
   M == 1   elementwise: the products accumulate in a ``[BLOCK_N, BLOCK_K]`` fp32 tile, reduced over K
            once at the end (no cross-thread reduction per step)
   M >= 2   tensor cores: ``tl.dot`` of the activations (padded to 16 rows by masks, which read
-           nothing) with the converted weight tile
+           nothing) with the converted weight tile; with ``GemvConfig.swap_ab`` (where the tuner found
+           it faster) the operands swapped, ``W [BLOCK_N, BLOCK_K] @ x^T``: the weight rows are the
+           MMA's M (16 per warp, so on sm_90 one warpgroup MMA per 4 warps, its B the activations)
   W8A8     every M: ``BLOCK_K`` is one 128-column group; ``tl.dot(W [BLOCK_N, 128], x_q^T [128, 16])``
            with the weight rows as the MMA's M (>= 16 per warp: on sm_90 a warpgroup MMA reading the
            e4m3 weight tile straight from the shared memory its async copy filled), times each token's
@@ -112,6 +114,7 @@ def _gemv_kernel(
     UPCAST_DOT: tl.constexpr,
     W8A8: tl.constexpr,  # quantize each step's activations to e4m3 per row (BLOCK_K == W8A8_GROUP)
     ONE_ROW: tl.constexpr,  # W8A8 with M == 1
+    SWAP_AB: tl.constexpr,  # the tensor-core form with the weight rows as the dot's M (module docstring)
     HAS_BIAS: tl.constexpr,
     FP8_MAX_V: tl.constexpr,
     MIN_S: tl.constexpr,
@@ -133,7 +136,7 @@ def _gemv_kernel(
     pdl_prologue(USE_PDL)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    elif W8A8:
+    elif W8A8 or SWAP_AB:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if ONE_ROW:
             offs_k0 = k_lo + tl.arange(0, BLOCK_K)
@@ -194,6 +197,14 @@ def _gemv_kernel(
             if SCALE == 2:
                 part = part * s[:, None]
             acc_t += part
+        elif SWAP_AB:
+            if UPCAST_DOT:  # as below: the interpreter's bf16 dot
+                part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=INPUT_PRECISION)
+            if SCALE == 2:
+                part = part * s[:, None]
+            acc_t += part
         else:
             if UPCAST_DOT:  # triton 3.6's interpreter multiplies bf16 dot operands as integers
                 part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -204,7 +215,7 @@ def _gemv_kernel(
             acc += part
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
-    elif W8A8:
+    elif W8A8 or SWAP_AB:
         acc = tl.trans(acc_t)
     out_mask = mask_m[:, None] & mask_n[None, :]
     out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -253,11 +264,12 @@ class GemvLaunch:
     num_stages: int
     w8a8: bool = False
     one_row: bool = False  # W8A8 at M == 1: one row quantized, its codes broadcast to the padding rows
+    swap_ab: bool = False  # the tensor-core form with the weight rows as the dot's M
 
-    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool]:
+    def compile_key(self) -> tuple[bool, int, int, bool, bool, int, int, bool, bool, bool]:
         """What the compiled kernel depends on besides the dtypes and the scale layout."""
         return (self.block_m == 1, self.block_n, self.block_k, self.even_k, self.split_k > 1, self.num_warps,
-                self.num_stages, self.w8a8, self.one_row)
+                self.num_stages, self.w8a8, self.one_row, self.swap_ab)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -266,10 +278,13 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
     """``config`` made launchable for an (M, N, K) call: 16+ rows and columns for the tensor-core form
     (M >= 2, and every M with ``w8a8``), a step inside one scale block (block scales), with ``w8a8`` a
     step of exactly one ``W8A8_GROUP``-column activation group and 16+ weight rows per warp, and K
-    slices of whole steps. Cached: eager decode steps plan every layer's call."""
+    slices of whole steps. ``config.swap_ab`` takes the swapped tensor-core form at M >= 2 (not with
+    ``w8a8``, whose dot is swapped already), with 16+ weight rows per warp as W8A8. Cached: eager decode
+    steps plan every layer's call."""
     block_m = 1 if m == 1 and not w8a8 else max(16, triton.next_power_of_2(m))
     block_n = config.block_n if block_m == 1 else max(16, config.block_n)
-    if w8a8:  # the weight rows are the dot's M: 16 per warp, so the warps form whole warpgroup MMAs
+    swap_ab = config.swap_ab and block_m > 1 and not w8a8
+    if w8a8 or swap_ab:  # the weight rows are the dot's M: 16 per warp, so the warps form whole warpgroup MMAs
         block_n = max(block_n, 16 * config.num_warps)
     block_k = W8A8_GROUP if w8a8 else config.block_k
     if block is not None:
@@ -283,7 +298,7 @@ def plan_launch(m: int, n: int, k: int, block: tuple[int, int] | None, config: G
     if triton.cdiv(n, block_n) > MAX_COUNTERS:
         split_k, k_per_split = 1, k_steps * block_k
     return GemvLaunch(block_m, block_n, block_k, split_k, k_per_split, k % k_per_split == 0, config.num_warps,
-                      config.num_stages, w8a8, w8a8 and m == 1)
+                      config.num_stages, w8a8, w8a8 and m == 1, swap_ab)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -367,7 +382,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
         EVEN_K=plan.even_k, SPLIT=split_k > 1,
         NUM_STAGES=config.num_stages, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GPU_FENCE=x.is_cuda, UPCAST_DOT=not x.is_cuda and (w8a8 or x.dtype == torch.bfloat16),
-        W8A8=w8a8, ONE_ROW=plan.one_row, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX, MIN_S=MIN_SCALE,
+        W8A8=w8a8, ONE_ROW=plan.one_row, SWAP_AB=plan.swap_ab, HAS_BIAS=bias is not None, FP8_MAX_V=FP8_MAX,
+        MIN_S=MIN_SCALE,
         USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 

@@ -40,7 +40,8 @@ class GemvConfig:
     ``split_k`` programs along K per row tile (1: each program reads whole rows), ``num_warps``,
     ``num_stages`` (software pipelining of the weight loads). ``prefer_w8a8`` (FP8 weight-only tables
     only): the W8A8 form, with its own table's config, measured faster for this case; calls that do not
-    choose a form take it (``plait.layers.quantization.gemv``)."""
+    choose a form take it (``plait.layers.quantization.gemv``). ``swap_ab`` (2+ tokens, not W8A8): the
+    tensor-core form with the weight rows as the dot's M."""
 
     block_n: int
     block_k: int
@@ -48,6 +49,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     prefer_w8a8: bool = False
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -60,17 +62,19 @@ class GemvConfig:
             raise ValueError(f"GemvConfig: split_k and num_stages must be >= 1, got {self}")
 
     def to_json(self) -> dict[str, int]:
-        """The table entry: ``prefer_w8a8`` only where set (1)."""
+        """The table entry: the flags (``prefer_w8a8``, ``swap_ab``) only where set (1)."""
         data = {k: int(v) for k, v in asdict(self).items()}
-        if not self.prefer_w8a8:
-            del data["prefer_w8a8"]
+        for flag in ("prefer_w8a8", "swap_ab"):
+            if not data[flag]:
+                del data[flag]
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, int]) -> GemvConfig:
         values = {k: int(data[k]) for k in cls.__dataclass_fields__ if k in data}
-        if "prefer_w8a8" in values:
-            values["prefer_w8a8"] = bool(values["prefer_w8a8"])
+        for flag in ("prefer_w8a8", "swap_ab"):
+            if flag in values:
+                values[flag] = bool(values[flag])
         return cls(**values)  # type: ignore[arg-type]
 
 
