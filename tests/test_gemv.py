@@ -157,13 +157,16 @@ def test_missing_entries_fall_back_to_the_default(tables):
     assert get_config("bf16", 1, 4096, 4096, "Other GPU", 132) == default_config("bf16", 1, 4096, 4096, 132)
 
 
-def test_several_tokens_count_as_tuned_only_with_a_bucket_past_one(tables):
-    _write(tables / "package", {"bf16": {"N4096_K4096": {"1": SMALL.to_json(), "4": WIDE.to_json()},
+def test_dense_layers_take_the_gemv_past_one_token_only_where_the_table_says_it_wins(tables):
+    fast_cublas = GemvConfig(**{**WIDE.to_json(), "prefer_cublas": True})
+    _write(tables / "package", {"bf16": {"N4096_K4096": {"1": SMALL.to_json(), "4": WIDE.to_json(),
+                                                         "16": fast_cublas.to_json()},
                                          "N6144_K4096": {"1": SMALL.to_json()}}})
-    assert gemv_config.tuned_for_tokens("bf16", 4096, 4096, "Fake GPU")
-    assert not gemv_config.tuned_for_tokens("bf16", 6144, 4096, "Fake GPU")  # one token only
-    assert not gemv_config.tuned_for_tokens("bf16", 2048, 4096, "Fake GPU")  # no entry
-    assert not gemv_config.tuned_for_tokens("bf16", 4096, 4096, "Other GPU")  # no table
+    assert gemv_config.gemv_takes("bf16", 2, 4096, 4096, "Fake GPU")  # bucket 4 covers 2..4
+    assert not gemv_config.gemv_takes("bf16", 8, 4096, 4096, "Fake GPU")  # bucket 16: cuBLAS measured faster
+    assert not gemv_config.gemv_takes("bf16", 2, 6144, 4096, "Fake GPU")  # tuned for one token only
+    assert not gemv_config.gemv_takes("bf16", 2, 2048, 4096, "Fake GPU")  # no entry
+    assert not gemv_config.gemv_takes("bf16", 2, 4096, 4096, "Other GPU")  # no table
 
 
 def test_default_splits_k_only_when_row_tiles_leave_sms_idle():
@@ -209,6 +212,7 @@ def test_tuner_runs_every_candidate_and_keeps_the_fastest_per_case(monkeypatch):
         return 1.0 / (cfg.block_n * 1000 + cfg.block_k + cfg.split_k)  # the widest tile wins
 
     monkeypatch.setattr(gemv_tune, "time_config", fake_time)
+    monkeypatch.setattr(gemv_tune, "graph_time", lambda fns, reps=10: 1.0)  # cuBLAS: slower than every tile
     saved = []
     table, rows = gemv_tune.tune(budget_s=600, save=lambda t, r: saved.append(len(r)), device="cpu")
     expected = {c.kind: max(gemv_tune.candidates(c.kind, c.m, c.n, c.k, 8),
@@ -228,6 +232,18 @@ def test_tuner_tries_swapped_operands_only_for_the_tensor_core_form():
     assert any(c.swap_ab for c in gemv_tune.candidates("fp8_block", 16, 4096, 4096, 132))
     assert not any(c.swap_ab for c in gemv_tune.candidates("bf16", 1, 4096, 4096, 132))
     assert not any(c.swap_ab for c in gemv_tune.candidates("fp8_channel_mma", 4, 4096, 4096, 132))
+
+
+def test_tuner_marks_the_token_counts_where_cublas_measured_faster(monkeypatch):
+    from plait.bench import gemv_tune
+
+    monkeypatch.setattr(gemv_tune, "time_config", lambda x, ws, s, b, cfg, reps=2, w8a8=False: 2e-6)
+    monkeypatch.setattr(gemv_tune, "graph_time", lambda fns, reps=10: [f() for f in fns] and 1e-6)
+    ws, scale, block = gemv_tune.make_weights("bf16", 48, 256, rotate=False, device="cpu")
+    several = gemv_tune.tune_case(gemv_tune.Case("bf16", 48, 256, 4, ["tiny/o"]), ws, scale, block, 8)
+    one = gemv_tune.tune_case(gemv_tune.Case("bf16", 48, 256, 1, ["tiny/o"]), ws, scale, block, 8)
+    assert several["best"]["prefer_cublas"] == 1 and several["cublas_us"] == pytest.approx(1.0)
+    assert "prefer_cublas" not in one["best"] and "cublas_us" not in one  # one token always takes the GEMV
 
 
 def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):

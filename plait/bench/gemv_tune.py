@@ -203,10 +203,15 @@ def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, bl
         raise RuntimeError(f"gemv tune: no config of {case} matches the fp32 reference")
     default = default_config(case.kind, case.m, case.n, case.k, num_sms)
     default_s = next((t for t, c in timed if c == default), float("nan"))
-    return {"kind": case.kind, "N": case.n, "K": case.k, "M": case.m, "layers": case.layers,
-            "best": best.to_json(), "best_us": best_s * 1e6, "best_tb_s": weight_bytes / best_s / 1e12,
-            "default": default.to_json(), "default_us": default_s * 1e6,
-            "default_tb_s": weight_bytes / default_s / 1e12, "configs_timed": len(timed)}
+    row = {"kind": case.kind, "N": case.n, "K": case.k, "M": case.m, "layers": case.layers}
+    if case.m > 1 and case.kind in ("bf16", "fp16"):  # dense layers may call cuBLAS instead (gemv_takes)
+        xw = x.to(ws[0].dtype)
+        cublas_s = graph_time([lambda w=w: torch.nn.functional.linear(xw, w) for w in ws], reps=2)
+        best = replace(best, prefer_cublas=cublas_s < best_s)
+        row |= {"cublas_us": cublas_s * 1e6, "cublas_tb_s": weight_bytes / cublas_s / 1e12}
+    return row | {"best": best.to_json(), "best_us": best_s * 1e6, "best_tb_s": weight_bytes / best_s / 1e12,
+                  "default": default.to_json(), "default_us": default_s * 1e6,
+                  "default_tb_s": weight_bytes / default_s / 1e12, "configs_timed": len(timed)}
 
 
 def _compile_work(all_cases: list[Case], num_sms: int, wide: bool = False
@@ -288,8 +293,9 @@ def tune(shapes: tuple[str, ...] = TUNED_SHAPES, kinds: tuple[str, ...] = TUNED_
             row = tune_case(case, ws, scale, block, num_sms, wide)
             rows.append(row)
             table.setdefault(kind, {}).setdefault(shape_key(n, k), {})[str(case.m)] = row["best"]
+            cublas = f", cuBLAS {row['cublas_us']:.2f} us" if "cublas_us" in row else ""
             print(f"{kind:12s} N={n:6d} K={k:6d} M={case.m:2d}: best {row['best_us']:7.2f} us "
-                  f"{row['best_tb_s']:.2f} TB/s {row['best']}  (default {row['default_us']:.2f} us)")
+                  f"{row['best_tb_s']:.2f} TB/s {row['best']}  (default {row['default_us']:.2f} us{cublas})")
         del ws
         if device == "cuda":
             torch.cuda.empty_cache()

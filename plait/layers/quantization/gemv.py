@@ -58,8 +58,8 @@ from plait.layers.quantization.gemv_config import (
     GEMV_MAX_TOKENS,
     GemvConfig,
     gemv_kind,
+    gemv_takes,
     get_config,
-    tuned_for_tokens,
 )
 from plait.layers.tuned_configs import device_info
 
@@ -391,13 +391,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bl
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: bool) -> torch.Tensor:
     """``F.linear`` of an unquantized layer, or, with ``use_gemv`` (``PLAIT_BF16_GEMV=1``), the GEMV for
     decode-sized batches of bf16 / fp16 weights on CUDA in the weights' dtype (the bias added in its
-    epilogue): one token always, 2..16 tokens where this device's table has tuned entries for the shape
-    at more than one token (``tuned_for_tokens``). Untuned, the tensor-core form's default tiles read
-    the weights slower than cuBLAS's small-N kernels (docs/benchmarks.md, "The GEMV against cuBLAS")."""
+    epilogue): one token always, 2..16 tokens where this device's table says the GEMV is faster there
+    (``gemv_takes``). Untuned, the tensor-core form's default tiles read the weights slower than
+    cuBLAS's small-N kernels (docs/benchmarks.md, "The GEMV against cuBLAS")."""
     if use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
         x2 = x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
-        if m == 1 or (1 < m <= GEMV_MAX_TOKENS and tuned_for_tokens(
-                gemv_kind(weight.dtype, None), weight.shape[0], weight.shape[1], device_info(x)[0])):
+        if m == 1 or (1 < m <= GEMV_MAX_TOKENS and gemv_takes(
+                gemv_kind(weight.dtype, None), m, weight.shape[0], weight.shape[1], device_info(x)[0])):
             return gemv(x2, weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight, bias)

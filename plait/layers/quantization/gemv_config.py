@@ -34,6 +34,10 @@ GEMV_MAX_TOKENS = 16
 KINDS = ("fp8_channel", "fp8_block", "fp8_channel_mma", "fp8_block_mma", "bf16", "fp16")
 
 
+# GemvConfig's booleans: a table entry holds each only where set.
+FLAGS = ("prefer_w8a8", "swap_ab", "prefer_cublas")
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     """One launch: ``block_n`` weight rows per program, ``block_k`` columns per loop step (elements),
@@ -41,7 +45,9 @@ class GemvConfig:
     ``num_stages`` (software pipelining of the weight loads). ``prefer_w8a8`` (FP8 weight-only tables
     only): the W8A8 form, with its own table's config, measured faster for this case; calls that do not
     choose a form take it (``plait.layers.quantization.gemv``). ``swap_ab`` (2+ tokens, not W8A8): the
-    tensor-core form with the weight rows as the dot's M."""
+    tensor-core form with the weight rows as the dot's M. ``prefer_cublas`` (bf16 / fp16 tables, 2+
+    tokens): cuBLAS measured faster than every config tried, so dense layers call it there
+    (``gemv_takes``); the config stays the fastest GEMV for direct calls."""
 
     block_n: int
     block_k: int
@@ -50,6 +56,7 @@ class GemvConfig:
     num_stages: int = 3
     prefer_w8a8: bool = False
     swap_ab: bool = False
+    prefer_cublas: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -62,9 +69,9 @@ class GemvConfig:
             raise ValueError(f"GemvConfig: split_k and num_stages must be >= 1, got {self}")
 
     def to_json(self) -> dict[str, int]:
-        """The table entry: the flags (``prefer_w8a8``, ``swap_ab``) only where set (1)."""
+        """The table entry: the flags (``FLAGS``) only where set (1)."""
         data = {k: int(v) for k, v in asdict(self).items()}
-        for flag in ("prefer_w8a8", "swap_ab"):
+        for flag in FLAGS:
             if not data[flag]:
                 del data[flag]
         return data
@@ -72,7 +79,7 @@ class GemvConfig:
     @classmethod
     def from_json(cls, data: dict[str, int]) -> GemvConfig:
         values = {k: int(data[k]) for k in cls.__dataclass_fields__ if k in data}
-        for flag in ("prefer_w8a8", "swap_ab"):
+        for flag in FLAGS:
             if flag in values:
                 values[flag] = bool(values[flag])
         return cls(**values)  # type: ignore[arg-type]
@@ -122,7 +129,7 @@ def clear_cache() -> None:
     """Forget parsed tables and resolved configs (tests that write tables)."""
     _load_tables.cache_clear()
     _resolve.cache_clear()
-    _tuned_for_tokens.cache_clear()
+    _gemv_takes.cache_clear()
 
 
 def balanced_split(n_tiles: int, k_steps: int, num_sms: int) -> int:
@@ -168,17 +175,23 @@ def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfi
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
 
 
-def tuned_for_tokens(kind: str, n: int, k: int, device_name: str) -> bool:
-    """Whether this device's table (``load_tables``) holds an entry of (kind, N, K) at a bucket of more
-    than one token: the tensor-core form's tiles were measured for this shape here."""
-    return _tuned_for_tokens(kind, n, k, device_name, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
+def gemv_takes(kind: str, m: int, n: int, k: int, device_name: str) -> bool:
+    """Whether a dense layer's call of ``m`` >= 2 tokens should run the GEMV rather than cuBLAS: this
+    device's table (``load_tables``) has an entry of (kind, N, K) at a bucket past one token covering
+    ``m`` (``covering_bucket``), not marked ``prefer_cublas``. Untuned, the tensor-core form's default
+    tiles lose to cuBLAS's small-N kernels."""
+    return _gemv_takes(kind, m, n, k, device_name, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
 
 
 @functools.cache
-def _tuned_for_tokens(kind: str, n: int, k: int, device_name: str, override: str | None,
-                      package_dir: pathlib.Path) -> bool:
+def _gemv_takes(kind: str, m: int, n: int, k: int, device_name: str, override: str | None,
+                package_dir: pathlib.Path) -> bool:
     del override, package_dir  # cache keys: load_tables reads the same sources
-    return any(m > 1 for m in load_tables(device_name).get(kind, {}).get(shape_key(n, k), {}))
+    buckets = load_tables(device_name).get(kind, {}).get(shape_key(n, k))
+    if not buckets:
+        return False
+    bucket = covering_bucket(buckets, m)
+    return bucket > 1 and not buckets[bucket].prefer_cublas
 
 
 def get_config(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int) -> GemvConfig:
