@@ -34,7 +34,7 @@ from plait.layers.quantization.gemv_config import (
     GemvConfig,
     balanced_split,
     default_config,
-    load_tables,
+    gemv_takes,
     shape_key,
 )
 
@@ -346,24 +346,24 @@ def compare_cublas(shapes: tuple[str, ...], ms: tuple[int, ...], extra: dict[str
                    device: str = "cuda") -> list[dict[str, Any]]:
     """bf16 weights: the GEMV on the config in force (the table's, else ``default_config``) against
     cuBLAS (``F.linear``) per projection of ``shapes`` and the ``extra`` (N, K) named in it (an lm_head)
-    and per M: rows of us and TB/s of weight bytes read, timed as ``tune`` times, and whether the
-    case is tuned on this device."""
+    and per M: rows of us and TB/s of weight bytes read, timed as ``tune`` times, and which of the two
+    a dense layer takes there (``gemv_takes``: past one token only where this device's table says)."""
     rows: list[dict[str, Any]] = []
     nks = [(c.n, c.k, c.layers) for c in cases(shapes, ("bf16",), (1,))]
     nks += [(n, k, [name]) for name, (n, k) in (extra or {}).items()]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     for n, k, layers in nks:
         ws, _, _ = make_weights("bf16", n, k, rotate=device == "cuda", device=device)
-        tuned = load_tables(name).get("bf16", {}).get(shape_key(n, k), {})
         for m in ms:
+            takes = "gemv" if m == 1 or gemv_takes("bf16", m, n, k, name) else "cublas"
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             forms = {"gemv": time_config(x, ws, None, None, None, reps=4),
                      "cublas": graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws], reps=4)}
-            row: dict[str, Any] = {"N": n, "K": k, "M": m, "layers": layers, "tuned": bool(tuned),
+            row: dict[str, Any] = {"N": n, "K": k, "M": m, "layers": layers, "dense_layers_take": takes,
                                    **{f: {"us": t * 1e6, "tb_s": 2 * n * k / t / 1e12} for f, t in forms.items()}}
             row["cublas_speedup"] = forms["gemv"] / forms["cublas"]
             rows.append(row)
-            print(f"N={n:6d} K={k:6d} M={m:2d} ({'tuned' if tuned else 'default config'}): " + " | ".join(
+            print(f"N={n:6d} K={k:6d} M={m:2d} (dense layers take {takes}): " + " | ".join(
                 f"{f} {row[f]['us']:7.2f} us {row[f]['tb_s']:.2f} TB/s" for f in forms), flush=True)
         del ws
         if device == "cuda":
