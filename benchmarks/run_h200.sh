@@ -304,6 +304,18 @@ for stage in "$@"; do
     spec-env-ab) spec_env_ab spec-env-ab ;;
     # The small-M GEMV (the config in force) against cuBLAS at 1-16 tokens, 8b projections and lm_head.
     gemv-cublas) python benchmarks/gemv_cublas.py "$OUT" 2>&1 | tee "$OUT/gemv-cublas.log" | tail -30 ;;
+    # The bf16 GEMV re-tuned past one token (swapped-operand tiles among the candidates, cuBLAS timed beside
+    # them: prefer_cublas) into $OUT/gemv-configs over a copy of the shipped table, those kernels against
+    # cuBLAS, then spec-ngram-repeat on the shipped table against the fresh one (SPEC_AB_ROUNDS rounds;
+    # results spec-gemv-ab-r<round>-<i>/, i = 0 shipped, 1 fresh).
+    gemv-retune-ab)
+      mkdir -p "$OUT/gemv-configs"
+      cp plait/layers/quantization/configs/gemv_*.json "$OUT/gemv-configs/" 2>/dev/null
+      python benchmarks/tune_gemv.py --out "$OUT/gemv-configs" --kinds bf16 --m 2,4,8,16 --budget-s "${TUNE_S:-90}" \
+        2>&1 | tee "$OUT/gemv-retune.log" | tail -25
+      PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs python benchmarks/gemv_cublas.py "$OUT/gemv-configs" 2>&1 \
+        | tee "$OUT/gemv-cublas-retuned.log" | tail -25
+      AB_ENVS="PLAIT_GEMV_CONFIG_DIR=,PLAIT_GEMV_CONFIG_DIR=$OUT/gemv-configs" spec_env_ab spec-gemv-ab ;;
     # Speculative graphs (verify replay vs eager logits, engines through both graph kinds).
     spec-tests) python -m pytest -q -m gpu tests/gpu/test_spec_graphs_gpu.py -x -p no:cacheprovider \
         ${SPEC_TESTS_K:+-k "$SPEC_TESTS_K"} 2>&1 \
