@@ -165,6 +165,11 @@ def time_config(x: torch.Tensor, ws: list[torch.Tensor], scale: torch.Tensor | N
     return graph_time(calls, reps=reps)
 
 
+def time_cublas(x: torch.Tensor, ws: list[torch.Tensor], reps: int = 2) -> float:
+    """Seconds per ``F.linear(x, w)`` (cuBLAS on CUDA) over the rotated copies, timed as ``time_config``."""
+    return graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], reps=reps)
+
+
 def rel_error(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
               cfg: GemvConfig, w8a8: bool = False) -> float:
     """Max error of ``gemv`` with ``cfg`` relative to the largest entry of its fp32 reference: the
@@ -205,8 +210,7 @@ def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, bl
     default_s = next((t for t, c in timed if c == default), float("nan"))
     row = {"kind": case.kind, "N": case.n, "K": case.k, "M": case.m, "layers": case.layers}
     if case.m > 1 and case.kind in ("bf16", "fp16"):  # dense layers may call cuBLAS instead (gemv_takes)
-        xw = x.to(ws[0].dtype)
-        cublas_s = graph_time([lambda w=w: torch.nn.functional.linear(xw, w) for w in ws], reps=2)
+        cublas_s = time_cublas(x.to(ws[0].dtype), ws)
         best = replace(best, prefer_cublas=cublas_s < best_s)
         row |= {"cublas_us": cublas_s * 1e6, "cublas_tb_s": weight_bytes / cublas_s / 1e12}
     return row | {"best": best.to_json(), "best_us": best_s * 1e6, "best_tb_s": weight_bytes / best_s / 1e12,
@@ -358,7 +362,7 @@ def compare_cublas(shapes: tuple[str, ...], ms: tuple[int, ...], extra: dict[str
             takes = "gemv" if m == 1 or gemv_takes("bf16", m, n, k, name) else "cublas"
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             forms = {"gemv": time_config(x, ws, None, None, None, reps=4),
-                     "cublas": graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws], reps=4)}
+                     "cublas": time_cublas(x, ws, reps=4)}
             row: dict[str, Any] = {"N": n, "K": k, "M": m, "layers": layers, "dense_layers_take": takes,
                                    **{f: {"us": t * 1e6, "tb_s": 2 * n * k / t / 1e12} for f, t in forms.items()}}
             row["cublas_speedup"] = forms["gemv"] / forms["cublas"]
