@@ -141,6 +141,12 @@ def test_tuned_file_gives_the_smallest_bucket_covering_m(tables):
     assert get_config("fp8_channel", 16, 6144, 4096, "Fake GPU", 132) == WIDE  # past the last: the largest
 
 
+def test_one_token_never_takes_tiles_tuned_for_several_rows(tables):
+    _write(tables / "package", {"bf16": {"N6144_K4096": {"2": WIDE.to_json(), "8": WIDE.to_json()}}})
+    assert get_config("bf16", 1, 6144, 4096, "Fake GPU", 132) == default_config("bf16", 1, 6144, 4096, 132)
+    assert get_config("bf16", 2, 6144, 4096, "Fake GPU", 132) == WIDE
+
+
 def test_env_dir_is_read_before_the_package_dir(tables, monkeypatch):
     _write(tables / "package", {"bf16": {"N4096_K4096": {"1": SMALL.to_json()}}})
     _write(tables / "fresh", {"bf16": {"N4096_K4096": {"1": WIDE.to_json()}}})

@@ -195,8 +195,11 @@ def _gemv_takes(kind: str, m: int, n: int, k: int, device_name: str, override: s
 
 
 def get_config(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int) -> GemvConfig:
-    """The tuned config of (kind, N, K) at the smallest bucket >= m, else ``default_config``. Resolved
-    once per call shape and config source: a decode step asks for every layer, host time matters."""
+    """The tuned config of (kind, N, K) at the smallest bucket >= m, else ``default_config``; one token
+    of a one-row kind (not ``_mma``: W8A8 runs every M as a tile) takes only a one-token entry (tiles
+    tuned for several rows, read by the one-row form, ran the 8b qkv at two thirds of its default's
+    speed). Resolved once per call shape and config source: a decode step asks for every layer, host
+    time matters."""
     return _resolve(kind, m, n, k, device_name, num_sms, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
 
 
@@ -205,6 +208,6 @@ def _resolve(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int, 
              package_dir: pathlib.Path) -> GemvConfig:
     del override, package_dir  # cache keys: load_tables reads the same sources
     buckets = load_tables(device_name).get(kind, {}).get(shape_key(n, k))
-    if not buckets:
+    if not buckets or (m == 1 and 1 not in buckets and not kind.endswith("_mma")):
         return default_config(kind, m, n, k, num_sms)
     return buckets[covering_bucket(buckets, m)]
