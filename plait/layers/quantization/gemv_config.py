@@ -196,10 +196,9 @@ def _gemv_takes(kind: str, m: int, n: int, k: int, device_name: str, override: s
 
 def get_config(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int) -> GemvConfig:
     """The tuned config of (kind, N, K) at the smallest bucket >= m, else ``default_config``; one token
-    of a one-row kind (not ``_mma``: W8A8 runs every M as a tile) takes only a one-token entry (tiles
-    tuned for several rows, read by the one-row form, ran the 8b qkv at two thirds of its default's
-    speed). Resolved once per call shape and config source: a decode step asks for every layer, host
-    time matters."""
+    of a one-row kind (not ``_mma``: W8A8 runs every M as a tile) takes only a one-token entry: tiles
+    tuned for the tensor-core form of several rows are no guide to the one-row form's. Resolved once
+    per call shape and config source: a decode step asks for every layer, host time matters."""
     return _resolve(kind, m, n, k, device_name, num_sms, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
 
 
