@@ -371,24 +371,29 @@ class TritonAttnBackend(AttentionBackend):
             static = None
         use_extend = not use_rows or bool(self.sliding_windows)
 
-        # qo / kv / mask indptrs from the host lists, in one pinned copy (a verify step's planning runs
-        # while the GPU idles: one copy, not three cumsums and their stores). Request b's mask block
-        # is ext_b x (prefix_b + ext_b).
+        # qo / kv / mask indptrs. A verify step's planning runs while the GPU idles, so it costs what
+        # the host spends issuing it. Request b's mask block is ext_b x (prefix_b + ext_b).
         ext, pre = fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu
-        packed = static.packed if static is not None else torch.empty(3, bs + 1, dtype=torch.int32,
-                                                                      device=self.device)
-        host = np.zeros(tuple(packed.shape), dtype=np.int32)
-        np.cumsum(ext, out=host[0, 1 : bs + 1])
-        np.cumsum(pre, out=host[1, 1 : bs + 1])
-        np.cumsum(np.multiply(ext, np.add(pre, ext)), out=host[2, 1 : bs + 1])
-        copy_to_device_(packed, torch.from_numpy(host))
-        if fb.lens_on_device:
-            # Launched ahead of its predecessor's result: the host's prefix lengths are lower bounds,
-            # so the KV indptr comes from the device's (a chain batch has no mask to lay out).
-            if static is None or mask is not None:
-                raise RuntimeError("a verify batch with its lengths on the device only runs as a chain batch in "
-                                   "a verify graph")
+        if fb.lens_on_device and (static is None or mask is not None):
+            # Launched ahead of its predecessor's result: the host's prefix lengths are lower bounds.
+            raise RuntimeError("a verify batch with its lengths on the device only runs as a chain batch in "
+                               "a verify graph")
+        if static is not None and mask is None:
+            # A chain batch in the graph buffers: qo and kv from the lengths already on the device, two
+            # cumsums (a host-to-device copy costs the host several times their launches). Column 0
+            # stays 0 (zeroed at allocation, and every plan writes 0 there); no mask, no mask indptr.
+            packed = static.packed
+            torch.cumsum(fb.extend.seq_lens, 0, dtype=torch.int32, out=packed[0, 1 : bs + 1])
             torch.cumsum(fb.extend.prefix_lens, 0, dtype=torch.int32, out=packed[1, 1 : bs + 1])
+        else:
+            # From the host lists, in one pinned copy (not three cumsums and their stores).
+            packed = static.packed if static is not None else torch.empty(3, bs + 1, dtype=torch.int32,
+                                                                          device=self.device)
+            host = np.zeros(tuple(packed.shape), dtype=np.int32)
+            np.cumsum(ext, out=host[0, 1 : bs + 1])
+            np.cumsum(pre, out=host[1, 1 : bs + 1])
+            np.cumsum(np.multiply(ext, np.add(pre, ext)), out=host[2, 1 : bs + 1])
+            copy_to_device_(packed, torch.from_numpy(host))
         qo_indptr, kv_indptr, mask_indptr = packed[0, : bs + 1], packed[1, : bs + 1], packed[2, : bs + 1]
         if mask is None:
             mask_indptr = None
