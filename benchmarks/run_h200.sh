@@ -302,6 +302,9 @@ for stage in "$@"; do
     # spec-ngram-repeat (8b, 16 x 64) once per comma-separated AB_ENVS entry, alternated for SPEC_AB_ROUNDS
     # rounds (default 1); results under $OUT/spec-env-ab-r<round>-<i>/.
     spec-env-ab) spec_env_ab spec-env-ab ;;
+    # The host time of a small host-to-device copy while the stream is busy: pinned, pageable, a persistent
+    # pinned buffer (benchmarks/h2d_copy.py; PLAIT_PAGEABLE_H2D's premise).
+    h2d-copy) python benchmarks/h2d_copy.py | tee "$OUT/h2d-copy.json" ;;
     # The small-M GEMV (the config in force) against cuBLAS at 1-16 tokens, 8b projections and lm_head.
     gemv-cublas) python benchmarks/gemv_cublas.py "$OUT" 2>&1 | tee "$OUT/gemv-cublas.log" | tail -30 ;;
     # The bf16 GEMV re-tuned past one token (swapped-operand tiles among the candidates, cuBLAS timed beside

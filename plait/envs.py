@@ -158,6 +158,12 @@ SEGMENTED_VERIFY_GRAPHS = EnvVar(
     "1: each TARGET_VERIFY CUDA graph is captured as consecutive graphs cut before decoder layers 1, 3, 7, "
     "15, ... (plait.executor.graph_utils.SegmentedCudaGraph); 0 (the default until an H200 run confirms "
     "an H100's gain): one graph per verify batch. Read when the model runner captures its graphs.")
+PAGEABLE_H2D = _flag_var(
+    "PLAIT_PAGEABLE_H2D",
+    "1: host-to-device copies of at most plait.transfer.PAGEABLE_MAX_BYTES go non-blocking from pageable memory "
+    "(the driver stages them before returning) instead of through pinned memory, whose event bookkeeping costs "
+    "the host more per copy; 0 (the default until measured end to end on a GPU): every copy pinned. Read at "
+    "every copy.")
 PIECEWISE_CUDA_GRAPH = _flag_var(
     "PLAIT_PIECEWISE_CUDA_GRAPH",
     "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "
@@ -203,5 +209,5 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     SLOW_TESTS, LOOP_TRACE, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
                                     SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD, SEGMENTED_VERIFY_GRAPHS,
-                                    ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, GC_FREEZE,
+                                    ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, PAGEABLE_H2D, GC_FREEZE,
                                     FRONTEND_DETOKENIZE)

@@ -1,9 +1,10 @@
 """Host-to-device copies that do not stall the host behind the GPU queue (ground floor: the
 scheduler, samplers, speculative workers and ForwardBatch all use them).
 
-A plain ``.to("cuda")`` from pageable memory synchronises the stream, which would make the host wait
-for the batch still running on the GPU (overlap scheduling builds the next batch meanwhile). Pinned
-memory allows an asynchronous copy; the caching host allocator keeps the buffer alive until it is done.
+A blocking ``.to("cuda")`` waits for the copy, queued behind the batch still running on the GPU (overlap
+scheduling builds the next batch meanwhile). These copies are non-blocking: from pinned memory, which
+the caching host allocator keeps alive until the copy is done, or (PLAIT_PAGEABLE_H2D) small ones from
+pageable memory, which the driver stages before the call returns.
 """
 
 from __future__ import annotations
@@ -15,20 +16,38 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from plait import envs
+
+# With PLAIT_PAGEABLE_H2D, copies up to this size skip pinned memory: a non-blocking copy from pageable
+# memory returns once the driver has staged the bytes (the source may go at once) and, measured on an
+# H200's host, did not wait for queued work; pinning costs a copy its allocator's event bookkeeping.
+PAGEABLE_MAX_BYTES = 64 * 1024
+
+
+def copies_pageable(t: torch.Tensor) -> bool:
+    """Whether host tensor ``t`` goes to the device from where it is (small, PLAIT_PAGEABLE_H2D on)
+    rather than through pinned memory."""
+    return t.numel() * t.element_size() <= PAGEABLE_MAX_BYTES and envs.PAGEABLE_H2D.get()
+
+
+def _staged(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the source of an asynchronous host-to-device copy."""
+    return t if copies_pageable(t) else t.pin_memory()
+
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return _staged(t).to(device, non_blocking=True)
 
 
 def copy_to_device_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``dst.copy_(src)`` for a host ``src``: pinned and asynchronous on CUDA (one copy into ``dst``'s
-    own storage, e.g. a graph's static buffer)."""
+    """``dst.copy_(src)`` for a host ``src``: asynchronous on CUDA (one copy into ``dst``'s own
+    storage, e.g. a graph's static buffer)."""
     if dst.device.type != "cuda":
         return dst.copy_(src)
-    return dst.copy_(src.pin_memory(), non_blocking=True)
+    return dst.copy_(_staged(src), non_blocking=True)
 
 
 def ints_to_device(parts: Sequence[Sequence[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from plait.transfer import PendingHostCopy, ints_and_bools_to_device, ints_to_device
+from plait.transfer import (
+    PAGEABLE_MAX_BYTES,
+    PendingHostCopy,
+    copies_pageable,
+    ints_and_bools_to_device,
+    ints_to_device,
+)
 
 
 def test_ints_to_device_splits_one_packed_copy_back_into_its_parts():
@@ -25,3 +31,11 @@ def test_a_pending_host_copy_holds_the_values_at_its_start():
     pending = PendingHostCopy.start(source)
     source.fill_(0)  # what a later forward writing the same buffer does
     assert pending.wait().tolist() == [1, 2, 3]
+
+
+def test_only_small_copies_skip_pinned_memory_and_only_with_the_switch_on(monkeypatch):
+    small, large = torch.zeros(8, dtype=torch.int64), torch.zeros(PAGEABLE_MAX_BYTES // 8 + 1, dtype=torch.int64)
+    assert not copies_pageable(small)  # the default: every copy pinned
+    monkeypatch.setenv("PLAIT_PAGEABLE_H2D", "1")
+    assert copies_pageable(small)
+    assert not copies_pageable(large)
