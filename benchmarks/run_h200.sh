@@ -276,13 +276,15 @@ for stage in "$@"; do
         python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
       done ;;
     # spec-ngram-repeat (8b, 16 x 64) from the carried .ab/prev (`git archive <commit> plait | tar -x -C
-    # .ab/prev`), from this tree, and from this tree with verifies launched ahead (PLAIT_SPEC_LAUNCH_AHEAD=1),
-    # in turn for SPEC_AB_ROUNDS rounds (default 1): speculative changes against the tree before them.
-    # SPEC_AB_RUNS picks the runs (default "prev head ahead").
+    # .ab/prev`), from this tree, from this tree with verifies launched ahead (PLAIT_SPEC_LAUNCH_AHEAD=1) and
+    # with small copies from pageable memory (PLAIT_PAGEABLE_H2D=1), in turn for SPEC_AB_ROUNDS rounds (default
+    # 1): speculative changes against the tree before them. SPEC_AB_RUNS picks the runs (default "prev head
+    # ahead"; "pageable" is the fourth).
     spec-tree-ab)
       for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
         for run in ${SPEC_AB_RUNS:-prev head ahead}; do
           tree=$([ "$run" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
+          PLAIT_PAGEABLE_H2D=$([ "$run" = pageable ] && echo 1 || echo 0) \
           PLAIT_SPEC_LAUNCH_AHEAD=$([ "$run" = ahead ] && echo 1 || echo 0) PYTHONPATH=$tree python -m plait bench spec \
             --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
             --out "$OUT/spec-ab-r$r-$run" 2>&1 | tail -2 | cut -c1-400
