@@ -34,10 +34,11 @@ def _launch_ahead_on(monkeypatch):
     monkeypatch.setenv("PLAIT_SPEC_LAUNCH_AHEAD", "1")
 
 
-def _engine(one_layer, **flags):
-    engine = make_engine(one_layer, **CHAIN, **flags)
-    engine.runner.verify_graph_runner = VerifyGraphRunner(engine.runner.capture_target(), capture_batch_sizes(4),
-                                                          (2, 3, 4), graph_factory=EagerGraph)
+def _engine(one_layer, max_running_requests: int, **flags):
+    """Verify graphs for the batch sizes the engine can run (each capture runs the interpreter)."""
+    engine = make_engine(one_layer, max_running_requests=max_running_requests, **CHAIN, **flags)
+    engine.runner.verify_graph_runner = VerifyGraphRunner(
+        engine.runner.capture_target(), capture_batch_sizes(max_running_requests), (2, 3, 4), graph_factory=EagerGraph)
     return engine
 
 
