@@ -53,7 +53,7 @@ def copy_to_device_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 def ints_to_device(parts: Sequence[Sequence[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
     """Several int lists as int64 device tensors, through one packed copy (one launch, not one each)."""
     flat = to_device(torch.from_numpy(_packed_ints(parts)), device)
-    return flat.split([len(part) for part in parts])
+    return flat.split_with_sizes([len(part) for part in parts])
 
 
 def _packed_ints(parts: Sequence[Sequence[int]]) -> np.ndarray:
@@ -69,7 +69,8 @@ def ints_and_bools_to_device(parts: Sequence[Sequence[int]], bools: np.ndarray, 
     n = sum(len(part) for part in parts)
     buf = np.concatenate([_packed_ints(parts).view(np.uint8), bools.reshape(-1).view(np.uint8)])
     flat = to_device(torch.from_numpy(buf), device)
-    return flat[: 8 * n].view(torch.int64).split([len(part) for part in parts]), flat[8 * n :].view(torch.bool)
+    ints = flat[: 8 * n].view(torch.int64).split_with_sizes([len(part) for part in parts])
+    return ints, flat[8 * n :].view(torch.bool)
 
 
 def to_host(t: torch.Tensor) -> np.ndarray:
