@@ -246,6 +246,20 @@ def test_chain_batches_carry_no_mask_and_pad_after_the_chain(chain_engine):
     assert tree.spec_info.custom_mask is not None
 
 
+def test_a_chain_batch_in_the_graph_buffers_plans_its_indptrs_from_the_device_lengths(chain_engine):
+    worker, backend = chain_engine.scheduler.spec_worker, chain_engine.runner.attn_backend
+    rows = [SimpleNamespace(kv_len=4, req_pool_idx=0), SimpleNamespace(kv_len=6, req_pool_idx=1)]
+    fb = worker.build_verify_batch(rows, [DraftTree.chain(5, [6, 7]), DraftTree.chain(8, [9])], torch.arange(5))
+    packed = backend.graph_verify_buffers.packed
+    packed.fill_(-1)  # what the plan leaves unwritten shows
+    try:
+        backend.init_forward_metadata_out_graph(fb)
+        qo, kv = packed[:2, 1:3].tolist()
+        assert qo == [3, 5] and kv == [4, 10]  # cumsums of the widths (3, 2) and of the prefixes (4, 6)
+    finally:
+        packed.zero_()  # column 0 is zero for every later plan
+
+
 def test_chain_graphs_replay_padded_chain_batches_as_eager_and_leave_trees_eager(chain_engine):
     runner, worker = chain_engine.runner, chain_engine.scheduler.spec_worker
     graphs = runner.verify_graph_runner
