@@ -175,6 +175,13 @@ def test_dense_layers_take_the_gemv_past_one_token_only_where_the_table_says_it_
     assert not gemv_config.gemv_takes("bf16", 2, 4096, 4096, "Other GPU")  # no table
 
 
+def test_dense_layers_take_the_gemv_for_one_token_always_and_never_past_its_limit(tables):
+    assert gemv_config.gemv_takes("bf16", 1, 2048, 4096, "Other GPU")  # no table needed
+    _write(tables / "package", {"bf16": {"N4096_K4096": {"16": WIDE.to_json()}}})
+    assert gemv_config.gemv_takes("bf16", 16, 4096, 4096, "Fake GPU")
+    assert not gemv_config.gemv_takes("bf16", 17, 4096, 4096, "Fake GPU")
+
+
 def test_default_splits_k_only_when_row_tiles_leave_sms_idle():
     assert default_config("fp8_channel", 1, 28672, 4096, 132).split_k == 1  # 3584 row tiles
     narrow = default_config("fp8_channel", 16, 4096, 4096, 132)  # 128 row tiles of 32

@@ -359,7 +359,7 @@ def compare_cublas(shapes: tuple[str, ...], ms: tuple[int, ...], extra: dict[str
     for n, k, layers in nks:
         ws, _, _ = make_weights("bf16", n, k, rotate=device == "cuda", device=device)
         for m in ms:
-            takes = "gemv" if m == 1 or gemv_takes("bf16", m, n, k, name) else "cublas"
+            takes = "gemv" if gemv_takes("bf16", m, n, k, name) else "cublas"
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             forms = {"gemv": time_config(x, ws, None, None, None, reps=4),
                      "cublas": time_cublas(x, ws, reps=4)}

@@ -396,8 +396,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     cuBLAS's small-N kernels (docs/benchmarks.md, "The GEMV against cuBLAS")."""
     if use_gemv and x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
         x2 = x.reshape(-1, x.shape[-1])
-        m = x2.shape[0]
-        if m == 1 or (1 < m <= GEMV_MAX_TOKENS and gemv_takes(
-                gemv_kind(weight.dtype, None), m, weight.shape[0], weight.shape[1], device_info(x)[0])):
+        if gemv_takes(gemv_kind(weight.dtype, None), x2.shape[0], weight.shape[0], weight.shape[1],
+                      device_info(x)[0]):
             return gemv(x2, weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight, bias)

@@ -175,19 +175,26 @@ def default_config(kind: str, m: int, n: int, k: int, num_sms: int) -> GemvConfi
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
 
 
+def _buckets(kind: str, n: int, k: int, device_name: str) -> dict[int, GemvConfig] | None:
+    """This device's tuned entries of (kind, N, K) by token bucket, or None."""
+    return load_tables(device_name).get(kind, {}).get(shape_key(n, k))
+
+
 def gemv_takes(kind: str, m: int, n: int, k: int, device_name: str) -> bool:
-    """Whether a dense layer's call of ``m`` >= 2 tokens should run the GEMV rather than cuBLAS: this
-    device's table (``load_tables``) has an entry of (kind, N, K) at a bucket past one token covering
-    ``m`` (``covering_bucket``), not marked ``prefer_cublas``. Untuned, the tensor-core form's default
-    tiles lose to cuBLAS's small-N kernels."""
-    return _gemv_takes(kind, m, n, k, device_name, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
+    """Whether a dense layer's call of ``m`` tokens should run the GEMV rather than cuBLAS: one token
+    always; 2..``GEMV_MAX_TOKENS`` where this device's table (``load_tables``) has an entry of (kind,
+    N, K) at a bucket past one token covering ``m`` (``covering_bucket``), not marked
+    ``prefer_cublas``. Untuned, the tensor-core form's default tiles lose to cuBLAS's small-N kernels."""
+    if m == 1:
+        return True
+    return m <= GEMV_MAX_TOKENS and _gemv_takes(kind, m, n, k, device_name, envs.GEMV_CONFIG_DIR.get(), CONFIG_DIR)
 
 
 @functools.cache
 def _gemv_takes(kind: str, m: int, n: int, k: int, device_name: str, override: str | None,
                 package_dir: pathlib.Path) -> bool:
     del override, package_dir  # cache keys: load_tables reads the same sources
-    buckets = load_tables(device_name).get(kind, {}).get(shape_key(n, k))
+    buckets = _buckets(kind, n, k, device_name)
     if not buckets:
         return False
     bucket = covering_bucket(buckets, m)
@@ -206,7 +213,7 @@ def get_config(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int
 def _resolve(kind: str, m: int, n: int, k: int, device_name: str, num_sms: int, override: str | None,
              package_dir: pathlib.Path) -> GemvConfig:
     del override, package_dir  # cache keys: load_tables reads the same sources
-    buckets = load_tables(device_name).get(kind, {}).get(shape_key(n, k))
+    buckets = _buckets(kind, n, k, device_name)
     if not buckets or (m == 1 and 1 not in buckets and not kind.endswith("_mma")):
         return default_config(kind, m, n, k, num_sms)
     return buckets[covering_bucket(buckets, m)]
