@@ -158,12 +158,11 @@ SEGMENTED_VERIFY_GRAPHS = EnvVar(
     "1: each TARGET_VERIFY CUDA graph is captured as consecutive graphs cut before decoder layers 1, 3, 7, "
     "15, ... (plait.executor.graph_utils.SegmentedCudaGraph); 0 (the default until an H200 run confirms "
     "an H100's gain): one graph per verify batch. Read when the model runner captures its graphs.")
-PAGEABLE_H2D = _flag_var(
-    "PLAIT_PAGEABLE_H2D",
-    "1: host-to-device copies of at most plait.transfer.PAGEABLE_MAX_BYTES go non-blocking from pageable memory "
-    "(the driver stages them before returning) instead of through pinned memory, whose event bookkeeping costs "
-    "the host more per copy; 0 (the default until measured end to end on a GPU): every copy pinned. Read at "
-    "every copy.")
+PAGEABLE_H2D = EnvVar(
+    "PLAIT_PAGEABLE_H2D", _flag, True,
+    "1 (the default): host-to-device copies of at most plait.transfer.PAGEABLE_MAX_BYTES go non-blocking from "
+    "pageable memory (the driver stages them before returning) instead of through pinned memory, whose event "
+    "bookkeeping costs the host more per copy; 0: every copy pinned. Read at every copy.")
 PIECEWISE_CUDA_GRAPH = _flag_var(
     "PLAIT_PIECEWISE_CUDA_GRAPH",
     "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "

@@ -35,7 +35,7 @@ def test_a_pending_host_copy_holds_the_values_at_its_start():
 
 def test_only_small_copies_skip_pinned_memory_and_only_with_the_switch_on(monkeypatch):
     small, large = torch.zeros(8, dtype=torch.int64), torch.zeros(PAGEABLE_MAX_BYTES // 8 + 1, dtype=torch.int64)
-    assert not copies_pageable(small)  # the default: every copy pinned
-    monkeypatch.setenv("PLAIT_PAGEABLE_H2D", "1")
-    assert copies_pageable(small)
+    assert copies_pageable(small)  # the default
     assert not copies_pageable(large)
+    monkeypatch.setenv("PLAIT_PAGEABLE_H2D", "0")
+    assert not copies_pageable(small)

@@ -128,6 +128,8 @@ class ExtendMetadata:
     # The extend kernel takes requests [first_request, bs); the ones before it are decode rows
     # (``MixedRowsMetadata``), whose prefixes the extend plan does not gather.
     first_request: int = 0
+    # Set when in_graph computes qo_indptr / kv_indptr from the batch's lengths (``LensIndptrs``).
+    lens_indptrs: LensIndptrs | None = None
 
 
 @dataclass
@@ -153,6 +155,23 @@ class VerifyRowsMetadata:
     max_width: int  # host int >= every request's verify width (the index builder's grid)
     qo_indptr: torch.Tensor  # int32 [bs + 1] over the verify tokens
     mask_indptr: torch.Tensor | None  # int32 [bs + 1]: request b's mask block starts at mask_indptr[b]
+    lens_indptrs: LensIndptrs | None = None  # as ExtendMetadata's
+
+
+@dataclass(frozen=True)
+class LensIndptrs:
+    """qo / kv indptrs that in_graph computes from a chain batch's lengths on the device: a plan of a
+    batch in the graph buffers then issues no work of its own (its metadata depends on the batch's
+    shape only), and a replay recomputes them from the lengths its static buffers hold. Column 0 of
+    each indptr stays 0."""
+
+    qo_out: torch.Tensor  # int32 [bs]: qo_indptr[1:]
+    kv_out: torch.Tensor  # int32 [bs]: kv_indptr[1:]
+
+    def fill(self, fb: ForwardBatch) -> None:
+        assert fb.extend is not None
+        torch.cumsum(fb.extend.seq_lens, 0, dtype=torch.int32, out=self.qo_out)
+        torch.cumsum(fb.extend.prefix_lens, 0, dtype=torch.int32, out=self.kv_out)
 
 
 @dataclass
@@ -208,6 +227,9 @@ class TritonAttnBackend(AttentionBackend):
         self.graph_buffers: DecodeBuffers | None = None
         self.graph_window_buffers: dict[int, DecodeBuffers] = {}  # window -> static buffers
         self.graph_verify_buffers: VerifyBuffers | None = None
+        # Plans of chain batches in the graph buffers, by shape (``_plan_verify``): views of those buffers.
+        self._static_chain_plans: dict[tuple[int, int, int, bool, bool],
+                                       tuple[ExtendMetadata | None, VerifyRowsMetadata | None]] = {}
         self.graph_max_bs = 0
         # Data pointers of the graph runner's static tensors that in_graph reads, recorded at capture:
         # (req_pool_indices, seq_lens) for decode; (req_pool_indices, extend.prefix_lens) for verify,
@@ -379,12 +401,17 @@ class TritonAttnBackend(AttentionBackend):
             raise RuntimeError("a verify batch with its lengths on the device only runs as a chain batch in "
                                "a verify graph")
         if static is not None and mask is None:
-            # A chain batch in the graph buffers: qo and kv from the lengths already on the device, two
-            # cumsums (a host-to-device copy costs the host several times their launches). Column 0
-            # stays 0 (zeroed at allocation, and every plan writes 0 there); no mask, no mask indptr.
-            packed = static.packed
-            torch.cumsum(fb.extend.seq_lens, 0, dtype=torch.int32, out=packed[0, 1 : bs + 1])
-            torch.cumsum(fb.extend.prefix_lens, 0, dtype=torch.int32, out=packed[1, 1 : bs + 1])
+            # A chain batch in the graph buffers: qo and kv from the lengths already on the device, in
+            # in_graph (``LensIndptrs``; a host-to-device copy costs the host several times their
+            # launches). The plan depends on the batch's shape only: made once per shape, reused.
+            key = (bs, num_rows, max_width, use_rows, use_extend)
+            plan = self._static_chain_plans.get(key)
+            if plan is None:
+                packed = static.packed
+                lens = LensIndptrs(qo_out=packed[0, 1 : bs + 1], kv_out=packed[1, 1 : bs + 1])
+                plan = self._static_chain_plans[key] = self._verify_plan(
+                    fb, static, packed[0, : bs + 1], packed[1, : bs + 1], None, None, use_rows, use_extend, lens)
+            self.extend_md, self.verify_md = plan
         else:
             # From the host lists, in one pinned copy (not three cumsums and their stores).
             packed = static.packed if static is not None else torch.empty(3, bs + 1, dtype=torch.int32,
@@ -394,35 +421,42 @@ class TritonAttnBackend(AttentionBackend):
             np.cumsum(pre, out=host[1, 1 : bs + 1])
             np.cumsum(np.multiply(ext, np.add(pre, ext)), out=host[2, 1 : bs + 1])
             copy_to_device_(packed, torch.from_numpy(host))
-        qo_indptr, kv_indptr, mask_indptr = packed[0, : bs + 1], packed[1, : bs + 1], packed[2, : bs + 1]
-        if mask is None:
-            mask_indptr = None
+            mask_indptr = packed[2, : bs + 1] if mask is not None else None
+            self.extend_md, self.verify_md = self._verify_plan(fb, static, packed[0, : bs + 1], packed[1, : bs + 1],
+                                                               mask, mask_indptr, use_rows, use_extend, None)
+        # Capture planning arms the check in in_graph; any other planning disarms it.
+        self._capture_input_ptrs = self._verify_input_ptrs(fb) if in_capture else None
 
-        self.extend_md = None
+    def _verify_plan(self, fb: ForwardBatch, static: VerifyBuffers | None, qo_indptr: torch.Tensor,
+                     kv_indptr: torch.Tensor, mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
+                     use_rows: bool, use_extend: bool, lens: LensIndptrs | None
+                     ) -> tuple[ExtendMetadata | None, VerifyRowsMetadata | None]:
+        """The extend and decode-row metadata of a verify plan over the given indptrs (``_plan_verify``)."""
+        assert fb.extend is not None
+        ext, pre = fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu
+        num_rows, max_width = sum(ext), max(ext)
+        extend_md = None
         if use_extend:
             if static is not None:
                 kv_indices = static.kv_indices
             else:
                 kv_indices = torch.empty(max(1, sum(pre)), dtype=torch.int32, device=self.device)
-            self.extend_md = ExtendMetadata(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
-                                            max_len_extend=max_width, custom_mask=mask, mask_indptr=mask_indptr)
-
-        self.verify_md = None
+            extend_md = ExtendMetadata(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                       max_len_extend=max_width, custom_mask=mask, mask_indptr=mask_indptr,
+                                       lens_indptrs=lens)
+        verify_md = None
         if use_rows:
             if static is not None:
                 assert static.rows is not None and static.row_lens is not None
                 bufs, row_lens = static.rows, static.row_lens[:num_rows]
             else:
                 # Row b,i holds at most prefix_b + ext_b slots: the mask size bounds the total.
-                kv_tokens = sum(e * (p + e) for e, p in zip(fb.extend.seq_lens_cpu, fb.extend.prefix_lens_cpu,
-                                                            strict=True))
+                kv_tokens = sum(e * (p + e) for e, p in zip(ext, pre, strict=True))
                 bufs = self._decode_buffers(num_rows, kv_tokens, self.verify_max_kv_splits)
                 row_lens = torch.empty(num_rows, dtype=torch.int32, device=self.device)
-            self.verify_md = VerifyRowsMetadata(bufs=bufs, row_lens=row_lens, num_rows=num_rows, max_width=max_width,
-                                                qo_indptr=qo_indptr, mask_indptr=mask_indptr)
-
-        # Capture planning arms the check in in_graph; any other planning disarms it.
-        self._capture_input_ptrs = self._verify_input_ptrs(fb) if in_capture else None
+            verify_md = VerifyRowsMetadata(bufs=bufs, row_lens=row_lens, num_rows=num_rows, max_width=max_width,
+                                           qo_indptr=qo_indptr, mask_indptr=mask_indptr, lens_indptrs=lens)
+        return extend_md, verify_md
 
     @staticmethod
     def _leading_decode_rows(fb: ForwardBatch) -> int:
@@ -450,16 +484,23 @@ class TritonAttnBackend(AttentionBackend):
         """The tensors of ``fb`` that in_graph reads for a verify plan (see ``_capture_input_ptrs``)."""
         assert fb.extend is not None
         ptrs: tuple[int, ...] = (fb.req_pool_indices.data_ptr(), fb.extend.prefix_lens.data_ptr())
+        if self._lens_indptrs() is not None:
+            ptrs += (fb.extend.seq_lens.data_ptr(),)
         if self.verify_md is not None:
             mask = custom_mask_of(fb)
             ptrs += (fb.out_cache_loc.data_ptr(), mask.data_ptr() if mask is not None else 0)
         return ptrs
 
+    def _lens_indptrs(self) -> LensIndptrs | None:
+        """The current verify plan's indptrs that in_graph computes (a chain batch in the graph buffers)."""
+        md = self.extend_md if self.extend_md is not None else self.verify_md
+        return md.lens_indptrs if md is not None else None
+
     def _check_capture_inputs(self, ptrs: tuple[int, ...]) -> None:
         if self._capture_input_ptrs is not None and ptrs != self._capture_input_ptrs:
             raise RuntimeError("init_forward_metadata_in_graph must read the graph runner's static buffers "
-                               "(req_pool_indices / seq_lens or extend.prefix_lens, and for verify rows "
-                               "out_cache_loc / the custom mask), not a per-step tensor")
+                               "(req_pool_indices / seq_lens or extend.prefix_lens, extend.seq_lens for a chain "
+                               "plan, and for verify rows out_cache_loc / the custom mask), not a per-step tensor")
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode() or fb.forward_mode.is_idle():
@@ -482,6 +523,9 @@ class TritonAttnBackend(AttentionBackend):
             self._check_capture_inputs((fb.req_pool_indices.data_ptr(), fb.extend.prefix_lens.data_ptr()))
         md = self.extend_md
         assert md is not None or self.verify_md is not None, "out_graph plans before in_graph"
+        lens = self._lens_indptrs()
+        if lens is not None:  # before anything reads the indptrs
+            lens.fill(fb)
         if md is not None:
             first = md.first_request
             build_kv_indices(self.req_to_token_pool.req_to_token, fb.req_pool_indices[first:],

@@ -56,6 +56,20 @@ class StaticVerifyInfo:
     num_tokens_per_req: int
 
 
+@dataclass(frozen=True)
+class StaticViews:
+    """The static buffers' views that a batch of one shape (requests, width) reads or fills."""
+
+    input_ids: torch.Tensor  # [bs * W]
+    positions: torch.Tensor  # [bs * W]
+    out_cache_loc: torch.Tensor  # [bs * W]
+    req_pool_indices: torch.Tensor  # [bs]
+    seq_lens: torch.Tensor  # [bs]
+    prefix_lens: torch.Tensor  # [bs]
+    extend_lens: torch.Tensor  # [bs]
+    start_loc: torch.Tensor  # [bs]: b * W (its own tensor, not a buffer view)
+
+
 def uniform_width(fb: ForwardBatch) -> int | None:
     """The one per-request width of a verify batch, or None when requests differ."""
     width = getattr(fb.spec_info, "num_tokens_per_req", None)
@@ -99,25 +113,36 @@ class VerifyGraphRunner:
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.capture_batches: dict[tuple[int, int], ForwardBatch] = {}
         self.outputs: dict[tuple[int, int], LogitsOutput] = {}
-        self._start_locs: dict[tuple[int, int], torch.Tensor] = {}
+        self._static_views: dict[tuple[int, int], StaticViews] = {}
+        self._output_views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._extend_lens_width: tuple[int, int] | None = None  # what extend_lens holds now (width, rows)
         self.last_view: ForwardBatch | None = None  # the padded view of the latest replay (tests read it)
         self._graph_factory = graph_factory
         self.capture()
 
     # --- static batches ---------------------------------------------------------------------------
+    def _views(self, width: int, bs: int) -> StaticViews:
+        """The buffers' views for ``bs`` requests ``width`` wide (made once per shape: a view costs the
+        host a dispatch, and a replay sits between two verifies)."""
+        views = self._static_views.get((width, bs))
+        if views is None:
+            n = bs * width
+            views = self._static_views[(width, bs)] = StaticViews(
+                input_ids=self.input_ids[:n], positions=self.positions[:n], out_cache_loc=self.out_cache_loc[:n],
+                req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+                prefix_lens=self.prefix_lens[:bs], extend_lens=self.extend_lens[:bs],
+                start_loc=torch.arange(bs, device=self.input_ids.device) * width)
+        return views
+
     def _static_batch(self, width: int, bs: int, seq_lens_cpu: list[int], prefix_cpu: list[int]) -> ForwardBatch:
-        n = bs * width
-        starts = self._start_locs.get((width, bs))
-        if starts is None:
-            starts = self._start_locs[(width, bs)] = torch.arange(bs, device=self.input_ids.device) * width
+        v = self._views(width, bs)
         return ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=self.input_ids[:n],
-            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
-            out_cache_loc=self.out_cache_loc[:n], positions=self.positions[:n], seq_lens_cpu=seq_lens_cpu,
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=v.input_ids,
+            req_pool_indices=v.req_pool_indices, seq_lens=v.seq_lens,
+            out_cache_loc=v.out_cache_loc, positions=v.positions, seq_lens_cpu=seq_lens_cpu,
             seq_lens_sum=sum(seq_lens_cpu),
-            extend=ExtendInfo(num_tokens=n, seq_lens=self.extend_lens[:bs], prefix_lens=self.prefix_lens[:bs],
-                              start_loc=starts, seq_lens_cpu=[width] * bs, prefix_lens_cpu=prefix_cpu),
+            extend=ExtendInfo(num_tokens=bs * width, seq_lens=v.extend_lens, prefix_lens=v.prefix_lens,
+                              start_loc=v.start_loc, seq_lens_cpu=[width] * bs, prefix_lens_cpu=prefix_cpu),
             attn_backend=self.backend,
             spec_info=StaticVerifyInfo(self.custom_mask, width), next_token_logits_buffer=self.logits_buffer,
             hidden_capture=self.target.hidden_capture,
@@ -199,14 +224,17 @@ class VerifyGraphRunner:
         prefix_cpu = fb.extend.prefix_lens_cpu if fb.extend is not None else []
         # The integer inputs in one multi-tensor copy (one launch on the critical path between two
         # verify steps, not one per buffer), then the padding rows, when the bucket has any.
-        staged = [(self.input_ids, fb.input_ids, n_pad, 0), (self.positions, fb.positions, n_pad, 0),
-                  (self.out_cache_loc, fb.out_cache_loc, n_pad, DUMMY_KV_SLOT),
-                  (self.req_pool_indices, fb.req_pool_indices, padded, DUMMY_REQ_ROW),
-                  (self.seq_lens, fb.seq_lens, padded, width), (self.prefix_lens, prefix_lens, padded, 0)]
-        torch._foreach_copy_([buf[: live.shape[0]] for buf, live, _, _ in staged], [live for _, live, _, _ in staged])
-        for buf, live, rows, pad_value in staged:
-            if rows > live.shape[0]:
-                buf[live.shape[0] : rows].fill_(pad_value)
+        live = self._views(width, bs)
+        torch._foreach_copy_([live.input_ids, live.positions, live.out_cache_loc, live.req_pool_indices,
+                              live.seq_lens, live.prefix_lens],
+                             [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens,
+                              prefix_lens])
+        if padded > bs:
+            for buf, start, end, pad_value in (
+                    (self.input_ids, n, n_pad, 0), (self.positions, n, n_pad, 0),
+                    (self.out_cache_loc, n, n_pad, DUMMY_KV_SLOT), (self.req_pool_indices, bs, padded, DUMMY_REQ_ROW),
+                    (self.seq_lens, bs, padded, width), (self.prefix_lens, bs, padded, 0)):
+                buf[start:end].fill_(pad_value)
         if self._extend_lens_width != (width, padded):  # every graph reads extend_lens[:padded] == width
             self.extend_lens[:padded].fill_(width)
             self._extend_lens_width = (width, padded)
@@ -224,6 +252,15 @@ class VerifyGraphRunner:
             view.mark_forward_metadata_ready()  # the verify pre-planning site marks what it planned
         self.last_view = view
         self.graphs[(width, padded)].replay()
-        out = self.outputs[(width, padded)]
-        assert out.greedy_ids is not None
-        return LogitsOutput(next_token_logits=out.next_token_logits[:n], greedy_ids=out.greedy_ids[:n])
+        logits, greedy = self._live_outputs(width, padded, n)
+        return LogitsOutput(next_token_logits=logits, greedy_ids=greedy)
+
+    def _live_outputs(self, width: int, padded: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph's logits and argmax rows of the ``n`` live tokens (views made once per shape)."""
+        key = (width, padded, n)
+        live = self._output_views.get(key)
+        if live is None:
+            out = self.outputs[(width, padded)]
+            assert out.greedy_ids is not None
+            live = self._output_views[key] = (out.next_token_logits[:n], out.greedy_ids[:n])
+        return live

@@ -246,18 +246,31 @@ def test_chain_batches_carry_no_mask_and_pad_after_the_chain(chain_engine):
     assert tree.spec_info.custom_mask is not None
 
 
-def test_a_chain_batch_in_the_graph_buffers_plans_its_indptrs_from_the_device_lengths(chain_engine):
+def test_a_chain_batch_in_the_graph_buffers_computes_its_indptrs_in_graph_from_the_device_lengths(chain_engine):
     worker, backend = chain_engine.scheduler.spec_worker, chain_engine.runner.attn_backend
     rows = [SimpleNamespace(kv_len=4, req_pool_idx=0), SimpleNamespace(kv_len=6, req_pool_idx=1)]
     fb = worker.build_verify_batch(rows, [DraftTree.chain(5, [6, 7]), DraftTree.chain(8, [9])], torch.arange(5))
     packed = backend.graph_verify_buffers.packed
-    packed.fill_(-1)  # what the plan leaves unwritten shows
+    packed[:, 1:].fill_(-1)  # what the plans leave unwritten shows (column 0 stays 0)
     try:
         backend.init_forward_metadata_out_graph(fb)
+        assert packed[:2, 1:3].tolist() == [[-1, -1], [-1, -1]]  # the plan outside the graph issues no work
+        backend.init_forward_metadata_in_graph(fb)
         qo, kv = packed[:2, 1:3].tolist()
         assert qo == [3, 5] and kv == [4, 10]  # cumsums of the widths (3, 2) and of the prefixes (4, 6)
     finally:
         packed.zero_()  # column 0 is zero for every later plan
+
+
+def test_a_chain_plan_in_the_graph_buffers_is_made_once_per_shape(chain_engine):
+    worker, backend = chain_engine.scheduler.spec_worker, chain_engine.runner.attn_backend
+    plans = []
+    for kv_len, tokens in ((4, [5, 6, 7]), (9, [1, 2, 3])):
+        fb = worker.build_verify_batch([SimpleNamespace(kv_len=kv_len, req_pool_idx=0)], [DraftTree.chain(
+            tokens[0], tokens[1:])], torch.arange(3))
+        backend.init_forward_metadata_out_graph(fb)
+        plans.append((backend.extend_md, backend.verify_md))
+    assert plans[0][0] is plans[1][0] and plans[0][1] is plans[1][1]
 
 
 def test_chain_graphs_replay_padded_chain_batches_as_eager_and_leave_trees_eager(chain_engine):
