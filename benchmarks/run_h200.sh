@@ -277,14 +277,16 @@ for stage in "$@"; do
       done ;;
     # spec-ngram-repeat (8b, 16 x 64) from the carried .ab/prev (`git archive <commit> plait | tar -x -C
     # .ab/prev`), from this tree, from this tree with verifies launched ahead (PLAIT_SPEC_LAUNCH_AHEAD=1) and
-    # with small copies from pageable memory (PLAIT_PAGEABLE_H2D=1), in turn for SPEC_AB_ROUNDS rounds (default
+    # with small copies from pageable memory (PLAIT_PAGEABLE_H2D=1; "head" runs with it off) and with polled
+    # waits for the device (PLAIT_SPIN_WAIT=1, pageable copies on), in turn for SPEC_AB_ROUNDS rounds (default
     # 1): speculative changes against the tree before them. SPEC_AB_RUNS picks the runs (default "prev head
-    # ahead"; "pageable" is the fourth).
+    # ahead"; "pageable" and "spin" are the others).
     spec-tree-ab)
       for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
         for run in ${SPEC_AB_RUNS:-prev head ahead}; do
           tree=$([ "$run" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
-          PLAIT_PAGEABLE_H2D=$([ "$run" = pageable ] && echo 1 || echo 0) \
+          PLAIT_PAGEABLE_H2D=$([ "$run" = pageable ] || [ "$run" = spin ] && echo 1 || echo 0) \
+          PLAIT_SPIN_WAIT=$([ "$run" = spin ] && echo 1 || echo 0) \
           PLAIT_SPEC_LAUNCH_AHEAD=$([ "$run" = ahead ] && echo 1 || echo 0) PYTHONPATH=$tree python -m plait bench spec \
             --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
             --out "$OUT/spec-ab-r$r-$run" 2>&1 | tail -2 | cut -c1-400
@@ -307,6 +309,9 @@ for stage in "$@"; do
     # The host time of a small host-to-device copy while the stream is busy: pinned, pageable, a persistent
     # pinned buffer (benchmarks/h2d_copy.py; PLAIT_PAGEABLE_H2D's premise).
     h2d-copy) python benchmarks/h2d_copy.py | tee "$OUT/h2d-copy.json" ;;
+    # Host work right after a blocking wait for the GPU, a polled wait, an idle sleep, against back to back
+    # (benchmarks/host_after_wait.py; PLAIT_SPIN_WAIT's premise).
+    host-after-wait) python benchmarks/host_after_wait.py | tee "$OUT/host-after-wait.json" ;;
     # The small-M GEMV (the config in force) against cuBLAS at 1-16 tokens, 8b projections and lm_head.
     gemv-cublas) python benchmarks/gemv_cublas.py "$OUT" 2>&1 | tee "$OUT/gemv-cublas.log" | tail -30 ;;
     # The bf16 GEMV re-tuned past one token (swapped-operand tiles among the candidates, cuBLAS timed beside
@@ -398,6 +403,10 @@ for stage in "$@"; do
     # steps (llama-3.1-8b, dummy weights, spec-ngram-repeat's pattern), bs 1 then bs 16.
     spec-host) for bs in 1 16; do python benchmarks/spec_host.py $bs --shape llama-3.1-8b --rounds 2 2>&1 \
         | grep -v " INFO " | tee "$OUT/spec-host-bs$bs.log" | tail -22; done ;;
+    # The same at bs 1 with blocking and with polled waits for the device (PLAIT_SPIN_WAIT 0, 1): whether the
+    # stages after a verify's result run faster when the host thread did not block.
+    spec-host-spin) for spin in 0 1; do PLAIT_SPIN_WAIT=$spin python benchmarks/spec_host.py 1 --shape llama-3.1-8b \
+        2>&1 | grep -v " INFO " | tee "$OUT/spec-host-bs1-spin$spin.log" | tail -22; done ;;
     # The same at bs 16 with a cProfile of the timed host stages (the forward excluded): which calls
     # make the critical path between a verify's result and the next launch.
     spec-host-profile) python benchmarks/spec_host.py 16 --shape llama-3.1-8b --rounds 3 --profile 2>&1 \

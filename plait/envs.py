@@ -163,6 +163,11 @@ PAGEABLE_H2D = EnvVar(
     "1 (the default): host-to-device copies of at most plait.transfer.PAGEABLE_MAX_BYTES go non-blocking from "
     "pageable memory (the driver stages them before returning) instead of through pinned memory, whose event "
     "bookkeeping costs the host more per copy; 0: every copy pinned. Read at every copy.")
+SPIN_WAIT = _flag_var(
+    "PLAIT_SPIN_WAIT",
+    "1: the host waits for a result it copies back from the device (a verify's argmax, a step's sampled ids) by "
+    "polling the copy's event, so the waiting thread stays running on its core; 0 (the default until measured "
+    "on a GPU): a blocking synchronize. Read at every wait.")
 PIECEWISE_CUDA_GRAPH = _flag_var(
     "PLAIT_PIECEWISE_CUDA_GRAPH",
     "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "
@@ -209,4 +214,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
                                     SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD, SEGMENTED_VERIFY_GRAPHS,
                                     ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, PAGEABLE_H2D, GC_FREEZE,
-                                    FRONTEND_DETOKENIZE)
+                                    FRONTEND_DETOKENIZE, SPIN_WAIT)

@@ -86,8 +86,24 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cuda":
         return t
     host = pinned_copy(t)
-    torch.cuda.current_stream(t.device).synchronize()
+    if envs.SPIN_WAIT.get():
+        event = torch.cuda.Event()
+        event.record()
+        wait_event(event)
+    else:
+        torch.cuda.current_stream(t.device).synchronize()
     return host
+
+
+def wait_event(event: torch.cuda.Event) -> None:
+    """Block until ``event`` has completed: by polling it with PLAIT_SPIN_WAIT (the thread stays
+    running, so the host work right after the wait does not start on a descheduled or idled core),
+    else ``event.synchronize()``."""
+    if envs.SPIN_WAIT.get():
+        while not event.query():
+            pass
+    else:
+        event.synchronize()
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -118,5 +134,5 @@ class PendingHostCopy:
 
     def wait(self) -> np.ndarray:
         if self.event is not None:
-            self.event.synchronize()
+            wait_event(self.event)
         return self.host.numpy()
