@@ -278,15 +278,16 @@ for stage in "$@"; do
     # spec-ngram-repeat (8b, 16 x 64) from the carried .ab/prev (`git archive <commit> plait | tar -x -C
     # .ab/prev`), from this tree, from this tree with verifies launched ahead (PLAIT_SPEC_LAUNCH_AHEAD=1) and
     # with small copies from pageable memory (PLAIT_PAGEABLE_H2D=1; "head" runs with it off) and with polled
-    # waits for the device (PLAIT_SPIN_WAIT=1, pageable copies on), in turn for SPEC_AB_ROUNDS rounds (default
-    # 1): speculative changes against the tree before them. SPEC_AB_RUNS picks the runs (default "prev head
-    # ahead"; "pageable" and "spin" are the others).
+    # waits for the device (PLAIT_SPIN_WAIT=1, pageable copies on) and with the next verify staged for its
+    # guessed outcome (PLAIT_SPEC_STAGE_NEXT=1, pageable copies on), in turn for SPEC_AB_ROUNDS rounds
+    # (default 1): speculative changes against the tree before them. SPEC_AB_RUNS picks the runs (default
+    # "prev head ahead"; "pageable", "spin" and "stage" are the others).
     spec-tree-ab)
       for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
         for run in ${SPEC_AB_RUNS:-prev head ahead}; do
           tree=$([ "$run" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
-          PLAIT_PAGEABLE_H2D=$([ "$run" = pageable ] || [ "$run" = spin ] && echo 1 || echo 0) \
-          PLAIT_SPIN_WAIT=$([ "$run" = spin ] && echo 1 || echo 0) \
+          PLAIT_PAGEABLE_H2D=$([ "$run" = pageable ] || [ "$run" = spin ] || [ "$run" = stage ] && echo 1 || echo 0) \
+          PLAIT_SPIN_WAIT=$([ "$run" = spin ] && echo 1 || echo 0) PLAIT_SPEC_STAGE_NEXT=$([ "$run" = stage ] && echo 1 || echo 0) \
           PLAIT_SPEC_LAUNCH_AHEAD=$([ "$run" = ahead ] && echo 1 || echo 0) PYTHONPATH=$tree python -m plait bench spec \
             --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
             --out "$OUT/spec-ab-r$r-$run" 2>&1 | tail -2 | cut -c1-400
@@ -403,10 +404,11 @@ for stage in "$@"; do
     # steps (llama-3.1-8b, dummy weights, spec-ngram-repeat's pattern), bs 1 then bs 16.
     spec-host) for bs in 1 16; do python benchmarks/spec_host.py $bs --shape llama-3.1-8b --rounds 2 2>&1 \
         | grep -v " INFO " | tee "$OUT/spec-host-bs$bs.log" | tail -22; done ;;
-    # The same at bs 1 with blocking and with polled waits for the device (PLAIT_SPIN_WAIT 0, 1): whether the
-    # stages after a verify's result run faster when the host thread did not block.
-    spec-host-spin) for spin in 0 1; do PLAIT_SPIN_WAIT=$spin python benchmarks/spec_host.py 1 --shape llama-3.1-8b \
-        2>&1 | grep -v " INFO " | tee "$OUT/spec-host-bs1-spin$spin.log" | tail -22; done ;;
+    # The same at bs 1 as shipped, with polled waits for the device (PLAIT_SPIN_WAIT=1) and with the next verify
+    # staged for its guessed outcome (PLAIT_SPEC_STAGE_NEXT=1): the device's idle gaps inside chains with each.
+    spec-host-levers) for lever in none PLAIT_SPIN_WAIT PLAIT_SPEC_STAGE_NEXT; do
+        env "$([ $lever = none ] && echo PLAIT_UNSET=1 || echo $lever=1)" python benchmarks/spec_host.py 1 \
+          --shape llama-3.1-8b 2>&1 | grep -v " INFO " | tee "$OUT/spec-host-bs1-$lever.log" | tail -22; done ;;
     # The same at bs 16 with a cProfile of the timed host stages (the forward excluded): which calls
     # make the critical path between a verify's result and the next launch.
     spec-host-profile) python benchmarks/spec_host.py 16 --shape llama-3.1-8b --rounds 3 --profile 2>&1 \

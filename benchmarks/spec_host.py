@@ -37,6 +37,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from plait.bench.spec import NGRAM, random_prompts
 from plait.testing import make_tiny_model
 
 CRITICAL = ("propose", "next_verify", "build_verify_batch", "accept", "commit", "commit_kv")
-HIDDEN = ("deferred_work", "predraft", "premap_chains", "launch_ahead")
+HIDDEN = ("deferred_work", "predraft", "premap_chains", "launch_ahead", "stage_guess")
 EITHER = ("commit_tokens",)  # hidden when a verify is queued behind it, else critical
 
 
@@ -76,6 +77,7 @@ class Timer:
         self.calls: dict[str, list[float]] = defaultdict(list)
         self.prof = prof
         self.in_step = False  # inside decode_step
+        self.in_guess = False  # inside stage_guess (PLAIT_SPEC_STAGE_NEXT): its stages run while a verify is queued
         self.queued = False  # a verify forward is launched and its result not read yet
         self.nested = 0.0  # seconds of timed stages (and forwards) inside decode_step
         self.cuda = cuda
@@ -105,6 +107,11 @@ class Timer:
             stage = name
             if name in EITHER:
                 stage = f"{name} ({'hidden' if self.queued else 'critical'})"
+            if self.in_guess:
+                stage = f"{name} (staged)"
+            guess = name == "stage_guess"
+            if guess:
+                self.in_guess = True
             if self.ops is not None:
                 self.ops.stack.append(stage)
             profiled = self.prof is not None and name != "forward"
@@ -120,6 +127,8 @@ class Timer:
                     return inner(*args, **kwargs)
             finally:
                 dt = time.perf_counter() - t0
+                if guess:
+                    self.in_guess = False
                 if events is not None:
                     events[1].record()
                     fb = args[0] if args else kwargs["fb"]
@@ -214,6 +223,15 @@ def main() -> None:
         timer.wrap(worker, name)
     timer.wrap(engine.runner, "forward")
     timer.wrap(worker, "decode_step")
+    if hasattr(engine.runner, "stage"):  # a staged verify's launch is timed as its forward
+        stage = engine.runner.stage
+
+        def timed_stage(fb: Any) -> Any:
+            launch = stage(fb)
+            shim = SimpleNamespace(forward=lambda _fb: launch())
+            timer.wrap(shim, "forward")
+            return lambda: shim.forward(fb)
+        engine.runner.stage = timed_stage
     steps0 = worker.stats.verify_steps
     stats = getattr(worker, "predraft_stats", None)  # older commits do not pre-draft
     if stats is not None:
@@ -245,7 +263,7 @@ def main() -> None:
     for name in names:
         t = total[name]
         med = statistics.median(calls[name]) * 1e6
-        kind = "hidden" if name in HIDDEN or name.endswith("(hidden)") else "critical"
+        kind = "hidden" if name in HIDDEN or name.endswith(("(hidden)", "(staged)")) else "critical"
         if kind == "hidden":
             hidden += t
         else:

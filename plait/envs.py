@@ -153,6 +153,12 @@ SPEC_LAUNCH_AHEAD = EnvVar(
     "the current one's result is read, its tokens and positions chosen on the device from that result among "
     "drafts prepared for every outcome (docs/speculative-decoding.md); 0 (the default until measured on a GPU): "
     "the next verify waits for the host to read the result. Read when the worker is built.")
+SPEC_STAGE_NEXT = EnvVar(
+    "PLAIT_SPEC_STAGE_NEXT", _flag, False,
+    "1: inside a chain of greedy NGRAM verifies that replay verify graphs, the next verify is built and staged "
+    "(slots, batch, the graph's buffers and plan) for the likeliest outcome while the current verify runs, and "
+    "launched at once if that outcome arrives (plait.speculative.worker.StagedVerify); 0 (the default until "
+    "measured on a GPU): the next verify is built once the result is read. Read when the worker is built.")
 SEGMENTED_VERIFY_GRAPHS = EnvVar(
     "PLAIT_SEGMENTED_VERIFY_GRAPHS", _flag, False,
     "1: each TARGET_VERIFY CUDA graph is captured as consecutive graphs cut before decoder layers 1, 3, 7, "
@@ -212,6 +218,6 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     FAULT_INJECT_TOKEN, COUNT_ROUTED_EXPERTS,
                                     SLOW_TESTS, LOOP_TRACE, GEMV_CONFIG_DIR, MOE_CONFIG_DIR, BF16_GEMV, FP8_GEMV_W8A8,
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
-                                    SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD, SEGMENTED_VERIFY_GRAPHS,
+                                    SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD, SPEC_STAGE_NEXT, SEGMENTED_VERIFY_GRAPHS,
                                     ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, PAGEABLE_H2D, GC_FREEZE,
                                     FRONTEND_DETOKENIZE, SPIN_WAIT)

@@ -123,6 +123,7 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
                 # Of every verify the engine ran (its warm passes included): launched ahead of the one before.
                 row["verify_steps"], row["launched_ahead"] = stats.verify_steps, stats.launched_ahead
                 row["ahead_declined"] = dict(stats.ahead_declined)
+                row["staged"] = dict(stats.staged)
             release(engine)
         row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
         row["speedup_over_accept_length_end_to_end"] = row["speedup"] / row["accept_length"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -212,6 +213,16 @@ class ModelRunner:
         if self.piecewise_runner is not None and self.piecewise_runner.can_run(fb):
             return self.piecewise_runner.replay(fb)
         return self._run_model(fb)
+
+    def stage(self, fb: ForwardBatch) -> Callable[[], LogitsOutput]:
+        """``forward(fb)`` in two halves for a batch a verify graph replays: its inputs staged now (the
+        graph's buffers filled and planned, queued behind the work before), the returned call launches
+        it (``VerifyGraphRunner.stage``). Any other batch runs whole at the call."""
+        graphs = self.verify_graph_runner
+        if graphs is not None and fb.forward_mode.is_target_verify() and graphs.can_run(fb):
+            fb.attn_backend = self.attn_backend
+            return graphs.stage(fb)
+        return lambda: self.forward(fb)
 
     def init_capture_sync(self, fb: ForwardBatch) -> None:
         """Fill what a graph-captured batch needs beyond its static buffers (DP attention: the

@@ -24,7 +24,7 @@ rows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -214,6 +214,12 @@ class VerifyGraphRunner:
         return bucket_for(self.batch_sizes, bs)
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
+        return self.stage(fb)()
+
+    def stage(self, fb: ForwardBatch) -> Callable[[], LogitsOutput]:
+        """``replay`` in two halves: the batch copied into the buffers and planned now (the copies queued
+        behind whatever the stream runs), the graph launched by the returned call. Between the two no
+        other batch may be staged or replayed (they share the buffers and the backend's plan)."""
         width = uniform_width(fb)
         assert width is not None and (fb.extend is not None or fb.forward_mode.is_idle())
         bs = fb.batch_size
@@ -251,9 +257,13 @@ class VerifyGraphRunner:
             self.backend.init_forward_metadata_out_graph(view)
             view.mark_forward_metadata_ready()  # the verify pre-planning site marks what it planned
         self.last_view = view
-        self.graphs[(width, padded)].replay()
+        graph = self.graphs[(width, padded)]
         logits, greedy = self._live_outputs(width, padded, n)
-        return LogitsOutput(next_token_logits=logits, greedy_ids=greedy)
+
+        def launch() -> LogitsOutput:
+            graph.replay()
+            return LogitsOutput(next_token_logits=logits, greedy_ids=greedy)
+        return launch
 
     def _live_outputs(self, width: int, padded: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The graph's logits and argmax rows of the ``n`` live tokens (views made once per shape)."""

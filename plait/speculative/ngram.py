@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -279,6 +279,34 @@ class NgramWorker(BaseSpecWorker):
                                               self.topk)
             self.prepared[req.rid] = PreparedDrafts(req.fill_len, version, proposals)
 
+    def undo_point(self) -> Callable[[], None]:
+        cold, stats = dict(self._cold_waits), Counter(self.predraft_stats)
+
+        def undo() -> None:  # in place: callers may hold the tables
+            self._cold_waits.clear()
+            self._cold_waits.update(cold)
+            self.predraft_stats.clear()
+            self.predraft_stats.update(stats)
+        return undo
+
+    def _prepared_now(self, req: Req) -> PreparedDrafts | None:
+        """``req``'s proposals pre-drafted for its current tokens and cache, or None."""
+        prepared = self.prepared.get(req.rid)
+        current = (req.fill_len, self.drafter.cache.version)
+        return prepared if prepared is not None and (prepared.base_len, prepared.cache_version) == current else None
+
+    def guessed_bonus(self, req: Req, tree: DraftTree) -> int | None:
+        """The bonus pre-drafted for ``req`` accepting every node of ``tree`` (the key of that outcome is
+        its drafts then the guessed bonus), or None."""
+        prepared = self._prepared_now(req)
+        if prepared is None:
+            return None
+        drafts = tuple(tree.tokens[1:])
+        for key in prepared.proposals:
+            if len(key) == tree.width and key[:-1] == drafts:
+                return key[-1]
+        return None
+
     def ahead_drafts(self, reqs: list[Req], trees: list[DraftTree], width: int) -> list[list[list[int]]] | None:
         """Per request, the pre-drafted proposal of each outcome of the verify of ``trees`` (chains at
         most ``width`` wide, just pre-drafted, at full depth), cut to ``width - 1`` drafts: a verify
@@ -287,11 +315,10 @@ class NgramWorker(BaseSpecWorker):
         An outcome without a proposal, or past the request's chain, gets filler guesses, and a shorter
         proposal is topped up with them. None when a request has no proposals prepared for its current
         tokens."""
-        version = self.drafter.cache.version
         out: list[list[list[int]]] = []
         for req, tree in zip(reqs, trees, strict=True):
-            prepared = self.prepared.get(req.rid)
-            if prepared is None or prepared.base_len != req.fill_len or prepared.cache_version != version:
+            prepared = self._prepared_now(req)
+            if prepared is None:
                 return None
             filler = [tree.tokens[-1]] * (width - 1)
             per_outcome = [filler] * width

@@ -22,12 +22,13 @@ The scheduler is reached only through ``plait.scheduler.interface.SchedulerAPI``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -44,6 +45,7 @@ from plait.transfer import PendingHostCopy, ints_to_device
 
 if TYPE_CHECKING:
     from plait.executor.model_runner import ModelRunner
+    from plait.models.llama import LogitsOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ MAX_CHAINED_VERIFIES = 8
 AHEAD_MIN_WHOLE_FRACTION = 0.5
 
 AcceptResult = tuple[list[int], int]  # (accepted path from the root, bonus token)
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,6 +75,9 @@ class SpecStats:
     launched_ahead: int = 0  # verifies launched before the previous verify's result was read
     # why a chained verify was not launched ahead (``BaseSpecWorker.ahead_refusal``) -> count
     ahead_declined: Counter[str] = field(default_factory=Counter)
+    # verifies staged for their guessed outcome (``BaseSpecWorker.stage_guess``): "hit" (launched as
+    # staged), "miss" (another outcome arrived: dropped)
+    staged: Counter[str] = field(default_factory=Counter)
     # accepted draft tokens per request-step -> count (the step gained that many + 1 tokens)
     accept_histogram: Counter[int] = field(default_factory=Counter)
 
@@ -112,6 +118,29 @@ class AheadVerify:
     greedy: torch.Tensor | None
 
 
+@dataclass
+class StagedVerify:
+    """The verify after a running one, built and staged for one outcome of it before its result was read
+    (``BaseSpecWorker.stage_guess``): launched if that outcome arrives, else its slots are freed."""
+
+    results: list[AcceptResult | None]  # the outcome it was built for, per request (no None)
+    reqs: list[Req]
+    trees: list[DraftTree]
+    slots: torch.Tensor
+    fb: ForwardBatch
+    pad_width: int | None
+    launch: Callable[[], LogitsOutput]  # the graph's launch (ModelRunner.stage)
+    undo: Callable[[], None]  # puts the drafter's bookkeeping back as before the staging (a miss)
+
+
+def _restore(table: dict[str, T], key: str, value: T | None) -> None:
+    """``table[key] = value``, or no entry when ``value`` is None."""
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value
+
+
 class BaseSpecWorker(ABC):
     """Drafting is the subclass's ``propose``; verification and bookkeeping live here. Satisfies
     ``plait.scheduler.interface.SpecWorker``."""
@@ -140,6 +169,9 @@ class BaseSpecWorker(ABC):
         # chains without a mask, whole batches (no two-batch split, which plans from the host lists).
         self.launches_ahead = (self.chains_verify and envs.SPEC_LAUNCH_AHEAD.get() and config.causal_chain_verify
                                and not config.enable_two_batch_overlap)
+        # Staging a chain's next verify for its guessed outcome while the current one runs (``stage_guess``).
+        self.stages_next = (self.chains_verify and envs.SPEC_STAGE_NEXT.get() and config.causal_chain_verify
+                            and not config.enable_two_batch_overlap)
         # Adaptive draft depth: per request, a moving average of accepted drafts per step. Depth is
         # that average + 1 (at most num_steps), so a request whose guesses keep failing verifies
         # short drafts, and one whose guesses land goes back to full depth.
@@ -302,6 +334,7 @@ class BaseSpecWorker(ABC):
             live = [i for i, r in enumerate(step.reqs) if not r.finished]  # a commit may have finished some
             self.predraft([step.reqs[i] for i in live], [step.trees[i] for i in live])
             ahead = self.launch_ahead(sched, step) if chained < MAX_CHAINED_VERIFIES else None
+            staged = self.stage_guess(sched, step) if ahead is None and chained < MAX_CHAINED_VERIFIES else None
             results = self.accept_step(step)
             self.commit_kv(sched, step, results)
             advanced.update(id(r) for r in step.reqs)
@@ -310,6 +343,17 @@ class BaseSpecWorker(ABC):
                 step = self.resolve_ahead(step, results, ahead)
                 chained += 1
                 continue
+            if staged is not None:
+                if results == staged.results:  # built from the state this outcome leaves: launch it as is
+                    self.stats.staged["hit"] += 1
+                    done = (step, results)
+                    step = self._launched(sched, staged.reqs, staged.trees, staged.slots, staged.fb, staged.pad_width,
+                                          staged.launch())
+                    chained += 1
+                    continue
+                self.stats.staged["miss"] += 1
+                staged.undo()
+                sched.free_kv_slots(staged.slots)
             nxt = self.next_verify(sched, step, results) if chained < MAX_CHAINED_VERIFIES else None
             if nxt is None:
                 self.commit_tokens(sched, step, results)
@@ -323,7 +367,12 @@ class BaseSpecWorker(ABC):
         """Queue the verify forward of ``trees`` (no host sync)."""
         pad_width = self.verify_pad_width(trees)
         fb = self.build_verify_batch(reqs, trees, slots, pad_width=pad_width)
-        out = self.runner.forward(fb)  # logits [sum(num_tokens_per_req), V] float32
+        return self._launched(sched, reqs, trees, slots, fb, pad_width, self.runner.forward(fb))
+
+    def _launched(self, sched: SchedulerAPI, reqs: list[Req], trees: list[DraftTree], slots: torch.Tensor,
+                  fb: ForwardBatch, pad_width: int | None, out: LogitsOutput) -> VerifyStep:
+        """The ``VerifyStep`` of a verify batch whose forward was just queued (``out``: logits
+        [sum(num_tokens_per_req), V] float32)."""
         # Queued behind the forward, which reads only the prefix's map (the nodes' KV it takes from
         # out_cache_loc): off the path to the launch.
         premapped = self.premap_chains(sched, fb, trees, pad_width)
@@ -331,6 +380,70 @@ class BaseSpecWorker(ABC):
         sched.stats.forward_steps += 1
         return VerifyStep(reqs, trees, slots, fb.spec_info.num_tokens_per_req, out.next_token_logits, out.greedy_ids,
                           premapped)
+
+    def stage_guess(self, sched: SchedulerAPI, step: VerifyStep) -> StagedVerify | None:
+        """Build and stage the verify after ``step`` for its guessed outcome, before ``step``'s result is
+        read, or None. The guess: every request accepts its whole chain and gets the bonus its drafter
+        guessed (``guessed_bonus``). The next verify is what ``next_verify`` gives once that outcome is
+        committed (its KV lengths and acceptance averages applied for the call, then restored); its slots
+        are allocated and its graph's buffers filled and planned (``ModelRunner.stage``), queued behind
+        ``step``. If the outcome arrives, the verify launches with no host work left before it; otherwise
+        its slots are freed and the next verify is built as without a guess: a wrong guess costs host time
+        spent while the GPU was busy, never acceptance."""
+        if not self.stages_next or not step.premapped or step.greedy is None:
+            return None
+        graphs = self.runner.verify_graph_runner
+        if graphs is None or any(w != t.width for w, t in zip(step.row_widths, step.trees, strict=True)):
+            return None
+        guessed: list[AcceptResult | None] = []
+        for req, tree in zip(step.reqs, step.trees, strict=True):
+            if not tree.is_chain or tree.width < 2 or not self._verifies_ahead(req, tree.width):
+                return None
+            bonus = self.guessed_bonus(req, tree)
+            if bonus is None:
+                return None
+            guessed.append((list(range(tree.width)), bonus))
+        undo = self.undo_point()
+        with self._as_accepted(step, guessed):
+            nxt = self.next_verify(sched, step, guessed)
+            if nxt is None:
+                undo()
+                return None
+            reqs, trees, slots = nxt
+            pad_width = self.verify_pad_width(trees)
+            fb = self.build_verify_batch(reqs, trees, slots, pad_width=pad_width)
+        if not graphs.can_run(fb):
+            undo()
+            sched.free_kv_slots(slots)
+            return None
+        return StagedVerify(guessed, reqs, trees, slots, fb, pad_width, self.runner.stage(fb), undo)
+
+    @contextlib.contextmanager
+    def _as_accepted(self, step: VerifyStep, results: list[AcceptResult | None]) -> Iterator[None]:
+        """The requests of ``step`` as ``commit_kv`` leaves them after ``results`` (their KV lengths and
+        acceptance averages), for the block only."""
+        saved = [(r.kv_len, self.accept_ema.get(r.rid), self.accepted_all.get(r.rid)) for r in step.reqs]
+        try:
+            for req, tree, res in zip(step.reqs, step.trees, results, strict=True):
+                assert res is not None
+                req.kv_len += len(res[0])
+                self._note_acceptance(req, tree.width, len(res[0]))
+            yield
+        finally:
+            for req, (kv_len, ema, whole) in zip(step.reqs, saved, strict=True):
+                req.kv_len = kv_len
+                _restore(self.accept_ema, req.rid, ema)
+                _restore(self.accepted_all, req.rid, whole)
+
+    def guessed_bonus(self, req: Req, tree: DraftTree) -> int | None:
+        """The bonus token the drafter guesses after ``req`` accepts every node of ``tree`` (a chain just
+        pre-drafted), or None (no guess: ``stage_guess`` stages nothing)."""
+        return None
+
+    def undo_point(self) -> Callable[[], None]:
+        """A call that puts back what ``propose_after`` changes in the drafter's bookkeeping (counters,
+        cooling), as it is now: a staged guess that missed then leaves no trace (``stage_guess``)."""
+        return lambda: None
 
     def launch_ahead(self, sched: SchedulerAPI, step: VerifyStep) -> AheadVerify | None:
         """Queue the verify after ``step`` before its result is read, or None (the host reads it first).

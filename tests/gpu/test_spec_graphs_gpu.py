@@ -121,6 +121,21 @@ def test_verifies_launched_ahead_give_the_tokens_chains_give(shape_dir, bs, monk
     assert off == on
 
 
+@pytest.mark.parametrize("bs", [1, 4])
+def test_verifies_staged_for_their_guess_give_the_tokens_chains_give(shape_dir, bs, monkeypatch):
+    """Verifies staged for their guessed outcome while the previous verify runs (PLAIT_SPEC_STAGE_NEXT:
+    the graph's buffers filled and planned behind the running replay, launched when the guess holds)
+    give the tokens of chained verifies in bf16, with every slot free afterwards."""
+    prompts = random_prompts(4, 64, VOCAB, seed=9)
+
+    def staged(engine, stage: str) -> None:
+        assert (engine.scheduler.spec_worker.stats.staged["hit"] > 0) == (stage == "1")
+
+    off, on = (_second_pass_under(monkeypatch, "PLAIT_SPEC_STAGE_NEXT", value, shape_dir, bs, prompts, staged)
+               for value in ("0", "1"))
+    assert off == on
+
+
 def _second_pass_under(monkeypatch, var: str, value: str, shape_dir, bs: int, prompts, check) -> list[list[int]]:
     """The greedy tokens of an NGRAM engine's second pass over ``prompts`` (it drafts from the first
     pass's outputs) with ``var=value``; ``check(engine, value)`` runs before the engine is released,

@@ -12,34 +12,20 @@ import torch
 
 pytest.importorskip("triton")
 
-from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
-from plait.executor.verify_graph_runner import VerifyGraphRunner  # noqa: E402
 from plait.forward_batch import ForwardMode  # noqa: E402
 from plait.speculative.verify_batch import chain_verify_batch_after  # noqa: E402
-from tests.helpers import assert_no_leaks, make_engine, prompt_ids  # noqa: E402
-
-PROMPTS = prompt_ids(3)
-GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
-CHAIN = {"attention_backend": "triton", "speculative_algorithm": "NGRAM",
-         "speculative_ngram_min_match_window_size": 1, "max_total_tokens": 1024}
+from tests.helpers import assert_no_leaks  # noqa: E402
+from tests.spec.chain_cases import GREEDY, PROMPTS, chain_engine  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def reference(one_layer):
-    return [o.token_ids for o in make_engine(one_layer).generate(PROMPTS, GREEDY)]
+@pytest.fixture
+def reference(chain_reference):
+    return chain_reference
 
 
 @pytest.fixture(autouse=True)
 def _launch_ahead_on(monkeypatch):
     monkeypatch.setenv("PLAIT_SPEC_LAUNCH_AHEAD", "1")
-
-
-def _engine(one_layer, max_running_requests: int, **flags):
-    """Verify graphs for the batch sizes the engine can run (each capture runs the interpreter)."""
-    engine = make_engine(one_layer, max_running_requests=max_running_requests, **CHAIN, **flags)
-    engine.runner.verify_graph_runner = VerifyGraphRunner(
-        engine.runner.capture_target(), capture_batch_sizes(max_running_requests), (2, 3, 4), graph_factory=EagerGraph)
-    return engine
 
 
 def test_device_picks_the_bonus_and_the_drafts_of_the_outcome_that_arrived():
@@ -59,10 +45,8 @@ def test_device_picks_the_bonus_and_the_drafts_of_the_outcome_that_arrived():
 
 @pytest.mark.parametrize("bs", [1, 3])
 def test_verifies_launched_ahead_keep_greedy_output_unchanged(one_layer, reference, bs):
-    engine = _engine(one_layer, max_running_requests=bs)
+    engine = chain_engine(one_layer, bs, reference)
     worker = engine.scheduler.spec_worker
-    for p, ref in zip(PROMPTS, reference, strict=True):
-        worker.drafter.cache.insert(p + ref)
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert worker.stats.launched_ahead > 0
@@ -72,10 +56,8 @@ def test_verifies_launched_ahead_keep_greedy_output_unchanged(one_layer, referen
 def test_a_batch_of_chains_of_mixed_widths_launches_ahead_at_its_padded_width(one_layer, reference, monkeypatch):
     """A request whose acceptance average asks for a shorter chain than the others' rides in the batch
     padded to the widest; the verify launched ahead gives it a chain that wide, and output is unchanged."""
-    engine = _engine(one_layer, max_running_requests=3)
+    engine = chain_engine(one_layer, 3, reference)
     worker = engine.scheduler.spec_worker
-    for p, ref in zip(PROMPTS, reference, strict=True):
-        worker.drafter.cache.insert(p + ref)
     max_depth, depth_limit = worker._max_depth, worker._depth_limit
 
     def shallow(req, depth):  # the second request's drafts are one token deep when the host drafts
@@ -103,7 +85,7 @@ def test_ahead_drafts_top_up_a_short_proposal_and_fill_outcomes_past_a_short_cha
     from plait.speculative.ngram import PreparedDrafts
     from plait.speculative.tree import DraftTree
 
-    engine = _engine(one_layer, max_running_requests=3)
+    engine = chain_engine(one_layer, 3)
     worker = engine.scheduler.spec_worker
     req = engine.make_request([5, 6, 7], GREEDY)
     tree = DraftTree.chain(7, [8])  # 2 wide, in a batch padded to 4
@@ -117,10 +99,8 @@ def test_ahead_drafts_top_up_a_short_proposal_and_fill_outcomes_past_a_short_cha
 def test_drafts_launched_ahead_that_miss_cost_acceptance_not_output(one_layer, reference, monkeypatch):
     """Whatever the drafts prepared for an outcome (those for a bonus guess that missed), the verify
     launched ahead with them accepts only what the model agrees with."""
-    engine = _engine(one_layer, max_running_requests=3)
+    engine = chain_engine(one_layer, 3, reference)
     worker = engine.scheduler.spec_worker
-    for p, ref in zip(PROMPTS, reference, strict=True):
-        worker.drafter.cache.insert(p + ref)
     prepared = worker.ahead_drafts
 
     def wrong(reqs, trees, width):
@@ -135,10 +115,8 @@ def test_drafts_launched_ahead_that_miss_cost_acceptance_not_output(one_layer, r
 
 
 def test_a_stop_token_drops_the_rows_of_the_verify_launched_ahead(one_layer, reference):
-    engine = _engine(one_layer, max_running_requests=3)
+    engine = chain_engine(one_layer, 3, reference)
     worker = engine.scheduler.spec_worker
-    for p, ref in zip(PROMPTS, reference, strict=True):
-        worker.drafter.cache.insert(p + ref)
     stop = reference[0][12]
     params = [{**GREEDY, "stop_token_ids": [stop]}, GREEDY, GREEDY]
     outs = engine.generate(PROMPTS, params)
@@ -150,10 +128,8 @@ def test_a_stop_token_drops_the_rows_of_the_verify_launched_ahead(one_layer, ref
 
 def test_with_the_switch_off_no_verify_launches_ahead(one_layer, reference, monkeypatch):
     monkeypatch.setenv("PLAIT_SPEC_LAUNCH_AHEAD", "0")
-    engine = _engine(one_layer, max_running_requests=3)
+    engine = chain_engine(one_layer, 3, reference)
     worker = engine.scheduler.spec_worker
-    for p, ref in zip(PROMPTS, reference, strict=True):
-        worker.drafter.cache.insert(p + ref)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     assert not worker.launches_ahead and worker.stats.launched_ahead == 0
 
@@ -161,10 +137,8 @@ def test_with_the_switch_off_no_verify_launches_ahead(one_layer, reference, monk
 def test_a_batch_off_its_run_of_whole_chains_accepted_waits_for_the_host(one_layer, reference):
     """When fewer than half the requests accepted their whole chain last time (at bs 1: the model left
     the drafted text), the host reads the outcome before the next launch and may end the chain."""
-    engine = _engine(one_layer, max_running_requests=1)
+    engine = chain_engine(one_layer, 1, reference)
     worker = engine.scheduler.spec_worker
-    for p, ref in zip(PROMPTS, reference, strict=True):
-        worker.drafter.cache.insert(p + ref)
     calls = []
     inner = worker.launch_ahead
 
