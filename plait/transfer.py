@@ -85,14 +85,9 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor:
     has run everything queued on it."""
     if t.device.type != "cuda":
         return t
-    host = pinned_copy(t)
-    if envs.SPIN_WAIT.get():
-        event = torch.cuda.Event()
-        event.record()
-        wait_event(event)
-    else:
-        torch.cuda.current_stream(t.device).synchronize()
-    return host
+    pending = PendingHostCopy.start(t)
+    pending.wait()
+    return pending.host
 
 
 def wait_event(event: torch.cuda.Event) -> None:

@@ -214,15 +214,15 @@ class ModelRunner:
             return self.piecewise_runner.replay(fb)
         return self._run_model(fb)
 
-    def stage(self, fb: ForwardBatch) -> Callable[[], LogitsOutput]:
+    def stage(self, fb: ForwardBatch) -> Callable[[], LogitsOutput] | None:
         """``forward(fb)`` in two halves for a batch a verify graph replays: its inputs staged now (the
         graph's buffers filled and planned, queued behind the work before), the returned call launches
-        it (``VerifyGraphRunner.stage``). Any other batch runs whole at the call."""
+        it (``VerifyGraphRunner.stage``). None: no graph replays ``fb`` (nothing staged)."""
         graphs = self.verify_graph_runner
-        if graphs is not None and fb.forward_mode.is_target_verify() and graphs.can_run(fb):
-            fb.attn_backend = self.attn_backend
-            return graphs.stage(fb)
-        return lambda: self.forward(fb)
+        if graphs is None or not fb.forward_mode.is_target_verify() or not graphs.can_run(fb):
+            return None
+        fb.attn_backend = self.attn_backend
+        return graphs.stage(fb)
 
     def init_capture_sync(self, fb: ForwardBatch) -> None:
         """Fill what a graph-captured batch needs beyond its static buffers (DP attention: the

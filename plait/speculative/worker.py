@@ -390,10 +390,9 @@ class BaseSpecWorker(ABC):
         ``step``. If the outcome arrives, the verify launches with no host work left before it; otherwise
         its slots are freed and the next verify is built as without a guess: a wrong guess costs host time
         spent while the GPU was busy, never acceptance."""
-        if not self.stages_next or not step.premapped or step.greedy is None:
+        if not self.stages_next or not step.premapped or step.greedy is None or self.runner.verify_graph_runner is None:
             return None
-        graphs = self.runner.verify_graph_runner
-        if graphs is None or any(w != t.width for w, t in zip(step.row_widths, step.trees, strict=True)):
+        if any(w != t.width for w, t in zip(step.row_widths, step.trees, strict=True)):
             return None
         guessed: list[AcceptResult | None] = []
         for req, tree in zip(step.reqs, step.trees, strict=True):
@@ -412,11 +411,12 @@ class BaseSpecWorker(ABC):
             reqs, trees, slots = nxt
             pad_width = self.verify_pad_width(trees)
             fb = self.build_verify_batch(reqs, trees, slots, pad_width=pad_width)
-        if not graphs.can_run(fb):
+        launch = self.runner.stage(fb)
+        if launch is None:  # no graph replays it: nothing to gain from building it early
             undo()
             sched.free_kv_slots(slots)
             return None
-        return StagedVerify(guessed, reqs, trees, slots, fb, pad_width, self.runner.stage(fb), undo)
+        return StagedVerify(guessed, reqs, trees, slots, fb, pad_width, launch, undo)
 
     @contextlib.contextmanager
     def _as_accepted(self, step: VerifyStep, results: list[AcceptResult | None]) -> Iterator[None]:
