@@ -312,6 +312,15 @@ for stage in "$@"; do
     h2d-copy) python benchmarks/h2d_copy.py | tee "$OUT/h2d-copy.json" ;;
     # Host work right after a blocking wait for the GPU, a polled wait, an idle sleep, against back to back
     # (benchmarks/host_after_wait.py; PLAIT_SPIN_WAIT's premise).
+    # A bs-1 verify graph (width 4) against the bs-1 decode graph, replayed alone: device us per replay and per
+    # kernel class, on the shipped GEMV table and on the H100's re-tune past one token (swapped tiles; on
+    # another device that directory holds no table for it, and the run repeats the shipped one).
+    profile-verify-graph)
+      python benchmarks/profile_verify_graph.py "$OUT" --tag shipped 2>&1 | grep -v " INFO " \
+        | tee "$OUT/profile-verify-graph.log" | tail -40
+      PLAIT_GEMV_CONFIG_DIR=benchmarks/results/719820c-h100/call1/gemv-configs \
+        python benchmarks/profile_verify_graph.py "$OUT" --tag retuned-h100 2>&1 | grep -v " INFO " \
+        | tee -a "$OUT/profile-verify-graph.log" | tail -40 ;;
     host-after-wait) python benchmarks/host_after_wait.py | tee "$OUT/host-after-wait.json" ;;
     # The small-M GEMV (the config in force) against cuBLAS at 1-16 tokens, 8b projections and lm_head.
     gemv-cublas) python benchmarks/gemv_cublas.py "$OUT" 2>&1 | tee "$OUT/gemv-cublas.log" | tail -30 ;;
