@@ -5,12 +5,11 @@ bs-1 4-token chain's ``build_verify_batch``, its small copy and views) timed
 - ``hot``: back to back, no wait between;
 - ``after_sync``: each right after a blocking wait (``Event.synchronize``) for about ``--wait-ms`` of queued
   GPU work (``torch.cuda._sleep``), as a chain waits for its verify;
-- ``after_spin``: the same wait by polling the event (``PLAIT_SPIN_WAIT``'s wait);
+- ``after_spin``: the same wait by polling the event (the thread kept running);
 - ``after_sleep``: each after ``time.sleep`` of the same length (the thread idle, no GPU involved).
 
-If ``after_sync`` is several times ``hot`` and ``after_spin`` is not, the host's path between verifies pays
-for the blocking wait, and ``PLAIT_SPIN_WAIT=1`` is the lever; if ``after_sleep`` is slow too, the host
-(an idled core) rather than the CUDA wait sets it.
+If ``after_sync`` is several times ``hot`` and ``after_spin`` is not, the blocking wait slows the work
+after it; if ``after_sleep`` is slow too, the host (an idled core) rather than the CUDA wait sets it.
 
     PYTHONPATH=$PWD python benchmarks/host_after_wait.py [--wait-ms 6] [--reps 300]
 """

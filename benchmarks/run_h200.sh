@@ -276,19 +276,16 @@ for stage in "$@"; do
         python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
       done ;;
     # spec-ngram-repeat (8b, 16 x 64) from the carried .ab/prev (`git archive <commit> plait | tar -x -C
-    # .ab/prev`), from this tree, from this tree with verifies launched ahead (PLAIT_SPEC_LAUNCH_AHEAD=1) and
-    # with small copies from pageable memory (PLAIT_PAGEABLE_H2D=1; "head" runs with it off) and with polled
-    # waits for the device (PLAIT_SPIN_WAIT=1, pageable copies on) and with the next verify staged for its
-    # guessed outcome (PLAIT_SPEC_STAGE_NEXT=1, pageable copies on), in turn for SPEC_AB_ROUNDS rounds
-    # (default 1): speculative changes against the tree before them. SPEC_AB_RUNS picks the runs (default
-    # "prev head ahead"; "pageable", "spin" and "stage" are the others).
+    # .ab/prev`), from this tree as shipped ("head"), with verifies launched ahead ("ahead",
+    # PLAIT_SPEC_LAUNCH_AHEAD=1) and without the next verify staged for its guessed outcome ("nostage",
+    # PLAIT_SPEC_STAGE_NEXT=0), in turn for SPEC_AB_ROUNDS rounds (default 1): speculative changes against
+    # the tree before them. SPEC_AB_RUNS picks the runs (default "prev head ahead").
     spec-tree-ab)
       for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
         for run in ${SPEC_AB_RUNS:-prev head ahead}; do
           tree=$([ "$run" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
-          PLAIT_PAGEABLE_H2D=$([ "$run" = pageable ] || [ "$run" = spin ] || [ "$run" = stage ] && echo 1 || echo 0) \
-          PLAIT_SPIN_WAIT=$([ "$run" = spin ] && echo 1 || echo 0) PLAIT_SPEC_STAGE_NEXT=$([ "$run" = stage ] && echo 1 || echo 0) \
-          PLAIT_SPEC_LAUNCH_AHEAD=$([ "$run" = ahead ] && echo 1 || echo 0) PYTHONPATH=$tree python -m plait bench spec \
+          case $run in ahead) lever=PLAIT_SPEC_LAUNCH_AHEAD=1 ;; nostage) lever=PLAIT_SPEC_STAGE_NEXT=0 ;; *) lever=PLAIT_UNSET=1 ;; esac
+          env "$lever" PYTHONPATH="$tree" python -m plait bench spec \
             --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
             --out "$OUT/spec-ab-r$r-$run" 2>&1 | tail -2 | cut -c1-400
         done
@@ -310,8 +307,6 @@ for stage in "$@"; do
     # The host time of a small host-to-device copy while the stream is busy: pinned, pageable, a persistent
     # pinned buffer (benchmarks/h2d_copy.py; PLAIT_PAGEABLE_H2D's premise).
     h2d-copy) python benchmarks/h2d_copy.py | tee "$OUT/h2d-copy.json" ;;
-    # Host work right after a blocking wait for the GPU, a polled wait, an idle sleep, against back to back
-    # (benchmarks/host_after_wait.py; PLAIT_SPIN_WAIT's premise).
     # A bs-1 verify graph (width 4) against the bs-1 decode graph, replayed alone: device us per replay and per
     # kernel class, on the shipped GEMV table and on the H100's re-tune past one token (swapped tiles; on
     # another device that directory holds no table for it, and the run repeats the shipped one).
@@ -321,6 +316,8 @@ for stage in "$@"; do
       PLAIT_GEMV_CONFIG_DIR=benchmarks/results/719820c-h100/call1/gemv-configs \
         python benchmarks/profile_verify_graph.py "$OUT" --tag retuned-h100 2>&1 | grep -v " INFO " \
         | tee -a "$OUT/profile-verify-graph.log" | tail -40 ;;
+    # Host work right after a blocking wait for the GPU, a polled wait, an idle sleep, against back to back
+    # (benchmarks/host_after_wait.py).
     host-after-wait) python benchmarks/host_after_wait.py | tee "$OUT/host-after-wait.json" ;;
     # The small-M GEMV (the config in force) against cuBLAS at 1-16 tokens, 8b projections and lm_head.
     gemv-cublas) python benchmarks/gemv_cublas.py "$OUT" 2>&1 | tee "$OUT/gemv-cublas.log" | tail -30 ;;
@@ -413,11 +410,11 @@ for stage in "$@"; do
     # steps (llama-3.1-8b, dummy weights, spec-ngram-repeat's pattern), bs 1 then bs 16.
     spec-host) for bs in 1 16; do python benchmarks/spec_host.py $bs --shape llama-3.1-8b --rounds 2 2>&1 \
         | grep -v " INFO " | tee "$OUT/spec-host-bs$bs.log" | tail -22; done ;;
-    # The same at bs 1 as shipped, with polled waits for the device (PLAIT_SPIN_WAIT=1) and with the next verify
-    # staged for its guessed outcome (PLAIT_SPEC_STAGE_NEXT=1): the device's idle gaps inside chains with each.
-    spec-host-levers) for lever in none PLAIT_SPIN_WAIT PLAIT_SPEC_STAGE_NEXT; do
-        env "$([ $lever = none ] && echo PLAIT_UNSET=1 || echo $lever=1)" python benchmarks/spec_host.py 1 \
-          --shape llama-3.1-8b 2>&1 | grep -v " INFO " | tee "$OUT/spec-host-bs1-$lever.log" | tail -22; done ;;
+    # The same at bs 1 as shipped and without the next verify staged for its guessed outcome
+    # (PLAIT_SPEC_STAGE_NEXT=0): the device's idle gaps inside chains with each.
+    spec-host-levers) for lever in PLAIT_UNSET=1 PLAIT_SPEC_STAGE_NEXT=0; do
+        env "$lever" python benchmarks/spec_host.py 1 --shape llama-3.1-8b 2>&1 | grep -v " INFO " \
+          | tee "$OUT/spec-host-bs1-${lever%=*}.log" | tail -22; done ;;
     # The same at bs 16 with a cProfile of the timed host stages (the forward excluded): which calls
     # make the critical path between a verify's result and the next launch.
     spec-host-profile) python benchmarks/spec_host.py 16 --shape llama-3.1-8b --rounds 3 --profile 2>&1 \

@@ -154,11 +154,11 @@ SPEC_LAUNCH_AHEAD = EnvVar(
     "drafts prepared for every outcome (docs/speculative-decoding.md); 0 (the default until measured on a GPU): "
     "the next verify waits for the host to read the result. Read when the worker is built.")
 SPEC_STAGE_NEXT = EnvVar(
-    "PLAIT_SPEC_STAGE_NEXT", _flag, False,
-    "1: inside a chain of greedy NGRAM verifies that replay verify graphs, the next verify is built and staged "
-    "(slots, batch, the graph's buffers and plan) for the likeliest outcome while the current verify runs, and "
-    "launched at once if that outcome arrives (plait.speculative.worker.StagedVerify); 0 (the default until "
-    "measured on a GPU): the next verify is built once the result is read. Read when the worker is built.")
+    "PLAIT_SPEC_STAGE_NEXT", _flag, True,
+    "1 (the default): inside a chain of greedy NGRAM verifies that replay verify graphs, the next verify is built "
+    "and staged (slots, batch, the graph's buffers and plan) for the likeliest outcome while the current verify "
+    "runs, and launched at once if that outcome arrives (plait.speculative.worker.StagedVerify); 0: the next "
+    "verify is built once the result is read. Read when the worker is built.")
 SEGMENTED_VERIFY_GRAPHS = EnvVar(
     "PLAIT_SEGMENTED_VERIFY_GRAPHS", _flag, False,
     "1: each TARGET_VERIFY CUDA graph is captured as consecutive graphs cut before decoder layers 1, 3, 7, "
@@ -169,11 +169,6 @@ PAGEABLE_H2D = EnvVar(
     "1 (the default): host-to-device copies of at most plait.transfer.PAGEABLE_MAX_BYTES go non-blocking from "
     "pageable memory (the driver stages them before returning) instead of through pinned memory, whose event "
     "bookkeeping costs the host more per copy; 0: every copy pinned. Read at every copy.")
-SPIN_WAIT = _flag_var(
-    "PLAIT_SPIN_WAIT",
-    "1: the host waits for a result it copies back from the device (a verify's argmax, a step's sampled ids) by "
-    "polling the copy's event, so the waiting thread stays running on its core; 0 (the default until measured "
-    "on a GPU): a blocking synchronize. Read at every wait.")
 PIECEWISE_CUDA_GRAPH = _flag_var(
     "PLAIT_PIECEWISE_CUDA_GRAPH",
     "1: an engine whose options do not set enable_piecewise_cuda_graph turns it on wherever the other options "
@@ -220,4 +215,4 @@ ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLA
                                     PDL, DECODE_KV_PACK, DECODE_PROGRAMS_PER_SM, FUSED_GUMBEL_MAX,
                                     SPEC_CHAIN_VERIFIES, SPEC_LAUNCH_AHEAD, SPEC_STAGE_NEXT, SEGMENTED_VERIFY_GRAPHS,
                                     ROTARY_SPLIT_HEADS, PDL_PRELOAD, PIECEWISE_CUDA_GRAPH, PAGEABLE_H2D, GC_FREEZE,
-                                    FRONTEND_DETOKENIZE, SPIN_WAIT)
+                                    FRONTEND_DETOKENIZE)

@@ -90,17 +90,6 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor:
     return pending.host
 
 
-def wait_event(event: torch.cuda.Event) -> None:
-    """Block until ``event`` has completed: by polling it with PLAIT_SPIN_WAIT (the thread stays
-    running, so the host work right after the wait does not start on a descheduled or idled core),
-    else ``event.synchronize()``."""
-    if envs.SPIN_WAIT.get():
-        while not event.query():
-            pass
-    else:
-        event.synchronize()
-
-
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A new pinned host tensor that a CUDA ``t`` is copied into, queued on the current stream (not
     waited for: the caller synchronises, or records an event, before reading it)."""
@@ -129,5 +118,5 @@ class PendingHostCopy:
 
     def wait(self) -> np.ndarray:
         if self.event is not None:
-            wait_event(self.event)
+            self.event.synchronize()
         return self.host.numpy()

@@ -12,7 +12,6 @@ from plait.transfer import (
     copies_pageable,
     ints_and_bools_to_device,
     ints_to_device,
-    wait_event,
 )
 
 
@@ -40,30 +39,3 @@ def test_only_small_copies_skip_pinned_memory_and_only_with_the_switch_on(monkey
     assert not copies_pageable(large)
     monkeypatch.setenv("PLAIT_PAGEABLE_H2D", "0")
     assert not copies_pageable(small)
-
-
-class _Event:
-    """Stands in for a CUDA event (none on the CPU): completes at its ``ready_after``-th query."""
-
-    def __init__(self, ready_after: int) -> None:
-        self.queries, self.ready_after, self.synchronized = 0, ready_after, False
-
-    def query(self) -> bool:
-        self.queries += 1
-        return self.queries >= self.ready_after
-
-    def synchronize(self) -> None:
-        self.synchronized = True
-
-
-def test_a_spin_wait_polls_the_event_until_it_completes(monkeypatch):
-    monkeypatch.setenv("PLAIT_SPIN_WAIT", "1")
-    event = _Event(ready_after=3)
-    wait_event(event)
-    assert event.queries == 3 and not event.synchronized
-
-
-def test_without_the_switch_a_wait_blocks_in_synchronize():
-    event = _Event(ready_after=3)
-    wait_event(event)
-    assert event.synchronized and event.queries == 0

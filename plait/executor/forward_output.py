@@ -16,7 +16,7 @@ import torch
 from plait.forward_batch import InputLogprobRows
 from plait.models.llama import LogitsOutput
 from plait.sampling import SampleOutput
-from plait.transfer import pinned_copy, wait_event
+from plait.transfer import pinned_copy
 
 
 class HostResults(NamedTuple):
@@ -78,7 +78,7 @@ class HostCopy:
     def wait(self) -> HostResults:
         """Block until this step's copy landed (this step only) and return it as lists."""
         if self.event is not None:
-            wait_event(self.event)
+            self.event.synchronize()
         ids, lp, top_ids, top_vals = (t.tolist() if t is not None else None for t in self.tensors)
         assert ids is not None
         return HostResults(ids, lp, top_ids, top_vals)
