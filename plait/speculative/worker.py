@@ -318,10 +318,10 @@ class BaseSpecWorker(ABC):
         see ``next_verify``); returns ``id()`` of every request that advanced.
 
         Per verify, the host work splits at its result. Before the next launch: acceptance, the
-        accepted nodes' KV mapping (``commit_kv``) and the next step's batch from the proposals
-        prepared for the outcome that arrived. After it, hidden behind the queued forward: the tokens'
-        commit (stop checks, detokenization, retiring; ``commit_tokens``), the deferred work and the
-        pre-drafting of the step just launched."""
+        accepted nodes' KV mapping (``commit_kv``; after the launch of a verify staged for this outcome)
+        and the next step's batch from the proposals prepared for the outcome that arrived. After it,
+        hidden behind the queued forward: the tokens' commit (stop checks, detokenization, retiring;
+        ``commit_tokens``), the deferred work and the pre-drafting of the step just launched."""
         step = self.launch_verify(sched, reqs, trees, slots)
         advanced: set[int] = set()
         done: tuple[VerifyStep, list[AcceptResult | None]] | None = None  # accepted, tokens not committed
@@ -336,21 +336,25 @@ class BaseSpecWorker(ABC):
             ahead = self.launch_ahead(sched, step) if chained < MAX_CHAINED_VERIFIES else None
             staged = self.stage_guess(sched, step) if ahead is None and chained < MAX_CHAINED_VERIFIES else None
             results = self.accept_step(step)
-            self.commit_kv(sched, step, results)
             advanced.update(id(r) for r in step.reqs)
+            if staged is not None and results == staged.results:
+                # Built from the state this outcome leaves: launch it as is. A premapped step's commit_kv
+                # is host bookkeeping only, which the staged batch already applied, so it follows the
+                # launch; the new step's premap reads the KV lengths it leaves.
+                self.stats.staged["hit"] += 1
+                out = staged.launch()
+                self.commit_kv(sched, step, results)
+                done = (step, results)
+                step = self._launched(sched, staged.reqs, staged.trees, staged.slots, staged.fb, staged.pad_width, out)
+                chained += 1
+                continue
+            self.commit_kv(sched, step, results)
             if ahead is not None:  # queued behind ``step`` already: the GPU did not wait for this host work
                 done = (step, results)
                 step = self.resolve_ahead(step, results, ahead)
                 chained += 1
                 continue
             if staged is not None:
-                if results == staged.results:  # built from the state this outcome leaves: launch it as is
-                    self.stats.staged["hit"] += 1
-                    done = (step, results)
-                    step = self._launched(sched, staged.reqs, staged.trees, staged.slots, staged.fb, staged.pad_width,
-                                          staged.launch())
-                    chained += 1
-                    continue
                 self.stats.staged["miss"] += 1
                 staged.undo()
                 sched.free_kv_slots(staged.slots)
