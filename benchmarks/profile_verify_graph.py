@@ -1,7 +1,7 @@
 """Where a bs-1 verify forward's device time goes beside a plain decode forward's (GPU): one NGRAM engine
 of the shape (dummy weights, bf16, the engine as ``spec-ngram-repeat`` builds it) runs a repeat pass so
-its graphs hold a real batch, then the captured decode graph (bs 1) and the chain verify graph (width 4,
-bs 1) are replayed back to back, alone:
+its graphs hold a real batch, then the captured decode graph of ``--bs`` requests (default 1) and the
+chain verify graph of as many (width 4) are replayed back to back, alone:
 
 - device time per replay (CUDA events around ``--reps`` replays; the replays queue faster than they
   run, so this is the graph's device time, not the host's);
@@ -12,7 +12,7 @@ The difference of the two tables is what a verify costs beyond a plain step on t
 ``speedup_over_accept_length`` loses before any host gap. Run once per GEMV table
 (``PLAIT_GEMV_CONFIG_DIR``) to see what tiles past one token change.
 
-    PYTHONPATH=$PWD python benchmarks/profile_verify_graph.py OUT_DIR [--shape llama-3.1-8b] [--tag NAME]
+    PYTHONPATH=$PWD python benchmarks/profile_verify_graph.py OUT_DIR [--shape llama-3.1-8b] [--bs 1] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -83,28 +83,29 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--tag", default="shipped")
+    ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
     shape_dir = str(write_shape_dir(tempfile.mkdtemp(prefix="plait-shapes-"), args.shape))
-    engine = make_engine(shape_dir, max_running_requests=1, **NGRAM)
-    prompts = random_prompts(4, 128, SHAPES[args.shape]["vocab_size"], seed=7)
+    engine = make_engine(shape_dir, max_running_requests=args.bs, **NGRAM)
+    prompts = random_prompts(max(4, args.bs), 128, SHAPES[args.shape]["vocab_size"], seed=7)
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 64}
     engine.generate(prompts, params)
     engine.generate(prompts, params)  # a repeat: verifies run, the verify graph's buffers hold a chain batch
     runner = engine.runner
     if runner.graph_runner is None or runner.verify_graph_runner is None:
         raise SystemExit("this needs the decode and verify graphs (a CUDA device, graphs enabled)")
-    graphs = {"decode": runner.graph_runner.graphs[1].replay,
-              "verify": runner.verify_graph_runner.graphs[(WIDTH, 1)].replay}
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": args.shape, "tag": args.tag,
-                              "gemv_config_dir": os.environ.get("PLAIT_GEMV_CONFIG_DIR", "")}
+    graphs = {"decode": runner.graph_runner.graphs[args.bs].replay,
+              "verify": runner.verify_graph_runner.graphs[(WIDTH, args.bs)].replay}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": args.shape, "bs": args.bs,
+                              "tag": args.tag, "gemv_config_dir": os.environ.get("PLAIT_GEMV_CONFIG_DIR", "")}
     for name, replay in graphs.items():
         rows = kernel_table(replay)
         result[name] = {"replay_us": replay_us(replay, args.reps), "profiled_us": sum(r["us"] for r in rows),
                         "by_class": by_class(rows), "kernels": rows[:30]}
     release(engine)
     dec, ver = result["decode"], result["verify"]
-    print(f"[{args.tag}] {args.shape}: decode replay {dec['replay_us']:.1f} us, verify (width {WIDTH}) "
+    print(f"[{args.tag}] {args.shape} bs {args.bs}: decode replay {dec['replay_us']:.1f} us, verify (width {WIDTH}) "
           f"{ver['replay_us']:.1f} us ({ver['replay_us'] / dec['replay_us']:.3f}x)")
     print(f"  {'class':<12}{'decode us':>12}{'verify us':>12}{'extra':>10}")
     for label in sorted(set(dec["by_class"]) | set(ver["by_class"]), key=lambda c: -ver["by_class"].get(c, 0.0)):
@@ -114,7 +115,7 @@ def main() -> None:
         print(f"  {name} kernels (us per replay, calls):")
         for row in result[name]["kernels"][:14]:
             print(f"    {row['us']:>9.1f} {row['calls']:>5.0f}  {row['class']:<10} {row['kernel']}")
-    with open(os.path.join(args.out, f"profile-verify-graph-{args.tag}.json"), "w") as f:
+    with open(os.path.join(args.out, f"profile-verify-graph-bs{args.bs}-{args.tag}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -307,15 +307,25 @@ for stage in "$@"; do
     # The host time of a small host-to-device copy while the stream is busy: pinned, pageable, a persistent
     # pinned buffer (benchmarks/h2d_copy.py; PLAIT_PAGEABLE_H2D's premise).
     h2d-copy) python benchmarks/h2d_copy.py | tee "$OUT/h2d-copy.json" ;;
-    # A bs-1 verify graph (width 4) against the bs-1 decode graph, replayed alone: device us per replay and per
-    # kernel class, on the shipped GEMV table and on the H100's re-tune past one token (swapped tiles; on
-    # another device that directory holds no table for it, and the run repeats the shipped one).
-    profile-verify-graph)
-      python benchmarks/profile_verify_graph.py "$OUT" --tag shipped 2>&1 | grep -v " INFO " \
-        | tee "$OUT/profile-verify-graph.log" | tail -40
-      PLAIT_GEMV_CONFIG_DIR=benchmarks/results/719820c-h100/call1/gemv-configs \
-        python benchmarks/profile_verify_graph.py "$OUT" --tag retuned-h100 2>&1 | grep -v " INFO " \
-        | tee -a "$OUT/profile-verify-graph.log" | tail -40 ;;
+    # The verify graph (width 4) against the decode graph of as many requests, replayed alone: device us per
+    # replay and per kernel class (benchmarks/profile_verify_graph.py), at VERIFY_BS (default "1 16").
+    profile-verify-graph) for bs in ${VERIFY_BS:-1 16}; do
+        python benchmarks/profile_verify_graph.py "$OUT" --bs "$bs" 2>&1 | grep -v " INFO " \
+          | tee -a "$OUT/profile-verify-graph.log" | tail -36; done ;;
+    # A candidate GEMV table (GEMV_CANDIDATE: a directory holding this device's file; default the H100's
+    # swapped-operand tiles at 2-16 tokens over the shipped one-token entries) against the shipped table:
+    # the graphs replayed alone as in profile-verify-graph (tags shipped, candidate), then spec-ngram-repeat
+    # alternated for SPEC_AB_ROUNDS rounds (spec-gemv-ab-r<round>-<0 shipped|1 candidate>/; the JSON counts
+    # the second half's forwards by kind, so a change in plain steps shows apart from the verifies).
+    gemv-candidate-ab)
+      cand=${GEMV_CANDIDATE:-$PWD/benchmarks/gemv_candidates/h100-swap-2to16}
+      for bs in ${VERIFY_BS:-1 16}; do
+        for tag in shipped candidate; do
+          PLAIT_GEMV_CONFIG_DIR=$([ $tag = candidate ] && echo "$cand") python benchmarks/profile_verify_graph.py \
+            "$OUT" --bs "$bs" --tag $tag 2>&1 | grep -v " INFO " | tee -a "$OUT/profile-verify-graph.log" | sed -n 1,9p
+        done
+      done
+      AB_ENVS="PLAIT_GEMV_CONFIG_DIR=,PLAIT_GEMV_CONFIG_DIR=$cand" spec_env_ab spec-gemv-ab ;;
     # Host work right after a blocking wait for the GPU, a polled wait, an idle sleep, against back to back
     # (benchmarks/host_after_wait.py).
     host-after-wait) python benchmarks/host_after_wait.py | tee "$OUT/host-after-wait.json" ;;

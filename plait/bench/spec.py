@@ -24,6 +24,7 @@ import pathlib
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -51,15 +52,28 @@ def _params(output_len: int) -> dict[str, Any]:
     return {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": output_len}
 
 
-def _timed_pass(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[int, float, dict[int, int], list[Any]]:
-    """(tokens generated, seconds, verify request-steps by accepted drafts, outputs) of one timed
-    ``generate`` over ``prompts``; the histogram is empty for a plain engine."""
-    worker = engine.scheduler.spec_worker
+@dataclass(frozen=True)
+class _Pass:
+    """One timed ``generate``: tokens generated, seconds, verify request-steps by accepted drafts (empty
+    for a plain engine), the outputs, and the forwards it ran (every kind) and of them the verifies."""
+
+    tokens: int
+    seconds: float
+    hist: dict[int, int]
+    outs: list[Any]
+    forwards: int
+    verifies: int
+
+
+def _timed_pass(engine: Any, prompts: list[list[int]], output_len: int) -> _Pass:
+    worker, stats = engine.scheduler.spec_worker, engine.scheduler.stats
     before = dict(worker.stats.accept_histogram) if worker is not None else {}
+    forwards, verifies = stats.forward_steps, worker.stats.verify_steps if worker is not None else 0
     outs, seconds = timed(lambda: engine.generate(prompts, _params(output_len)))
     after = dict(worker.stats.accept_histogram) if worker is not None else {}
-    hist = {k: c - before.get(k, 0) for k, c in after.items()}
-    return sum(len(o.token_ids) for o in outs), seconds, hist, outs
+    return _Pass(sum(len(o.token_ids) for o in outs), seconds, {k: c - before.get(k, 0) for k, c in after.items()},
+                 outs, stats.forward_steps - forwards,
+                 (worker.stats.verify_steps if worker is not None else 0) - verifies)
 
 
 def _mean_gain(hist: dict[int, int]) -> float:
@@ -76,12 +90,16 @@ def _step_and_end_to_end(engine: Any, prompts: list[list[int]], output_len: int)
     (the histogram difference of the two passes) -- what a decode or verify step costs, the quantity
     ``speedup_over_accept_length`` is defined on."""
     half = max(1, output_len // 2)
-    n_half, t_half, h_half, _ = _timed_pass(engine, prompts, half)
-    n_full, t_full, h_full, outs = _timed_pass(engine, prompts, output_len)
-    second = {k: c - h_half.get(k, 0) for k, c in h_full.items()}
-    return {"tok_s": n_full / t_full, "step_tok_s": (n_full - n_half) / max(t_full - t_half, 1e-9),
-            "step_accept_length": _mean_gain(second) if sum(second.values()) > 0 else _mean_gain(h_full),
-            "outs": outs}
+    first, whole = _timed_pass(engine, prompts, half), _timed_pass(engine, prompts, output_len)
+    second = {k: c - first.hist.get(k, 0) for k, c in whole.hist.items()}
+    return {"tok_s": whole.tokens / whole.seconds,
+            "step_tok_s": (whole.tokens - first.tokens) / max(whole.seconds - first.seconds, 1e-9),
+            "step_accept_length": _mean_gain(second) if sum(second.values()) > 0 else _mean_gain(whole.hist),
+            # The second half's forwards: verifies, and the rest (plain decode steps; a miss back-off's
+            # steps in a speculative run), so a per-step ratio can be read per kind of step.
+            "step_forwards": {"verify": whole.verifies - first.verifies,
+                              "other": (whole.forwards - first.forwards) - (whole.verifies - first.verifies)},
+            "outs": whole.outs}
 
 
 def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_len: int = 128,
@@ -106,6 +124,7 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
             timing = _step_and_end_to_end(engine, prompts, output_len)
             row[f"{name}_tok_s"] = timing["tok_s"]
             row[f"{name}_step_tok_s"] = timing["step_tok_s"]
+            row[f"{name}_step_forwards"] = timing["step_forwards"]
             tokens = [o.token_ids for o in timing["outs"]]
             if name == "plain":
                 plain_tokens = tokens

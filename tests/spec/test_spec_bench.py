@@ -24,6 +24,15 @@ def test_spec_workloads_run_and_report_their_keys(tiny_model_dir):
     assert over["bs2"]["verify_ms"] > 0 and over["bs1"]["accept_bookkeeping_ms"] > 0
 
 
+def test_spec_ngram_repeat_counts_the_second_half_forwards_by_kind(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    row = spec_ngram_repeat(path, 400, num_prompts=2, input_len=8, output_len=8, batch_sizes=(1,), **CPU)["bs1"]
+    plain, ngram = row["plain_step_forwards"], row["ngram_step_forwards"]
+    assert plain["verify"] == 0 and plain["other"] >= 2 * 3  # 2 prompts, at least 4 - 1 tokens each per step
+    assert ngram["verify"] > 0
+    assert ngram["verify"] + ngram["other"] < plain["other"]  # verifies gain more than a token a step
+
+
 def test_plait_bench_spec_is_a_subcommand():
     args = build_parser().parse_args(["bench", "spec", "--workload", "spec-ngram-miss", "--shape", "llama-3.1-8b"])
     assert args.workload == "spec-ngram-miss"
