@@ -67,13 +67,17 @@ class _Pass:
 
 def _timed_pass(engine: Any, prompts: list[list[int]], output_len: int) -> _Pass:
     worker, stats = engine.scheduler.spec_worker, engine.scheduler.stats
-    before = dict(worker.stats.accept_histogram) if worker is not None else {}
-    forwards, verifies = stats.forward_steps, worker.stats.verify_steps if worker is not None else 0
+
+    def counters() -> tuple[dict[int, int], int, int]:
+        if worker is None:
+            return {}, stats.forward_steps, 0
+        return dict(worker.stats.accept_histogram), stats.forward_steps, worker.stats.verify_steps
+
+    hist, forwards, verifies = counters()
     outs, seconds = timed(lambda: engine.generate(prompts, _params(output_len)))
-    after = dict(worker.stats.accept_histogram) if worker is not None else {}
-    return _Pass(sum(len(o.token_ids) for o in outs), seconds, {k: c - before.get(k, 0) for k, c in after.items()},
-                 outs, stats.forward_steps - forwards,
-                 (worker.stats.verify_steps if worker is not None else 0) - verifies)
+    hist_after, forwards_after, verifies_after = counters()
+    return _Pass(sum(len(o.token_ids) for o in outs), seconds, {k: c - hist.get(k, 0) for k, c in hist_after.items()},
+                 outs, forwards_after - forwards, verifies_after - verifies)
 
 
 def _mean_gain(hist: dict[int, int]) -> float:
