@@ -56,7 +56,7 @@ python - "$R" <<'EOF'
 import json, pathlib, sys
 root = pathlib.Path(sys.argv[1])
 keys = ("plait", "peer", "tokens_per_chunk", "triton_compiled_during_run", "ratio_vs_peer", "ttft_p50_ms", "peer_ttft_p50_ms", "ttft_p50_ratio_vs_peer",
-        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "timeline_ms", "scheduler_timeline_ms", "peer_detail")
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "timeline_ms", "scheduler_timeline_ms", "peer_detail", "host_cpu")
 import importlib.util
 have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop", "orjson")}
 summary = {"workload": "serving-burst", "metric": "output_tok_s",
@@ -86,6 +86,12 @@ for run in ("cold", "warm", "interval", "workers"):
                   f"collect {per['collect']:.2f}, send {per['send']:.2f}, recv {per['recv']:.2f}; step of the "
                   f"{loop.get('prefill_iterations')} prefilling ones {num(loop.get('step_ms_per_prefill_iteration'), '.2f')}, "
                   f"of the decode-only ones {num(loop.get('step_ms_per_decode_iteration'), '.2f')}")
+        cpu = r.get("host_cpu") or {}
+        if cpu:
+            print(f"{'':8s} host CPUs in use during the load (of {cpu['cpus']}): all {cpu['busy_cpus']:.1f}, stolen "
+                  f"{cpu['steal_cpus']:.2f}; scheduler process {num(cpu.get('scheduler_cpus'), '.2f')}, HTTP processes "
+                  f"{num(cpu.get('http_cpus'), '.2f')}, client {num(cpu.get('client_cpus'), '.2f')} + "
+                  f"{num(cpu.get('children_cpus'), '.2f')} in its processes")
         peer_loop = (r.get("peer_detail") or {}).get("loop") or {}
         if peer_loop.get("iterations"):
             print(f"{'':8s} offline Engine: {peer_loop['iterations']} steps; of the {peer_loop['prefill_iterations']} "

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import httpx
 
 from plait import envs
+from plait.bench.host_cpu import cpu_use, process_tree, read_counters
 from plait.bench.results import git_commit, host_info
 from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.engine.heap import startup_heap_frozen
@@ -530,9 +531,18 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
                                  args.seed)
         cached_before = triton_cache_kernels()
         loop_before = read_metrics(base_url)
+        # The host's CPUs during the load: the scheduler process, the HTTP processes (the rest of the
+        # server's tree), this process and its client processes, and the machine as a whole.
+        server_pids = process_tree(proc.pid) if proc is not None else []
+        scheduler_pid = (info.get("scheduler") or {}).get("pid")
+        cpu_groups = {"scheduler": [p for p in server_pids if p == scheduler_pid],
+                      "http": [p for p in server_pids if p != scheduler_pid], "client": [os.getpid()]}
+        cpu_before = read_counters([p for pids in cpu_groups.values() for p in pids])
         results, duration = run_load_procs(base_url, served_name, requests, args.request_rate, args.max_concurrency,
                                            args.seed, args.request_timeout, args.client_procs, not args.no_stream)
+        cpu_after = read_counters([p for pids in cpu_groups.values() for p in pids])
         summary = summarize(results, duration)
+        summary["host_cpu"] = cpu_use(cpu_before, cpu_after, cpu_groups)
         compiled = triton_cache_kernels() - cached_before
         summary["triton_compiled_during_run"] = dict(Counter(name for _, name in compiled))
         after = settled_metrics(base_url)

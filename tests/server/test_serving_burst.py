@@ -95,6 +95,15 @@ def test_serving_burst_lines_the_scheduler_loop_up_with_the_clients_clock(burst_
     assert first["messages"] >= 1 and first["prefills"] and first["step_ms"] >= 0
 
 
+def test_serving_burst_records_the_cpus_each_side_used_during_the_load(burst_result):
+    """The scheduler process, the HTTP processes, the client (this process and its two load processes)
+    and the machine, in CPUs' worth of use over the load."""
+    cpu = burst_result["host_cpu"]
+    assert cpu["cpus"] >= 1 and 0 < cpu["busy_cpus"] <= cpu["cpus"] + 0.05 and cpu["steal_cpus"] >= 0
+    assert cpu["scheduler_cpus"] > 0 and cpu["http_cpus"] > 0 and cpu["children_cpus"] > 0
+    assert cpu["client_cpus"] >= 0
+
+
 def test_loop_timeline_reads_a_trace_relative_to_the_first_send(tmp_path):
     from plait.engine.scheduler_process import write_loop_trace
     from plait.server.bench import loop_timeline
