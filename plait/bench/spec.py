@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import random
 import tempfile
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from plait.bench.host_cpu import cpu_use, read_counters
 from plait.bench.workloads import make_engine, release, timed
 from plait.executor.graph_utils import capture_batch_sizes
 from plait.forward_batch import ForwardBatch, ForwardMode
@@ -94,7 +96,9 @@ def _step_and_end_to_end(engine: Any, prompts: list[list[int]], output_len: int)
     (the histogram difference of the two passes) -- what a decode or verify step costs, the quantity
     ``speedup_over_accept_length`` is defined on."""
     half = max(1, output_len // 2)
+    cpu_before = read_counters([os.getpid()])
     first, whole = _timed_pass(engine, prompts, half), _timed_pass(engine, prompts, output_len)
+    cpu_after = read_counters([os.getpid()])
     second = {k: c - first.hist.get(k, 0) for k, c in whole.hist.items()}
     return {"tok_s": whole.tokens / whole.seconds,
             "step_tok_s": (whole.tokens - first.tokens) / max(whole.seconds - first.seconds, 1e-9),
@@ -103,6 +107,8 @@ def _step_and_end_to_end(engine: Any, prompts: list[list[int]], output_len: int)
             # steps in a speculative run), so a per-step ratio can be read per kind of step.
             "step_forwards": {"verify": whole.verifies - first.verifies,
                               "other": (whole.forwards - first.forwards) - (whole.verifies - first.verifies)},
+            # The machine's CPUs over both passes (stolen ones too): host-bound steps move with them.
+            "host_cpu": cpu_use(cpu_before, cpu_after, {"engine": [os.getpid()]}),
             "outs": whole.outs}
 
 
@@ -129,6 +135,7 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
             row[f"{name}_tok_s"] = timing["tok_s"]
             row[f"{name}_step_tok_s"] = timing["step_tok_s"]
             row[f"{name}_step_forwards"] = timing["step_forwards"]
+            row[f"{name}_host_cpu"] = timing["host_cpu"]
             tokens = [o.token_ids for o in timing["outs"]]
             if name == "plain":
                 plain_tokens = tokens

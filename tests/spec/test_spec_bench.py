@@ -3,6 +3,8 @@ meaningless here: they matter on a GPU). `plait bench spec` exposes them."""
 
 from __future__ import annotations
 
+import pytest
+
 from plait.bench.spec import spec_ngram_miss, spec_ngram_repeat, spec_overhead
 from plait.cli import build_parser
 
@@ -24,13 +26,25 @@ def test_spec_workloads_run_and_report_their_keys(tiny_model_dir):
     assert over["bs2"]["verify_ms"] > 0 and over["bs1"]["accept_bookkeeping_ms"] > 0
 
 
-def test_spec_ngram_repeat_counts_the_second_half_forwards_by_kind(tiny_model_dir):
+@pytest.fixture(scope="module")
+def bs1_row(tiny_model_dir) -> dict:
+    """spec-ngram-repeat's bs-1 row on the tiny llama."""
     path = str(tiny_model_dir("llama"))
-    row = spec_ngram_repeat(path, 400, num_prompts=2, input_len=8, output_len=8, batch_sizes=(1,), **CPU)["bs1"]
+    return spec_ngram_repeat(path, 400, num_prompts=2, input_len=8, output_len=8, batch_sizes=(1,), **CPU)["bs1"]
+
+
+def test_spec_ngram_repeat_counts_the_second_half_forwards_by_kind(bs1_row):
+    row = bs1_row
     plain, ngram = row["plain_step_forwards"], row["ngram_step_forwards"]
     assert plain == {"verify": 0, "other": 2 * 4}  # bs 1: each prompt's tokens 5-8, one decode step each
     assert ngram["verify"] > 0
     assert ngram["verify"] + ngram["other"] < plain["other"]  # verifies gain more than a token a step
+
+
+def test_spec_ngram_repeat_records_the_hosts_cpus_over_each_engines_timed_passes(bs1_row):
+    for name in ("plain", "ngram"):
+        cpu = bs1_row[f"{name}_host_cpu"]
+        assert cpu["engine_cpus"] > 0 and cpu["steal_cpus"] >= 0 and 0 < cpu["busy_cpus"] <= cpu["cpus"] + 0.05
 
 
 def test_plait_bench_spec_is_a_subcommand():
