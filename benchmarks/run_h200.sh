@@ -326,6 +326,14 @@ for stage in "$@"; do
         done
       done
       AB_ENVS="PLAIT_GEMV_CONFIG_DIR=,PLAIT_GEMV_CONFIG_DIR=$cand" spec_env_ab spec-gemv-ab ;;
+    # spec_host.py at bs 16 under the shipped GEMV table and the candidate (GEMV_CANDIDATE, as above): the
+    # verify forwards' device time and the device's idle gaps by kind, with each table.
+    spec-host-gemv)
+      cand=${GEMV_CANDIDATE:-$PWD/benchmarks/gemv_candidates/h100-swap-2to16}
+      for tag in shipped candidate; do
+        PLAIT_GEMV_CONFIG_DIR=$([ $tag = candidate ] && echo "$cand") python benchmarks/spec_host.py 16 \
+          --shape llama-3.1-8b 2>&1 | grep -v " INFO " | tee "$OUT/spec-host-bs16-$tag.log" | tail -22
+      done ;;
     # Host work right after a blocking wait for the GPU, a polled wait, an idle sleep, against back to back
     # (benchmarks/host_after_wait.py).
     host-after-wait) python benchmarks/host_after_wait.py | tee "$OUT/host-after-wait.json" ;;
