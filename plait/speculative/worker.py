@@ -86,6 +86,18 @@ class SpecStats:
         return sum((k + 1) * c for k, c in self.accept_histogram.items()) / n if n else 0.0
 
 
+def reads_argmax_only(req: Req) -> bool:
+    """Whether acceptance reads only the argmax of ``req``'s rows: greedy (the sampler's rule) and
+    unconstrained (a grammar masks the rows first)."""
+    sp = req.sampling_params
+    return req.grammar is None and (sp.is_greedy or sp.temperature < GREEDY_TEMPERATURE_EPS)
+
+
+def _argmax_copy(reqs: Sequence[Req], greedy: torch.Tensor | None) -> PendingHostCopy | None:
+    """The verify's argmax copy to the host, started now, where acceptance reads nothing else."""
+    return PendingHostCopy.start(greedy) if greedy is not None and all(map(reads_argmax_only, reqs)) else None
+
+
 @dataclass
 class VerifyStep:
     """A launched verify forward whose result the host has not read yet."""
@@ -97,8 +109,9 @@ class VerifyStep:
     logits: torch.Tensor  # float32 [rows, V]
     greedy: torch.Tensor | None  # the logits' argmax when the forward computed it (verify graphs)
     premapped: bool = False  # every node's slot mapped at its position at the launch (chains)
-    # The argmax's copy to the host, started before a verify was launched ahead past this one (whose
-    # graph replay overwrites ``logits`` and ``greedy``): acceptance reads only this then.
+    # The argmax's copy to the host, started at the launch where acceptance reads nothing else (every
+    # request greedy and unconstrained, ``_argmax_copy``); then acceptance reads only this, and a verify
+    # launched ahead past this one may overwrite ``logits`` and ``greedy`` (the graphs' shared buffers).
     greedy_host: PendingHostCopy | None = None
     # [start, end) ranges of ``slots`` that acceptance rejected and ``commit_tokens`` frees (a premapped
     # batch's: off the path to the next launch, since nothing maps them and no one else holds them).
@@ -116,6 +129,7 @@ class AheadVerify:
     next_drafts: list[list[list[int]]]  # [request][drafts accepted before] -> the W - 1 drafts verified
     logits: torch.Tensor
     greedy: torch.Tensor | None
+    greedy_host: PendingHostCopy | None  # ``greedy``'s copy to the host, started at the launch
 
 
 @dataclass
@@ -377,13 +391,17 @@ class BaseSpecWorker(ABC):
                   fb: ForwardBatch, pad_width: int | None, out: LogitsOutput) -> VerifyStep:
         """The ``VerifyStep`` of a verify batch whose forward was just queued (``out``: logits
         [sum(num_tokens_per_req), V] float32)."""
+        # The argmax's copy to the host goes first, right behind the forward: the host work queued after
+        # it (the KV premap, the previous step's commit, the next verify's staging) then runs on the
+        # device while the host reads the result, not before the result is there.
+        greedy_host = _argmax_copy(reqs, out.greedy_ids)
         # Queued behind the forward, which reads only the prefix's map (the nodes' KV it takes from
         # out_cache_loc): off the path to the launch.
         premapped = self.premap_chains(sched, fb, trees, pad_width)
         self.after_verify_forward(fb)
         sched.stats.forward_steps += 1
         return VerifyStep(reqs, trees, slots, fb.spec_info.num_tokens_per_req, out.next_token_logits, out.greedy_ids,
-                          premapped)
+                          premapped, greedy_host)
 
     def stage_guess(self, sched: SchedulerAPI, step: VerifyStep) -> StagedVerify | None:
         """Build and stage the verify after ``step`` for its guessed outcome, before ``step``'s result is
@@ -475,9 +493,9 @@ class BaseSpecWorker(ABC):
             self.stats.ahead_declined["no KV slots"] += 1
             return None
         # The graphs share one output buffer, which this launch overwrites: the step's argmax, all that
-        # greedy acceptance reads, starts its copy to the host first (a copy queued after this launch
-        # would wait for it), and the device reads it below before the launch.
-        step.greedy_host = PendingHostCopy.start(step.greedy)
+        # greedy acceptance reads, has its copy to the host started (at its launch, ``_argmax_copy``) before
+        # this one, and the device reads it below before the launch.
+        assert step.greedy_host is not None, "a chain launched ahead is greedy and unconstrained"
         # One asynchronous copy (a synchronous one would wait for the queued verify).
         kv_lens_cpu = [r.kv_len for r in reqs]
         # A padding row's guess is -1, which no argmax equals: acceptance stops at a chain's real end.
@@ -493,7 +511,8 @@ class BaseSpecWorker(ABC):
         self.after_verify_forward(fb)
         sched.stats.forward_steps += 1
         self.stats.launched_ahead += 1
-        return AheadVerify(slots, width, next_drafts, out.next_token_logits, out.greedy_ids)
+        return AheadVerify(slots, width, next_drafts, out.next_token_logits, out.greedy_ids,
+                           _argmax_copy(reqs, out.greedy_ids))
 
     def ahead_refusal(self, sched: SchedulerAPI, step: VerifyStep) -> str | None:
         """Why the verify after ``step`` may not be launched ahead (``launch_ahead``), or None."""
@@ -523,7 +542,7 @@ class BaseSpecWorker(ABC):
             path, bonus = res
             trees.append(DraftTree.chain(bonus, per_outcome[len(path) - 1]))
         return VerifyStep(step.reqs, trees, ahead.slots, [ahead.width] * len(trees), ahead.logits, ahead.greedy,
-                          premapped=True)
+                          premapped=True, greedy_host=ahead.greedy_host)
 
     def _holds_only(self, sched: SchedulerAPI, reqs: list[Req]) -> bool:
         """Whether ``reqs`` are all the scheduler holds (nothing else to decode, prefill or admit), none
@@ -538,7 +557,7 @@ class BaseSpecWorker(ABC):
         still ``width - 1`` drafts of room in its lengths (its acceptance average aside: the batch's
         rows are ``width`` wide anyway)."""
         sp = req.sampling_params
-        if req.finished or req.grammar is not None or not (sp.is_greedy or sp.temperature < GREEDY_TEMPERATURE_EPS):
+        if req.finished or not reads_argmax_only(req):
             return False
         if req.kv_len != req.fill_len - 1 or len(req.output_ids) + 1 < sp.min_new_tokens:
             return False
