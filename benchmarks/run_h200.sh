@@ -276,15 +276,17 @@ for stage in "$@"; do
         python -m plait bench offline --workload offline-throughput $pair --out "$OUT" 2>&1 | tail -2
       done ;;
     # spec-ngram-repeat (8b, 16 x 64) from the carried .ab/prev (`git archive <commit> plait | tar -x -C
-    # .ab/prev`), from this tree as shipped ("head"), with verifies launched ahead ("ahead",
-    # PLAIT_SPEC_LAUNCH_AHEAD=1) and without the next verify staged for its guessed outcome ("nostage",
-    # PLAIT_SPEC_STAGE_NEXT=0), in turn for SPEC_AB_ROUNDS rounds (default 1): speculative changes against
-    # the tree before them. SPEC_AB_RUNS picks the runs (default "prev head ahead").
+    # .ab/prev`; "prevstage": with PLAIT_SPEC_STAGE_NEXT=1, for a tree from before it was on), from this
+    # tree as shipped ("head"), with verifies launched ahead ("ahead", PLAIT_SPEC_LAUNCH_AHEAD=1) and
+    # without the next verify staged for its guessed outcome ("nostage", PLAIT_SPEC_STAGE_NEXT=0), in turn
+    # for SPEC_AB_ROUNDS rounds (default 1): speculative changes against the tree before them. SPEC_AB_RUNS
+    # picks the runs (default "prev head ahead").
     spec-tree-ab)
       for r in $(seq 1 "${SPEC_AB_ROUNDS:-1}"); do
         for run in ${SPEC_AB_RUNS:-prev head ahead}; do
-          tree=$([ "$run" = prev ] && echo "$PWD/.ab/prev" || echo "$PWD")
-          case $run in ahead) lever=PLAIT_SPEC_LAUNCH_AHEAD=1 ;; nostage) lever=PLAIT_SPEC_STAGE_NEXT=0 ;; *) lever=PLAIT_UNSET=1 ;; esac
+          tree=$(case $run in prev*) echo "$PWD/.ab/prev" ;; *) echo "$PWD" ;; esac)
+          case $run in ahead) lever=PLAIT_SPEC_LAUNCH_AHEAD=1 ;; nostage) lever=PLAIT_SPEC_STAGE_NEXT=0 ;;
+            prevstage) lever=PLAIT_SPEC_STAGE_NEXT=1 ;; *) lever=PLAIT_UNSET=1 ;; esac
           env "$lever" PYTHONPATH="$tree" python -m plait bench spec \
             --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
             --out "$OUT/spec-ab-r$r-$run" 2>&1 | tail -2 | cut -c1-400
