@@ -315,7 +315,8 @@ for stage in "$@"; do
         python benchmarks/profile_verify_graph.py "$OUT" --bs "$bs" 2>&1 | grep -v " INFO " \
           | tee -a "$OUT/profile-verify-graph.log" | tail -36; done ;;
     # A candidate GEMV table (GEMV_CANDIDATE: a directory holding this device's file; default the H100's
-    # swapped-operand tiles at 2-16 tokens over the shipped one-token entries) against the shipped table:
+    # swapped-operand tiles at 2-16 tokens over the shipped one-token entries, which on another device holds
+    # no file, so both arms run the shipped table there) against the shipped table:
     # the graphs replayed alone as in profile-verify-graph (tags shipped, candidate), then spec-ngram-repeat
     # alternated for SPEC_AB_ROUNDS rounds (spec-gemv-ab-r<round>-<0 shipped|1 candidate>/; the JSON counts
     # the second half's forwards by kind, so a change in plain steps shows apart from the verifies).
