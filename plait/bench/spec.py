@@ -82,6 +82,15 @@ def _timed_pass(engine: Any, prompts: list[list[int]], output_len: int) -> _Pass
                  outs, forwards_after - forwards, verifies_after - verifies)
 
 
+def _prefix_agreement(first: list[list[int]], later: list[list[int]]) -> float:
+    """Mean over requests of the share of ``later``'s tokens before it first differs from ``first``."""
+    shares = []
+    for a, b in zip(first, later, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        shares.append(same / max(len(b), 1))
+    return sum(shares) / max(len(shares), 1)
+
+
 def _mean_gain(hist: dict[int, int]) -> float:
     """Tokens gained per verify request-step (accepted drafts + the bonus token) of a histogram."""
     steps = sum(hist.values())
@@ -127,7 +136,8 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
         plain_tokens: list[list[int]] = []
         for name, extra in (("plain", {}), ("ngram", NGRAM)):
             engine = make_engine(shape_dir, max_running_requests=bs, **options, **extra)
-            engine.generate(prompts, _params(output_len))  # the first pass: fills the n-gram and prefix caches
+            # The first pass: fills the n-gram and prefix caches.
+            first_pass = [o.token_ids for o in engine.generate(prompts, _params(output_len))]
             # A second, untimed repeat pass compiles what only repeats use (kernel variants of the
             # verify widths met, prefix-hit prefills); the timed passes decode exactly as it does.
             engine.generate(prompts, _params(output_len))
@@ -137,6 +147,10 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
             row[f"{name}_step_forwards"] = timing["step_forwards"]
             row[f"{name}_host_cpu"] = timing["host_cpu"]
             tokens = [o.token_ids for o in timing["outs"]]
+            # How far the timed pass repeats the first pass's text (the n-gram cache's): 1.0 when every
+            # token is the same; on random weights, near-tied tokens whose rows ran through other kernels
+            # than in the first pass drift, and the drafts after the drift miss.
+            row[f"{name}_repeat_agreement"] = _prefix_agreement(first_pass, tokens)
             if name == "plain":
                 plain_tokens = tokens
             if name == "ngram":

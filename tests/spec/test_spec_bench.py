@@ -67,3 +67,8 @@ def test_eagle3_draft_step_reports_first_and_later_steps_against_the_floor(tmp_p
     for key in ("topk1", "topk2"):
         assert r[key]["first_step_ms"] > 0
         assert r[key]["first_step_floor_ms"] > r[key]["later_step_floor_ms"] > 0  # fc is read once
+
+
+def test_spec_ngram_repeat_reports_how_far_each_timed_pass_repeats_the_first(bs1_row):
+    # fp32 on the CPU: no near-tie rounds another way, so every pass repeats the first exactly.
+    assert bs1_row["plain_repeat_agreement"] == bs1_row["ngram_repeat_agreement"] == 1.0
