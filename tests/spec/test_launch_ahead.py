@@ -85,7 +85,7 @@ def test_ahead_drafts_top_up_a_short_proposal_and_fill_outcomes_past_a_short_cha
     from plait.speculative.ngram import PreparedDrafts
     from plait.speculative.tree import DraftTree
 
-    engine = chain_engine(one_layer, 3)
+    engine = chain_engine(one_layer, 1)
     worker = engine.scheduler.spec_worker
     req = engine.make_request([5, 6, 7], GREEDY)
     tree = DraftTree.chain(7, [8])  # 2 wide, in a batch padded to 4
@@ -99,7 +99,7 @@ def test_ahead_drafts_top_up_a_short_proposal_and_fill_outcomes_past_a_short_cha
 def test_drafts_launched_ahead_that_miss_cost_acceptance_not_output(one_layer, reference, monkeypatch):
     """Whatever the drafts prepared for an outcome (those for a bonus guess that missed), the verify
     launched ahead with them accepts only what the model agrees with."""
-    engine = chain_engine(one_layer, 3, reference)
+    engine = chain_engine(one_layer, 1, reference)
     worker = engine.scheduler.spec_worker
     prepared = worker.ahead_drafts
 
@@ -128,7 +128,7 @@ def test_a_stop_token_drops_the_rows_of_the_verify_launched_ahead(one_layer, ref
 
 def test_with_the_switch_off_no_verify_launches_ahead(one_layer, reference, monkeypatch):
     monkeypatch.setenv("PLAIT_SPEC_LAUNCH_AHEAD", "0")
-    engine = chain_engine(one_layer, 3, reference)
+    engine = chain_engine(one_layer, 1, reference)
     worker = engine.scheduler.spec_worker
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     assert not worker.launches_ahead and worker.stats.launched_ahead == 0

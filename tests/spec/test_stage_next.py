@@ -21,8 +21,9 @@ def reference(chain_reference):
     return chain_reference
 
 
-def _run(one_layer, reference, monkeypatch, stage: bool, bs: int = 3, wrong_guess: bool = False):
-    """(outputs, worker) of one generate with the drafter's cache holding the reference."""
+def _run(one_layer, reference, monkeypatch, stage: bool, bs: int = 1, wrong_guess: bool = False):
+    """(outputs, worker) of one generate with the drafter's cache holding the reference (``bs`` requests
+    at once: each batch size's verify graphs are captured under the interpreter, so 1 unless it matters)."""
     monkeypatch.setenv("PLAIT_SPEC_STAGE_NEXT", "1" if stage else "0")
     engine = chain_engine(one_layer, bs, reference)
     worker = engine.scheduler.spec_worker
