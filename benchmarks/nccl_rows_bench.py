@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.bench.hardware import seconds_per_call
 from plait.distributed.copy_engine_rows import CopyEngineRows
 from plait.distributed.dp_mlp import dp_gathered_mlp
 from plait.distributed.parallel_state import TPGroup
@@ -113,15 +114,7 @@ def _mlp_round(group: TPGroup, rows: int, mode: DPPaddingMode) -> tuple[LlamaMLP
 
 
 def _time_us(fn, iters: int = 100) -> float:
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / iters
+    return 1e6 * seconds_per_call(fn, iters)
 
 
 def _rank(port: int, rank: int, out: str | None, label: str) -> None:

@@ -3,8 +3,8 @@ of the shape (dummy weights, bf16, the engine as ``spec-ngram-repeat`` builds it
 its graphs hold a real batch, then the captured decode graph of ``--bs`` requests (default 1) and the
 chain verify graph of as many (width 4) are replayed back to back, alone:
 
-- device time per replay (CUDA events around ``--reps`` replays; the replays queue faster than they
-  run, so this is the graph's device time, not the host's);
+- device time per replay (``plait.bench.hardware.seconds_per_call``: CUDA events around ``--reps``
+  replays; the replays queue faster than they run, so this is the graph's device time, not the host's);
 - per kernel, device us per replay from ``torch.profiler`` over 20 replays of each graph, and the same
   summed by class (dense GEMM or GEMV, attention, norms, rotary, activation, the rest).
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from plait.bench.hardware import seconds_per_call
 from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.bench.spec import NGRAM, random_prompts
 from plait.bench.workloads import make_engine, release
@@ -42,20 +43,6 @@ CLASSES = (  # first match wins; kernel names as CUPTI reports them
 
 def kernel_class(name: str) -> str:
     return next((label for label, pattern in CLASSES if pattern.search(name)), "other")
-
-
-def replay_us(replay: Any, reps: int) -> float:
-    """Device time of one replay, us: ``reps`` replays queued back to back between two events."""
-    for _ in range(5):
-        replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def kernel_table(replay: Any, reps: int = 20) -> list[dict[str, Any]]:
@@ -101,8 +88,8 @@ def main() -> None:
                               "tag": args.tag, "gemv_config_dir": os.environ.get("PLAIT_GEMV_CONFIG_DIR", "")}
     for name, replay in graphs.items():
         rows = kernel_table(replay)
-        result[name] = {"replay_us": replay_us(replay, args.reps), "profiled_us": sum(r["us"] for r in rows),
-                        "by_class": by_class(rows), "kernels": rows[:30]}
+        result[name] = {"replay_us": seconds_per_call(replay, args.reps) * 1e6,
+                        "profiled_us": sum(r["us"] for r in rows), "by_class": by_class(rows), "kernels": rows[:30]}
     release(engine)
     dec, ver = result["decode"], result["verify"]
     print(f"[{args.tag}] {args.shape} bs {args.bs}: decode replay {dec['replay_us']:.1f} us, verify (width {WIDTH}) "

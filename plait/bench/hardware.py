@@ -20,7 +20,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, iters: int) -> float:
+def seconds_per_call(fn: Callable[[], Any], iters: int) -> float:
     """Seconds per call after a warm-up: by CUDA events on the GPU, else by the wall clock."""
     for _ in range(3):
         fn()
@@ -44,8 +44,8 @@ def hbm_bandwidth(num_bytes: int | None = None) -> dict[str, float]:
     num_bytes = num_bytes or (4 << 30 if torch.cuda.is_available() else 16 << 20)
     x = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=bench_device()).uniform_()
     y = torch.empty_like(x)
-    copy_s = _time(lambda: y.copy_(x), 20)
-    read_s = _time(lambda: torch.sum(x, dtype=torch.float32), 20)
+    copy_s = seconds_per_call(lambda: y.copy_(x), 20)
+    read_s = seconds_per_call(lambda: torch.sum(x, dtype=torch.float32), 20)
     return {"copy_bytes_per_s": 2 * num_bytes / copy_s, "read_bytes_per_s": num_bytes / read_s}
 
 
@@ -54,7 +54,7 @@ def bf16_matmul_rate(n: int | None = None) -> float:
     n = n or (8192 if torch.cuda.is_available() else 256)
     a = torch.randn(n, n, dtype=torch.bfloat16, device=bench_device())
     b = torch.randn(n, n, dtype=torch.bfloat16, device=bench_device())
-    seconds = _time(lambda: a @ b, 20 if torch.cuda.is_available() else 3)
+    seconds = seconds_per_call(lambda: a @ b, 20 if torch.cuda.is_available() else 3)
     return 2 * n**3 / seconds
 
 
@@ -68,7 +68,7 @@ def fp8_matmul_rate(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS wants
     one = torch.ones((), device="cuda")
-    seconds = _time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 20)
+    seconds = seconds_per_call(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 20)
     return 2 * n**3 / seconds
 
 

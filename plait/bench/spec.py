@@ -36,6 +36,7 @@ from plait.bench.host_cpu import cpu_use, read_counters
 from plait.bench.workloads import make_engine, release, timed
 from plait.executor.graph_utils import capture_batch_sizes
 from plait.forward_batch import ForwardBatch, ForwardMode
+from plait.mem.radix_cache import common_prefix_len
 from plait.sampling import SamplingParams
 from plait.speculative.tree import DraftTree
 
@@ -84,10 +85,7 @@ def _timed_pass(engine: Any, prompts: list[list[int]], output_len: int) -> _Pass
 
 def _prefix_agreement(first: list[list[int]], later: list[list[int]]) -> float:
     """Mean over requests of the share of ``later``'s tokens before it first differs from ``first``."""
-    shares = []
-    for a, b in zip(first, later, strict=True):
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        shares.append(same / max(len(b), 1))
+    shares = [common_prefix_len(a, b) / max(len(b), 1) for a, b in zip(first, later, strict=True)]
     return sum(shares) / max(len(shares), 1)
 
 

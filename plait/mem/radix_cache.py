@@ -94,7 +94,8 @@ def _as_key(token_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(t) for t in token_ids)
 
 
-def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (same-typed sequences: tuples, or lists)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the common case (a whole node matches): one C-level comparison
         return n
@@ -164,7 +165,7 @@ class RadixCache:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            k = _common_prefix_len(child.key, key[pos : pos + len(child.key)])
+            k = common_prefix_len(child.key, key[pos : pos + len(child.key)])
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_access = now
@@ -186,7 +187,7 @@ class RadixCache:
             child = node.children.get(token_ids[pos])
             if child is None:
                 break
-            k = _common_prefix_len(child.key, tuple(token_ids[pos : pos + len(child.key)]))
+            k = common_prefix_len(child.key, tuple(token_ids[pos : pos + len(child.key)]))
             pos += k
             if k < len(child.key):
                 break
