@@ -168,3 +168,12 @@ def test_admission_stops_where_the_reserved_kv_would_exceed_the_free_pool(model_
     while sched.has_work():
         sched.step()
     assert_no_leaks(engine)
+
+
+def test_decode_rows_count_each_request_a_plain_forward_decoded(model_path):
+    """Every token after a request's first (which its prefill gives) is one decode row."""
+    engine = make_engine(model_path)
+    before = engine.scheduler.stats.decode_rows
+    outs = engine.generate(PROMPTS[:3], {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+    assert [len(o.token_ids) for o in outs] == [6, 6, 6]
+    assert engine.scheduler.stats.decode_rows - before == 3 * 5

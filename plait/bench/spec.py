@@ -66,21 +66,25 @@ class _Pass:
     outs: list[Any]
     forwards: int
     verifies: int
+    # Request-steps of every kind: verified requests (each verify row's request, drafting or riding
+    # along) and requests decoded by plain forwards.
+    request_steps: int
 
 
 def _timed_pass(engine: Any, prompts: list[list[int]], output_len: int) -> _Pass:
     worker, stats = engine.scheduler.spec_worker, engine.scheduler.stats
 
-    def counters() -> tuple[dict[int, int], int, int]:
+    def counters() -> tuple[dict[int, int], int, int, int]:
         if worker is None:
-            return {}, stats.forward_steps, 0
-        return dict(worker.stats.accept_histogram), stats.forward_steps, worker.stats.verify_steps
+            return {}, stats.forward_steps, 0, stats.decode_rows
+        return (dict(worker.stats.accept_histogram), stats.forward_steps, worker.stats.verify_steps,
+                stats.decode_rows + worker.stats.verified_requests)
 
-    hist, forwards, verifies = counters()
+    hist, forwards, verifies, rows = counters()
     outs, seconds = timed(lambda: engine.generate(prompts, _params(output_len)))
-    hist_after, forwards_after, verifies_after = counters()
+    hist_after, forwards_after, verifies_after, rows_after = counters()
     return _Pass(sum(len(o.token_ids) for o in outs), seconds, {k: c - hist.get(k, 0) for k, c in hist_after.items()},
-                 outs, forwards_after - forwards, verifies_after - verifies)
+                 outs, forwards_after - forwards, verifies_after - verifies, rows_after - rows)
 
 
 def _prefix_agreement(first: list[list[int]], later: list[list[int]]) -> float:
@@ -99,17 +103,26 @@ def _step_and_end_to_end(engine: Any, prompts: list[list[int]], output_len: int)
     """The same prompts decoded to ``output_len // 2`` and to ``output_len`` tokens, greedy (the first
     half is a prefix of the whole). End to end: the whole pass's tokens per second, prefills and first
     tokens included. Per step: the second half's extra tokens over its extra seconds, so the prefills,
-    the first tokens and the requests' admission drop out, and the accept length over that half alone
-    (the histogram difference of the two passes) -- what a decode or verify step costs, the quantity
-    ``speedup_over_accept_length`` is defined on."""
+    the first tokens and the requests' admission drop out -- what a step costs, the quantity
+    ``speedup_over_accept_length`` is defined on. Its accept length is the second half's tokens per
+    request-step of every kind: a speculative run's plain decode steps (an n-gram miss) count with the
+    one token each gave, as their time counts in the tokens per second it is divided into; at bs 1
+    the ratio is then plain step time over the speculative run's step time. ``verify_accept_length``
+    is the verifies' alone (the histogram difference of the two passes)."""
     half = max(1, output_len // 2)
     cpu_before = read_counters([os.getpid()])
     first, whole = _timed_pass(engine, prompts, half), _timed_pass(engine, prompts, output_len)
     cpu_after = read_counters([os.getpid()])
     second = {k: c - first.hist.get(k, 0) for k, c in whole.hist.items()}
+    tokens, request_steps = whole.tokens - first.tokens, whole.request_steps - first.request_steps
+    forwards = whole.forwards - first.forwards
     return {"tok_s": whole.tokens / whole.seconds,
-            "step_tok_s": (whole.tokens - first.tokens) / max(whole.seconds - first.seconds, 1e-9),
-            "step_accept_length": _mean_gain(second) if sum(second.values()) > 0 else _mean_gain(whole.hist),
+            "step_tok_s": tokens / max(whole.seconds - first.seconds, 1e-9),
+            "step_accept_length": tokens / request_steps if request_steps > 0 else 1.0,
+            "verify_accept_length": _mean_gain(second) if sum(second.values()) > 0 else _mean_gain(whole.hist),
+            # Requests per forward over the second half: below the batch size where requests run out
+            # at different steps (a straggler's steps carry fewer rows).
+            "step_occupancy": request_steps / forwards if forwards > 0 else 0.0,
             # The second half's forwards: verifies, and the rest (plain decode steps; a miss back-off's
             # steps in a speculative run), so a per-step ratio can be read per kind of step.
             "step_forwards": {"verify": whole.verifies - first.verifies,
@@ -143,6 +156,7 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
             row[f"{name}_tok_s"] = timing["tok_s"]
             row[f"{name}_step_tok_s"] = timing["step_tok_s"]
             row[f"{name}_step_forwards"] = timing["step_forwards"]
+            row[f"{name}_step_occupancy"] = timing["step_occupancy"]
             row[f"{name}_host_cpu"] = timing["host_cpu"]
             tokens = [o.token_ids for o in timing["outs"]]
             # How far the timed pass repeats the first pass's text (the n-gram cache's): 1.0 when every
@@ -160,6 +174,7 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
                 lengths = [o.meta_info["spec_accept_length"] for o in outs if o.meta_info["spec_verify_ct"]]
                 row["accept_length"] = sum(lengths) / len(lengths) if lengths else 1.0
                 row["step_accept_length"] = timing["step_accept_length"]
+                row["verify_accept_length"] = timing["verify_accept_length"]
                 stats = engine.scheduler.spec_worker.stats
                 row["accept_histogram"] = dict(stats.accept_histogram)
                 # Of every verify the engine ran (its warm passes included): launched ahead of the one before.
@@ -171,6 +186,9 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
         row["speedup_over_accept_length_end_to_end"] = row["speedup"] / row["accept_length"]
         row["step_speedup"] = row["ngram_step_tok_s"] / row["plain_step_tok_s"]
         row["speedup_over_accept_length"] = row["step_speedup"] / row["step_accept_length"]
+        # The same over the verifies' accept length alone (this figure before plain steps counted):
+        # a speculative run's plain steps then weigh as if each had cost a verify's tokens.
+        row["speedup_over_verify_accept_length"] = row["step_speedup"] / row["verify_accept_length"]
         result[f"bs{bs}"] = row
     return result
 

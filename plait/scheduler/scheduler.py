@@ -439,6 +439,7 @@ class Scheduler:
         if self.spec_worker is not None:
             self.spec_worker.after_target_forward(fb)  # a draft model mirrors the target's KV
         self.stats.forward_steps += 1
+        self.stats.decode_rows += sum(e.is_decode for e in sampled)
         for e in batch.entries:
             e.req.kv_len += e.extend_len
         if not sampled:

@@ -33,6 +33,9 @@ class SchedulerStats:
     generation_tokens: int = 0
     cached_tokens: int = 0
     forward_steps: int = 0
+    # Requests that plain forwards decoded (one token each; a speculative worker counts its verified
+    # request-steps itself): a run's tokens over its request-steps is its tokens per step.
+    decode_rows: int = 0
     # Constrained decoding: grammars compiled, requests served from the compiled-grammar cache, and
     # compile times in seconds (sum and histogram).
     grammar_compiles: int = 0

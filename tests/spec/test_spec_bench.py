@@ -72,3 +72,22 @@ def test_eagle3_draft_step_reports_first_and_later_steps_against_the_floor(tmp_p
 def test_spec_ngram_repeat_reports_how_far_each_timed_pass_repeats_the_first(bs1_row):
     # fp32 on the CPU: no near-tie rounds another way, so every pass repeats the first exactly.
     assert bs1_row["plain_repeat_agreement"] == bs1_row["ngram_repeat_agreement"] == 1.0
+
+
+def test_spec_ngram_repeat_ratio_at_bs1_is_plain_step_time_over_the_speculative_runs_step_time(bs1_row):
+    """bs 1: one request a forward, plain or verify; the second half's accept length is its tokens per
+    forward of either kind, so the ratio is a plain step's time over the speculative run's mean step."""
+    row = bs1_row
+    assert row["plain_step_occupancy"] == row["ngram_step_occupancy"] == 1.0
+    forwards = row["ngram_step_forwards"]["verify"] + row["ngram_step_forwards"]["other"]
+    tokens = 2 * 4  # two prompts, tokens 5-8 each
+    assert row["step_accept_length"] == pytest.approx(tokens / forwards)
+    plain_step_s = 1 / row["plain_step_tok_s"]
+    ngram_step_s = tokens / row["ngram_step_tok_s"] / forwards
+    assert row["speedup_over_accept_length"] == pytest.approx(plain_step_s / ngram_step_s)
+
+
+def test_spec_ngram_repeat_reports_the_ratio_over_the_verifies_accept_length_beside_it(bs1_row):
+    row = bs1_row
+    assert row["verify_accept_length"] > 1.5  # the repeat's drafts land
+    assert row["speedup_over_verify_accept_length"] == pytest.approx(row["step_speedup"] / row["verify_accept_length"])
