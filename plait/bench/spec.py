@@ -181,6 +181,8 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
                 row["verify_steps"], row["launched_ahead"] = stats.verify_steps, stats.launched_ahead
                 row["ahead_declined"] = dict(stats.ahead_declined)
                 row["staged"] = dict(stats.staged)
+                # Scheduler steps that verified nothing, by cause (every pass): where the plain forwards came from.
+                row["plain_steps"] = dict(stats.plain_steps)
             release(engine)
         row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
         row["speedup_over_accept_length_end_to_end"] = row["speedup"] / row["accept_length"]

@@ -78,6 +78,10 @@ class SpecStats:
     # verifies staged for their guessed outcome (``BaseSpecWorker.stage_guess``): "hit" (launched as
     # staged), "miss" (another outcome arrived: dropped)
     staged: Counter[str] = field(default_factory=Counter)
+    # scheduler steps that verified nothing, by cause: "miss" (too few requests had a draft), "back-off"
+    # (a miss's back-off sat the step out without asking the drafter), "no drafter" (no request had
+    # room for a guess), "no KV" (too few free slots for the drafts)
+    plain_steps: Counter[str] = field(default_factory=Counter)
     # accepted draft tokens per request-step -> count (the step gained that many + 1 tokens)
     accept_histogram: Counter[int] = field(default_factory=Counter)
 
@@ -251,6 +255,7 @@ class BaseSpecWorker(ABC):
         """Whether this scheduler step speculates (False: a plain, overlapped decode step)."""
         if self._skip > 0:
             self._skip -= 1
+            self.stats.plain_steps["back-off"] += 1
             return False
         return True
 
@@ -271,6 +276,8 @@ class BaseSpecWorker(ABC):
                 depths.append(d)
         drafters = [i for i, d in enumerate(depths) if d > 0]
         if not drafters:
+            if cands:
+                self.stats.plain_steps["no drafter"] += 1
             self.deferred_work(sched)
             return set()
         # Requests without room for a guess ride along (their verify row is their decode row) rather
@@ -285,6 +292,7 @@ class BaseSpecWorker(ABC):
         drafting = sum(t is not None for t in proposed)
         if drafting == 0 or drafting < MIN_DRAFTING_FRACTION * len(drafters):
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MISS_BACKOFF_MAX)
+            self.stats.plain_steps["miss"] += 1
             self.deferred_work(sched)
             return set()
         self._backoff = 1
@@ -295,9 +303,11 @@ class BaseSpecWorker(ABC):
         # and let the scheduler's decode path evict or retract as it always does.
         others = len(sched.running) + len(joining) - len(cands)
         if sched.available_kv_tokens() < need + others:
+            self.stats.plain_steps["no KV"] += 1
             return set()
         slots = sched.alloc_kv_slots(need)
         if slots is None:
+            self.stats.plain_steps["no KV"] += 1
             return set()
         return self.verify(sched, cands, trees, slots)  # joiners now have their first token: they decode
 

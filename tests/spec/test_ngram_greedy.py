@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from plait.speculative.tree import DraftTree
+from plait.speculative.worker import MISS_BACKOFF_MAX
 from tests.helpers import GREEDY, assert_no_leaks, count_calls, make_engine, prompt_ids
 
 PROMPTS = prompt_ids(8)
@@ -187,6 +188,25 @@ def test_misses_back_off_to_plain_overlapped_decode_steps(model_path, reference)
     steps = engine.scheduler.stats.forward_steps - steps_before
     assert 0 < len(asked) < steps / 2
     assert_no_leaks(engine)
+
+
+def test_the_worker_counts_the_steps_it_did_not_verify_by_cause(model_path, reference):
+    """Fresh prompts, windows of 4: every step the drafter is asked misses; the steps between are the
+    back-off's."""
+    engine = make_engine(model_path, speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=4,
+                         speculative_ngram_max_match_window_size=4)
+    worker = engine.scheduler.spec_worker
+    asked = []
+    inner = worker.decode_step
+    worker.decode_step = lambda sched: asked.append(1) or inner(sched)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    plain = worker.stats.plain_steps
+    assert worker.stats.verify_steps == 0
+    assert plain["miss"] == len(asked) - 1 > 0  # the first ask came while every request still prefilled
+    # After the i-th miss the pause is min(2^i, MISS_BACKOFF_MAX) steps; the last may be cut short.
+    assert plain["miss"] < plain["back-off"] <= sum(min(2**i, MISS_BACKOFF_MAX) for i in range(plain["miss"]))
+    assert set(plain) == {"miss", "back-off"}
 
 
 
