@@ -173,9 +173,10 @@ def test_drafts_shorten_for_requests_whose_guesses_keep_failing(model_path, refe
     assert_no_leaks(engine)
 
 
-def test_misses_back_off_to_plain_overlapped_decode_steps(model_path, reference):
-    """Fresh prompts and an empty n-gram cache: nothing to propose, so after each miss the worker
-    sits out a doubling run of steps (plain decoding, overlap kept) instead of draining every step."""
+@pytest.fixture
+def missing_run(model_path, reference):
+    """Fresh prompts, windows of 4 and an empty n-gram cache: nothing to propose. The engine's forwards
+    and how often the worker asked its drafter (decode_step calls) over one greedy run."""
     engine = make_engine(model_path, speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=4,
                          speculative_ngram_max_match_window_size=4)
     worker = engine.scheduler.spec_worker
@@ -185,29 +186,27 @@ def test_misses_back_off_to_plain_overlapped_decode_steps(model_path, reference)
     steps_before = engine.scheduler.stats.forward_steps
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    steps = engine.scheduler.stats.forward_steps - steps_before
-    assert 0 < len(asked) < steps / 2
+    return engine, len(asked), engine.scheduler.stats.forward_steps - steps_before
+
+
+def test_misses_back_off_to_plain_overlapped_decode_steps(missing_run):
+    """After each miss the worker sits out a doubling run of steps (plain decoding, overlap kept)
+    instead of draining every step."""
+    engine, asked, steps = missing_run
+    assert 0 < asked < steps / 2
     assert_no_leaks(engine)
 
 
-def test_the_worker_counts_the_steps_it_did_not_verify_by_cause(model_path, reference):
-    """Fresh prompts, windows of 4: every step the drafter is asked misses; the steps between are the
-    back-off's."""
-    engine = make_engine(model_path, speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=4,
-                         speculative_ngram_max_match_window_size=4)
-    worker = engine.scheduler.spec_worker
-    asked = []
-    inner = worker.decode_step
-    worker.decode_step = lambda sched: asked.append(1) or inner(sched)
-    outs = engine.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == reference
-    plain = worker.stats.plain_steps
-    assert worker.stats.verify_steps == 0
-    assert plain["miss"] == len(asked) - 1 > 0  # the first ask came while every request still prefilled
+def test_the_worker_counts_the_steps_it_did_not_verify_by_cause(missing_run):
+    """Every step the drafter is asked misses; the steps between are the back-off's."""
+    engine, asked, _ = missing_run
+    stats = engine.scheduler.spec_worker.stats
+    plain = stats.plain_steps
+    assert stats.verify_steps == 0
+    assert plain["miss"] == asked - 1 > 0  # the first ask came while every request still prefilled
     # After the i-th miss the pause is min(2^i, MISS_BACKOFF_MAX) steps; the last may be cut short.
     assert plain["miss"] < plain["back-off"] <= sum(min(2**i, MISS_BACKOFF_MAX) for i in range(plain["miss"]))
     assert set(plain) == {"miss", "back-off"}
-
 
 
 class _OnlySome:
