@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,6 +39,8 @@ from plait.forward_batch import ForwardBatch, ForwardMode
 from plait.mem.radix_cache import common_prefix_len
 from plait.sampling import SamplingParams
 from plait.speculative.tree import DraftTree
+
+K = TypeVar("K")
 
 NGRAM = {"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
          "speculative_num_draft_tokens": 4}
@@ -69,22 +71,28 @@ class _Pass:
     # Request-steps of every kind: verified requests (each verify row's request, drafting or riding
     # along) and requests decoded by plain forwards.
     request_steps: int
+    plain_steps: dict[str, int]  # the speculative worker's steps that verified nothing, by cause
 
 
 def _timed_pass(engine: Any, prompts: list[list[int]], output_len: int) -> _Pass:
     worker, stats = engine.scheduler.spec_worker, engine.scheduler.stats
 
-    def counters() -> tuple[dict[int, int], int, int, int]:
+    def counters() -> tuple[dict[int, int], int, int, int, dict[str, int]]:
         if worker is None:
-            return {}, stats.forward_steps, 0, stats.decode_rows
+            return {}, stats.forward_steps, 0, stats.decode_rows, {}
         return (dict(worker.stats.accept_histogram), stats.forward_steps, worker.stats.verify_steps,
-                stats.decode_rows + worker.stats.verified_requests)
+                stats.decode_rows + worker.stats.verified_requests, dict(worker.stats.plain_steps))
 
-    hist, forwards, verifies, rows = counters()
+    hist, forwards, verifies, rows, plain = counters()
     outs, seconds = timed(lambda: engine.generate(prompts, _params(output_len)))
-    hist_after, forwards_after, verifies_after, rows_after = counters()
-    return _Pass(sum(len(o.token_ids) for o in outs), seconds, {k: c - hist.get(k, 0) for k, c in hist_after.items()},
-                 outs, forwards_after - forwards, verifies_after - verifies, rows_after - rows)
+    hist_after, forwards_after, verifies_after, rows_after, plain_after = counters()
+    return _Pass(sum(len(o.token_ids) for o in outs), seconds, _minus(hist_after, hist), outs,
+                 forwards_after - forwards, verifies_after - verifies, rows_after - rows, _minus(plain_after, plain))
+
+
+def _minus(after: dict[K, int], before: dict[K, int]) -> dict[K, int]:
+    """Counts of ``after`` less those of ``before`` (a counter read at two times)."""
+    return {k: c - before.get(k, 0) for k, c in after.items()}
 
 
 def _prefix_agreement(first: list[list[int]], later: list[list[int]]) -> float:
@@ -113,7 +121,7 @@ def _step_and_end_to_end(engine: Any, prompts: list[list[int]], output_len: int)
     cpu_before = read_counters([os.getpid()])
     first, whole = _timed_pass(engine, prompts, half), _timed_pass(engine, prompts, output_len)
     cpu_after = read_counters([os.getpid()])
-    second = {k: c - first.hist.get(k, 0) for k, c in whole.hist.items()}
+    second = _minus(whole.hist, first.hist)
     tokens, request_steps = whole.tokens - first.tokens, whole.request_steps - first.request_steps
     forwards = whole.forwards - first.forwards
     return {"tok_s": whole.tokens / whole.seconds,
@@ -127,6 +135,8 @@ def _step_and_end_to_end(engine: Any, prompts: list[list[int]], output_len: int)
             # steps in a speculative run), so a per-step ratio can be read per kind of step.
             "step_forwards": {"verify": whole.verifies - first.verifies,
                               "other": (whole.forwards - first.forwards) - (whole.verifies - first.verifies)},
+            # A speculative run's steps without a verify over the second half, by cause (SpecStats.plain_steps).
+            "step_plain_steps": _minus(whole.plain_steps, first.plain_steps),
             # The machine's CPUs over both passes (stolen ones too): host-bound steps move with them.
             "host_cpu": cpu_use(cpu_before, cpu_after, {"engine": [os.getpid()]}),
             "outs": whole.outs}
@@ -157,6 +167,7 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
             row[f"{name}_step_tok_s"] = timing["step_tok_s"]
             row[f"{name}_step_forwards"] = timing["step_forwards"]
             row[f"{name}_step_occupancy"] = timing["step_occupancy"]
+            row[f"{name}_step_plain_steps"] = timing["step_plain_steps"]
             row[f"{name}_host_cpu"] = timing["host_cpu"]
             tokens = [o.token_ids for o in timing["outs"]]
             # How far the timed pass repeats the first pass's text (the n-gram cache's): 1.0 when every
@@ -181,8 +192,6 @@ def spec_ngram_repeat(shape_dir: str, vocab: int, num_prompts: int = 64, input_l
                 row["verify_steps"], row["launched_ahead"] = stats.verify_steps, stats.launched_ahead
                 row["ahead_declined"] = dict(stats.ahead_declined)
                 row["staged"] = dict(stats.staged)
-                # Scheduler steps that verified nothing, by cause (every pass): where the plain forwards came from.
-                row["plain_steps"] = dict(stats.plain_steps)
             release(engine)
         row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
         row["speedup_over_accept_length_end_to_end"] = row["speedup"] / row["accept_length"]

@@ -91,3 +91,11 @@ def test_spec_ngram_repeat_reports_the_ratio_over_the_verifies_accept_length_bes
     row = bs1_row
     assert row["verify_accept_length"] > 1.5  # the repeat's drafts land
     assert row["speedup_over_verify_accept_length"] == pytest.approx(row["step_speedup"] / row["verify_accept_length"])
+
+
+def test_spec_ngram_repeat_counts_the_second_halfs_steps_without_a_verify_by_cause(bs1_row):
+    """Where the speculative run's plain forwards came from (a miss, the back-off's pause, ...): the
+    tiny repeat drafts its first pass's text exactly, so every second-half step verifies."""
+    assert bs1_row["plain_step_plain_steps"] == {}  # a plain engine has no speculative worker
+    assert bs1_row["ngram_step_forwards"]["other"] == 0
+    assert sum(bs1_row["ngram_step_plain_steps"].values()) == 0
