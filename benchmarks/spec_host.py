@@ -235,6 +235,7 @@ def main() -> None:
             return lambda: shim.forward(fb)
         engine.runner.stage = timed_stage
     steps0 = worker.stats.verify_steps
+    plain0 = dict(getattr(worker.stats, "plain_steps", {}))  # older commits do not count them
     stats = getattr(worker, "predraft_stats", None)  # older commits do not pre-draft
     if stats is not None:
         stats.clear()
@@ -277,6 +278,8 @@ def main() -> None:
     # loops included): the host time a GPU would wait for, per verify step.
     rest = wall - total.get("forward", 0.0) - hidden
     print(f"  all host time outside forwards, less the hidden stages: {rest / steps * 1e6:.1f} us/step")
+    plain = {k: n - plain0.get(k, 0) for k, n in getattr(worker.stats, "plain_steps", {}).items()}
+    print(f"  scheduler steps without a verify, by cause: {plain}")
     if stats is not None:
         print(f"  proposals pre-drafted during the verify (hit), drafted anew (miss, unprepared): {dict(stats)}")
     if counter is not None:
