@@ -273,6 +273,24 @@ def test_tuner_never_keeps_a_config_off_the_reference(monkeypatch):
     assert row["best"] != broken.to_json() and row["best_us"] == 1e6
 
 
+@pytest.mark.parametrize("kind, kept", [("fp8_channel_mma", True), ("bf16", False)])
+def test_tuner_allows_w8a8_configs_the_fp8_rounding_of_their_activations(monkeypatch, kind, kept):
+    """An error between 1e-2 and W8A8_TOLERANCE of the largest output: what one activation rounded a step
+    off the reference's costs a small-K W8A8 product, a fault in any other form."""
+    from plait.bench import gemv_tune
+
+    case = gemv_tune.Case(kind, 48, 256, 1, ["tiny/o"])
+    monkeypatch.setattr(gemv_tune, "time_config", lambda x, ws, s, b, cfg, reps=2, w8a8=False: 1.0)
+    error = (1e-2 + gemv_tune.W8A8_TOLERANCE) / 2
+    monkeypatch.setattr(gemv_tune, "rel_error", lambda x, w, s, b, cfg, w8a8=False: error)
+    ws, scale, block = gemv_tune.make_weights(kind, 48, 256, rotate=False, device="cpu")
+    if kept:
+        assert gemv_tune.tune_case(case, ws, scale, block, 8)["best"]
+    else:
+        with pytest.raises(RuntimeError, match="matches the fp32 reference"):
+            gemv_tune.tune_case(case, ws, scale, block, 8)
+
+
 def test_compare_times_both_fp8_forms_per_shape_and_m(monkeypatch):
     from plait.bench import gemv_tune
 

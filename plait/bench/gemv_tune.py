@@ -170,6 +170,9 @@ def time_cublas(x: torch.Tensor, ws: list[torch.Tensor], reps: int = 2) -> float
     return graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], reps=reps)
 
 
+W8A8_TOLERANCE = 5e-2  # rel_error a W8A8 config may show and still count as computing the product
+
+
 def rel_error(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
               cfg: GemvConfig, w8a8: bool = False) -> float:
     """Max error of ``gemv`` with ``cfg`` relative to the largest entry of its fp32 reference: the
@@ -201,8 +204,12 @@ def tune_case(case: Case, ws: list[torch.Tensor], scale: torch.Tensor | None, bl
     if not timed:
         raise RuntimeError(f"gemv tune: no config ran for {case}")
     timed.sort(key=lambda t: t[0])
-    # The fastest config that computes the product: a broken one never lands in the table.
-    correct = ((t, c) for t, c in timed if rel_error(x, ws[0], scale, block, c, w8a8=w8a8) < 1e-2)
+    # The fastest config that computes the product: a broken one never lands in the table (its error is
+    # of the order of the product). The W8A8 form rounds activations to fp8 (3 mantissa bits), and an
+    # element the kernel rounds one step off the reference's moves a small-K output by up to a few
+    # percent of the largest (2.4% at K = 256 over 4000 random draws), hence its looser bound.
+    bound = W8A8_TOLERANCE if w8a8 else 1e-2
+    correct = ((t, c) for t, c in timed if rel_error(x, ws[0], scale, block, c, w8a8=w8a8) < bound)
     best_s, best = next(correct, (None, None))
     if best is None or best_s is None:
         raise RuntimeError(f"gemv tune: no config of {case} matches the fp32 reference")
