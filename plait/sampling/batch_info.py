@@ -15,10 +15,6 @@ from plait.sampling.penalties import build_logit_bias, build_seen_mask, build_to
 from plait.sampling.rng import row_keys_from_seed_keys, seed_keys_host
 from plait.transfer import to_device
 
-# Temperatures this small turn logits into +-inf after scaling (softmax NaNs in top_p); sampling at
-# them is argmax anyway, so such rows take the greedy path.
-GREEDY_TEMPERATURE_EPS = 1e-5
-
 
 @dataclass
 class SamplingBatchInfo:
@@ -125,7 +121,7 @@ class SamplingBatchInfo:
             if isinstance(s, bool) or not isinstance(s, int):
                 raise ValueError(f"seeds must be ints (one per request), got {s!r}")
 
-        greedy = [p.is_greedy or p.temperature < GREEDY_TEMPERATURE_EPS for p in params]
+        greedy = [p.samples_argmax for p in params]
         # Greedy rows get neutral values so they never switch on the filtering work.
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]

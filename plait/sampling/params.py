@@ -17,6 +17,9 @@ from typing import Any
 
 # OpenAI caps top_logprobs at 20; larger values would also make the per-step top-k costly.
 MAX_TOP_LOGPROBS = 20
+# Temperatures this small turn logits into +-inf after scaling (softmax NaNs in top_p); sampling at
+# them is argmax anyway, so such rows take the greedy path.
+GREEDY_TEMPERATURE_EPS = 1e-5
 # OpenAI's range for a logit_bias value (added to the logit before sampling).
 MAX_LOGIT_BIAS = 100.0
 # Seeds are hashed as 64-bit words on the device; any value that fits in 64 bits (signed or not) is
@@ -202,6 +205,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def samples_argmax(self) -> bool:
+        """The sampler's rule for a greedy row: greedy, or a temperature too small to sample at."""
+        return self.is_greedy or self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def grammar(self) -> tuple[str, str] | None:

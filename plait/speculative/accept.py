@@ -37,7 +37,6 @@ import numpy as np
 import torch
 
 from plait.sampling import (
-    GREEDY_TEMPERATURE_EPS,
     Sampler,
     SamplingBatchInfo,
     add_gumbel_noise_,
@@ -201,8 +200,7 @@ def accept_trees(reqs: Sequence[Req], trees: list[DraftTree], logits: torch.Tens
     riding along without a draft) decide on the device (``one_hot_decisions``); both come to the host
     in one copy. Only drafts with a soft draft distribution bring probability rows to the host."""
     # The sampler's rule for greedy rows, so a request gets the same treatment on both paths.
-    sampled = [i for i, r in enumerate(reqs) if not (r.sampling_params.is_greedy
-                                                     or r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS)]
+    sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.samples_argmax]
     if not sampled:
         # Every request greedy (the common case): only the argmax comes to the host, read as a list
         # in one call (no numpy view, slicing or decision tables on the path to the next launch).

@@ -35,7 +35,7 @@ import torch
 from plait import envs
 from plait.config import EngineConfig
 from plait.forward_batch import ForwardBatch
-from plait.sampling import GREEDY_TEMPERATURE_EPS, Sampler
+from plait.sampling import Sampler
 from plait.scheduler.interface import SchedulerAPI
 from plait.scheduler.req import Req
 from plait.speculative.accept import accept_trees, mask_tree_logits
@@ -93,8 +93,7 @@ class SpecStats:
 def reads_argmax_only(req: Req) -> bool:
     """Whether acceptance reads only the argmax of ``req``'s rows: greedy (the sampler's rule) and
     unconstrained (a grammar masks the rows first)."""
-    sp = req.sampling_params
-    return req.grammar is None and (sp.is_greedy or sp.temperature < GREEDY_TEMPERATURE_EPS)
+    return req.grammar is None and req.sampling_params.samples_argmax
 
 
 def _argmax_copy(reqs: Sequence[Req], greedy: torch.Tensor | None) -> PendingHostCopy | None:
@@ -302,10 +301,7 @@ class BaseSpecWorker(ABC):
         # Leave room for the normal decode of everyone else; when short, skip speculation this step
         # and let the scheduler's decode path evict or retract as it always does.
         others = len(sched.running) + len(joining) - len(cands)
-        if sched.available_kv_tokens() < need + others:
-            self.stats.plain_steps["no KV"] += 1
-            return set()
-        slots = sched.alloc_kv_slots(need)
+        slots = sched.alloc_kv_slots(need) if sched.available_kv_tokens() >= need + others else None
         if slots is None:
             self.stats.plain_steps["no KV"] += 1
             return set()

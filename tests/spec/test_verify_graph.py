@@ -17,6 +17,7 @@ from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: 
 from plait.executor.sizing import verify_graph_widths  # noqa: E402
 from plait.executor.verify_graph_runner import VerifyGraphRunner, uniform_width  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
+from plait.sampling import SamplingParams  # noqa: E402
 from plait.speculative.tree import DraftTree  # noqa: E402
 from tests.helpers import assert_no_leaks, make_engine, prompt_ids  # noqa: E402
 
@@ -164,7 +165,7 @@ def test_mixed_widths_are_padded_to_the_widest_captured_graph_and_accept_the_sam
     runner.verify_graph_runner = graphs
     real_rows = [0, 1, 2, 3, 4, 6, 7, 8]  # row 5 is padding
     torch.testing.assert_close(replayed[real_rows], eager, rtol=1e-5, atol=1e-5)
-    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(is_greedy=True, temperature=0.0))] * 3
+    reqs = [SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))] * 3
     assert worker.accept(reqs, trees, replayed, row_widths=[3, 3, 3]) == worker.accept(reqs, trees, eager)
 
 
