@@ -24,7 +24,8 @@ import time
 import torch
 
 from plait.bench.shapes import write_shape_dir
-from plait.bench.workloads import make_engine, random_prompts, step_timing
+from plait.bench.workloads import make_engine, random_prompts
+from plait.engine.step_timing import step_timing
 
 
 def one_request(engine, prompt: list[int], out_len: int) -> dict:

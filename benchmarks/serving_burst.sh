@@ -56,7 +56,7 @@ python - "$R" <<'EOF'
 import json, pathlib, sys
 root = pathlib.Path(sys.argv[1])
 keys = ("plait", "peer", "tokens_per_chunk", "triton_compiled_during_run", "ratio_vs_peer", "ttft_p50_ms", "peer_ttft_p50_ms", "ttft_p50_ratio_vs_peer",
-        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "timeline_ms", "scheduler_timeline_ms", "peer_detail", "host_cpu")
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "kv_slots_in_use_after", "scheduler_loop", "timeline_ms", "scheduler_timeline_ms", "scheduler_steps", "peer_detail", "host_cpu")
 import importlib.util
 have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop", "orjson")}
 summary = {"workload": "serving-burst", "metric": "output_tok_s",
@@ -97,6 +97,11 @@ for run in ("cold", "warm", "interval", "workers"):
             print(f"{'':8s} offline Engine: {peer_loop['iterations']} steps; of the {peer_loop['prefill_iterations']} "
                   f"prefilling ones {num(peer_loop['step_ms_per_prefill_iteration'], '.2f')} ms each, of the "
                   f"decode-only ones {num(peer_loop['step_ms_per_decode_iteration'], '.2f')}")
+        for who, steps in (("server", r.get("scheduler_steps")), ("offline", (r.get("peer_detail") or {}).get("steps"))):
+            dec = (steps or {}).get("decode") or {}
+            if dec:
+                print(f"{'':8s} {who} decode steps: {dec['count']}, wall median {dec['median_ms']:.2f} ms, device median "
+                      f"{num(dec.get('device_median_ms'), '.2f')} ms, device busy {num(dec.get('device_busy_fraction'), '.2f')}")
         st = r.get("scheduler_timeline_ms")
         if st:
             print(f"{'':8s} scheduler, ms after the first send: first message {num(st['first_message'], '.0f')}, all "

@@ -1,4 +1,4 @@
-"""plait.bench.workloads.step_timing and gc_pauses: the offline benchmark's per-step breakdown of a real
+"""plait.engine.step_timing.step_timing and gc_pauses: the offline benchmark's per-step breakdown of a real
 run, and the collector's stalls inside it."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import gc
 
 from plait import Engine
-from plait.bench.workloads import gc_pauses, release, step_timing
+from plait.bench.workloads import gc_pauses, release
+from plait.engine.step_timing import step_timing
 
 
 def test_step_timing_splits_a_run_into_prefill_and_decode_steps_and_restores_step(tiny_model_dir):
@@ -48,7 +49,7 @@ class _DeviceClock:
 
 
 def test_device_gaps_sum_the_idle_time_between_forwards_by_the_next_batch_size():
-    from plait.bench.workloads import StepTimes
+    from plait.engine.step_timing import StepTimes
 
     times = StepTimes()
     # (requests, start ms, end ms): gaps of 0.02 ms before the bs-200 forward, 0.5 before bs 3, 0.1 before bs 2.

@@ -25,6 +25,7 @@ time, to notice a dead parent).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -52,6 +53,7 @@ from plait.engine.messages import (
     ShutdownRequest,
     UpdateBatch,
 )
+from plait.engine.step_timing import StepTimes, step_timing
 from plait.parallel.launch import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -104,6 +106,11 @@ class SchedulerProcess:
         # written at close.
         self.trace_path = envs.LOOP_TRACE.get()
         self.trace: list[TraceRow] = []
+        # Under the trace also each step's wall and (on a GPU) device time by kind, written beside the
+        # trace at close (``steps_path``): whether the loop's steps waited for the device or the host.
+        self.step_times: StepTimes | None = None
+        self._step_timing: contextlib.AbstractContextManager[StepTimes] | None = None
+        self.run_started = 0.0
 
     def load(self) -> None:
         """Build the engine core (this process is rank 0 of its layout), then tell the server the
@@ -113,6 +120,10 @@ class SchedulerProcess:
         self.scheduler = self.core.scheduler
         limits, mc = self.core.limits, self.core.model_config
         freeze_startup_heap()
+        if self.trace_path is not None:
+            self._step_timing = step_timing(self.scheduler)
+            self.step_times = self._step_timing.__enter__()
+            self.run_started = time.perf_counter()
         self.broadcast(Ready(
             pid=os.getpid(), vocab_size=limits.vocab_size, max_context_len=limits.max_context_len,
             max_total_tokens=limits.max_total_tokens, max_running_requests=self.config.max_running_requests,
@@ -291,6 +302,10 @@ class SchedulerProcess:
             self.watchdog.close()
         if self.trace_path is not None:
             write_loop_trace(self.trace_path, self.trace)
+            if self._step_timing is not None and self.step_times is not None:
+                self._step_timing.__exit__(None, None, None)
+                write_step_times(steps_path(self.trace_path), self.step_times,
+                                 time.perf_counter() - self.run_started)
         self.pull.close(0)
         for push in self.pushes:
             push.close()  # LINGER lets the last messages (final updates, Fatal) go out
@@ -303,6 +318,17 @@ def write_loop_trace(path: str, trace: list[TraceRow]) -> None:
     with open(path, "w") as f:
         for row in trace:
             f.write(json.dumps(dict(zip(TRACE_FIELDS, row, strict=True))) + "\n")
+
+
+def steps_path(trace_path: str) -> str:
+    """Where a loop trace's step times go (``StepTimes.summary`` as JSON)."""
+    return trace_path + ".steps.json"
+
+
+def write_step_times(path: str, times: StepTimes, seconds: float) -> None:
+    """The summary of every step since the model loaded (``seconds`` of the process's life)."""
+    with open(path, "w") as f:
+        json.dump(times.summary(seconds), f)
 
 
 def _device_name(device: str) -> str:

@@ -49,6 +49,7 @@ from plait.bench.host_cpu import cpu_use, process_tree, read_counters
 from plait.bench.results import git_commit, host_info
 from plait.bench.shapes import SHAPES, write_shape_dir
 from plait.engine.heap import startup_heap_frozen
+from plait.engine.scheduler_process import steps_path
 from plait.server import bench_http
 
 METRIC = "output_tok_s"
@@ -316,6 +317,16 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     }
 
 
+def read_json(path: str) -> Any:
+    """A JSON file's value, or None where it is missing or unreadable (a process that did not stop
+    cleanly writes none)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def loop_timeline(path: str, t0: float, num_requests: int, first: int = 8) -> dict[str, Any] | None:
     """The scheduler process's loop (its PLAIT_LOOP_TRACE file) in ms after ``t0``, the clients' first
     send (both stamped with time.perf_counter(), one monotonic clock on the host): when it took the
@@ -553,8 +564,12 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
         if proc is not None:
             stop_server(proc)  # the scheduler process writes its loop trace as it stops
             sent = [r.sent for r in results if r.sent is not None]
-            summary["scheduler_timeline_ms"] = loop_timeline(os.path.join(shape_root, "loop-trace.jsonl"),
-                                                             min(sent, default=0.0), len(requests))
+            trace = os.path.join(shape_root, "loop-trace.jsonl")
+            summary["scheduler_timeline_ms"] = loop_timeline(trace, min(sent, default=0.0), len(requests))
+            # Every step of the server's life (the load is nearly all of it) by kind, with the device's
+            # time per forward on a GPU: a decode step longer than the peer's on the same device time
+            # waited for the host.
+            summary["scheduler_steps"] = read_json(steps_path(trace))
         if args.workload == "serving-burst" and not args.no_peer and proc is not None:
             # After the server is gone (its GPU memory free, and the server met a Triton cache the
             # peer had not warmed); same model, options and requests.

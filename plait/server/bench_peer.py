@@ -59,6 +59,7 @@ def offline_burst(model: str, engine_options: dict[str, Any], requests: list[tup
     from plait.config import EngineConfig
     from plait.engine import Engine
     from plait.engine.scheduler_process import leave_a_core_for_the_server
+    from plait.engine.step_timing import step_timing
 
     # On the CPU, the model threads the server's scheduler process runs with (one core fewer).
     leave_a_core_for_the_server(EngineConfig.from_kwargs(model=model, **engine_options))
@@ -67,7 +68,10 @@ def offline_burst(model: str, engine_options: dict[str, Any], requests: list[tup
         first_pass = _burst(engine, requests)
         engine.scheduler.tree_cache.reset()  # the timed run prefills every prompt again, as the server did
         time.sleep(idle_s)
-        timed = _burst(engine, requests)
+        with step_timing(engine.scheduler) as steps:
+            timed = _burst(engine, requests)
+        # The steps by kind with the device's time per forward, as the server's ``scheduler_steps``.
+        timed["steps"] = steps.summary(timed["seconds"])
         info = {"kv_capacity_tokens": engine.runner.max_total_tokens,
                 "kv_tokens_in_use_after": engine.scheduler.kv_tokens_in_use()}
     finally:

@@ -1,4 +1,4 @@
-"""The offline benchmark's per-step breakdown on the GPU (plait.bench.workloads.step_timing): every
+"""The offline benchmark's per-step breakdown on the GPU (plait.engine.step_timing.step_timing): every
 step's forward also carries its device time (H200, llama-3.2-1b shape with random weights,
 graph-replayed decode)."""
 
@@ -10,7 +10,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from plait.bench.shapes import SHAPES  # noqa: E402
-from plait.bench.workloads import make_engine, random_prompts, release, step_timing, timed  # noqa: E402
+from plait.bench.workloads import make_engine, random_prompts, release, timed  # noqa: E402
+from plait.engine.step_timing import step_timing  # noqa: E402
 
 SHAPE = "llama-3.2-1b"
 

@@ -95,6 +95,17 @@ def test_serving_burst_lines_the_scheduler_loop_up_with_the_clients_clock(burst_
     assert first["messages"] >= 1 and first["prefills"] and first["step_ms"] >= 0
 
 
+def test_serving_burst_times_the_server_and_the_peer_steps_by_kind(burst_result):
+    """Both sides' steps split into prefill and decode (a burst of 6 x 8 in / 4 out prefills, then decodes
+    the last tokens), with the time outside steps: on a GPU each kind also carries its device time."""
+    server, peer = burst_result["scheduler_steps"], burst_result["peer_detail"]["steps"]
+    for steps in (server, peer):
+        assert steps["prefill"]["count"] >= 1 and steps["decode"]["count"] >= 1
+        assert 0 < steps["decode"]["median_ms"] <= steps["decode"]["p90_ms"]
+        assert steps["outside_steps_s"] >= 0
+        assert "device_busy_s" not in steps["decode"]  # on the CPU: wall times only
+
+
 def test_serving_burst_records_the_cpus_each_side_used_during_the_load(burst_result):
     """The scheduler process, the HTTP processes, the client (this process and its two load processes)
     and the machine, in CPUs' worth of use over the load."""
