@@ -201,10 +201,10 @@ DECODE_KV_PACK = _int_var(
     "1: one per program). Unset (the default): the kernel's own choice by head dim and batch size "
     "(plait.attention.triton.decode.decode_config). Read at import.")
 FRONTEND_DETOKENIZE = EnvVar(
-    "PLAIT_FRONTEND_DETOKENIZE", _flag, True,
-    "1 (the default): the HTTP process makes the text of requests without stop strings from their token ids "
-    "(plait.engine.messages.front_end_detokenizes), off the scheduler loop; 0: the scheduler process "
-    "detokenizes every request (the A/B baseline). Read when the server starts.")
+    "PLAIT_FRONTEND_DETOKENIZE", _flag, False,
+    "1: the HTTP process makes the text of requests without stop strings from their token ids "
+    "(plait.engine.messages.front_end_detokenizes), off the scheduler loop; 0 (the default): the scheduler "
+    "process detokenizes every request. Read when the server starts.")
 
 # Every declared variable, in declaration order.
 ALL: tuple[EnvVar[Any], ...] = (CACHE, DEMO_MODEL, COMMIT, CPU_GRAPHS, CHECK_PLANS, TRITON_DECODE_TWO_STAGE,

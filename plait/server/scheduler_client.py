@@ -104,7 +104,7 @@ class SchedulerClient:
         self.on_fatal = on_fatal
         self.request_log = request_log
         self.max_stream_buffer = max_stream_buffer
-        # Make the text of requests without stop strings here, from their token ids (off the scheduler loop).
+        # PLAIT_FRONTEND_DETOKENIZE: make the text of requests without stop strings here, from their token ids.
         self.detokenize_here = envs.FRONTEND_DETOKENIZE.get()
         self._buffer_limits: dict[str, int] = {}  # rid -> most queued updates (streams only)
         self.state = State.STARTING

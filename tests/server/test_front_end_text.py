@@ -1,6 +1,7 @@
-"""Who turns tokens into text: the HTTP process for requests without stop strings (the scheduler sends
-their token ids only), the scheduler for requests with stop strings (it ends them when one appears).
-Either way a client reads the text the offline Engine gives."""
+"""Who turns tokens into text: by default the scheduler for every request; under
+PLAIT_FRONTEND_DETOKENIZE=1 the HTTP process for requests without stop strings (the scheduler sends
+their token ids only), the scheduler still for requests with stop strings (it ends them when one
+appears). Either way a client reads the text the offline Engine gives."""
 
 from __future__ import annotations
 
@@ -10,6 +11,25 @@ from plait.engine.core import LiveRequest
 from plait.engine.messages import front_end_detokenizes
 from plait.sampling.params import SamplingParams
 from tests.server.conftest import HTTP_TIMEOUT
+
+FRONT_END = {"PLAIT_FRONTEND_DETOKENIZE": "1"}
+
+
+@pytest.fixture(scope="module")
+def front_end_server(start_server):
+    """This module's own server, its HTTP process making the text (the shared one runs the default)."""
+    return start_server("front-end-text", env=FRONT_END)
+
+
+@pytest.fixture(scope="module")
+def client(front_end_server):
+    return front_end_server.openai()
+
+
+@pytest.fixture(scope="module")
+def model_name(front_end_server) -> str:
+    return front_end_server.model
+
 
 # Sampled at a high temperature: the tiny model's byte-level tokens then split characters across
 # tokens, which the incremental detokenizer must hold back and complete exactly as the Engine's does.
@@ -103,14 +123,25 @@ def _client_run(model: str, params: dict[str, object]) -> tuple[list[str], str]:
     return asyncio.run(run())
 
 
-def test_the_scheduler_sends_no_text_for_a_request_the_front_end_detokenizes(server_model, offline_engine):
+def test_by_default_the_scheduler_sends_the_text_of_every_request(server_model, offline_engine, monkeypatch):
+    monkeypatch.delenv("PLAIT_FRONTEND_DETOKENIZE", raising=False)
+    params = {"max_new_tokens": 12, "temperature": 1.5, "seed": 6}
+    sent, text = _client_run(str(server_model), params)
+    assert "".join(sent) == text == offline_engine.generate("Hello", params).text
+    assert text
+
+
+def test_the_scheduler_sends_no_text_for_a_request_the_front_end_detokenizes(server_model, offline_engine,
+                                                                               monkeypatch):
+    monkeypatch.setenv("PLAIT_FRONTEND_DETOKENIZE", "1")
     params = {"max_new_tokens": 12, "temperature": 1.5, "seed": 6}
     sent, text = _client_run(str(server_model), params)
     assert sent and all(t == "" for t in sent)
     assert text == offline_engine.generate("Hello", params).text
 
 
-def test_the_scheduler_sends_the_text_of_a_request_with_stop_strings(server_model, offline_engine):
+def test_the_scheduler_sends_the_text_of_a_request_with_stop_strings(server_model, offline_engine, monkeypatch):
+    monkeypatch.setenv("PLAIT_FRONTEND_DETOKENIZE", "1")
     params = {"max_new_tokens": 12, "temperature": 1.5, "seed": 6, "stop": ["\u0000never"]}
     sent, text = _client_run(str(server_model), params)
     assert "".join(sent) == text == offline_engine.generate("Hello", params).text
