@@ -109,6 +109,11 @@ for run in ("cold", "warm", "interval", "workers"):
                   "first iterations (at ms, messages, step ms, waiting, running): "
                   + " ".join(f"({i['at']:.0f}, {i['messages']}, {i['step_ms']:.1f}, {i['waiting']}, {i['running']})"
                              for i in st["iterations"]))
+            if st.get("slowest_steps"):
+                print(f"{'':8s} slowest steps (iteration, step ms, collector's pause ms, prefilling, running): "
+                      + " ".join(f"({i['index']}, {i['step_ms']:.1f}, {i['gc_ms']:.1f}, {int(i['prefills'])}, {i['running']})"
+                                 for i in st["slowest_steps"])
+                      + f"; the collector's pauses over the run {st['gc_pause_ms']:.1f} ms")
         for who, tl in (("server", r.get("timeline_ms")), ("offline", (r.get("peer_detail") or {}).get("timeline_ms"))):
             if tl:
                 print(f"{'':8s} {who} timeline, ms after the first send: last sent {tl['last_sent']:.0f}, first token "

@@ -6,7 +6,8 @@ from __future__ import annotations
 import gc
 
 from plait import Engine
-from plait.bench.workloads import gc_pauses, release
+from plait.bench.workloads import release
+from plait.engine.heap import gc_pauses
 from plait.engine.step_timing import step_timing
 
 

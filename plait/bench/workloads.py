@@ -12,8 +12,6 @@ import gc
 import os
 import random
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +27,7 @@ from plait.bench.shapes import (
     moe_counts,
     param_counts,
 )
+from plait.engine.heap import gc_pauses
 from plait.engine.step_timing import step_timing
 from plait.layers.moe import routing_stats
 from plait.layers.moe.routing_stats import RoutedExpertCounter
@@ -260,29 +259,6 @@ def symmetric_paths(engine: Any) -> dict[str, bool]:
     runner = engine.runner
     return {"custom_all_reduce": getattr(runner.tp, "p2p_all_reduce", None) is not None,
             "dp_row_exchange": getattr(runner, "row_exchange", None) is not None}
-
-
-@contextmanager
-def gc_pauses() -> Iterator[dict[str, dict[str, float]]]:
-    """The garbage collector's collections while the block runs, per generation: how many, and the
-    seconds they stalled the process (a full collection walks every tracked object the heap holds
-    outside the permanent generation; plait.engine.heap)."""
-    pauses: dict[str, dict[str, float]] = {}
-    started: list[float] = []
-
-    def callback(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            row = pauses.setdefault(f"gen{info['generation']}", {"collections": 0, "seconds": 0.0})
-            row["collections"] += 1
-            row["seconds"] += time.perf_counter() - started.pop()
-
-    gc.callbacks.append(callback)
-    try:
-        yield pauses
-    finally:
-        gc.callbacks.remove(callback)
 
 
 def steady_decode_timing(engine: Any, bs: int, vocab: int, steps: int = 50, seed: int = 5,

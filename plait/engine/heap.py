@@ -13,8 +13,10 @@ and ``gc.unfreeze`` splice lists: O(1).
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 def freeze_startup_heap() -> None:
@@ -39,3 +41,31 @@ def startup_heap_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextmanager
+def gc_pauses() -> Iterator[dict[str, dict[str, float]]]:
+    """The garbage collector's collections while the block runs, per generation: how many, and the
+    seconds they stalled the process (a full collection walks every tracked object the heap holds
+    outside the permanent generation)."""
+    pauses: dict[str, dict[str, float]] = {}
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            row = pauses.setdefault(f"gen{info['generation']}", {"collections": 0, "seconds": 0.0})
+            row["collections"] += 1
+            row["seconds"] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def paused_seconds(pauses: dict[str, dict[str, float]]) -> float:
+    """The seconds every generation's collections stalled the process, of a ``gc_pauses`` record."""
+    return sum(row["seconds"] for row in pauses.values())

@@ -37,7 +37,7 @@ import traceback
 from plait import envs
 from plait.config import EngineConfig
 from plait.engine.core import EngineCore, LiveRequest, adaptive_stream_interval, build_engine_core
-from plait.engine.heap import freeze_startup_heap
+from plait.engine.heap import freeze_startup_heap, gc_pauses, paused_seconds
 from plait.engine.loop_monitor import DecodeLog, StepWatchdog
 from plait.engine.messages import (
     AbortRequest,
@@ -60,9 +60,10 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
 
-# PLAIT_LOOP_TRACE's record of one busy loop iteration, TRACE_FIELDS in order.
-TRACE_FIELDS = ("t0", "t1", "t2", "t3", "t4", "messages", "stepped", "prefills", "waiting", "running")
-TraceRow = tuple[float, float, float, float, float, int, bool, bool, int, int]
+# PLAIT_LOOP_TRACE's record of one busy loop iteration, TRACE_FIELDS in order (gc_s: the seconds the
+# garbage collector stalled the process inside the iteration).
+TRACE_FIELDS = ("t0", "t1", "t2", "t3", "t4", "messages", "stepped", "prefills", "waiting", "running", "gc_s")
+TraceRow = tuple[float, float, float, float, float, int, bool, bool, int, int, float]
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -110,6 +111,8 @@ class SchedulerProcess:
         # trace at close (``steps_path``): whether the loop's steps waited for the device or the host.
         self.step_times: StepTimes | None = None
         self._step_timing: contextlib.AbstractContextManager[StepTimes] | None = None
+        self.gc_pauses: dict[str, dict[str, float]] = {}
+        self._gc_pauses: contextlib.AbstractContextManager[dict[str, dict[str, float]]] | None = None
         self.run_started = 0.0
 
     def load(self) -> None:
@@ -123,6 +126,8 @@ class SchedulerProcess:
         if self.trace_path is not None:
             self._step_timing = step_timing(self.scheduler)
             self.step_times = self._step_timing.__enter__()
+            self._gc_pauses = gc_pauses()
+            self.gc_pauses = self._gc_pauses.__enter__()
             self.run_started = time.perf_counter()
         self.broadcast(Ready(
             pid=os.getpid(), vocab_size=limits.vocab_size, max_context_len=limits.max_context_len,
@@ -143,6 +148,7 @@ class SchedulerProcess:
         while self.running:
             busy = self.scheduler.has_work()
             t0 = clock()
+            gc_before = paused_seconds(self.gc_pauses)
             updates: list[RequestUpdate] = []
             taken = 0
             if self.pull.poll(0 if busy else IDLE_POLL_MS, zmq.POLLIN):
@@ -188,7 +194,7 @@ class SchedulerProcess:
                 self._account(t0, t1, t2, t3, t4, stepped, prefills)
                 if self.trace_path is not None:
                     self.trace.append((t0, t1, t2, t3, t4, taken, stepped, prefills, stats.num_waiting,
-                                       stats.num_running))
+                                       stats.num_running, paused_seconds(self.gc_pauses) - gc_before))
 
     def _send_updates(self, updates: list[RequestUpdate], stats: SchedulerSnapshot, rows: list[PlainRow]) -> None:
         """One UpdateBatch per HTTP process, each with the updates of the requests it sent (in order)
@@ -302,6 +308,8 @@ class SchedulerProcess:
             self.watchdog.close()
         if self.trace_path is not None:
             write_loop_trace(self.trace_path, self.trace)
+            if self._gc_pauses is not None:
+                self._gc_pauses.__exit__(None, None, None)
             if self._step_timing is not None and self.step_times is not None:
                 self._step_timing.__exit__(None, None, None)
                 write_step_times(steps_path(self.trace_path), self.step_times,

@@ -330,10 +330,12 @@ def read_json(path: str) -> Any:
 def loop_timeline(path: str, t0: float, num_requests: int, first: int = 8) -> dict[str, Any] | None:
     """The scheduler process's loop (its PLAIT_LOOP_TRACE file) in ms after ``t0``, the clients' first
     send (both stamped with time.perf_counter(), one monotonic clock on the host): when it took the
-    first message and when it had taken ``num_requests``, when its first step began, and its ``first``
+    first message and when it had taken ``num_requests``, when its first step began, its ``first``
     busy iterations (start, messages taken, ms taking them, stepping, and collecting and sending the
-    updates, whether it prefilled, requests waiting and running after). None without a trace (a
-    scheduler that did not stop cleanly writes none)."""
+    updates, whether it prefilled, requests waiting and running after, the collector's pauses inside)
+    and its ``first`` slowest steps (the same, with each one's index among the busy iterations), and
+    the collector's pauses over every busy iteration. None without a trace (a scheduler that did not
+    stop cleanly writes none)."""
     try:
         with open(path) as f:
             rows = [json.loads(line) for line in f]
@@ -348,15 +350,21 @@ def loop_timeline(path: str, t0: float, num_requests: int, first: int = 8) -> di
         taken += row["messages"]
         if all_taken is None and taken >= num_requests:
             all_taken = ms(row["t1"])
+    def iteration(r: dict[str, Any]) -> dict[str, Any]:
+        return {"at": ms(r["t0"]), "messages": r["messages"], "recv_ms": 1e3 * (r["t1"] - r["t0"]),
+                "step_ms": 1e3 * (r["t2"] - r["t1"]), "updates_ms": 1e3 * (r["t4"] - r["t2"]),
+                "prefills": r["prefills"], "waiting": r["waiting"], "running": r["running"],
+                "gc_ms": 1e3 * r.get("gc_s", 0.0)}
+
     with_messages = [r for r in rows if r["messages"]]
-    stepped = [r for r in rows if r["stepped"]]
+    stepped = [i for i, r in enumerate(rows) if r["stepped"]]
+    slowest = sorted(stepped, key=lambda i: rows[i]["t2"] - rows[i]["t1"], reverse=True)[:first]
     return {"first_message": ms(with_messages[0]["t0"]) if with_messages else None,
             "all_requests_taken": all_taken,
-            "first_step": ms(stepped[0]["t1"]) if stepped else None,
-            "iterations": [{"at": ms(r["t0"]), "messages": r["messages"], "recv_ms": 1e3 * (r["t1"] - r["t0"]),
-                            "step_ms": 1e3 * (r["t2"] - r["t1"]), "updates_ms": 1e3 * (r["t4"] - r["t2"]),
-                            "prefills": r["prefills"], "waiting": r["waiting"], "running": r["running"]}
-                           for r in rows[:first]]}
+            "first_step": ms(rows[stepped[0]]["t1"]) if stepped else None,
+            "iterations": [iteration(r) for r in rows[:first]],
+            "slowest_steps": [{"index": i, **iteration(rows[i])} for i in slowest],
+            "gc_pause_ms": 1e3 * sum(r.get("gc_s", 0.0) for r in rows)}
 
 
 def timeline(ok: list[RequestResult]) -> dict[str, float] | None:

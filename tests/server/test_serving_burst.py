@@ -93,6 +93,7 @@ def test_serving_burst_lines_the_scheduler_loop_up_with_the_clients_clock(burst_
     assert tl["first_message"] <= tl["all_requests_taken"]
     first = tl["iterations"][0]
     assert first["messages"] >= 1 and first["prefills"] and first["step_ms"] >= 0
+    assert tl["slowest_steps"] and tl["gc_pause_ms"] >= 0
 
 
 def test_serving_burst_times_the_server_and_the_peer_steps_by_kind(burst_result):
@@ -120,9 +121,9 @@ def test_loop_timeline_reads_a_trace_relative_to_the_first_send(tmp_path):
     from plait.server.bench import loop_timeline
 
     path = str(tmp_path / "trace.jsonl")
-    write_loop_trace(path, [(10.1, 10.11, 10.13, 10.13, 10.14, 2, True, True, 0, 2),
-                            (10.14, 10.15, 10.16, 10.16, 10.17, 1, True, True, 0, 3),
-                            (10.17, 10.17, 10.18, 10.18, 10.19, 0, True, False, 0, 3)])
+    write_loop_trace(path, [(10.1, 10.11, 10.13, 10.13, 10.14, 2, True, True, 0, 2, 0.0),
+                            (10.14, 10.15, 10.16, 10.16, 10.17, 1, True, True, 0, 3, 0.0),
+                            (10.17, 10.17, 10.18, 10.18, 10.19, 0, True, False, 0, 3, 0.0)])
     tl = loop_timeline(path, 10.0, num_requests=3)
     assert tl["first_message"] == pytest.approx(100.0) and tl["first_step"] == pytest.approx(110.0)
     assert tl["all_requests_taken"] == pytest.approx(150.0)
@@ -130,6 +131,21 @@ def test_loop_timeline_reads_a_trace_relative_to_the_first_send(tmp_path):
     first = tl["iterations"][0]
     assert (first["recv_ms"], first["step_ms"], first["updates_ms"]) == pytest.approx((10.0, 20.0, 10.0))
     assert loop_timeline(str(tmp_path / "missing.jsonl"), 10.0, 3) is None
+
+
+def test_loop_timeline_lists_the_slowest_steps_with_the_collectors_pauses_inside_them(tmp_path):
+    from plait.engine.scheduler_process import write_loop_trace
+    from plait.server.bench import loop_timeline
+
+    path = str(tmp_path / "trace.jsonl")
+    # Steps of 10, 30 and 20 ms; the 30 ms one held a 12 ms collection.
+    write_loop_trace(path, [(1.0, 1.0, 1.01, 1.01, 1.01, 3, True, True, 0, 3, 0.0),
+                            (1.01, 1.01, 1.04, 1.04, 1.04, 0, True, False, 0, 3, 0.012),
+                            (1.04, 1.04, 1.06, 1.06, 1.06, 0, True, False, 0, 3, 0.001)])
+    tl = loop_timeline(path, 1.0, num_requests=3, first=2)
+    assert [(s["index"], round(s["step_ms"])) for s in tl["slowest_steps"]] == [(1, 30), (2, 20)]
+    assert tl["slowest_steps"][0]["gc_ms"] == pytest.approx(12.0)
+    assert tl["gc_pause_ms"] == pytest.approx(13.0)
 
 
 def test_timeline_is_in_ms_after_the_first_send():
