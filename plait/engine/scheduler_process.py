@@ -109,10 +109,10 @@ class SchedulerProcess:
         self.trace: list[TraceRow] = []
         # Under the trace also each step's wall and (on a GPU) device time by kind, written beside the
         # trace at close (``steps_path``): whether the loop's steps waited for the device or the host.
+        # The collector's pauses too (per iteration in the trace). Both are left at close (``traced``).
         self.step_times: StepTimes | None = None
-        self._step_timing: contextlib.AbstractContextManager[StepTimes] | None = None
         self.gc_pauses: dict[str, dict[str, float]] = {}
-        self._gc_pauses: contextlib.AbstractContextManager[dict[str, dict[str, float]]] | None = None
+        self.traced = contextlib.ExitStack()
         self.run_started = 0.0
 
     def load(self) -> None:
@@ -124,10 +124,8 @@ class SchedulerProcess:
         limits, mc = self.core.limits, self.core.model_config
         freeze_startup_heap()
         if self.trace_path is not None:
-            self._step_timing = step_timing(self.scheduler)
-            self.step_times = self._step_timing.__enter__()
-            self._gc_pauses = gc_pauses()
-            self.gc_pauses = self._gc_pauses.__enter__()
+            self.step_times = self.traced.enter_context(step_timing(self.scheduler))
+            self.gc_pauses = self.traced.enter_context(gc_pauses())
             self.run_started = time.perf_counter()
         self.broadcast(Ready(
             pid=os.getpid(), vocab_size=limits.vocab_size, max_context_len=limits.max_context_len,
@@ -308,10 +306,8 @@ class SchedulerProcess:
             self.watchdog.close()
         if self.trace_path is not None:
             write_loop_trace(self.trace_path, self.trace)
-            if self._gc_pauses is not None:
-                self._gc_pauses.__exit__(None, None, None)
-            if self._step_timing is not None and self.step_times is not None:
-                self._step_timing.__exit__(None, None, None)
+            self.traced.close()
+            if self.step_times is not None:
                 write_step_times(steps_path(self.trace_path), self.step_times,
                                  time.perf_counter() - self.run_started)
         self.pull.close(0)

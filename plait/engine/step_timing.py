@@ -66,7 +66,6 @@ class StepTimes:
                 "largest": [{"ms": g, "bs_before": a, "bs_after": b} for g, a, b in gaps[:8]]}
 
 
-
 @contextmanager
 def step_timing(scheduler: Any) -> Iterator[StepTimes]:
     """Time ``scheduler.step`` calls (a perf_counter pair per step) while the block runs, and on a GPU

@@ -350,6 +350,7 @@ def loop_timeline(path: str, t0: float, num_requests: int, first: int = 8) -> di
         taken += row["messages"]
         if all_taken is None and taken >= num_requests:
             all_taken = ms(row["t1"])
+
     def iteration(r: dict[str, Any]) -> dict[str, Any]:
         return {"at": ms(r["t0"]), "messages": r["messages"], "recv_ms": 1e3 * (r["t1"] - r["t0"]),
                 "step_ms": 1e3 * (r["t2"] - r["t1"]), "updates_ms": 1e3 * (r["t4"] - r["t2"]),
@@ -575,8 +576,8 @@ def cmd_bench_serve(args: argparse.Namespace, engine_options: dict[str, Any]) ->
             trace = os.path.join(shape_root, "loop-trace.jsonl")
             summary["scheduler_timeline_ms"] = loop_timeline(trace, min(sent, default=0.0), len(requests))
             # Every step of the server's life (the load is nearly all of it) by kind, with the device's
-            # time per forward on a GPU: a decode step longer than the peer's on the same device time
-            # waited for the host.
+            # time per forward on a GPU: wall time over device time is the host's share; a forward's
+            # device time also holds any wait for its own launches.
             summary["scheduler_steps"] = read_json(steps_path(trace))
         if args.workload == "serving-burst" and not args.no_peer and proc is not None:
             # After the server is gone (its GPU memory free, and the server met a Triton cache the
