@@ -341,6 +341,8 @@ for stage in "$@"; do
     # (benchmarks/host_after_wait.py).
     host-after-wait) python benchmarks/host_after_wait.py | tee "$OUT/host-after-wait.json" ;;
     # The small-M GEMV (the config in force) against cuBLAS at 1-16 tokens, 8b projections and lm_head.
+    # A bf16 GEMM's first call at a new row count against the same call again (a burst's steps meet new ones).
+    gemm-new-rows) python benchmarks/gemm_new_rows.py "$OUT" 2>&1 | tail -4 ;;
     gemv-cublas) python benchmarks/gemv_cublas.py "$OUT" 2>&1 | tee "$OUT/gemv-cublas.log" | tail -30 ;;
     # The bf16 GEMV re-tuned past one token (swapped-operand tiles among the candidates, cuBLAS timed beside
     # them: prefer_cublas) into $OUT/gemv-configs over a copy of the shipped table, those kernels against
