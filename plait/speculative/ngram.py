@@ -84,7 +84,9 @@ class NgramCache:
     """Global n-gram -> {next token: count}, bounded to ``capacity`` keys. Eviction is oldest first
     by when a key was first inserted (a dict keeps insertion order): refreshing a key's age on every
     hit cost a reorder per n-gram of every finished request, the largest host cost of a step that
-    retires requests."""
+    retires requests. A key's followers are ordered by when each was last seen (its count dict is
+    reordered, a few entries at most), so that among equally frequent followers the latest text
+    wins: a repeated request continues as its latest run did, not its first."""
 
     def __init__(self, min_window: int, max_window: int, capacity: int) -> None:
         self.min_window, self.max_window, self.capacity = min_window, max_window, capacity
@@ -101,7 +103,7 @@ class NgramCache:
             for end in range(n, len(tokens)):
                 counts = table.setdefault(tuple(tokens[end - n : end]), {})
                 nxt = tokens[end]
-                counts[nxt] = counts.get(nxt, 0) + 1
+                counts[nxt] = counts.pop(nxt, 0) + 1  # re-inserted: the last seen is last
         excess = len(table) - self.capacity
         if excess > 0:
             for key in list(itertools.islice(table, excess)):
@@ -111,9 +113,10 @@ class NgramCache:
         counts = self.table.get(key)
         if not counts:
             return []
-        if limit == 1:  # chains: the most frequent follower (the first seen among equals, as sorted gives)
-            return [max(counts, key=counts.__getitem__)]
-        return [t for t, _ in sorted(counts.items(), key=lambda kv: -kv[1])[:limit]]
+        # Newest first, then by count: sorted and max keep the first of equals, so the latest seen.
+        if limit == 1:  # chains: the most frequent follower, without a sort
+            return [max(reversed(counts), key=counts.__getitem__)]
+        return [t for t, _ in sorted(reversed(counts.items()), key=lambda kv: -kv[1])[:limit]]
 
 
 class NgramDrafter:

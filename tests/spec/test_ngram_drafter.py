@@ -15,11 +15,20 @@ def test_cache_counts_followers_and_ranks_them_by_frequency():
     assert cache.followers((5, 6), limit=1) == []
 
 
-def test_cache_ties_go_to_the_follower_seen_first():
+def test_cache_ties_go_to_the_follower_seen_last():
     cache = NgramCache(min_window=2, max_window=2, capacity=100)
     cache.insert([1, 2, 9, 1, 2, 4])
-    assert cache.followers((1, 2), limit=1) == [9]
-    assert cache.followers((1, 2), limit=2) == [9, 4]
+    assert cache.followers((1, 2), limit=1) == [4]
+    assert cache.followers((1, 2), limit=2) == [4, 9]
+
+
+def test_a_repeated_request_drafts_its_latest_continuation():
+    cache = NgramCache(min_window=2, max_window=2, capacity=100)
+    cache.insert([5, 6, 7, 8])  # the first run of a prompt [5, 6]
+    cache.insert([5, 6, 3, 8])  # a later run went another way after it
+    assert cache.followers((5, 6), limit=1) == [3]
+    cache.insert([5, 6, 7, 1])  # and back: 7 now seen twice
+    assert cache.followers((5, 6), limit=2) == [7, 3]
 
 
 def test_cache_is_bounded_and_forgets_its_oldest_keys():

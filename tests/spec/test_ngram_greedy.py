@@ -497,7 +497,7 @@ def test_chains_mapped_at_their_launch_keep_greedy_output_and_free_the_rejected_
     engine = make_engine(model_path, max_running_requests=4, **CHAIN)
     worker = engine.scheduler.spec_worker
     for p, ref in zip(PROMPTS, reference, strict=True):
-        worker.drafter.cache.insert(_corrupt(p + ref, 4))
+        worker.drafter.cache.insert(_corrupt(p + ref, 5))
     premapped = [0]
     inner = worker.premap_chains
 
