@@ -1,6 +1,7 @@
-"""The detokenizer's one-token fast path (a Rust DecodeStream) streams exactly the deltas of the
-general path: multi-byte characters split across tokens, stop strings held back and trimmed, several
-tokens read at once (stream_interval > 1), and the general path taking over mid-stream."""
+"""The detokenizer's fast paths (new ids folded by their bytes for byte-level BPE tokenizers, one new
+id through a Rust DecodeStream) stream exactly the deltas of the general path: multi-byte characters
+split across tokens, stop strings held back and trimmed, several tokens read at once
+(stream_interval > 1), and the general path taking over mid-stream."""
 
 from __future__ import annotations
 
@@ -40,7 +41,44 @@ def test_the_fast_path_is_taken_for_a_rust_backed_tokenizer(tokenizer):
     assert not IncrementalDetokenizer(tokenizer, prompt, (), fast_path=False).uses_fast_path
 
 
-@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_byte_level_tokenizers_fold_new_ids_by_their_bytes(tokenizer):
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    assert IncrementalDetokenizer(tokenizer, prompt, ()).uses_byte_path
+    assert not IncrementalDetokenizer(tokenizer, prompt, (), fast_path=False).uses_byte_path
+
+
+def test_plain_text_read_every_few_tokens_costs_no_tokenizer_call(tokenizer):
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    ids = tokenizer.encode(" The quick brown fox jumps over the lazy dog, twice.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt, ())
+    calls = []
+    decode = detok._decode_fn
+    detok._decode_fn = lambda window, **kw: calls.append(len(window)) or decode(window, **kw)
+    deltas = []
+    for n, i in enumerate(ids):
+        detok.add_token(i)
+        if n % 4 == 3:
+            deltas.append(detok.take_delta(finished=False))
+    deltas.append(detok.take_delta(finished=True))
+    assert "".join(deltas) == tokenizer.decode(ids) and calls == []
+
+
+def test_a_tokenizer_whose_decoder_is_not_byte_level_folds_by_decoding():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    detok = IncrementalDetokenizer(wordpiece, [1], ())
+    assert not detok.uses_byte_path
+    detok.add_tokens([2, 3, 1])
+    assert detok.take_delta(finished=True) == wordpiece.decode([1, 2, 3, 1])[len("hello"):]
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3, 4])
 def test_multibyte_text_streams_the_same_deltas_as_the_general_path(tokenizer, interval):
     prompt = tokenizer.encode("Say:", add_special_tokens=False)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)

@@ -66,15 +66,78 @@ def _token_id_bound(backend: Any) -> int:
     return hit[1]
 
 
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's ``bytes_to_unicode``) inverted: character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+# Per Rust tokenizer (held here, as in _TOKEN_ID_BOUNDS): each id's bytes, or None where the text of a
+# window is not the lossy UTF-8 of its ids' bytes (``_byte_table``).
+_BYTE_TABLES: dict[int, tuple[Any, list[bytes | None] | None]] = {}
+
+
+def _byte_table(backend: Any, decode_fn: Callable[..., str]) -> list[bytes | None] | None:
+    """id -> the bytes its token stands for, for a Rust tokenizer whose decoder is byte-level alone and
+    whose text is ``decode_fn``: there the text of any window of ids is the lossy UTF-8 decoding of
+    their bytes joined, so a detokenizer can fold new ids by joining bytes instead of decoding windows
+    (two tokenizer calls per read). Added tokens (special or not) get None: their text takes the
+    tokenizer. Built once per tokenizer (a walk of its vocabulary), checked against ``decode_fn`` on
+    a sample of ids; None where the decoder is another or the check fails."""
+    hit = _BYTE_TABLES.get(id(backend))
+    if hit is not None and hit[0] is backend:
+        return hit[1]
+    table: list[bytes | None] | None = None
+    if type(backend.decoder).__name__ == "ByteLevel" and decode_fn == getattr(backend, "decode", None):
+        chars = _byte_decoder()
+        vocab = backend.get_vocab(with_added_tokens=False)
+        table = [None] * (1 + max(vocab.values(), default=-1))
+        for token, i in vocab.items():
+            # The byte-level decoder's rule: a token of alphabet characters is their bytes, any other
+            # its own UTF-8.
+            try:
+                table[i] = bytes(chars[c] for c in token)
+            except KeyError:
+                table[i] = token.encode()
+        for i in backend.get_added_tokens_decoder():
+            if i < len(table):
+                table[i] = None
+        known = [i for i in range(0, len(table), max(1, len(table) // 256)) if table[i] is not None]
+        for a, b in zip(known, known[1:] + known[:1], strict=True):
+            bytes_ab = table[a] + table[b]  # type: ignore[operator]
+            if decode_fn([a, b], skip_special_tokens=True) != bytes_ab.decode("utf-8", "replace"):
+                table = None
+                break
+    if len(_BYTE_TABLES) >= 16:
+        _BYTE_TABLES.clear()
+    _BYTE_TABLES[id(backend)] = (backend, table)
+    return table
+
+
 def prepare_tokenizer(tokenizer: Any) -> None:
-    """Read once what every request's detokenizer takes from ``tokenizer`` (a Rust tokenizer's id bound:
-    its whole vocabulary walked), where the tokenizer is loaded, so that the first request after start
-    does not wait for it. A server's HTTP process builds a detokenizer before it sends each request on,
-    so unprepared, the first request of a burst reaches the scheduler that much later. ``None`` (no
-    tokenizer loaded) and slow tokenizers: nothing to read."""
+    """Read once what every request's detokenizer takes from ``tokenizer`` (a Rust tokenizer's id bound
+    and its ids' bytes: its whole vocabulary walked), where the tokenizer is loaded, so that the first
+    request after start does not wait for it. A server's HTTP process builds a detokenizer before it
+    sends each request on, so unprepared, the first request of a burst reaches the scheduler that much
+    later. ``None`` (no tokenizer loaded) and slow tokenizers: nothing to read."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and getattr(tokenizer, "is_fast", False):
         _token_id_bound(backend)
+        if getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+            _byte_table(backend, decode_function(tokenizer))
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class IncrementalDetokenizer:
@@ -112,11 +175,21 @@ class IncrementalDetokenizer:
         rust_decode = self._backend is not None and getattr(tokenizer, "is_fast", False) and self._decode_fn in (
             getattr(self._backend, "decode", None), getattr(tokenizer, "_decode", None))
         self._known_below: int | None = _token_id_bound(self._backend) if rust_decode else None
+        # The byte path (``_fold_bytes``): each id's bytes where the tokenizer's text is their lossy
+        # UTF-8 (byte-level BPE), else None. ``_prefix_valid``: whether the ids of the window's prefix
+        # (``_prefix_offset`` to ``_read_offset``) are whole UTF-8 by themselves, None when not known.
+        self._bytes = _byte_table(self._backend, self._decode_fn) if fast_path and self._backend is not None else None
+        self._prefix_valid: bool | None = None
 
     @classmethod
     def for_request(cls, tokenizer: Any, prompt_ids: list[int], sp: SamplingParams) -> IncrementalDetokenizer:
         """The detokenizer of a request with sampling parameters ``sp`` (its stop strings and text options)."""
         return cls(tokenizer, prompt_ids, sp.stop, sp.skip_special_tokens, no_stop_trim=sp.no_stop_trim)
+
+    @property
+    def uses_byte_path(self) -> bool:
+        """Whether new ids fold by their bytes (a byte-level BPE tokenizer: ``_fold_bytes``)."""
+        return self._bytes is not None
 
     @property
     def uses_fast_path(self) -> bool:
@@ -145,6 +218,8 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
+        if self._decoded < len(self._ids) and self._bytes is not None and self._fold_bytes():
+            return self._text
         if len(self._ids) - self._decoded == 1 and self._stream_ok and self._step():
             return self._text
         if len(self._ids) - self._decoded > 1 and self._advance(len(self._ids)):
@@ -155,6 +230,43 @@ class IncrementalDetokenizer:
             self._decoded += 1
             self._advance(self._decoded)
         return self._text
+
+    def _window_bytes(self, start: int, end: int) -> bytes | None:
+        """The bytes of ids ``start`` to ``end``; None when one has none in the table (an added token)."""
+        table = self._bytes
+        assert table is not None
+        try:
+            return b"".join([table[i] for i in self._ids[start:end]])  # type: ignore[misc]
+        except (TypeError, IndexError):  # a None entry, or an id past the table
+            return None
+
+    def _fold_bytes(self) -> bool:
+        """``_advance`` over every unfolded id at once, by bytes: where the prefix window's bytes are
+        whole UTF-8, the window's text is the prefix's text followed by the new ids' bytes decoded, so
+        what grew is those bytes' text, and the general path folds exactly that when it decodes
+        cleanly and does not end in U+FFFD. False (nothing folded) elsewhere (an added token, a
+        character split across reads, invalid bytes): the general path decides."""
+        if self._prefix_valid is None:
+            prefix = self._window_bytes(self._prefix_offset, self._read_offset)
+            self._prefix_valid = prefix is not None and _is_utf8(prefix)
+        if not self._prefix_valid:
+            return False
+        end = len(self._ids)
+        new = self._window_bytes(self._read_offset, end)
+        if new is None:
+            return False
+        try:
+            grew = new.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        if grew.endswith("\ufffd"):
+            return False
+        if grew:
+            self._text += grew
+            self._prefix_offset, self._read_offset = self._read_offset, end
+            self._prefix_valid = True  # the new prefix window is ``new``, which decoded whole
+        self._decoded = end
+        return True
 
     def _step(self) -> bool:
         """Fold the one new id through the DecodeStream (one Rust call, not two decodes and the
@@ -183,6 +295,7 @@ class IncrementalDetokenizer:
             self._text += chunk
             self._prefix_offset = self._read_offset
             self._read_offset = end
+            self._prefix_valid = None
         return True
 
     def _advance(self, end: int) -> bool:
@@ -196,6 +309,7 @@ class IncrementalDetokenizer:
             self._text += new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = end
+            self._prefix_valid = None
         return True
 
     def find_stop(self) -> bool:
@@ -228,6 +342,7 @@ class IncrementalDetokenizer:
             tail = self._decode(self._ids[self._prefix_offset :])
             self._text += tail[len(prefix_text) :]
             self._read_offset = self._decoded = len(self._ids)
+            self._prefix_valid = None
 
     def _end(self) -> int | None:
         """Where the output text ends: None (not stopped: all of it), at the stop string, or after it."""
