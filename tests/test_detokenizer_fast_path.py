@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from plait.models.loader import load_tokenizer
 from plait.scheduler.detokenizer import IncrementalDetokenizer
@@ -64,9 +66,6 @@ def test_plain_text_read_every_few_tokens_costs_no_tokenizer_call(tokenizer):
 
 
 def test_a_tokenizer_whose_decoder_is_not_byte_level_folds_by_decoding():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}
     backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -89,11 +89,13 @@ def _byte_table(backend: Any, decode_fn: Callable[..., str]) -> list[bytes | Non
     (two tokenizer calls per read). Added tokens (special or not) get None: their text takes the
     tokenizer. Built once per tokenizer (a walk of its vocabulary), checked against ``decode_fn`` on
     a sample of ids; None where the decoder is another or the check fails."""
+    if decode_fn != getattr(backend, "decode", None):  # a wrapper's clean-up: its text is not the bytes'
+        return None
     hit = _BYTE_TABLES.get(id(backend))
     if hit is not None and hit[0] is backend:
         return hit[1]
     table: list[bytes | None] | None = None
-    if type(backend.decoder).__name__ == "ByteLevel" and decode_fn == getattr(backend, "decode", None):
+    if type(backend.decoder).__name__ == "ByteLevel":
         chars = _byte_decoder()
         vocab = backend.get_vocab(with_added_tokens=False)
         table = [None] * (1 + max(vocab.values(), default=-1))

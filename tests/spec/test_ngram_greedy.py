@@ -496,6 +496,8 @@ def test_chains_mapped_at_their_launch_keep_greedy_output_and_free_the_rejected_
     # lengths and riders give padded batches too.
     engine = make_engine(model_path, max_running_requests=4, **CHAIN)
     worker = engine.scheduler.spec_worker
+    # Every 5th token changed: chains long enough to be premapped at the padded width, and wrong often
+    # enough to be rejected (both asserted below; which pattern gives both depends on the drafts).
     for p, ref in zip(PROMPTS, reference, strict=True):
         worker.drafter.cache.insert(_corrupt(p + ref, 5))
     premapped = [0]
