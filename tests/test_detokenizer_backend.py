@@ -37,29 +37,30 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrapper_that_does(tiny_mode
 
 def test_prepare_tokenizer_reads_the_id_bound_before_any_request(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir("llama")))
-    detokenizer._TOKEN_ID_BOUNDS.clear()
+    detokenizer._PER_TOKENIZER.clear()
     prepare_tokenizer(tokenizer)
     backend = tokenizer._tokenizer
-    assert detokenizer._TOKEN_ID_BOUNDS[id(backend)] == (backend, len(tokenizer))
+    key = ("id bound", id(backend))
+    assert detokenizer._PER_TOKENIZER[key] == (backend, len(tokenizer))
     # A request's detokenizer then reuses the bound (the same cached entry, not a second walk).
-    entry = detokenizer._TOKEN_ID_BOUNDS[id(backend)]
+    entry = detokenizer._PER_TOKENIZER[key]
     IncrementalDetokenizer(tokenizer, [1, 2], ())
-    assert detokenizer._TOKEN_ID_BOUNDS[id(backend)] is entry
+    assert detokenizer._PER_TOKENIZER[key] is entry
 
 
 def test_an_engine_core_prepares_the_tokenizer_it_loads(tiny_model_dir):
     from plait.config import EngineConfig
     from plait.engine.core import build_engine_core
 
-    detokenizer._TOKEN_ID_BOUNDS.clear()
+    detokenizer._PER_TOKENIZER.clear()
     core = build_engine_core(EngineConfig(model=str(tiny_model_dir("llama")), device="cpu", max_total_tokens=256))
     try:
-        assert id(core.tokenizer._tokenizer) in detokenizer._TOKEN_ID_BOUNDS
+        assert ("id bound", id(core.tokenizer._tokenizer)) in detokenizer._PER_TOKENIZER
     finally:
         core.close()
 
 
 def test_prepare_tokenizer_without_a_tokenizer_does_nothing():
-    before = dict(detokenizer._TOKEN_ID_BOUNDS)
+    before = dict(detokenizer._PER_TOKENIZER)
     prepare_tokenizer(None)
-    assert detokenizer._TOKEN_ID_BOUNDS == before
+    assert detokenizer._PER_TOKENIZER == before

@@ -146,7 +146,7 @@ class SchedulerProcess:
         while self.running:
             busy = self.scheduler.has_work()
             t0 = clock()
-            gc_before = paused_seconds(self.gc_pauses)
+            gc_before = paused_seconds(self.gc_pauses) if self.trace_path is not None else 0.0
             updates: list[RequestUpdate] = []
             taken = 0
             if self.pull.poll(0 if busy else IDLE_POLL_MS, zmq.POLLIN):

@@ -50,20 +50,26 @@ def _decode_stream(tokenizer: Any, decode_fn: Callable[..., str], context: list[
     return stream
 
 
-# Per Rust tokenizer (held here, so the id stays its own): one past its highest token id.
-_TOKEN_ID_BOUNDS: dict[int, tuple[Any, int]] = {}
+# What is read once per Rust tokenizer from its whole vocabulary (tens of milliseconds at 150k tokens),
+# not per request: by id(backend), the backend held beside its value so that the id stays its own.
+_PER_TOKENIZER: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+
+def _per_tokenizer(what: str, backend: Any, read: Callable[[], Any]) -> Any:
+    """``read()``'s value for ``backend``, read once."""
+    hit = _PER_TOKENIZER.get((what, id(backend)))
+    if hit is None or hit[0] is not backend:
+        if len(_PER_TOKENIZER) >= 32:  # a process keeps one or two tokenizers; tests make many
+            _PER_TOKENIZER.clear()
+        hit = (backend, read())
+        _PER_TOKENIZER[(what, id(backend))] = hit
+    return hit[1]
 
 
 def _token_id_bound(backend: Any) -> int:
-    """One past the highest id that ``backend`` (a Rust ``tokenizers.Tokenizer``) has a token for, read
-    from its whole vocabulary once per tokenizer (tens of milliseconds at 150k tokens), not per request."""
-    hit = _TOKEN_ID_BOUNDS.get(id(backend))
-    if hit is None or hit[0] is not backend:
-        if len(_TOKEN_ID_BOUNDS) >= 16:  # a process keeps one or two tokenizers; tests make many
-            _TOKEN_ID_BOUNDS.clear()
-        hit = (backend, 1 + max(backend.get_vocab(with_added_tokens=True).values(), default=-1))
-        _TOKEN_ID_BOUNDS[id(backend)] = hit
-    return hit[1]
+    """One past the highest id that ``backend`` (a Rust ``tokenizers.Tokenizer``) has a token for."""
+    return _per_tokenizer("id bound", backend,
+                          lambda: 1 + max(backend.get_vocab(with_added_tokens=True).values(), default=-1))
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -77,11 +83,6 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-# Per Rust tokenizer (held here, as in _TOKEN_ID_BOUNDS): each id's bytes, or None where the text of a
-# window is not the lossy UTF-8 of its ids' bytes (``_byte_table``).
-_BYTE_TABLES: dict[int, tuple[Any, list[bytes | None] | None]] = {}
-
-
 def _byte_table(backend: Any, decode_fn: Callable[..., str]) -> list[bytes | None] | None:
     """id -> the bytes its token stands for, for a Rust tokenizer whose decoder is byte-level alone and
     whose text is ``decode_fn``: there the text of any window of ids is the lossy UTF-8 decoding of
@@ -91,9 +92,10 @@ def _byte_table(backend: Any, decode_fn: Callable[..., str]) -> list[bytes | Non
     a sample of ids; None where the decoder is another or the check fails."""
     if decode_fn != getattr(backend, "decode", None):  # a wrapper's clean-up: its text is not the bytes'
         return None
-    hit = _BYTE_TABLES.get(id(backend))
-    if hit is not None and hit[0] is backend:
-        return hit[1]
+    return _per_tokenizer("bytes", backend, lambda: _read_byte_table(backend, decode_fn))
+
+
+def _read_byte_table(backend: Any, decode_fn: Callable[..., str]) -> list[bytes | None] | None:
     table: list[bytes | None] | None = None
     if type(backend.decoder).__name__ == "ByteLevel":
         chars = _byte_decoder()
@@ -115,9 +117,6 @@ def _byte_table(backend: Any, decode_fn: Callable[..., str]) -> list[bytes | Non
             if decode_fn([a, b], skip_special_tokens=True) != bytes_ab.decode("utf-8", "replace"):
                 table = None
                 break
-    if len(_BYTE_TABLES) >= 16:
-        _BYTE_TABLES.clear()
-    _BYTE_TABLES[id(backend)] = (backend, table)
     return table
 
 
