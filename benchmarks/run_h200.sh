@@ -287,9 +287,12 @@ for stage in "$@"; do
           tree=$(case $run in prev*) echo "$PWD/.ab/prev" ;; *) echo "$PWD" ;; esac)
           case $run in ahead) lever=PLAIT_SPEC_LAUNCH_AHEAD=1 ;; nostage) lever=PLAIT_SPEC_STAGE_NEXT=0 ;;
             prevstage) lever=PLAIT_SPEC_STAGE_NEXT=1 ;; *) lever=PLAIT_UNSET=1 ;; esac
+          # A run named twice in a round ("head prev head") gets a directory of its own each time.
+          dir=$OUT/spec-ab-r$r-$run; n=2
+          while [[ -e $dir ]]; do dir=$OUT/spec-ab-r$r-$run-$n; n=$((n + 1)); done
           env "$lever" PYTHONPATH="$tree" python -m plait bench spec \
             --workload spec-ngram-repeat --shape llama-3.1-8b --num-prompts 16 --output-len 64 \
-            --out "$OUT/spec-ab-r$r-$run" 2>&1 | tail -2 | cut -c1-400
+            --out "$dir" 2>&1 | tail -2 | cut -c1-400
         done
       done ;;
     # A graph launched onto an idle GPU against one queued behind work (benchmarks/graph_launch.py): the
