@@ -129,8 +129,7 @@ def prepare_tokenizer(tokenizer: Any) -> None:
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and getattr(tokenizer, "is_fast", False):
         _token_id_bound(backend)
-        if getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
-            _byte_table(backend, decode_function(tokenizer))
+        _byte_table(backend, decode_function(tokenizer))  # None, unread, where the text is not the bytes'
 
 
 def _is_utf8(data: bytes) -> bool:
