@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from plait.executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
-from plait.executor.graph_utils import EagerGraph, capture_batch_sizes  # noqa: E402
+from plait.executor.graph_utils import EagerGraph, capture_batch_sizes, graph_max_bs_for_memory  # noqa: E402
 from plait.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from plait.mem.pools import DUMMY_KV_SLOT, DUMMY_REQ_ROW  # noqa: E402
 from tests.helpers import make_engine, prompt_ids  # noqa: E402
@@ -49,6 +49,23 @@ def test_capture_batch_sizes_are_1_2_4_8_then_steps_of_8():
     assert capture_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_batch_sizes(3) == [1, 2, 3]
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize("card, total_mib", [("H100 80GB HBM3", 81559), ("A100 80GB", 81920), ("H200", 143771)])
+def test_80_gb_class_cards_capture_decode_graphs_up_to_bs_256(card, total_mib):
+    assert graph_max_bs_for_memory(total_mib * MIB, 256) == 256, card
+
+
+@pytest.mark.parametrize("card, total_mib", [("A100 40GB", 40960), ("L40S", 46068), ("A10", 23028)])
+def test_smaller_cards_capture_decode_graphs_up_to_bs_160(card, total_mib):
+    assert graph_max_bs_for_memory(total_mib * MIB, 256) == 160, card
+
+
+def test_the_graph_batch_limit_never_exceeds_the_running_limit():
+    assert graph_max_bs_for_memory(143771 * MIB, 48) == 48
 
 
 def test_buckets_round_up_to_the_next_captured_size(graph_runner):

@@ -250,12 +250,23 @@ def graph_batch_sizes(config: EngineConfig) -> list[int]:
 
 
 def default_cuda_graph_max_bs(max_running_requests: int) -> int:
-    """By GPU memory: 256 on large cards (>= 80 GiB), else 160; never above the running limit."""
+    """By GPU memory (``graph_max_bs_for_memory``); 8 without a GPU; never above the running limit."""
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        by_memory = 256 if total >= 80 * 2**30 else 160
-    else:
-        by_memory = 8
+        return graph_max_bs_for_memory(total, max_running_requests)
+    return max(1, min(8, max_running_requests))
+
+
+# 80 GB cards report less than 80 GiB (an H100 80GB HBM3: 81559 MiB, about 79.6 GiB), so the large-card
+# class starts well below the marketed size: a card held to 160 runs its bs 161-256 decode steps
+# eagerly, each paying the whole forward's kernel launches on the host.
+LARGE_CARD_BYTES = 64 * 2**30
+
+
+def graph_max_bs_for_memory(total_memory: int, max_running_requests: int) -> int:
+    """The largest decode graph batch for a card of ``total_memory`` bytes: 256 on 80 GB class cards
+    and larger (H100, A100 80GB, H200), else 160; never above the running limit."""
+    by_memory = 256 if total_memory >= LARGE_CARD_BYTES else 160
     return max(1, min(by_memory, max_running_requests))
 
 
