@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from plait.bench.cli import backend_options, backend_tag
 from plait.bench.results import write_result
@@ -56,3 +57,10 @@ def test_a_result_records_the_host_cpu_it_ran_on(tmp_path):
     path = write_result(tmp_path, "offline-throughput", "llama-3.2-1b", "output_tok_s", 1.0, None, None, None, {})
     host = json.loads(path.read_text())["host"]
     assert host["cpus"] >= 1 and host["cpu"]
+
+
+def test_a_result_records_the_device_memory_its_defaults_follow_from(tmp_path):
+    path = write_result(tmp_path, "offline-throughput", "llama-3.2-1b", "output_tok_s", 1.0, None, None, None, {})
+    record = json.loads(path.read_text())
+    expected = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    assert "device_memory_bytes" in record and record["device_memory_bytes"] == expected

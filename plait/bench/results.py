@@ -58,6 +58,13 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def device_memory_bytes() -> int | None:
+    """The card's total memory as the driver reports it: defaults such as the decode graphs' largest
+    batch size follow from it, so a result records it beside the device's name."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if torch.cuda.is_available() \
+        else None
+
+
 def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric: str, plait_value: float,
                  peer_name: str | None, peer_value: float | None, floor: float | None,
                  config: dict[str, Any], tag: str | None = None, **details: Any) -> pathlib.Path:
@@ -66,7 +73,8 @@ def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric:
     date = datetime.date.today().isoformat()
     dev = device_name()
     record = {
-        "workload": workload, "shape": shape, "device": dev, "commit": git_commit(), "date": date,
+        "workload": workload, "shape": shape, "device": dev, "device_memory_bytes": device_memory_bytes(),
+        "commit": git_commit(), "date": date,
         "versions": _versions(), "host": host_info(), "metric": metric, "plait": plait_value, "peer_name": peer_name,
         "peer": peer_value,
         "ratio_vs_peer": (plait_value / peer_value) if peer_value else None,
