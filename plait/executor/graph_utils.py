@@ -257,7 +257,7 @@ def default_cuda_graph_max_bs(max_running_requests: int) -> int:
     return max(1, min(8, max_running_requests))
 
 
-# 80 GB cards report less than 80 GiB (an H100 80GB HBM3: 81559 MiB, about 79.6 GiB), so the large-card
+# 80 GB cards report less than 80 GiB (torch gives an H100 80GB HBM3 85017493504 bytes, 79.2 GiB), so the large-card
 # class starts well below the marketed size: a card held to 160 runs its bs 161-256 decode steps
 # eagerly, each paying the whole forward's kernel launches on the host.
 LARGE_CARD_BYTES = 64 * 2**30
