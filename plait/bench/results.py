@@ -61,8 +61,9 @@ def device_name() -> str:
 def device_memory_bytes() -> int | None:
     """The card's total memory as the driver reports it: defaults such as the decode graphs' largest
     batch size follow from it, so a result records it beside the device's name."""
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if torch.cuda.is_available() \
-        else None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
 def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric: str, plait_value: float,
