@@ -486,7 +486,7 @@ for stage in "$@"; do
     # ab_compare.py's workloads (AB_WORKLOADS, default offline-throughput-1b) from the carried tree AB_TREE (default
     # .ab/base) as A and from HEAD as B, AB_ROUNDS alternated rounds (default 3).
     tree-ab) python benchmarks/ab_compare.py "$OUT/tree-ab" "${AB_TREE:-.ab/base}" "$PWD" --rounds "${AB_ROUNDS:-3}" \
-               --workloads ${AB_WORKLOADS:-offline-throughput-1b} 2>&1 | grep -E 'round|median|B/A|Error' | tail -12 ;;
+               --workloads ${AB_WORKLOADS:-offline-throughput-1b} 2>&1 | grep -E 'round|median|Error|^(offline|nano|decode)' | tail -12 ;;
     # The burst (1b, 256 x 512/128) with the scheduler detokenizing every request (0) and the HTTP process
     # detokenizing those without stop strings (1, the default), alternated after one run that fills the
     # Triton cache; each run's JSON under $OUT/frontend-detok-<round>-<value>/. No offline peer: the A/B
