@@ -479,14 +479,13 @@ for stage in "$@"; do
           --input-len 512 --output-len 128 --client-procs 4 --no-peer --out "$OUT/tree-ab-$run" 2>&1 \
           | grep -E '^\{"workload|Error' | cut -c1-300
       done ;;
-    # nano-vllm (qwen3-0.6b) from the carried .ab/base (A) and from HEAD (B), alternated in one call, fresh
-    # prompts each round: whether a code change slowed its prefill steps or the machine did.
-    nano-tree-ab) python benchmarks/ab_compare.py "$OUT/nano-tree-ab" .ab/base "$PWD" --rounds 3 \
-                    --workloads nano-vllm-0.6b 2>&1 | grep -E 'round|median|B/A|Error|nano' | tail -8 ;;
     # ab_compare.py's workloads (AB_WORKLOADS, default offline-throughput-1b) from the carried tree AB_TREE (default
     # .ab/base) as A and from HEAD as B, AB_ROUNDS alternated rounds (default 3).
     tree-ab) python benchmarks/ab_compare.py "$OUT/tree-ab" "${AB_TREE:-.ab/base}" "$PWD" --rounds "${AB_ROUNDS:-3}" \
                --workloads ${AB_WORKLOADS:-offline-throughput-1b} 2>&1 | grep -E 'round|median|Error|^(offline|nano|decode)' | tail -12 ;;
+    # nano-vllm (qwen3-0.6b) from the carried .ab/base (A) and from HEAD (B), alternated in one call, fresh
+    # prompts each round: whether a code change slowed its prefill steps or the machine did ($OUT/tree-ab).
+    nano-tree-ab) AB_WORKLOADS=nano-vllm-0.6b OUT=$OUT bash "$0" tree-ab ;;
     # The burst (1b, 256 x 512/128) with the scheduler detokenizing every request (0) and the HTTP process
     # detokenizing those without stop strings (1, the default), alternated after one run that fills the
     # Triton cache; each run's JSON under $OUT/frontend-detok-<round>-<value>/. No offline peer: the A/B

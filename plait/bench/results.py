@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from plait import envs
+from plait.executor.graph_utils import device_total_memory
 
 
 def _versions() -> dict[str, str | None]:
@@ -58,14 +59,6 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def device_memory_bytes() -> int | None:
-    """The card's total memory as the driver reports it: defaults such as the decode graphs' largest
-    batch size follow from it, so a result records it beside the device's name."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-
-
 def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric: str, plait_value: float,
                  peer_name: str | None, peer_value: float | None, floor: float | None,
                  config: dict[str, Any], tag: str | None = None, **details: Any) -> pathlib.Path:
@@ -74,7 +67,7 @@ def write_result(out_dir: str | pathlib.Path, workload: str, shape: str, metric:
     date = datetime.date.today().isoformat()
     dev = device_name()
     record = {
-        "workload": workload, "shape": shape, "device": dev, "device_memory_bytes": device_memory_bytes(),
+        "workload": workload, "shape": shape, "device": dev, "device_memory_bytes": device_total_memory(),
         "commit": git_commit(), "date": date,
         "versions": _versions(), "host": host_info(), "metric": metric, "plait": plait_value, "peer_name": peer_name,
         "peer": peer_value,

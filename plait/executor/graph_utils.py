@@ -249,12 +249,16 @@ def graph_batch_sizes(config: EngineConfig) -> list[int]:
     return capture_batch_sizes(config.cuda_graph_max_bs or default_cuda_graph_max_bs(config.max_running_requests))
 
 
+def device_total_memory() -> int | None:
+    """The current card's total memory in bytes as the driver reports it; None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 def default_cuda_graph_max_bs(max_running_requests: int) -> int:
-    """By GPU memory (``graph_max_bs_for_memory``); 8 without a GPU; never above the running limit."""
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return graph_max_bs_for_memory(total, max_running_requests)
-    return max(1, min(8, max_running_requests))
+    """``graph_max_bs_for_memory`` of the current card."""
+    return graph_max_bs_for_memory(device_total_memory(), max_running_requests)
 
 
 # 80 GB cards report less than 80 GiB (torch gives an H100 80GB HBM3 85017493504 bytes, 79.2 GiB), so the large-card
@@ -263,10 +267,13 @@ def default_cuda_graph_max_bs(max_running_requests: int) -> int:
 LARGE_CARD_BYTES = 64 * 2**30
 
 
-def graph_max_bs_for_memory(total_memory: int, max_running_requests: int) -> int:
+def graph_max_bs_for_memory(total_memory: int | None, max_running_requests: int) -> int:
     """The largest decode graph batch for a card of ``total_memory`` bytes: 256 on 80 GB class cards
-    and larger (H100, A100 80GB, H200), else 160; never above the running limit."""
-    by_memory = 256 if total_memory >= LARGE_CARD_BYTES else 160
+    and larger (H100, A100 80GB, H200), else 160; 8 without a GPU (None); never above the running limit."""
+    if total_memory is None:
+        by_memory = 8
+    else:
+        by_memory = 256 if total_memory >= LARGE_CARD_BYTES else 160
     return max(1, min(by_memory, max_running_requests))
 
 
