@@ -232,8 +232,13 @@ def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_k
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 16])
 @pytest.mark.parametrize(("num_experts", "hidden_size", "bias"), [(128, 2048, False), (32, 2880, True)])
-def test_router_at_decode_sizes_is_one_gemv_close_to_linear(num_tokens, num_experts, hidden_size, bias):
+def test_router_at_decode_sizes_runs_one_gemv_where_gemv_takes_says_and_stays_close_to_linear(
+        num_tokens, num_experts, hidden_size, bias):
+    # The router follows the dense layers' rule (gemv_takes): one token always runs the GEMV, 2..16
+    # tokens only where this card's tuned table has the router's shape; elsewhere cuBLAS. Either way
+    # one launch, the bias in it where the GEMV runs (cuBLAS may add it in a second launch).
     from plait.layers.moe.layer import Router
+    from plait.layers.quantization.gemv_config import gemv_takes
 
     router = Router(num_experts, hidden_size, bias=bias, dtype=torch.bfloat16).cuda()
     router.weight.data.normal_().mul_(hidden_size**-0.5)
@@ -241,11 +246,17 @@ def test_router_at_decode_sizes_is_one_gemv_close_to_linear(num_tokens, num_expe
         router.bias.data.normal_()
     x = hidden(num_tokens, hidden_size, seed=num_tokens)
     assert router.small_m_gemv
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        logits = router(x)
+    with torch.inference_mode():
+        router(x)  # compile outside the profiled call
         torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            logits = router(x)
+            torch.cuda.synchronize()
     names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
-    assert sum(n.startswith("_gemv_kernel") for n in names) == 1 and len(names) <= 1 + bias, names
+    takes_gemv = gemv_takes("bf16", num_tokens, num_experts, hidden_size, torch.cuda.get_device_name())
+    assert takes_gemv or num_tokens > 1
+    assert sum(n.startswith("_gemv_kernel") for n in names) == int(takes_gemv), names
+    assert 1 <= len(names) <= (1 if takes_gemv else 1 + bias), names
     ref = torch.nn.functional.linear(x.float(), router.weight.float(), router.bias.float() if bias else None)
     assert logits.dtype == torch.bfloat16 and logits.shape == (num_tokens, num_experts)
     torch.testing.assert_close(logits.float(), ref, atol=3e-2, rtol=2e-2)
