@@ -235,8 +235,8 @@ def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_k
 def test_router_at_decode_sizes_runs_one_gemv_where_gemv_takes_says_and_stays_close_to_linear(
         num_tokens, num_experts, hidden_size, bias):
     # The router follows the dense layers' rule (gemv_takes): one token always runs the GEMV, 2..16
-    # tokens only where this card's tuned table has the router's shape; elsewhere cuBLAS. Either way
-    # one launch, the bias in it where the GEMV runs (cuBLAS may add it in a second launch).
+    # tokens only where this card's tuned table has the router's shape; elsewhere cuBLAS. The GEMV is
+    # one launch with the bias in its epilogue; cuBLAS may add the bias in a second launch.
     from plait.layers.moe.layer import Router
     from plait.layers.quantization.gemv_config import gemv_takes
 
