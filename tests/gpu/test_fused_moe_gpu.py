@@ -43,6 +43,18 @@ def hidden(num_tokens: int, size: int, seed: int) -> torch.Tensor:
     return (2 * torch.randn(num_tokens, size, device="cuda", generator=g)).bfloat16()
 
 
+def profiled_kernels(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """``module(x)`` and the names of the CUDA kernels it launched, from a second call under inference
+    mode: the first compiles the Triton kernels outside the profiled call."""
+    with torch.inference_mode():
+        module(x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = module(x)
+            torch.cuda.synchronize()
+    return out, [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def rel_error(out: torch.Tensor, x, weights, ids, ex) -> float:
     f32 = [t.float() if t is not None else None for t in (ex["b13"], ex["b2"])]
     ref = fused_experts_reference(x.float(), ex["w13"].float(), ex["w2"].float(), weights, ids, ex["activation"], *f32)
@@ -204,13 +216,7 @@ def test_moe_layer_at_one_token_runs_the_router_gemv_and_the_dispatched_expert_k
         block.gate.bias.data.normal_()
     block = block.bfloat16()
     x = hidden(1, h, seed=30)
-    with torch.inference_mode():
-        block(x)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = block(x)
-            torch.cuda.synchronize()
-    names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    out, names = profiled_kernels(block, x)
     small = small_batch_plan(1, e, k, h, i, torch.cuda.get_device_name()) is not None
     expected = ({"_small_gate_up_kernel": 1, "_small_down_sum_kernel": 1} if small else
                 {"_align_scan_kernel": 1, "_align_scatter_kernel": 1, "fused_moe_kernel": 2, "_moe_sum_kernel": 1})
@@ -246,13 +252,7 @@ def test_router_at_decode_sizes_runs_one_gemv_where_gemv_takes_says_and_stays_cl
         router.bias.data.normal_()
     x = hidden(num_tokens, hidden_size, seed=num_tokens)
     assert router.small_m_gemv
-    with torch.inference_mode():
-        router(x)  # compile outside the profiled call
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            logits = router(x)
-            torch.cuda.synchronize()
-    names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    logits, names = profiled_kernels(router, x)
     takes_gemv = gemv_takes("bf16", num_tokens, num_experts, hidden_size, torch.cuda.get_device_name())
     assert takes_gemv or num_tokens > 1
     assert sum(n.startswith("_gemv_kernel") for n in names) == int(takes_gemv), names
