@@ -76,6 +76,7 @@ for stage in "$@"; do
         python -m plait bench offline --workload offline-throughput --shape $shape --out "$OUT" 2>&1 \
           | grep -E '^\{"workload|Error'
       done ;;
+    agreement) python -m plait bench agreement --out "$OUT" 2>&1 | grep -E '^agreement|^\{"workload|Error' ;;
     warm-start) python -m plait bench warm-start --out "$OUT" 2>&1 | grep -E '^warm-start|^\{"workload|Error' ;;
     feature-tests) python -m pytest -q -m gpu tests/gpu/test_structured_gpu.py tests/gpu/test_fp8_gpu.py \
         tests/gpu/test_gguf_gpu.py tests/gpu/test_sglang_api_gpu.py tests/gpu/test_fused_moe_gpu.py \

@@ -289,6 +289,9 @@ def add_bench_parsers(bench_sub: Any) -> None:
     from plait.bench.warm_start import add_warm_start_parser
 
     add_warm_start_parser(bench_sub)  # warm-start: the first requests after an engine start
+    from plait.bench.agreement import add_agreement_parser
+
+    add_agreement_parser(bench_sub)  # bf16-agreement: bf16 against an fp32 reference, beside transformers'
     from plait.bench.piecewise import add_prefill_ttft_parser
 
     add_prefill_ttft_parser(bench_sub)  # prefill-ttft: short prompts' TTFT, piecewise graphs off and on
