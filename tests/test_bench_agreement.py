@@ -7,10 +7,16 @@ import json
 
 import pytest
 
-from plait.bench.agreement import Agreement, compare, measure, meets_bar, random_prompts, standard_error
+from plait.bench.agreement import (
+    Agreement,
+    compare,
+    measure,
+    meets_bar,
+    prompt_vocab,
+    random_prompts,
+    standard_error,
+)
 from plait.cli import build_parser
-
-VOCAB = 500  # the tiny tokenizer's live ids
 
 
 def test_compare_counts_top1_hits_and_the_prefix_before_the_first_difference():
@@ -40,8 +46,9 @@ def test_meets_bar_allows_two_standard_errors_below_the_peer_and_no_more():
 def test_plait_in_float32_agrees_with_the_float32_reference_at_every_position(tiny_model_dir):
     # Same precision as the reference: the teacher-forced scoring (prompt-token top logprobs, also over a
     # prefix the greedy run left in the radix cache) and the decode steps must both reproduce it.
-    prompts = random_prompts(4, 8, VOCAB, seed=1)
-    result = measure(str(tiny_model_dir("llama")), "cpu", prompts, 12, dtype="float32", max_total_tokens=4096)
+    model_dir = str(tiny_model_dir("llama"))
+    prompts = random_prompts(4, 8, prompt_vocab(model_dir), seed=1)
+    result = measure(model_dir, "cpu", prompts, 12, dtype="float32", max_total_tokens=4096)
     full = Agreement(1.0, 1.0, 48, 4, 1.0)
     assert result["plait"] == full and result["transformers"] == full and result["meets_bar"]
 

@@ -74,6 +74,13 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return torch.randint(FIRST_ID, vocab, (num, length), generator=gen).tolist()
 
 
+def prompt_vocab(model_dir: str, cap: int = 32000) -> int:
+    """Prompt ids are drawn below this: the checkpoint's vocabulary size, at most ``cap``."""
+    from transformers import AutoConfig
+
+    return min(AutoConfig.from_pretrained(model_dir).vocab_size, cap)
+
+
 def compare(prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]],
             teacher_forced: Sequence[Sequence[int]], greedy: Sequence[Sequence[int]]) -> Agreement:
     """``teacher_forced[i][j]``: the run's top-1 token for position j of prompt i's reference
@@ -133,17 +140,20 @@ def hf_teacher_forced(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     return model(ids).logits[:, p - 1: p - 1 + n].argmax(-1).tolist()
 
 
-def hf_run(model_dir: str, dtype: torch.dtype, device: str, prompts: Sequence[Sequence[int]], new_tokens: int,
-           reference: Sequence[Sequence[int]] | None) -> tuple[list[list[int]], list[list[int]] | None]:
-    """transformers on ``model_dir`` in ``dtype``: (greedy continuations, teacher-forced top-1 tokens
-    over ``reference`` when given)."""
+def hf_load(model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+
+
+def hf_run(model_dir: str, dtype: torch.dtype, device: str, prompts: Sequence[Sequence[int]], new_tokens: int,
+           reference: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """transformers on ``model_dir`` in ``dtype``: (greedy continuations, teacher-forced top-1 tokens
+    over ``reference``)."""
     from plait.bench.peer_hf import free
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    greedy = hf_greedy(model, prompts, new_tokens)
-    forced = hf_teacher_forced(model, prompts, reference) if reference is not None else None
+    model = hf_load(model_dir, dtype, device)
+    greedy, forced = hf_greedy(model, prompts, new_tokens), hf_teacher_forced(model, prompts, reference)
     free(model)
     return greedy, forced
 
@@ -180,11 +190,14 @@ def measure(model_dir: str, device: str, prompts: Sequence[Sequence[int]], new_t
             dtype: str = "bfloat16", **engine_options: Any) -> dict[str, Any]:
     """The reference, then transformers and plait in ``dtype`` on ``device``; each run's Agreement
     and whether plait meets the bar."""
+    from plait.bench.peer_hf import free
+
     with full_fp32_matmuls():
-        reference, _ = hf_run(model_dir, torch.float32, device, prompts, new_tokens, None)
+        fp32 = hf_load(model_dir, torch.float32, device)
+        reference = hf_greedy(fp32, prompts, new_tokens)
+        free(fp32)
     torch_dtype = getattr(torch, dtype)
     hf_greedy_ids, hf_forced = hf_run(model_dir, torch_dtype, device, prompts, new_tokens, reference)
-    assert hf_forced is not None
     plait_greedy_ids, plait_forced = plait_run(model_dir, dtype, device, prompts, new_tokens, reference,
                                                **engine_options)
     hf = compare(prompts, reference, hf_forced, hf_greedy_ids)
@@ -199,10 +212,8 @@ def cmd_agreement(args: argparse.Namespace) -> int:
     device = bench_device()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or write_tiny_checkpoint(tmp, DEFAULT_OVERRIDES, args.seed)
-        from transformers import AutoConfig
-
-        vocab = min(AutoConfig.from_pretrained(model_dir).vocab_size, args.max_prompt_id)
-        prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed)
+        prompts = random_prompts(args.num_prompts, args.prompt_len, prompt_vocab(model_dir, args.max_prompt_id),
+                                 args.seed)
         result = measure(model_dir, device, prompts, args.new_tokens, dtype=args.dtype)
     ours, hf = result["plait"], result["transformers"]
     shape = pathlib.Path(args.model).name if args.model else "llama-agreement"
