@@ -20,18 +20,17 @@ from plait.cli import build_parser
 
 
 def test_compare_counts_top1_hits_and_the_prefix_before_the_first_difference():
-    prompts = [[5, 6], [7, 8]]
     reference = [[1, 2, 3, 4], [1, 2, 3, 4]]
     forced = [[1, 2, 9, 4], [1, 2, 3, 4]]  # 7 of 8 positions
     greedy = [[1, 9, 3, 4], [1, 2, 3, 4]]  # a difference at index 1 (a later match does not count), then exact
-    got = compare(prompts, reference, forced, greedy)
+    got = compare(reference, forced, greedy)
     assert got == Agreement(teacher_forced=7 / 8, greedy_prefix=(1 / 4 + 1) / 2, positions=8, prompts=2,
                             greedy_exact=0.5)
 
 
 def test_compare_refuses_rows_of_another_length_than_the_reference():
     with pytest.raises(ValueError, match="rows of 3 and 4 tokens for a reference of 4"):
-        compare([[5]], [[1, 2, 3, 4]], [[1, 2, 3]], [[1, 2, 3, 4]])
+        compare([[1, 2, 3, 4]], [[1, 2, 3]], [[1, 2, 3, 4]])
 
 
 def test_meets_bar_allows_two_standard_errors_below_the_peer_and_no_more():

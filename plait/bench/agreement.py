@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import pathlib
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ DEFAULT_OVERRIDES: dict[str, int] = {"hidden_size": 2048, "intermediate_size": 8
 FIRST_ID = 4
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Agreement:
     """One bf16 run against the reference: ``teacher_forced`` over ``positions`` continuation
     positions, ``greedy_prefix`` over ``prompts`` continuations (each a fraction in [0, 1])."""
@@ -51,10 +51,6 @@ class Agreement:
     positions: int
     prompts: int
     greedy_exact: float  # continuations equal to the reference in full
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {"teacher_forced": self.teacher_forced, "greedy_prefix": self.greedy_prefix,
-                "greedy_exact": self.greedy_exact, "positions": self.positions, "prompts": self.prompts}
 
 
 def standard_error(p: float, n: int) -> float:
@@ -81,12 +77,12 @@ def prompt_vocab(model_dir: str, cap: int = 32000) -> int:
     return min(AutoConfig.from_pretrained(model_dir).vocab_size, cap)
 
 
-def compare(prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]],
-            teacher_forced: Sequence[Sequence[int]], greedy: Sequence[Sequence[int]]) -> Agreement:
+def compare(reference: Sequence[Sequence[int]], teacher_forced: Sequence[Sequence[int]],
+            greedy: Sequence[Sequence[int]]) -> Agreement:
     """``teacher_forced[i][j]``: the run's top-1 token for position j of prompt i's reference
     continuation; ``greedy[i]``: the run's own continuation of prompt i."""
-    if not (len(prompts) == len(reference) == len(teacher_forced) == len(greedy)):
-        raise ValueError("compare: one reference, teacher-forced row and greedy row per prompt")
+    if not (len(reference) == len(teacher_forced) == len(greedy)):
+        raise ValueError("compare: one teacher-forced row and one greedy row per reference")
     hits = positions = 0
     prefix_fractions: list[float] = []
     exact = 0
@@ -98,8 +94,8 @@ def compare(prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]
         same = next((j for j, (a, b) in enumerate(zip(own, ref, strict=True)) if a != b), len(ref))
         prefix_fractions.append(same / len(ref))
         exact += same == len(ref)
-    return Agreement(hits / positions, sum(prefix_fractions) / len(prefix_fractions), positions, len(prompts),
-                     exact / len(prompts))
+    return Agreement(hits / positions, sum(prefix_fractions) / len(prefix_fractions), positions, len(reference),
+                     exact / len(reference))
 
 
 @contextlib.contextmanager
@@ -200,8 +196,8 @@ def measure(model_dir: str, device: str, prompts: Sequence[Sequence[int]], new_t
     hf_greedy_ids, hf_forced = hf_run(model_dir, torch_dtype, device, prompts, new_tokens, reference)
     plait_greedy_ids, plait_forced = plait_run(model_dir, dtype, device, prompts, new_tokens, reference,
                                                **engine_options)
-    hf = compare(prompts, reference, hf_forced, hf_greedy_ids)
-    ours = compare(prompts, reference, plait_forced, plait_greedy_ids)
+    hf = compare(reference, hf_forced, hf_greedy_ids)
+    ours = compare(reference, plait_forced, plait_greedy_ids)
     return {"plait": ours, "transformers": hf, "meets_bar": meets_bar(ours, hf)}
 
 
@@ -223,8 +219,8 @@ def cmd_agreement(args: argparse.Namespace) -> int:
                  {"dtype": args.dtype, "device": device, "model": args.model or {"tiny llama": DEFAULT_OVERRIDES},
                   "num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                   "seed": args.seed},
-                 tag=args.dtype, reference="transformers float32, TF32 off", plait_detail=ours.as_dict(),
-                 peer_detail=hf.as_dict(), meets_bar=result["meets_bar"])
+                 tag=args.dtype, reference="transformers float32, TF32 off", plait_detail=dataclasses.asdict(ours),
+                 peer_detail=dataclasses.asdict(hf), meets_bar=result["meets_bar"])
     print(f"agreement with fp32: plait {args.dtype} teacher-forced {ours.teacher_forced:.4f}, greedy prefix "
           f"{ours.greedy_prefix:.4f} (exact {ours.greedy_exact:.3f}); transformers {args.dtype} "
           f"{hf.teacher_forced:.4f}, {hf.greedy_prefix:.4f} (exact {hf.greedy_exact:.3f}); "
